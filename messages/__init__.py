@@ -1,0 +1,9 @@
+"""Every message that crosses a socket, as msgspec Structs grouped by flow (no torch needed).
+
+- ``messages.control``: actor <-> runner lifecycle and heartbeats
+- ``messages.rollout``: prompts, scored groups and training batches through the replay buffer
+- ``messages.reward``: scoring requests through the router to reward workers
+- ``messages.weights``: versioned weights from the learner to samplers
+- ``messages.tensor``: tensors as (dtype, shape, bytes)
+- ``messages.codec``: the per-socket decoder
+"""

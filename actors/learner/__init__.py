@@ -1,0 +1,1 @@
+"""Learner actor: batches in, optimizer steps, versioned weights and checkpoints out."""

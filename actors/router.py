@@ -1,0 +1,238 @@
+"""The router: one front door for a pool of workers, least in-flight first.
+
+Clients (samplers) send ``ScoreRequest`` to the client ROUTER; workers connect to the worker
+ROUTER, say ``WorkerHello`` (or just heartbeat) and get requests. The router re-keys each
+request with its own id, so a reply maps back to exactly one client request; a reply whose id
+is no longer in flight (a late duplicate after a re-send) is discarded and counted. A request
+whose worker stops heartbeating or exceeds ``request_timeout`` is re-sent to another live worker.
+While no worker can take it, a request waits in a bounded queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import zmq
+
+from actors.runtime.actor import ActorContext
+from actors.runtime.zmq_bridge import make_socket
+from messages.codec import Codec, DecodeError, encode
+from messages.reward import (
+    RouterError,
+    ScoreReply,
+    ScoreRequest,
+    ToRouterFromClient,
+    ToRouterFromWorker,
+    WorkerBye,
+    WorkerHeartbeat,
+    WorkerHello,
+)
+
+MAX_PENDING = 4096  # requests waiting for a worker; past this the router stops reading clients
+
+
+@dataclass
+class Worker:
+    identity: bytes
+    name: str
+    pool: str
+    capacity: int
+    last_seen: float
+    in_flight: set[int] = field(default_factory=set)  # router ids sent to this worker, unanswered
+    done: int = 0
+    failed: int = 0  # requests taken back from it (death, timeout)
+    leaving: bool = False  # said bye: gets no new work
+    latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=512))
+
+
+@dataclass
+class InFlight:
+    client: bytes
+    client_request_id: int
+    request: ScoreRequest  # re-keyed with the router id
+    worker: bytes | None = None
+    sent_at: float = 0.0
+
+
+@dataclass
+class RouterState:
+    """Routing decisions and bookkeeping, without I/O (tested on its own)."""
+
+    workers: dict[bytes, Worker] = field(default_factory=dict)
+    requests: dict[int, InFlight] = field(default_factory=dict)  # every unanswered request
+    pending: collections.deque[int] = field(default_factory=collections.deque)  # ids without a worker
+    ids: itertools.count = field(default_factory=itertools.count)
+    answered: int = 0
+    duplicates: int = 0  # replies for ids no longer in flight
+    resent: int = 0
+
+    def register(self, identity: bytes, name: str, pool: str, capacity: int, now: float) -> None:
+        w = self.workers.get(identity)
+        if w is None:
+            self.workers[identity] = Worker(identity, name, pool, max(1, capacity), now)
+        else:
+            w.last_seen, w.capacity, w.pool = now, max(1, capacity), pool
+
+    def submit(self, client: bytes, request: ScoreRequest) -> int:
+        rid = next(self.ids)
+        keyed = ScoreRequest(request_id=rid, items=request.items, pool=request.pool)
+        self.requests[rid] = InFlight(client, request.request_id, keyed)
+        self.pending.append(rid)
+        return rid
+
+    def pick(self, pool: str) -> Worker | None:
+        """The live worker of ``pool`` with the fewest requests in flight and room for one more."""
+        best: Worker | None = None
+        for w in self.workers.values():
+            if w.pool != pool or w.leaving or len(w.in_flight) >= w.capacity:
+                continue
+            if best is None or (len(w.in_flight), w.done) < (len(best.in_flight), best.done):
+                best = w
+        return best
+
+    def assign(self, now: float) -> list[tuple[Worker, ScoreRequest]]:
+        """Give pending requests to workers, in arrival order; returns what to send where."""
+        out = []
+        blocked: collections.deque[int] = collections.deque()
+        while self.pending:
+            rid = self.pending.popleft()
+            entry = self.requests[rid]
+            worker = self.pick(entry.request.pool)
+            if worker is None:
+                blocked.append(rid)
+                continue
+            worker.in_flight.add(rid)
+            entry.worker, entry.sent_at = worker.identity, now
+            out.append((worker, entry.request))
+        self.pending = blocked
+        return out
+
+    def complete(self, worker_id: bytes, reply: ScoreReply, now: float) -> InFlight | None:
+        """A worker answered; returns the client request to answer, or None for a duplicate."""
+        entry = self.requests.get(reply.request_id)
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = now
+        if entry is None or entry.worker != worker_id:
+            self.duplicates += 1
+            return None
+        del self.requests[reply.request_id]
+        if worker is not None:
+            worker.in_flight.discard(reply.request_id)
+            worker.done += 1
+            worker.latencies.append(now - entry.sent_at)
+        self.answered += 1
+        return entry
+
+    def take_back(self, rid: int) -> None:
+        """Re-queue a request whose worker failed it; a late reply from that worker is a duplicate."""
+        entry = self.requests[rid]
+        if entry.worker is not None and entry.worker in self.workers:
+            w = self.workers[entry.worker]
+            w.in_flight.discard(rid)
+            w.failed += 1
+        entry.worker = None
+        self.pending.appendleft(rid)
+        self.resent += 1
+
+    def expire(self, now: float, worker_timeout: float, request_timeout: float) -> list[str]:
+        """Remove silent workers and re-queue their work and any timed-out request."""
+        gone = []
+        for identity, w in list(self.workers.items()):
+            if now - w.last_seen > worker_timeout:
+                for rid in sorted(w.in_flight):
+                    self.take_back(rid)
+                del self.workers[identity]
+                gone.append(w.name)
+        for rid, entry in list(self.requests.items()):
+            if entry.worker is not None and now - entry.sent_at > request_timeout:
+                self.take_back(rid)
+        return gone
+
+    def statistics(self) -> dict[str, int | float | str]:
+        stats: dict[str, int | float | str] = {
+            "workers": len(self.workers), "in_flight": len(self.requests) - len(self.pending),
+            "pending": len(self.pending), "answered": self.answered,
+            "resent": self.resent, "duplicates": self.duplicates,
+        }
+        for w in self.workers.values():
+            lat = sorted(w.latencies)
+            p50 = lat[len(lat) // 2] if lat else 0.0
+            stats[f"{w.name}"] = f"{len(w.in_flight)}/{w.capacity} done={w.done} p50={p50 * 1e3:.0f}ms"
+        if self.pending and not any(w.pool == "reward" for w in self.workers.values()):
+            stats["waiting"] = "no live reward worker"
+        return stats
+
+
+async def router_actor(ctx: ActorContext, *, task_status) -> None:
+    cfg = ctx.topology.router
+    state = RouterState()
+    clients = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.address)
+    workers = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.worker_address)
+    client_codec: Codec[ToRouterFromClient] = Codec(ToRouterFromClient)
+    worker_codec: Codec[ToRouterFromWorker] = Codec(ToRouterFromWorker)
+    worker_timeout = max(5.0, 5 * ctx.topology.run.heartbeat_interval)
+    room = anyio.Event()
+
+    async def dispatch() -> None:
+        for worker, request in state.assign(time.monotonic()):
+            await workers.send_multipart([worker.identity, encode(request)])
+        ctx.status.update(state.statistics(), rejected_frames=client_codec.rejected +
+                          worker_codec.rejected)
+
+    async def from_clients() -> None:
+        nonlocal room
+        while True:
+            while len(state.pending) >= MAX_PENDING:  # bounded: stop reading, clients wait
+                await room.wait()
+                room = anyio.Event()
+            client, *frames = await clients.recv_multipart()
+            try:
+                request = client_codec.decode(frames[-1] if frames else b"")
+            except DecodeError as exc:
+                await clients.send_multipart([client, encode(RouterError(error=f"router: {exc}"))])
+                continue
+            state.submit(client, request)
+            await dispatch()
+
+    async def from_workers() -> None:
+        while True:
+            identity, *frames = await workers.recv_multipart()
+            now = time.monotonic()
+            try:
+                msg = worker_codec.decode(frames[-1] if frames else b"")
+            except DecodeError as exc:
+                await workers.send_multipart([identity, encode(RouterError(error=f"router: {exc}"))])
+                continue
+            match msg:
+                case WorkerHello(name=name, pool=pool, capacity=cap) | WorkerHeartbeat(
+                    name=name, pool=pool, capacity=cap
+                ):
+                    state.register(identity, name, pool, cap, now)
+                case WorkerBye():
+                    if identity in state.workers:
+                        state.workers[identity].leaving = True
+                case ScoreReply() as reply:
+                    entry = state.complete(identity, reply, now)
+                    if entry is not None:
+                        answer = ScoreReply(request_id=entry.client_request_id, results=reply.results)
+                        await clients.send_multipart([entry.client, encode(answer)])
+                        room.set()
+            await dispatch()
+
+    async def watchdog() -> None:
+        while True:
+            await anyio.sleep(1.0)
+            state.expire(time.monotonic(), worker_timeout, cfg.request_timeout)
+            await dispatch()
+
+    task_status.started()
+    with clients, workers:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(from_clients)
+            tg.start_soon(from_workers)
+            tg.start_soon(watchdog)

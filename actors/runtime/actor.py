@@ -1,0 +1,173 @@
+"""Lifecycle shared by every actor process: start, ready, heartbeat, stop.
+
+An actor is an async function ``body(ctx, task_status)`` that binds or connects its sockets,
+calls ``task_status.started()`` and then serves until it returns (its work is done) or is
+cancelled. ``run_actor`` wraps it: it connects the control DEALER to the runner, reports
+``Ready``, sends a ``Heartbeat`` with the actor's status every few seconds, and turns a
+``Stop`` message, SIGTERM or SIGINT into cancellation of the actor's task group. An exception
+escapes as a traceback written to ``RUN_DIR/logs/NAME.traceback`` and exit status 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+
+from actors.runtime.config import Topology
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from messages.codec import Codec, DecodeError, encode
+from messages.control import ErrorReply, Finished, Heartbeat, Ready, StatusValue, Stop, ToActor
+
+
+@dataclass
+class ActorContext:
+    """What an actor body gets: who it is, the resolved topology, its run directory."""
+
+    kind: str
+    index: int
+    topology: Topology
+    run_dir: Path
+    zmq: zmq.Context
+    status: dict[str, StatusValue] = field(default_factory=dict)
+    """Published in every heartbeat; the body updates it as it works."""
+    control: AsyncSocket | None = None
+    """DEALER to the runner (None when the actor runs without a runner, e.g. in tests)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+    async def report(self, message: msgspec.Struct) -> None:
+        """Send a control message (StepReport, Finished, ...) to the runner, if there is one."""
+        if self.control is not None:
+            await self.control.send_multipart([encode(message)])
+
+
+Body = Callable[..., Awaitable[Any]]
+
+
+def set_death_signal() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans if the runner is killed)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+async def _heartbeats(ctx: ActorContext, interval: float) -> None:
+    started = time.monotonic()
+    while True:
+        ctx.status["uptime_s"] = round(time.monotonic() - started, 1)
+        await ctx.report(Heartbeat(actor=ctx.name, status=dict(ctx.status)))
+        await anyio.sleep(interval)
+
+
+async def _control_listener(ctx: ActorContext, scope: anyio.CancelScope) -> None:
+    codec: Codec[ToActor] = Codec(ToActor)
+    assert ctx.control is not None
+    while True:
+        frames = await ctx.control.recv_multipart()
+        try:
+            msg = codec.decode(frames[-1])
+        except DecodeError as exc:
+            await ctx.control.send_multipart([encode(ErrorReply(error=f"bad control frame: {exc}"))])
+            continue
+        if isinstance(msg, Stop):
+            ctx.status["state"] = "stopping"
+            scope.cancel()
+            return
+
+
+async def _signals(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None) -> None:
+    """Run ``body`` under the lifecycle: ready, heartbeats, stop on message or signal."""
+    if control_address:
+        ctx.control = make_socket(ctx.zmq, zmq.DEALER, connect=control_address,
+                                  identity=ctx.name.encode())
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_signals, tg.cancel_scope)
+            if ctx.control is not None:
+                tg.start_soon(_control_listener, ctx, tg.cancel_scope)
+            ctx.status["state"] = "starting"
+
+            async def body_then_finish(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+                detail = await body(ctx, task_status=task_status)
+                ctx.status["state"] = "finished"
+                await ctx.report(Finished(actor=ctx.name, detail=str(detail or "")))
+                tg.cancel_scope.cancel()
+
+            await tg.start(body_then_finish)
+            ctx.status["state"] = "running"
+            await ctx.report(Ready(actor=ctx.name, pid=os.getpid()))
+            tg.start_soon(_heartbeats, ctx, ctx.topology.run.heartbeat_interval)
+    finally:
+        if ctx.control is not None:
+            ctx.control.close()
+
+
+def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body) -> int:
+    """Process entry point: run one actor on trio; returns the exit status."""
+    set_death_signal()
+    ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
+                       zmq=zmq.Context())
+    control = None if topology.control_address == "auto" else topology.control_address
+    try:
+        anyio.run(serve_actor, ctx, body, control, backend="trio")
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except BaseException:
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        text = traceback.format_exc()
+        (logs / f"{ctx.name}.traceback").write_text(text)
+        sys.stderr.write(f"[{ctx.name}] died:\n{text}")
+        return 1
+    finally:
+        ctx.zmq.destroy(linger=0)
+
+
+async def run_compute(fn: Callable[..., Any], *args: Any, abort: threading.Event) -> Any:
+    """Run blocking compute in a worker thread so the event loop keeps serving.
+
+    The thread cannot be interrupted, so on cancellation ``abort`` is set (the compute checks it
+    between tokens or micro-batches and returns early) and the cancellation is delivered once
+    the thread has returned: no thread is left touching the model after this returns.
+    """
+    finished = False
+
+    async def watch() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            if not finished:
+                abort.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        try:
+            return await anyio.to_thread.run_sync(fn, *args)
+        finally:
+            finished = True
+            tg.cancel_scope.cancel()

@@ -1,0 +1,34 @@
+"""Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman's k1 / k2 / k3)."""
+
+from __future__ import annotations
+
+import torch
+
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Estimate KL(pi || pi_ref) per token from log-probs ``(B, T)`` of tokens sampled from pi.
+
+    With ``d = logprobs - ref_logprobs``:
+
+    - ``k1`` / ``kl``: ``d`` (unbiased, high variance, can be negative).
+    - ``abs``: ``|d|``.
+    - ``k2`` / ``mse``: ``d**2 / 2``.
+    - ``k3`` / ``low_var_kl``: ``exp(-d) + d - 1`` (unbiased, never negative). ``-d`` is clamped
+      to ±20 before the exponential and the result to ±10, as in verl, so one wild token cannot
+      blow up the loss.
+
+    Returns ``(B, T)``; masking and aggregation are the caller's.
+    """
+    d = logprobs - ref_logprobs  # (B, T)
+    if kind in ("k1", "kl"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * d.square()
+    if kind in ("k3", "low_var_kl"):
+        neg = (-d).clamp(-20.0, 20.0)  # log(pi_ref / pi)
+        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator kind {kind!r}; expected one of {KL_KINDS}")

@@ -1,0 +1,56 @@
+"""Control flow between every actor and the runner (lifecycle, heartbeats, stop).
+
+Sockets: the runner binds a ROUTER (``control`` address); every actor connects a DEALER whose
+identity is its actor name (``sampler-0``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# status values are plain scalars so any actor can report anything without a schema change
+StatusValue = int | float | str | bool | None
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Actor -> Runner: sockets are bound/connected and the actor is serving."""
+
+    actor: str
+    pid: int
+
+
+class Heartbeat(msgspec.Struct, tag=True, gc=False):
+    """Actor -> Runner, every ``heartbeat_interval`` seconds: liveness plus a status snapshot."""
+
+    actor: str
+    status: dict[str, StatusValue] = {}
+
+
+class StepReport(msgspec.Struct, tag=True, gc=False):
+    """Learner -> Runner after every optimizer step: the metrics of that step (verl names)."""
+
+    step: int
+    metrics: dict[str, float] = {}
+
+
+class Finished(msgspec.Struct, tag=True):
+    """Actor -> Runner: the actor's work is complete (the learner reached ``total_steps``)."""
+
+    actor: str
+    detail: str = ""
+
+
+class Stop(msgspec.Struct, tag=True):
+    """Runner -> Actor: cancel everything and exit (the learner writes its final checkpoint)."""
+
+    reason: str = ""
+
+
+class ErrorReply(msgspec.Struct, tag=True):
+    """Any -> sender of a frame that did not decode (or a request that cannot be served)."""
+
+    error: str
+
+
+ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply
+ToActor = Stop | ErrorReply

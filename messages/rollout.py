@@ -1,0 +1,103 @@
+"""Rollout flow: prompts out of the replay buffer, scored groups back into it, batches to the learner.
+
+Sockets: the replay buffer binds one ROUTER (``replay`` address). Samplers and the learner
+connect DEALERs and send ``ToReplay`` messages; the replay buffer answers with ``FromReplay``.
+A request the buffer cannot serve yet (admission closed, batch not full) is held, not refused:
+that waiting is the backpressure of the whole system.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.tensor import Tensor
+
+
+class ChatMessage(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    role: str
+    content: str
+
+
+class Prompt(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One dataset row as issued to a sampler (verl row layout, flattened)."""
+
+    prompt_id: int  # unique over the run: every issued prompt is counted exactly once
+    messages: list[ChatMessage]
+    data_source: str
+    ground_truth: str
+    extra_info: dict[str, str | int | float] = {}
+
+
+class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One completion of a prompt with everything the learner needs to train on it."""
+
+    response_ids: Tensor  # (R,) int32, response tokens only
+    behaviour_logprobs: Tensor  # (R,) float32, log π_behaviour(token) at the sampler's temperature
+    policy_version: int  # version of the weights that generated every token of this sample
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    reward: float = 0.0
+    reward_error: str = ""  # non-empty when scoring failed; the reward is then 0.0
+
+
+class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Sampler -> Replay: the ``n`` scored samples of one prompt."""
+
+    prompt: Prompt
+    prompt_ids: Tensor  # (P,) int32, the chat-templated prompt tokens
+    samples: list[Sample]
+    sampler: str
+    generate_seconds: float = 0.0
+    score_seconds: float = 0.0
+
+
+class PromptRequest(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay: ask for up to ``max_prompts`` prompts (answered when admission allows).
+
+    ``incarnation`` identifies the sampler process; when it changes under the same name (a
+    restart), the prompts the old process held are issued again, so none is lost.
+    """
+
+    max_prompts: int
+    incarnation: str = ""
+
+
+class GroupsDone(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay: scored groups for prompts this sampler was issued."""
+
+    groups: list[ScoredGroup]
+
+
+class BatchRequest(msgspec.Struct, tag=True, gc=False):
+    """Learner -> Replay: ask for the batch of ``step``; ``version`` is the learner's policy version.
+
+    The version is what admission control and the staleness filter measure against.
+    """
+
+    step: int
+    version: int
+    num_groups: int
+
+
+class VersionUpdate(msgspec.Struct, tag=True, gc=False):
+    """Learner -> Replay: a new policy version was published (opens admission)."""
+
+    version: int
+
+
+class PromptBatch(msgspec.Struct, tag=True, gc=False):
+    """Replay -> Sampler: prompts to generate for (possibly fewer than asked)."""
+
+    prompts: list[Prompt]
+
+
+class TrainBatch(msgspec.Struct, tag=True, gc=False):
+    """Replay -> Learner: the groups of one training step and the buffer's counters at that moment."""
+
+    step: int
+    groups: list[ScoredGroup]
+    counters: dict[str, int] = {}
+
+
+ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate
+FromReplay = PromptBatch | TrainBatch

@@ -1,0 +1,30 @@
+"""Weights flow: Learner -> Samplers, versioned, as zero-copy frames.
+
+Sockets: the learner binds a ROUTER (``weights`` address); each sampler connects a DEALER and
+long-polls with ``WeightsPoll(have_version)``. When the learner holds a newer version it answers
+with a ``WeightsHeader`` frame followed by one raw frame per tensor, in header order. A slow
+sampler therefore only ever receives the newest weights, never a queue of stale ones.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.tensor import TensorMeta
+
+
+class WeightsPoll(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Learner: send me weights newer than ``have_version`` when there are some."""
+
+    have_version: int
+
+
+class WeightsHeader(msgspec.Struct, tag=True, gc=False):
+    """Learner -> Sampler: frame 0 of a weights message; frames 1.. are the tensors' bytes."""
+
+    version: int
+    tensors: list[TensorMeta]
+
+
+ToLearnerWeights = WeightsPoll
+FromLearnerWeights = WeightsHeader
