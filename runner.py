@@ -24,7 +24,6 @@ import msgspec
 import trio
 import zmq
 
-from actors.runtime.actor import set_death_signal
 from actors.runtime.config import ACTOR_KINDS, ConfigError, Topology, load_topology
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -117,6 +116,7 @@ class Job:
         self.started = time.monotonic()
         self.zmq = zmq.Context()
         self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address)
+        self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
 
     def end(self, outcome: str) -> None:
         if self.outcome is None:
@@ -126,9 +126,7 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.process = await trio.lowlevel.open_process(
-            cmd, preexec_fn=set_death_signal, cwd=Path(__file__).resolve().parent
-        )
+        p.process = await trio.lowlevel.open_process(cmd, cwd=Path(__file__).resolve().parent)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -142,7 +140,12 @@ class Job:
                     self.end("finished")
                 return
             tb_file = self.run_dir / "logs" / f"{p.name}.traceback"
-            tb = tb_file.read_text() if tb_file.is_file() else "(no traceback: killed by a signal?)"
+            if tb_file.is_file():
+                tb = tb_file.read_text()
+            elif rc < 0:
+                tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
+            else:
+                tb = "(no traceback: it stopped without being asked to)"
             print(f"!!! actor {p.name} (pid {p.process.pid}) exited with status {rc}\n{tb}",
                   flush=True)
             cfg = getattr(self.topo, p.kind)

@@ -78,13 +78,12 @@ class ReplayState:
         out: list[Prompt] = []
         while self.requeued and len(out) < max_prompts:
             out.append(self.requeued.popleft())
-        fresh = min(max_prompts - len(out), self.admissible())
-        for _ in range(fresh):
+            self.at_samplers[out[-1].prompt_id] = (sampler, out[-1])
+        for _ in range(min(max_prompts - len(out), self.admissible())):
             out.append(self.task.prompt(self.next_row, prompt_id=self.issued))
+            self.at_samplers[out[-1].prompt_id] = (sampler, out[-1])
             self.next_row += 1
             self.issued += 1
-        for p in out:
-            self.at_samplers[p.prompt_id] = (sampler, p)
         return out
 
     def requeue_from(self, sampler: bytes) -> int:
@@ -152,6 +151,7 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
     )
     codec: Codec[ToReplay] = Codec(ToReplay)
     sock = make_socket(ctx.zmq, zmq.ROUTER, bind=topo.replay.address)
+    sock.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sampler reclaims its name
     # waiting requests: one per peer at most, since each peer waits for its answer
     prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
     batch_waiter: tuple[bytes, BatchRequest] | None = None

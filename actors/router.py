@@ -56,6 +56,7 @@ class InFlight:
     request: ScoreRequest  # re-keyed with the router id
     worker: bytes | None = None
     sent_at: float = 0.0
+    failed_on: set[bytes] = field(default_factory=set)  # workers that died or timed out on it
 
 
 @dataclass
@@ -84,13 +85,18 @@ class RouterState:
         self.pending.append(rid)
         return rid
 
-    def pick(self, pool: str) -> Worker | None:
-        """The live worker of ``pool`` with the fewest requests in flight and room for one more."""
+    def pick(self, pool: str, avoid: set[bytes] = frozenset()) -> Worker | None:
+        """The live worker of ``pool`` with the fewest requests in flight and room for one more.
+
+        Workers in ``avoid`` (those that already failed this request) are chosen only when no
+        other worker of the pool has room.
+        """
         best: Worker | None = None
         for w in self.workers.values():
             if w.pool != pool or w.leaving or len(w.in_flight) >= w.capacity:
                 continue
-            if best is None or (len(w.in_flight), w.done) < (len(best.in_flight), best.done):
+            key = (w.identity in avoid, len(w.in_flight), w.done)
+            if best is None or key < (best.identity in avoid, len(best.in_flight), best.done):
                 best = w
         return best
 
@@ -101,7 +107,7 @@ class RouterState:
         while self.pending:
             rid = self.pending.popleft()
             entry = self.requests[rid]
-            worker = self.pick(entry.request.pool)
+            worker = self.pick(entry.request.pool, entry.failed_on)
             if worker is None:
                 blocked.append(rid)
                 continue
@@ -131,6 +137,8 @@ class RouterState:
     def take_back(self, rid: int) -> None:
         """Re-queue a request whose worker failed it; a late reply from that worker is a duplicate."""
         entry = self.requests[rid]
+        if entry.worker is not None:
+            entry.failed_on.add(entry.worker)
         if entry.worker is not None and entry.worker in self.workers:
             w = self.workers[entry.worker]
             w.in_flight.discard(rid)

@@ -10,7 +10,6 @@ escapes as a traceback written to ``RUN_DIR/logs/NAME.traceback`` and exit statu
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
@@ -59,13 +58,15 @@ class ActorContext:
 Body = Callable[..., Awaitable[Any]]
 
 
-def set_death_signal() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans if the runner is killed)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+async def _orphan_watch(scope: anyio.CancelScope, parent: int) -> None:
+    """Stop when the runner that started this actor is gone (no orphans if it is killed).
+
+    PR_SET_PDEATHSIG would fire when the *thread* that spawned us exits (trio spawns from a
+    worker thread), so the parent pid is watched instead: on its death we are re-parented.
+    """
+    while os.getppid() == parent:
+        await anyio.sleep(1.0)
+    scope.cancel()
 
 
 async def _heartbeats(ctx: ActorContext, interval: float) -> None:
@@ -99,7 +100,8 @@ async def _signals(scope: anyio.CancelScope) -> None:
             return
 
 
-async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None) -> None:
+async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None,
+                      parent: int | None = None) -> None:
     """Run ``body`` under the lifecycle: ready, heartbeats, stop on message or signal."""
     if control_address:
         ctx.control = make_socket(ctx.zmq, zmq.DEALER, connect=control_address,
@@ -107,6 +109,8 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_signals, tg.cancel_scope)
+            if parent is not None:
+                tg.start_soon(_orphan_watch, tg.cancel_scope, parent)
             if ctx.control is not None:
                 tg.start_soon(_control_listener, ctx, tg.cancel_scope)
             ctx.status["state"] = "starting"
@@ -128,12 +132,11 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
 
 def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body) -> int:
     """Process entry point: run one actor on trio; returns the exit status."""
-    set_death_signal()
     ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
                        zmq=zmq.Context())
     control = None if topology.control_address == "auto" else topology.control_address
     try:
-        anyio.run(serve_actor, ctx, body, control, backend="trio")
+        anyio.run(serve_actor, ctx, body, control, os.getppid(), backend="trio")
         return 0
     except KeyboardInterrupt:
         return 0

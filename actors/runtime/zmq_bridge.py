@@ -131,6 +131,8 @@ class AsyncSocket:
             events = self._sock.getsockopt(zmq.EVENTS)
             rising = events & ~self._last_events
             self._last_events = events
+            if any(rising & flag and n for flag, n in self._waiting.items()):
+                self._wake_all()
 
     def _wake_all(self) -> None:
         if self._fd_scope is not None:

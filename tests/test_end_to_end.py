@@ -1,0 +1,142 @@
+"""The whole job, every actor in its own process over real sockets, on a tiny random llama.
+
+These run ``runner.py`` exactly as a user does and check what a user would: reward goes up,
+the replay counters balance, Ctrl-C leaves a final checkpoint and no process behind, a killed
+sampler is restarted without losing a prompt, and a stopped run resumes where it left off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
+        "run.heartbeat_interval=0.5"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def command(model: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "runner.py", "topology.toml", f"model.path={model}", f"run.dir={run_dir}",
+            *TINY, *overrides]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def actor_pids(run_dir: Path) -> list[int]:
+    """Live processes started for this run (their command line names the run directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"actors.main" in cmdline and str(run_dir).encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(metrics(run_dir)) < steps:
+        assert proc.poll() is None, f"job ended early with {proc.returncode}"
+        assert time.monotonic() < deadline, f"no {steps} steps within {timeout}s"
+        time.sleep(0.2)
+
+
+def balanced(row: dict) -> bool:
+    return row["replay/issued"] == row["replay/trained"] + row["replay/dropped"] + row["replay/in_flight"]
+
+
+def test_job_learns_and_counters_balance(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    rewards = [r["critic/score/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15, f"reward did not go up: first 5 steps {first:.3f}, last 5 {last:.3f}"
+    assert all(balanced(r) for r in rows)
+    assert max(r["staleness/max"] for r in rows) <= 1  # max_staleness = 1 is enforced
+    assert "step   40/40" in res.stdout and "job finished" in res.stdout
+    assert not actor_pids(run_dir)
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_40")
+    assert model.config.vocab_size > 0
+
+
+def test_ctrl_c_checkpoints_stops_everything_and_resumes(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=1000",
+                                    "learner.save_every=1000"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, proc)
+        assert len(actor_pids(run_dir)) == 5
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-4000:]
+    assert "resume with" in out
+    assert not actor_pids(run_dir)
+    done = len(metrics(run_dir))
+    ckpt = run_dir / "checkpoints" / f"step_{done}"
+    assert ckpt.is_dir(), sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == done
+
+    res = subprocess.run(command(tiny_model, run_dir, f"learner.total_steps={done + 2}"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert [r["step"] for r in metrics(run_dir)][done:] == [done + 1, done + 2]
+    assert not actor_pids(run_dir)
+
+
+def test_killed_sampler_is_restarted_and_no_prompt_is_lost(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=12"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, proc)
+        sampler = [p for p in actor_pids(run_dir)
+                   if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+        assert len(sampler) == 1
+        os.kill(sampler[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "actor sampler-0" in out and "killed by signal SIGKILL" in out
+    assert "restarting sampler-0" in out
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(balanced(r) for r in rows)
+    assert not actor_pids(run_dir)
+
+
+def test_bad_topology_names_the_key(tmp_path):
+    res = subprocess.run([sys.executable, "runner.py", "topology.toml", "learner.total_stepz=3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "learner.total_stepz: unknown key" in res.stderr
