@@ -73,6 +73,15 @@ class EchoThread:
             sock.close(linger=0)
 
 
+async def until(predicate) -> None:
+    """Yield to other tasks until predicate() holds (bounded by the test's fail_after)."""
+    for _ in range(1_000_000):
+        if predicate():
+            return
+        await anyio.sleep(0)
+    raise AssertionError("condition never held")
+
+
 async def fill(sock: AsyncSocket, make_msg) -> int:
     """Send with send_multipart_nowait until zmq.Again persists across a pause (the io
     threads and kernel buffers may still take data right after the first Again)."""
@@ -201,8 +210,7 @@ async def test_ping_pong_receiver_always_waiting(ctx, endpoint):
             tg.start_soon(echo_forever, b)
             tg.start_soon(receive)
             for i in range(1000):
-                while a.statistics().tasks_waiting_receive == 0:
-                    await anyio.sleep(0)
+                await until(lambda: a.statistics().tasks_waiting_receive == 1)
                 await a.send_multipart([b"%d" % i])
                 assert await replies_recv.receive() == b"%d" % i
             tg.cancel_scope.cancel()
@@ -443,7 +451,8 @@ async def test_many_senders_two_receivers_one_socket(ctx, endpoint, hwm):
                 for k in range(senders):
                     inner.start_soon(send, k)
             tg.cancel_scope.cancel()
-    assert sorted(got) == sorted(b"%d-%d" % (k, i) for k in range(senders) for i in range(per_sender))
+    expected = [b"%d-%d" % (k, i) for k in range(senders) for i in range(per_sender)]
+    assert sorted(got) == sorted(expected)
     assert a.statistics() == SocketStatistics(0, 0)
 
 
@@ -463,8 +472,7 @@ async def test_many_receivers_pull(ctx, endpoint):
                 tg.start_soon(receive, idx)
             for i in range(n):
                 await push.send_multipart([b"%d" % i])
-            while sum(counts) < n:
-                await anyio.sleep(0.001)
+            await until(lambda: sum(counts) == n)
             tg.cancel_scope.cancel()
     assert sum(counts) == n
 

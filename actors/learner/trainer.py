@@ -107,6 +107,21 @@ class Trainer:
             behav[i, len(p) - 1 : n - 1] = lp
         return ids, attn, mask, behav
 
+    def _response_logprobs(self, ids, attn, mask):
+        """Log-probs of the response tokens, with the LM head applied only where they are.
+
+        The prompt is most of each sequence here, and the LM head (V = 49,152 columns) is a large
+        share of the compute, so hidden states are gathered at response positions first.
+        Returns ``lp`` (B, W-1) with zeros outside ``mask`` and the (N, V) response logits.
+        """
+        hidden = self.model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        at = mask.bool()  # (B, W-1)
+        logits = self.model.get_output_embeddings()(hidden[:, :-1][at])  # (N, V)
+        lp_at = token_logprobs(logits, ids[:, 1:][at], self.topo.sampler.temperature,
+                               chunk_size=1024)  # (N,)
+        lp = torch.zeros(mask.shape, dtype=lp_at.dtype).masked_scatter(at, lp_at)  # (B, W-1)
+        return lp, logits
+
     def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:
         started = time.monotonic()
         algo, cfg = self.algo, self.cfg
@@ -126,8 +141,7 @@ class Trainer:
                 raise Aborted
             chunk = seqs[lo : lo + cfg.micro_batch_size]
             ids, attn, mask, behav = self._micro_batch(chunk)
-            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, W-1, V)
-            lp = token_logprobs(logits, ids[:, 1:], self.topo.sampler.temperature, chunk_size=1024)
+            lp, logits = self._response_logprobs(ids, attn, mask)
             a = adv[lo : lo + len(chunk), None].expand_as(lp)  # (B, W-1)
             if algo.correction == "bypass":
                 old, weights = behav, None
@@ -141,11 +155,11 @@ class Trainer:
             loss.backward()
             with torch.no_grad():
                 ent = entropy_from_logits(logits.detach(), self.topo.sampler.temperature,
-                                          chunk_size=1024)
+                                          chunk_size=1024)  # (N,) at response tokens
             tokens = float(mask.sum())
             for k, v in m.items():  # token-weighted sums, divided by the total below
                 sums[k] = sums.get(k, 0.0) + float(v) * tokens
-            sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float((ent * mask).sum())
+            sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float(ent.sum())
             old_all.append(old.detach().flatten()[mask.flatten() > 0])
             behav_all.append(behav.flatten()[mask.flatten() > 0])
             mask_all.append(mask.sum(1))

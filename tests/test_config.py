@@ -1,0 +1,50 @@
+"""Topology parsing: every TOML file in the repo loads; bad keys and values name their full path."""
+
+from pathlib import Path
+
+import pytest
+
+from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology, load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted(p for p in ROOT.rglob("*.toml")
+                                        if ".venv" not in p.parts and p.name != "pyproject.toml"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_topology_in_the_repo_loads(path):
+    assert isinstance(load_topology(path), Topology)
+
+
+def test_dotted_overrides_are_typed():
+    t = decode_topology(apply_overrides({}, ["learner.total_steps=3", "sampler.count=2",
+                                             "learner.lr=2e-5", "sampler.stop=['x', 'y']",
+                                             "run.dir=runs/mine", "model.path=/some/dir"]))
+    assert t.learner.total_steps == 3 and t.sampler.count == 2 and t.learner.lr == 2e-5
+    assert t.sampler.stop == ["x", "y"] and t.run.dir == "runs/mine" and t.model.path == "/some/dir"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("learner.total_stepz=3", "learner.total_stepz: unknown key"),
+    ("nosuch=1", "nosuch: unknown key"),
+    ("learner.lr=fast", "learner.lr: Expected `float`, got `str`"),
+    ("algorithm.n=0", "algorithm.n: must be >= 1"),
+    ("sampler.top_p=1.5", "sampler.top_p: must be in (0, 1]"),
+    ("learner.count=2", "learner.count: must be 1"),
+    ("algorithm.correction=magic", "algorithm.correction"),
+    ("learner=3", "learner: Expected `object`"),
+    ("learner.total_steps", "not of the form"),
+    ("replay.capacity=1", "replay.capacity: must hold at least one batch"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        decode_topology(apply_overrides({}, [override]))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_topology(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_topology(bad)
