@@ -171,7 +171,7 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
             if not prompts:
                 break  # admission closed: later waiters would get nothing either
             del prompt_waiters[peer]
-            await sock.send_multipart([peer, encode(PromptBatch(prompts=prompts))])
+            await sock.send_multipart([peer, encode(PromptBatch(prompts=prompts, version=state.version))])
 
     task_status.started()
     with sock:

@@ -86,9 +86,15 @@ class VersionUpdate(msgspec.Struct, tag=True, gc=False):
 
 
 class PromptBatch(msgspec.Struct, tag=True, gc=False):
-    """Replay -> Sampler: prompts to generate for (possibly fewer than asked)."""
+    """Replay -> Sampler: prompts to generate for (possibly fewer than asked).
+
+    ``version`` is the learner's policy version when they were issued; its weights were
+    published before the replay buffer learned of it, so the sampler waits for them (they are
+    already on the wire) rather than generating with older ones that would go stale.
+    """
 
     prompts: list[Prompt]
+    version: int = 0
 
 
 class TrainBatch(msgspec.Struct, tag=True, gc=False):

@@ -47,14 +47,15 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
 
     version = -1  # version of the weights in the engine; -1 until the learner's first arrive
     newest: tuple[int, dict[str, torch.Tensor]] | None = None  # received, not yet applied
-    got_weights = anyio.Event()
+    received = -1  # newest version received (applied or not)
+    got_weights = anyio.Event()  # replaced after each arrival: wakes a loop waiting for a version
     replies: dict[int, tuple[anyio.Event, list[ScoreReply]]] = {}
     request_ids = itertools.count()
     scoring = anyio.Semaphore(MAX_SCORING)
     stats = {"groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0, "score_errors": 0}
 
     async def receive_weights() -> None:
-        nonlocal newest
+        nonlocal newest, received, got_weights
         have = -1
         while True:
             await weights.send_multipart([encode(WeightsPoll(have_version=have))])
@@ -70,7 +71,9 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 await anyio.sleep(1.0)
                 continue
             newest, have = (header.version, tensors), header.version
+            received = have
             got_weights.set()
+            got_weights = anyio.Event()
 
     async def receive_scores() -> None:
         while True:
@@ -123,7 +126,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     async def generate_loop(tg) -> None:
         nonlocal newest, version
         incarnation = f"{os.getpid()}-{time.time_ns()}"
-        await got_weights.wait()
+        while received < 0:
+            await got_weights.wait()
         while True:
             await replay.send_multipart([encode(PromptRequest(cfg.prompts_per_request, incarnation))])
             frames = await replay.recv_multipart()
@@ -133,6 +137,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 continue
             if not isinstance(msg, PromptBatch) or not msg.prompts:
                 continue
+            while received < msg.version:  # published before these prompts were issued
+                await got_weights.wait()
             if newest is not None:
                 (new_version, tensors), newest = newest, None
                 await anyio.to_thread.run_sync(engine.load_weights, tensors)
