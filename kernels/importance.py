@@ -6,8 +6,10 @@ learner's policy at the start of the current step, recomputed on the same tokens
 function here works from the per-token log-ratio ``log rho = lp_old - lp_behav`` over the
 response tokens selected by the 0/1 ``mask``, all ``(B, T)``.
 
-Truncated importance sampling (TIS) turns rho into detached loss weights; ``mismatch_metrics``
-reports how far apart the two policies are, under verl's ``rollout_corr/`` names.
+Truncated importance sampling (TIS) turns rho into detached loss weights, ``normalize_weights``
+rescales them to mean 1; ``mismatch_metrics`` reports how far apart the two policies are, under
+verl's ``rollout_corr/`` names. Rejection (masked IS) lives in ``kernels.rejection`` and the
+staleness histogram in ``kernels.staleness``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,11 +19,24 @@ import math
 import torch
 
 from kernels.masked import masked_mean
+from kernels.ratios import LOG_RATIO_BOUND, masked_log_ratio
+from kernels.rejection import RejectionRule, parse_rs_preset, rejection_mask
+from kernels.staleness import staleness_histogram
+
+__all__ = [
+    "IS_LEVELS",
+    "LOG_RATIO_BOUND",
+    "METRIC_NAMES",
+    "RejectionRule",
+    "mismatch_metrics",
+    "normalize_weights",
+    "parse_rs_preset",
+    "rejection_mask",
+    "staleness_histogram",
+    "truncated_is_weights",
+]
 
 IS_LEVELS = ("token", "sequence")
-
-# exp() of a log-ratio beyond this is treated as this (exp(20) ~ 4.9e8); verl uses 20.
-LOG_RATIO_BOUND = 20.0
 
 METRIC_NAMES = (
     "rollout_corr/is_weight_mean",
@@ -64,7 +79,7 @@ def truncated_is_weights(
     if level not in IS_LEVELS:
         raise ValueError(f"unknown IS level {level!r}; expected one of {IS_LEVELS}")
     with torch.no_grad():
-        log_rho = _log_rho(old_logprobs, behaviour_logprobs, mask)  # (B, T)
+        log_rho = masked_log_ratio(old_logprobs, behaviour_logprobs, mask)  # (B, T)
         if level == "sequence":
             seq_log_rho = log_rho.sum(-1, keepdim=True)  # (B, 1)
             log_rho = seq_log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).expand_as(log_rho)
@@ -113,7 +128,7 @@ def mismatch_metrics(
         old = old_logprobs.float()
         behav = behaviour_logprobs.float()
         w = weights.float()
-        log_rho = _log_rho(old, behav, mask)  # (B, T)
+        log_rho = masked_log_ratio(old, behav, mask)  # (B, T)
         rho = torch.exp(log_rho)  # (B, T)
 
         w_mean = masked_mean(w, mask)
@@ -158,7 +173,31 @@ def mismatch_metrics(
     return dict(zip(METRIC_NAMES, values, strict=True))
 
 
-def _log_rho(old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``clamp(old - behav, ±20)`` on masked tokens, 0 elsewhere. (B, T)"""
-    log_rho = (old.float() - behav.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.where(mask.bool(), log_rho, torch.zeros_like(log_rho))
+def normalize_weights(
+    weights: torch.Tensor, mask: torch.Tensor, *, level: str = "token"
+) -> torch.Tensor:
+    """Importance weights ``(B, T)`` rescaled to mean 1 over the batch, detached (verl
+    ``rollout_is_batch_normalize``).
+
+    At ``level="token"`` the mean is over masked tokens. At ``level="sequence"`` it is over
+    sequences (rows with at least one masked token) of each sequence's mean weight, so that
+    sequence-level weights count once per sequence rather than once per token, as in verl.
+    Normalising trades the bias of truncation for a step size that does not shrink when most
+    weights are capped. Weights whose mean is at most 1e-8 (all zero, say) are returned unscaled,
+    as in verl; positions outside the mask are 0 either way.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r}; expected one of {IS_LEVELS}")
+    if weights.shape != mask.shape:
+        raise ValueError(f"weights shape {tuple(weights.shape)} != mask shape {tuple(mask.shape)}")
+    with torch.no_grad():
+        keep = mask.bool()  # (B, T)
+        w = torch.where(keep, weights.detach(), torch.zeros_like(weights))  # (B, T)
+        if level == "token":
+            mean = masked_mean(w, mask)
+        else:
+            seqs = keep.any(-1)  # (B,)
+            seq_means = masked_mean(w, mask, dim=-1)  # (B,)
+            mean = masked_mean(seq_means, seqs)
+        scale = torch.where(mean > 1e-8, 1.0 / mean.clamp_min(1e-8), torch.ones_like(mean))
+        return w * scale

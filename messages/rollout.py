@@ -49,6 +49,7 @@ class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     sampler: str
     generate_seconds: float = 0.0
     score_seconds: float = 0.0
+    baseline_reward: float | None = None  # remax: reward of a greedy sample of the same prompt
 
 
 class PromptRequest(msgspec.Struct, tag=True, gc=False):

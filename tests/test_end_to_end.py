@@ -66,10 +66,18 @@ def balanced(row: dict) -> bool:
     return row["replay/issued"] == row["replay/trained"] + row["replay/dropped"] + row["replay/in_flight"]
 
 
-def test_job_learns_and_counters_balance(tiny_model, tmp_path):
+ESTIMATORS = {
+    "grpo": [],
+    "rloo": ["algorithm.adv_estimator=rloo"],
+    "gae": ["algorithm.adv_estimator=gae", "learner.critic_lr=3e-3", "algorithm.lam=0.95"],
+}
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     run_dir = tmp_path / "run"
-    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40", *ESTIMATORS[estimator]),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))

@@ -1,21 +1,24 @@
-"""The learner's compute, synchronous torch code run in a worker thread by the actor.
+"""The learner's compute: synchronous torch code that the actor runs in a worker thread.
 
-One step on a batch of scored groups: GRPO advantages per group, then, micro-batch by
-micro-batch with gradient accumulation, the PPO-clip loss with off-policy correction:
+A step trains on one batch of scored groups (a policy version): it computes what the chosen
+algorithm needs over the whole batch first (proximal log-probs, reference log-probs, values),
+then advantages, the off-policy correction, and ``ppo_epochs × ppo_mini_batches`` optimizer
+updates with gradient accumulation over micro-batches. Losses are aggregated over the whole
+mini-batch (a token-mean is a sum over all its tokens divided by their count, not a mean of
+micro-batch means).
 
-- ``decoupled`` (AReaL): the proximal log-probs ``lp_old`` are the current weights' log-probs
-  at the start of the step; the PPO ratio is ``π_θ/π_old`` and each token's loss is weighted by
-  the truncated behaviour weight ``min(π_old/μ, tis_cap)`` (detached).
-- ``bypass``: the sampler's behaviour log-probs serve as ``lp_old``; PPO clip does the correction.
-
-With one PPO epoch over one mini-batch the weights do not change before every micro-batch's
-forward has run, so ``lp_old`` equals the forward's own (detached) log-probs: the recompute
-is that same forward, not a second one.
+Off-policy correction (``algorithm.correction``):
+- ``decoupled`` (AReaL): PPO on ``π_θ/π_old`` with ``π_old`` the weights at the start of the
+  step, each token weighted by ``min(π_old/μ, is_cap)``. With one epoch over one mini-batch and
+  nothing needed batch-wide, ``π_old`` equals each micro-batch's own forward (the weights have
+  not moved yet), so that forward is the recompute; otherwise a no-grad pass computes it first.
+- ``bypass``: the sampler's behaviour log-probs are the PPO old log-probs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -25,12 +28,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.learner.batch import RolloutBatch, build_batch
+from actors.learner.objective import correction, critic_loss, micro_batch_loss, response_logprobs
 from actors.runtime.config import Topology
-from actors.runtime.tensors import from_wire
-from kernels.advantages import grpo_advantages
-from kernels.importance import mismatch_metrics, truncated_is_weights
-from kernels.logprobs import entropy_from_logits, token_logprobs
-from kernels.losses import ppo_clip_loss
+from kernels.advantages import compute_advantages
+from kernels.importance import mismatch_metrics, staleness_histogram
+from kernels.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from messages.rollout import ScoredGroup
 
 STATE_FILE = "trainer_state.json"
@@ -46,159 +49,261 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
+    """Multiplier of the base learning rate after ``u`` optimizer updates."""
+    def at(u: int) -> float:
+        if u < warmup:
+            return (u + 1) / (warmup + 1)
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (u - warmup) / (total - warmup))
+        if kind == "linear":
+            return 1.0 - (1.0 - min_ratio) * progress
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return at
+
+
 class Trainer:
     def __init__(self, topology: Topology, run_dir: Path) -> None:
-        self.topo = topology
-        self.cfg = topology.learner
-        self.algo = topology.algorithm
+        self.topo, self.cfg, self.algo = topology, topology.learner, topology.algorithm
         self.run_dir = run_dir
         self.abort = threading.Event()
         torch.manual_seed(topology.run.seed)
-        source = Path(topology.model.path)
+        base = Path(topology.model.path)
+        self.dtype = getattr(torch, topology.model.dtype)
         self.step = 0
-        resume_from = latest_checkpoint(run_dir) if self.cfg.resume else None
-        if resume_from is not None:
-            source = resume_from
-            self.step = json.loads((resume_from / STATE_FILE).read_text())["step"]
-        self.resumed_from = resume_from
-        self.tokenizer = AutoTokenizer.from_pretrained(source)
-        dtype = getattr(torch, topology.model.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
-                                           betas=self.cfg.betas, weight_decay=self.cfg.weight_decay)
-        if resume_from is not None and (resume_from / "optimizer.pt").is_file():
-            self.optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt"))
+        state: dict = {}
+        ckpt = latest_checkpoint(run_dir) if self.cfg.resume else None
+        if ckpt is not None:
+            state = json.loads((ckpt / STATE_FILE).read_text())
+            self.step = state["step"]
+        self.resumed_from = ckpt
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
+        self.model = self._load_policy(base, ckpt)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.config.use_cache = False
+        self.model.train()
+        updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, betas=self.cfg.betas,
+                                           weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
+            self.cfg.lr_scheduler, self.cfg.warmup_steps, updates, self.cfg.min_lr_ratio))
+        # the reference policy is the initial model; with LoRA it is the base without adapters
+        self.ref = None
+        if (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0:
+            self.ref = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype).eval()
+            self.ref.requires_grad_(False)
+        self.critic = self.critic_optimizer = None
+        if self.algo.adv_estimator == "gae":
+            from actors.learner.critic import ValueModel
+            source = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else base
+            self.critic = ValueModel(source, self.dtype)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
+                                                      betas=self.cfg.betas)
+        k = self.algo.kl_ctrl
+        self.kl_ctrl = (FixedKLController(k.kl_coef) if k.type == "fixed"
+                        else AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon))
+        if ckpt is not None:
+            self._load_training_state(ckpt, state)
         self.saved_step = self.step
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def _load_policy(self, base: Path, ckpt: Path | None):
+        lora = self.cfg.lora
+        if lora.rank == 0:
+            return AutoModelForCausalLM.from_pretrained(ckpt or base, dtype=self.dtype)
+        from peft import LoraConfig, PeftModel, get_peft_model
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype)
+        if ckpt is not None:
+            return PeftModel.from_pretrained(model, ckpt / "adapter", is_trainable=True)
+        return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                lora_dropout=lora.dropout,
+                                                target_modules=list(lora.target_modules)))
+
+    def _load_training_state(self, ckpt: Path, state: dict) -> None:
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt"))
+        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
+        if self.critic_optimizer is not None and (ckpt / "critic_optimizer.pt").is_file():
+            self.critic_optimizer.load_state_dict(torch.load(ckpt / "critic_optimizer.pt"))
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
 
     @property
     def version(self) -> int:
-        """Policy version = optimizer steps taken since the start of the run."""
+        """Policy version = learner steps taken since the start of the run."""
         return self.step
 
-    # -- one training step -------------------------------------------------------------------
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        if self.ref is not None:
+            return response_logprobs(self.ref, batch, temperature)
+        with self.model.disable_adapter():  # LoRA: the frozen base is the reference
+            return response_logprobs(self.model, batch, temperature)
 
-    def _sequences(self, groups: list[ScoredGroup]):
-        seqs = []  # (prompt ids, response ids, behaviour logprobs, reward, version, finish)
-        for g in groups:
-            prompt = from_wire(g.prompt_ids).long()
-            for s in g.samples:
-                seqs.append((prompt, from_wire(s.response_ids).long(),
-                             from_wire(s.behaviour_logprobs).float(), s.reward, s.policy_version,
-                             s.finish_reason))
-        return seqs
+    def _micro_slices(self, lo: int, hi: int) -> list[slice]:
+        size = self.cfg.micro_batch_size
+        return [slice(i, min(i + size, hi)) for i in range(lo, hi, size)]
 
-    def _micro_batch(self, seqs):
-        """Right-padded inputs with targets and masks aligned to next-token positions."""
-        width = max(len(p) + len(r) for p, r, *_ in seqs)
-        B = len(seqs)
-        ids = torch.full((B, width), self.pad_id, dtype=torch.long)  # (B, W)
-        attn = torch.zeros((B, width), dtype=torch.long)
-        mask = torch.zeros((B, width - 1))  # (B, W-1): 1 where the target is a response token
-        behav = torch.zeros((B, width - 1))
-        for i, (p, r, lp, *_ ) in enumerate(seqs):
-            n = len(p) + len(r)
-            ids[i, :n] = torch.cat([p, r])
-            attn[i, :n] = 1
-            mask[i, len(p) - 1 : n - 1] = 1
-            behav[i, len(p) - 1 : n - 1] = lp
-        return ids, attn, mask, behav
+    def _check_abort(self) -> None:
+        if self.abort.is_set():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise Aborted
 
-    def _response_logprobs(self, ids, attn, mask):
-        """Log-probs of the response tokens, with the LM head applied only where they are.
-
-        The prompt is most of each sequence here, and the LM head (V = 49,152 columns) is a large
-        share of the compute, so hidden states are gathered at response positions first.
-        Returns ``lp`` (B, W-1) with zeros outside ``mask`` and the (N, V) response logits.
-        """
-        hidden = self.model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-        at = mask.bool()  # (B, W-1)
-        logits = self.model.get_output_embeddings()(hidden[:, :-1][at])  # (N, V)
-        lp_at = token_logprobs(logits, ids[:, 1:][at], self.topo.sampler.temperature,
-                               chunk_size=1024)  # (N,)
-        lp = torch.zeros(mask.shape, dtype=lp_at.dtype).masked_scatter(at, lp_at)  # (B, W-1)
-        return lp, logits
+    # -- one training step -----------------------------------------------------------------------
 
     def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:
         started = time.monotonic()
         algo, cfg = self.algo, self.cfg
-        seqs = self._sequences(groups)
-        n = len(groups[0].samples)
-        if any(len(g.samples) != n for g in groups):
-            raise ValueError("every group of a batch must have the same number of samples")
-        rewards = torch.tensor([s[3] for s in seqs], dtype=torch.float32)
-        adv = grpo_advantages(rewards, n, norm_by_std=algo.adv_estimator == "grpo")  # (N,)
-        total_tokens = sum(len(s[1]) for s in seqs)
+        temp = self.topo.sampler.temperature
+        batch = build_batch(groups, self.pad_id)
+        N, mask = batch.size, batch.response_mask
+        c = algo.correction
+        whole = slice(0, N)
+        inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
+                      and not c.rejection and not c.normalize_weights and not algo.use_kl_in_reward)
+        need_old = c.mode == "decoupled" and not inline_old
+        need_ref = algo.use_kl_loss or algo.use_kl_in_reward
+
+        # batch-wide quantities, computed with the weights of the start of the step
+        old = batch.behaviour_logprobs.clone() if c.mode == "bypass" else torch.zeros_like(mask)
+        ref = torch.zeros_like(mask) if need_ref else None
+        values = torch.zeros_like(mask) if self.critic is not None else None
+        with torch.no_grad():
+            for s in self._micro_slices(0, N):
+                self._check_abort()
+                mb = batch.rows(s)
+                w = mb.response_mask.shape[1]
+                if need_old:
+                    old[s, :w] = response_logprobs(self.model, mb, temp)
+                if need_ref:
+                    ref[s, :w] = self._reference_logprobs(mb, temp)
+                if values is not None:
+                    values[s, :w] = self.critic(mb.input_ids, mb.attention_mask) * mb.response_mask
+
+        metrics: dict[str, float] = {}
+        rewards = batch.token_rewards
+        if algo.use_kl_in_reward:
+            source = old if c.mode == "decoupled" else batch.behaviour_logprobs
+            kl = kl_estimate(source, ref, algo.kl_penalty) * mask  # (N, W-1)
+            rewards = rewards - self.kl_ctrl.value * kl
+            seq_kl = float((kl.sum(1) / mask.sum(1).clamp_min(1)).mean())
+            metrics.update({"actor/reward_kl_penalty": seq_kl, "actor/reward_kl_penalty_coeff":
+                            self.kl_ctrl.value})
+            self.kl_ctrl.update(seq_kl, N)
+        advantages, returns = compute_advantages(
+            algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
+            gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
+            norm_adv_by_std=algo.norm_adv_by_std_in_grpo)
+        batch_corr = correction(algo, old, batch.behaviour_logprobs, mask) if need_old else None
+
+        # optimizer updates: mini-batches hold whole groups
+        groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
+        bounds = [(g * batch.group_size, min(N, (g + groups_per_mb) * batch.group_size))
+                  for g in range(0, len(groups), groups_per_mb)]
+        norm_constant = algo.loss_scale_factor or float(self.topo.sampler.max_tokens)
         sums: dict[str, float] = {}
-        old_all, behav_all, mask_all = [], [], []
-        self.optimizer.zero_grad(set_to_none=True)
-        for lo in range(0, len(seqs), cfg.micro_batch_size):
-            if self.abort.is_set():
+        tokens_seen = 0.0
+        grad_norms, critic_sums = [], {}
+        old_seen = torch.zeros_like(mask)  # the proximal log-probs used, for the metrics
+        for _epoch in range(cfg.ppo_epochs):
+            for lo, hi in bounds:
+                keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
+                token_count = float(keep_mb.sum())
                 self.optimizer.zero_grad(set_to_none=True)
-                raise Aborted
-            chunk = seqs[lo : lo + cfg.micro_batch_size]
-            ids, attn, mask, behav = self._micro_batch(chunk)
-            lp, logits = self._response_logprobs(ids, attn, mask)
-            a = adv[lo : lo + len(chunk), None].expand_as(lp)  # (B, W-1)
-            if algo.correction == "bypass":
-                old, weights = behav, None
-            else:
-                old = lp.detach()
-                weights, _ = truncated_is_weights(old, behav, mask, cap=algo.tis_cap)
-            loss, m = ppo_clip_loss(lp, old, a, mask, clip_low=algo.clip_ratio_low,
-                                    clip_high=algo.clip_ratio_high, weights=weights,
-                                    loss_agg_mode=algo.loss_agg_mode, token_count=total_tokens,
-                                    seq_count=len(seqs))
-            loss.backward()
-            with torch.no_grad():
-                ent = entropy_from_logits(logits.detach(), self.topo.sampler.temperature,
-                                          chunk_size=1024)  # (N,) at response tokens
-            tokens = float(mask.sum())
-            for k, v in m.items():  # token-weighted sums, divided by the total below
-                sums[k] = sums.get(k, 0.0) + float(v) * tokens
-            sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + float(ent.sum())
-            old_all.append(old.detach().flatten()[mask.flatten() > 0])
-            behav_all.append(behav.flatten()[mask.flatten() > 0])
-            mask_all.append(mask.sum(1))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-        if self.abort.is_set():
-            self.optimizer.zero_grad(set_to_none=True)
-            raise Aborted
-        self.optimizer.step()
+                for s in self._micro_slices(lo, hi):
+                    self._check_abort()
+                    mb = batch.rows(s)
+                    w = mb.response_mask.shape[1]
+                    lp, logits = response_logprobs(self.model, mb, temp, with_logits=True)
+                    if inline_old:
+                        old_mb = lp.detach()
+                        corr = correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
+                    else:
+                        old_mb = old[s, :w]
+                        corr = (correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
+                                if batch_corr is None else _rows(batch_corr, s, w))
+                    old_seen[s, :w] = old_mb
+                    loss, m = micro_batch_loss(
+                        algo, lp, logits, mb, advantages[s, :w], old_mb, corr,
+                        ref[s, :w] if ref is not None else None, token_count=token_count,
+                        seq_count=hi - lo, norm_constant=norm_constant, temperature=temp)
+                    loss.backward()
+                    n_tok = float(corr.keep.sum())
+                    tokens_seen += n_tok
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + v * n_tok
+                    if self.critic is not None:
+                        v_new = self.critic(mb.input_ids, mb.attention_mask)
+                        vloss, vm = critic_loss(algo, v_new, values[s, :w], returns[s, :w],
+                                                mb.response_mask, token_count=token_count,
+                                                seq_count=hi - lo)
+                        vloss.backward()
+                        for k, v in vm.items():
+                            critic_sums[k] = critic_sums.get(k, 0.0) + v * n_tok
+                self._check_abort()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm)))
+                self.optimizer.step()
+                self.scheduler.step()
+                if self.critic is not None:
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                    self.critic_optimizer.step()
+                    self.critic_optimizer.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
-        metrics = {k: v / max(total_tokens, 1) for k, v in sums.items()}
-        old_t, behav_t = torch.cat(old_all)[None], torch.cat(behav_all)[None]
-        ones = torch.ones_like(old_t)
-        w, w_m = truncated_is_weights(old_t, behav_t, ones, cap=algo.tis_cap)
-        metrics.update(w_m)
-        metrics.update(mismatch_metrics(old_t, behav_t, ones, w))
-        lengths = torch.tensor([len(s[1]) for s in seqs], dtype=torch.float32)
-        stale = torch.tensor([self.version - 1 - s[4] for s in seqs], dtype=torch.float32)
+        metrics.update({k: v / max(tokens_seen, 1.0) for k, v in {**sums, **critic_sums}.items()})
+        final = correction(algo, old_seen, batch.behaviour_logprobs, mask)
+        metrics.update(final.metrics)
+        weights = final.weights if final.weights is not None else final.keep
+        metrics.update(mismatch_metrics(old_seen, batch.behaviour_logprobs, final.keep, weights))
+        metrics.update(staleness_histogram(self.version - 1 - batch.versions))
+        lengths = mask.sum(1)
+        adv_at = advantages[mask.bool()]
         elapsed = time.monotonic() - started
         metrics.update({
-            "critic/score/mean": float(rewards.mean()), "critic/score/max": float(rewards.max()),
-            "critic/score/min": float(rewards.min()),
-            "critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
-            "critic/advantages/min": float(adv.min()),
+            "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
+            "critic/score/min": float(batch.scores.min()),
+            "critic/advantages/mean": float(adv_at.mean()), "critic/advantages/max": float(adv_at.max()),
+            "critic/advantages/min": float(adv_at.min()),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": sum(s[5] == "length" for s in seqs) / len(seqs),
-            "actor/grad_norm": float(grad_norm), "actor/lr": self.optimizer.param_groups[0]["lr"],
-            "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
+            "response_length/clip_ratio": float(batch.truncated.float().mean()),
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            "actor/lr": self.scheduler.get_last_lr()[0],
             "timing_s/step": elapsed,
-            "perf/throughput": sum(len(p) + len(r) for p, r, *_ in seqs) / elapsed,
+            "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
         })
+        if values is not None:
+            metrics["critic/values/mean"] = float(values[mask.bool()].mean())
+            metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())
         return metrics
 
-    # -- weights and checkpoints ---------------------------------------------------------------
+    # -- weights and checkpoints ----------------------------------------------------------------
 
     def snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of every parameter (tied ones once), safe to send while training goes on."""
-        return [(name, p.detach().clone()) for name, p in self.model.named_parameters()]
+        """A copy of every policy parameter (tied ones once), LoRA merged, in the base names."""
+        if self.cfg.lora.rank == 0:
+            return [(name, p.detach().clone()) for name, p in self.model.named_parameters()]
+        from peft.tuners.lora import LoraLayer
+        merged = {}
+        core = self.model.get_base_model()
+        with torch.no_grad():
+            for name, module in core.named_modules():
+                if isinstance(module, LoraLayer):
+                    delta = module.get_delta_weight(module.active_adapters[0])
+                    merged[f"{name}.weight"] = module.get_base_layer().weight + delta
+            out = []
+            for name, p in core.named_parameters():
+                if "lora_" in name:
+                    continue
+                clean = name.replace(".base_layer", "")
+                out.append((clean, merged.get(clean, p).detach().clone()))
+        return out
 
     def save_checkpoint(self) -> Path:
         """Write an HF-format checkpoint atomically (temp dir, then rename); prune old ones."""
@@ -207,15 +312,35 @@ class Trainer:
         final = root / f"step_{self.step}"
         tmp = root / f".tmp_step_{self.step}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
+        if self.cfg.lora.rank == 0:
+            self.model.save_pretrained(tmp)
+        else:  # the merged model (loadable with from_pretrained) plus the adapter to resume from
+            core = self.model.get_base_model()
+            fresh = AutoModelForCausalLM.from_config(core.config, dtype=self.dtype)
+            fresh.load_state_dict(dict(self.snapshot()), strict=False)
+            fresh.tie_weights()
+            fresh.save_pretrained(tmp)
+            self.model.save_pretrained(tmp / "adapter")
         self.tokenizer.save_pretrained(tmp)
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({"step": self.step, "version": self.version}))
+        torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+        if self.critic is not None:
+            (tmp / "critic").mkdir()
+            self.critic.save(tmp / "critic")
+            torch.save(self.critic_optimizer.state_dict(), tmp / "critic_optimizer.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({"step": self.step, "version": self.version,
+                                                  "kl_coef": self.kl_ctrl.value}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         self.saved_step = self.step
         ckpts = sorted(root.glob("step_*"), key=lambda p: int(p.name[5:]))
-        for old in ckpts[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        for stale in ckpts[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(stale, ignore_errors=True)
         return final
+
+
+def _rows(corr, s: slice, width: int):
+    from actors.learner.objective import Correction
+    return Correction(None if corr.weights is None else corr.weights[s, :width], corr.keep[s, :width],
+                      corr.metrics)

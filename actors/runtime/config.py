@@ -65,23 +65,106 @@ class TaskConfig(_Section):
     """Override the task's system prompt (empty: the task's own)."""
 
 
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                  "remax", "gae", "opo", "grpo_passk")
+POLICY_LOSSES = ("vanilla", "gspo", "reinforce", "gpg", "cispo")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+class RejectionRule(_Section):
+    statistic: Literal["ratio", "geo_mean", "k1", "k2", "k3"]
+    """What is bounded: the IS ratio, its per-sequence geometric mean, or a KL statistic of it."""
+    level: Literal["token", "sequence"] = "sequence"
+    """Mask single tokens, or every token of a sequence whose statistic is out of bounds."""
+    low: float | None = None
+    """Lower bound, kept when statistic >= low (none: unbounded below; k1 can be negative)."""
+    high: float | None = None
+    """Upper bound, kept when statistic <= high (none: unbounded above)."""
+
+
+class CorrectionConfig(_Section):
+    mode: Literal["decoupled", "bypass"] = "decoupled"
+    """decoupled: proximal log-probs recomputed, PPO on π_θ/π_old, tokens weighted by π_old/μ;
+    bypass: the sampler's behaviour log-probs are the PPO old log-probs (no recompute)."""
+    is_level: Literal["token", "sequence", "none"] = "token"
+    """Truncated importance weight min(π_old/μ, is_cap) per token, per sequence, or none."""
+    is_cap: float = 2.0
+    """Cap of the truncated importance weight (verl 2.0, AReaL 5.0, TRL 3.0)."""
+    normalize_weights: bool = False
+    """Rescale the importance weights of a batch to mean 1."""
+    rejection: list[RejectionRule] = []
+    """Masked IS / rejection rules (IcePop, verl rollout_rs); a token is kept only if all keep it."""
+
+
+class KLControl(_Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adaptive towards target_kl (verl kl_ctrl)."""
+    kl_coef: float = 0.001
+    """Initial β of the KL penalty in the reward."""
+    target_kl: float = 0.1
+    """adaptive: the KL the controller steers to."""
+    horizon: int = 10000
+    """adaptive: steps over which β moves by at most 20%."""
+
+
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo", "dr_grpo"] = "grpo"
-    """Advantage estimator (verl name)."""
+    adv_estimator: Literal[ADV_ESTIMATORS] = "grpo"
+    """Advantage estimator (verl names): grpo, dr_grpo, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax (adds a greedy sample per prompt), gae (trains a critic),
+    opo, grpo_passk."""
+    norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide by the group's std (False is Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount for reinforce_plus_plus, remax and gae."""
+    lam: float = 1.0
+    """GAE λ."""
     n: int = 8
-    """Completions sampled per prompt (the GRPO group size; verl ``rollout.n``)."""
+    """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
+    policy_loss: Literal[POLICY_LOSSES] = "vanilla"
+    """vanilla (PPO clip), gspo (sequence ratio), reinforce (alias gpg), cispo."""
     clip_ratio_low: float = 0.2
     """PPO clip ε_low."""
     clip_ratio_high: float = 0.2
     """PPO clip ε_high (> ε_low is DAPO clip-higher)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced (verl names)."""
-    correction: Literal["decoupled", "bypass"] = "decoupled"
-    """Off-policy correction: decoupled PPO with truncated IS, or behaviour log-probs as old."""
-    tis_cap: float = 2.0
-    """Cap C of the token-level truncated importance weight min(π_old/μ, C)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant c > 1 for negative advantages (0 disables)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are reduced (verl names), over the whole mini-batch."""
+    loss_scale_factor: float = 0.0
+    """seq-mean-token-sum-norm: the constant to divide by (0: sampler.max_tokens)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss −= entropy_coeff·H."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef·KL(π_θ‖π_ref) to the loss, against the frozen initial model."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: Literal[KL_TYPES] = "low_var_kl"
+    """KL estimator of the loss term."""
+    use_kl_in_reward: bool = False
+    """Subtract β·KL(π_old‖π_ref) per token from the reward."""
+    kl_penalty: Literal[KL_TYPES] = "kl"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLControl = KLControl()
+    """Controller of β for the in-reward penalty."""
+    cliprange_value: float = 0.5
+    """gae: value clipping range of the critic loss."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """Off-policy correction between the sampler's policy μ and the learner's."""
     max_staleness: int = 1
     """Policy versions a sample may lag the learner (0 = synchronous). Older groups are dropped."""
+
+
+class LoraConfig(_Section):
+    rank: int = 0
+    """LoRA rank (0 trains all weights). Samplers receive the merged weights."""
+    alpha: float = 16.0
+    """LoRA scaling α."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                       "up_proj", "down_proj")
+    """Module names that get adapters."""
 
 
 class SamplerConfig(ActorCommon):
@@ -131,10 +214,26 @@ class LearnerConfig(ActorCommon):
     """Optimizer steps before the job ends."""
     groups_per_step: int = 4
     """Prompts (groups of ``n`` samples) per training step (verl ``data.train_batch_size``)."""
+    ppo_mini_batches: int = 1
+    """Optimizer updates per batch: the batch is split into this many mini-batches."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward; gradients accumulate over the step's batch."""
+    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
     lr: float = 1e-5
     """AdamW learning rate."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup (decays to min_lr_ratio·lr over the run)."""
+    warmup_steps: int = 0
+    """Optimizer updates of linear warmup from 0."""
+    min_lr_ratio: float = 0.0
+    """linear/cosine: final learning rate as a fraction of lr."""
+    critic_lr: float = 1e-5
+    """gae: the critic's AdamW learning rate."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters instead of full fine-tuning."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -213,9 +312,24 @@ def _check(topology: Topology) -> None:
     a = topology.algorithm
     need(a.n >= 1, "algorithm.n", "must be >= 1")
     need(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
-    need(a.tis_cap > 0, "algorithm.tis_cap", "must be > 0")
+    need(a.correction.is_cap > 0, "algorithm.correction.is_cap", "must be > 0")
+    for i, rule in enumerate(a.correction.rejection):
+        need(rule.low is not None or rule.high is not None, f"algorithm.correction.rejection[{i}]",
+             "needs a low or a high bound")
+        need(rule.low is None or rule.high is None or rule.low <= rule.high,
+             f"algorithm.correction.rejection[{i}]", "needs low <= high")
+        need(not (rule.statistic == "geo_mean" and rule.level == "token"),
+             f"algorithm.correction.rejection[{i}].level", "geo_mean is a sequence statistic")
     need(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)")
     need(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
+    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
+    need(0 <= a.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
+    need(0 <= a.lam <= 1, "algorithm.lam", "must be in [0, 1]")
+    need(a.entropy_coeff >= 0, "algorithm.entropy_coeff", "must be >= 0")
+    need(a.kl_ctrl.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1")
+    need(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
+    need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
+         or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
     s = topology.sampler
     need(s.temperature > 0, "sampler.temperature", "must be > 0")
     need(0 < s.top_p <= 1, "sampler.top_p", "must be in (0, 1]")
@@ -227,6 +341,12 @@ def _check(topology: Topology) -> None:
     need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
     need(L.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
     need(L.lr > 0, "learner.lr", "must be > 0")
+    need(L.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
+    need(1 <= L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
+         f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
+    need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+    need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
+    need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",

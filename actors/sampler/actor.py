@@ -10,6 +10,7 @@ except once at start: the first batch waits for the learner's current weights.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -19,7 +20,7 @@ import anyio
 import torch
 import zmq
 
-from actors.runtime.actor import ActorContext
+from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.tensors import from_buffer, to_wire
 from actors.runtime.zmq_bridge import make_socket
 from actors.sampler.engine import Completion, HFEngine
@@ -91,11 +92,15 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 waiter[0].set()
 
     async def score_and_send(prompts: list[Prompt], prompt_ids: list[list[int]],
-                             groups: list[list[Completion]], used_version: int, gen_s: float) -> None:
+                             groups: list[list[Completion]], greedy: list[Completion] | None,
+                             used_version: int, gen_s: float) -> None:
         try:
             started = time.monotonic()
             items = [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info)
                      for p, group in zip(prompts, groups, strict=True) for c in group]
+            if greedy is not None:  # remax baselines are scored after the samples
+                items += [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info)
+                          for p, c in zip(prompts, greedy, strict=True)]
             rid = next(request_ids)
             done = anyio.Event()
             box: list[ScoreReply] = []
@@ -104,8 +109,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
             await done.wait()
             results = iter(box[0].results)
             score_s = time.monotonic() - started
+            results_list = box[0].results
+            baselines = ([r.score for r in results_list[-len(prompts):]] if greedy is not None
+                         else [None] * len(prompts))
             out = []
-            for p, ids, group in zip(prompts, prompt_ids, groups, strict=True):
+            for p, ids, group, baseline in zip(prompts, prompt_ids, groups, baselines, strict=True):
                 samples = []
                 for c in group:
                     r = next(results)
@@ -117,7 +125,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                     ))
                 out.append(ScoredGroup(prompt=p, prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
                                        samples=samples, sampler=ctx.name, generate_seconds=gen_s,
-                                       score_seconds=score_s))
+                                       score_seconds=score_s, baseline_reward=baseline))
             await replay.send_multipart([encode(GroupsDone(groups=out))])
             stats["groups"] += len(out)
         finally:
@@ -148,7 +156,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
             ids = [engine.prompt_ids([{"role": m.role, "content": m.content} for m in p.messages])
                    for p in prompts]
             started = time.monotonic()
-            groups = await anyio.to_thread.run_sync(engine.generate, ids, topo.algorithm.n)
+            groups = await run_compute(engine.generate, ids, topo.algorithm.n, abort=engine.abort)
+            greedy = None
+            if topo.algorithm.adv_estimator == "remax":
+                greedy = [g[0] for g in await run_compute(
+                    functools.partial(engine.generate, greedy=True), ids, 1, abort=engine.abort)]
             gen_s = time.monotonic() - started
             stats["gen_s"] += gen_s
             stats["tokens"] += sum(len(c.response_ids) for g in groups for c in g)
@@ -157,14 +169,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                               weight_loads=stats["weight_loads"], score_errors=stats["score_errors"],
                               scoring=MAX_SCORING - scoring.value)
             await scoring.acquire()
-            tg.start_soon(score_and_send, prompts, ids, groups, version, gen_s)
+            tg.start_soon(score_and_send, prompts, ids, groups, greedy, version, gen_s)
 
     task_status.started()
     with replay, router, weights:
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(receive_weights)
-                tg.start_soon(receive_scores)
-                tg.start_soon(generate_loop, tg)
-        finally:
-            engine.abort.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive_weights)
+            tg.start_soon(receive_scores)
+            tg.start_soon(generate_loop, tg)

@@ -57,8 +57,12 @@ class HFEngine:
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[Completion]]:
-        """``n`` completions for each tokenized prompt (left-padded into one batch)."""
+    def generate(self, prompts: list[list[int]], n: int, *, greedy: bool = False
+                 ) -> list[list[Completion]]:
+        """``n`` completions for each tokenized prompt (left-padded into one batch).
+
+        ``greedy`` decodes the most likely tokens instead of sampling (remax's baseline).
+        """
         cfg, tok = self.cfg, self.tokenizer
         width = max(len(p) for p in prompts)
         pad = tok.pad_token_id
@@ -66,8 +70,10 @@ class HFEngine:
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=cfg.temperature,
-            top_p=cfg.top_p, top_k=cfg.top_k or None, max_new_tokens=cfg.max_tokens,
+            input_ids=ids, attention_mask=attn, max_new_tokens=cfg.max_tokens,
+            **({"do_sample": False, "temperature": None, "top_p": None, "top_k": None} if greedy else
+               {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                "top_k": cfg.top_k or None}),
             pad_token_id=pad, eos_token_id=tok.eos_token_id, output_logits=True,
             return_dict_in_generate=True, stop_strings=cfg.stop or None,
             tokenizer=tok if cfg.stop else None,

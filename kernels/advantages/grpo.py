@@ -1,13 +1,14 @@
 """Group-relative advantages (GRPO and Dr.GRPO).
 
 Rewards arrive flat, group by group: the ``n`` samples of one prompt are consecutive. Each
-sample gets one scalar advantage; the learner broadcasts it over that sample's response
-tokens.
+sample gets one scalar advantage, broadcast over that sample's response tokens.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.advantages._common import AdvantageParams, sequence_scores, to_tokens
 
 
 def grpo_advantages(
@@ -44,3 +45,29 @@ def grpo_advantages(
     if norm_by_std:
         adv = adv / (std + eps)
     return adv.reshape(-1)  # (G*n,)
+
+
+def grpo(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, params: AdvantageParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl ``grpo``: ``grpo_advantages`` of each sequence's total reward, on its tokens.
+
+    ``params.norm_adv_by_std=False`` gives Dr.GRPO. Returns equal the advantages (verl).
+    """
+    scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
+    adv = grpo_advantages(
+        scores, params.group_size, norm_by_std=params.norm_adv_by_std, eps=params.eps
+    )  # (N,)
+    adv = to_tokens(adv, response_mask)  # (N, T)
+    return adv, adv
+
+
+def dr_grpo(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, params: AdvantageParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO: ``r - mean_g`` whatever ``norm_adv_by_std`` says (verl: grpo with
+    ``norm_adv_by_std_in_grpo=False``)."""
+    scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
+    adv = grpo_advantages(scores, params.group_size, norm_by_std=False)  # (N,)
+    adv = to_tokens(adv, response_mask)  # (N, T)
+    return adv, adv

@@ -1,0 +1,86 @@
+"""A training batch as padded tensors: scored groups in, next-token-aligned tensors out.
+
+Rows are samples, ordered group by group (``group_size`` consecutive rows per prompt), each
+``prompt + response`` right-padded to the batch width ``W``. Token-level tensors have ``W − 1``
+columns aligned with next-token prediction: column ``t`` scores token ``t + 1``, so
+``response_mask[i, t] = 1`` exactly where token ``t + 1`` of row ``i`` is a generated response
+token. The scalar reward sits on the last response token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from actors.runtime.tensors import from_wire
+from messages.rollout import ScoredGroup
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # (N, W) long
+    attention_mask: torch.Tensor  # (N, W) long
+    response_mask: torch.Tensor  # (N, W-1) float
+    behaviour_logprobs: torch.Tensor  # (N, W-1) float, 0 outside the response
+    token_rewards: torch.Tensor  # (N, W-1) float, the score on the last response token
+    scores: torch.Tensor  # (N,) float
+    versions: torch.Tensor  # (N,) long, policy version that generated each sample
+    truncated: torch.Tensor  # (N,) bool, response hit max_tokens
+    baseline_rewards: torch.Tensor | None  # (N,) remax: reward of the group's greedy sample
+    group_size: int
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: slice) -> RolloutBatch:
+        """Rows ``index`` with the width trimmed to their longest sequence."""
+        width = int(self.attention_mask[index].sum(1).max())
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                cols = width if value.shape[1] == self.input_ids.shape[1] else width - 1
+                value = value[index, :cols]
+            elif isinstance(value, torch.Tensor):
+                value = value[index]
+            out[f.name] = value
+        return RolloutBatch(**out)
+
+
+def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
+    n = len(groups[0].samples)
+    if any(len(g.samples) != n for g in groups):
+        raise ValueError("every group of a batch must have the same number of samples")
+    rows = []
+    for g in groups:
+        prompt = from_wire(g.prompt_ids).long()
+        for s in g.samples:
+            rows.append((prompt, from_wire(s.response_ids).long(),
+                         from_wire(s.behaviour_logprobs).float(), s, g.baseline_reward))
+    width = max(len(p) + len(r) for p, r, *_ in rows)
+    N = len(rows)
+    ids = torch.full((N, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, width), dtype=torch.long)
+    mask = torch.zeros((N, width - 1))
+    behav = torch.zeros((N, width - 1))
+    rewards = torch.zeros((N, width - 1))
+    for i, (p, r, lp, s, _) in enumerate(rows):
+        end = len(p) + len(r)
+        ids[i, :end] = torch.cat([p, r])
+        attn[i, :end] = 1
+        mask[i, len(p) - 1 : end - 1] = 1
+        behav[i, len(p) - 1 : end - 1] = lp
+        if len(r):
+            rewards[i, end - 2] = s.reward
+    baselines = None
+    if any(b is not None for *_, b in rows):
+        baselines = torch.tensor([b if b is not None else 0.0 for *_, b in rows])
+    return RolloutBatch(
+        input_ids=ids, attention_mask=attn, response_mask=mask, behaviour_logprobs=behav,
+        token_rewards=rewards, scores=torch.tensor([s.reward for *_, s, _ in rows]),
+        versions=torch.tensor([s.policy_version for *_, s, _ in rows]),
+        truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
+        baseline_rewards=baselines, group_size=n,
+    )

@@ -1,0 +1,34 @@
+"""The critic for GAE: the policy's architecture with a scalar value head, its own optimizer.
+
+Like verl's critic it starts from the same checkpoint as the policy (the transformer body) with
+a fresh linear head, and predicts at every position the value of the state before the next
+token, aligned with the learner's next-token tensors (column ``t`` values the prefix up to ``t``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel
+
+
+class ValueModel(nn.Module):
+    def __init__(self, source: Path, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.body = AutoModel.from_pretrained(source, dtype=dtype)
+        self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        head_file = source / "value_head.pt"
+        if head_file.is_file():
+            self.head.load_state_dict(torch.load(head_file))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden[:, :-1]).squeeze(-1).float()  # (B, W-1)
+
+    def save(self, path: Path) -> None:
+        self.body.save_pretrained(path)
+        torch.save(self.head.state_dict(), path / "value_head.pt")

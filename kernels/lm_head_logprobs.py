@@ -1,0 +1,273 @@
+"""Per-token log-probs (and entropy) straight from hidden states and the LM head weight.
+
+The learner needs ``log_softmax(hidden @ weight.T / T)[target]`` with gradients for both the
+hidden states and the (tied) head weight. Materialising the float32 ``(N, V)`` logits for
+``N = 8192`` tokens and ``V = 49152`` costs 1.6 GB before the log-softmax and the backward
+buffers double or triple it. ``lm_head_logprobs`` has three paths that compute the same numbers:
+
+- ``"naive"``: the reference. ``log_softmax((hidden @ weight.T).float() / T)`` and a gather;
+  autograd keeps several ``(N, V)`` tensors.
+- ``"chunked"``: a custom autograd function walking ``chunk_size`` rows at a time. The forward
+  pass keeps only per-row scalars (logsumexp, entropy); the backward pass recomputes each
+  chunk's logits, turns them into the gradient with respect to the logits and multiplies that
+  into ``grad_hidden`` and ``grad_weight``. Peak extra memory is a few ``(chunk_size, V)``
+  float32 blocks. Logits are computed in the inputs' dtype, as on the naive path, and the
+  softmax math in float32.
+- ``"triton"``: the same autograd function with Triton kernels (``kernels/triton_logprobs.py``):
+  the forward pass is one fused online-softmax kernel over hidden and weight tiles that writes
+  no ``(N, V)`` tensor at all; the backward pass writes one ``(chunk_size, V)`` gradient block
+  per chunk in the inputs' dtype. The logits are accumulated in float32 and never rounded to
+  bfloat16, so with bfloat16 inputs this path is slightly *more* exact than the other two.
+
+Choosing a path, first match wins:
+
+1. ``impl="naive" | "chunked" | "triton"`` passed by the caller;
+2. the environment variable ``FLOWRL_LOGPROB_IMPL`` (same three values), when ``impl="auto"``;
+3. ``impl="auto"``: ``"triton"`` for CUDA tensors when the ``triton`` package is installed,
+   otherwise ``"chunked"``.
+
+``tests/test_kernels_lm_head.py`` compares every path with ``"naive"`` and reports the largest
+and mean differences; ``bench/bench_logprobs.py`` measures time and peak memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+from torch.autograd.function import once_differentiable
+
+IMPLS = ("naive", "chunked", "triton")
+IMPL_ENV = "FLOWRL_LOGPROB_IMPL"
+
+
+def lm_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token under ``softmax(hidden @ weight.T / temperature)``.
+
+    ``hidden`` is ``(N, H)`` (flatten ``(B, T, H)`` first), ``weight`` the LM head ``(V, H)`` in
+    the same float dtype and on the same device (no bias: the default model's tied head has
+    none), ``targets`` the ``(N,)`` long token ids, each in ``[0, V)`` (padding positions still
+    need a valid id; mask them out afterwards). Returns ``logprobs`` ``(N,)`` float32, or
+    ``(logprobs, entropy)`` when ``with_entropy``. Both outputs carry gradients to ``hidden``
+    and ``weight`` on every path; an entropy that no loss uses costs nothing in the backward
+    pass (``.detach()`` it to be explicit). ``chunk_size`` rows are processed at a time on the
+    chunked path and in the Triton backward pass; the naive path ignores it. ``impl`` picks the
+    path; see the module docstring for how it combines with ``FLOWRL_LOGPROB_IMPL``.
+    """
+    _check_args(hidden, weight, targets, temperature, chunk_size)
+    path = resolve_impl(impl, hidden.device)
+    if path == "naive":
+        logits = (hidden @ weight.T).float() / temperature  # (N, V)
+        logp = torch.log_softmax(logits, dim=-1)  # (N, V)
+        logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N,)
+        if not with_entropy:
+            return logprobs
+        return logprobs, -(logp.exp() * logp).sum(-1)
+    backend = _triton_backend() if path == "triton" else _CHUNKED
+    logprobs, entropy = _LMHeadLogprobs.apply(
+        hidden, weight, targets, float(temperature), int(chunk_size), with_entropy, backend
+    )
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The path ``lm_head_logprobs(..., impl=impl)`` takes for tensors on ``device``."""
+    if impl != "auto":
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be 'auto' or one of {IMPLS}, got {impl!r}")
+        return impl
+    forced = os.environ.get(IMPL_ENV, "").strip().lower()
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"{IMPL_ENV} must be one of {IMPLS} or unset, got {forced!r}")
+        return forced
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "chunked"
+
+
+def _check_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (N, H), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: hidden is {tuple(hidden.shape)}, weight is "
+            f"{tuple(weight.shape)}; both need the same H in their last dimension"
+        )
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must share one float dtype, got {hidden.dtype} and {weight.dtype}"
+        )
+    if targets.dtype != torch.long or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"targets must be a long tensor of shape ({hidden.shape[0]},), got {targets.dtype} "
+            f"of shape {tuple(targets.shape)}"
+        )
+    if not hidden.device == weight.device == targets.device:
+        raise ValueError(
+            f"hidden, weight and targets must be on one device, got {hidden.device}, "
+            f"{weight.device} and {targets.device}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if targets.numel():
+        # The Triton kernels would read a wrong logit silently; one host sync is cheap here.
+        low, high = torch.aminmax(targets)
+        if low.item() < 0 or high.item() >= weight.shape[0]:
+            raise ValueError(
+                f"targets must lie in [0, {weight.shape[0]}), got ids from {low.item()} to "
+                f"{high.item()}"
+            )
+
+
+class _ChunkedBackend:
+    """Plain torch per chunk: the same two entry points as ``kernels.triton_logprobs``."""
+
+    @staticmethod
+    def lm_head_rows(hidden, weight, targets, temperature, with_entropy, chunk_size):
+        # hidden (N, H), weight (V, H), targets (N,)
+        n = hidden.shape[0]
+        logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            z = (hidden[start:end] @ weight.T).float()  # (k, V), a fresh tensor we may overwrite
+            z.div_(temperature)
+            row_lse = torch.logsumexp(z, dim=-1)  # (k,)
+            lse[start:end] = row_lse
+            picked = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)  # (k,)
+            logprob[start:end] = picked - row_lse
+            if with_entropy:
+                logp = z.sub_(row_lse.unsqueeze(-1))  # (k, V)
+                entropy[start:end] = -(torch.exp(logp).mul_(logp)).sum(-1)
+        return logprob, lse, entropy
+
+    @staticmethod
+    def dlogits(hidden, weight, targets, lse, entropy, grad_logprob, grad_entropy, temperature):
+        # hidden (k, H) one chunk; targets, lse, entropy, grads (k,); returns (k, V) in
+        # hidden's dtype: (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T
+        logp = (hidden @ weight.T).float()  # (k, V)
+        logp.div_(temperature).sub_(lse.unsqueeze(-1))
+        if grad_entropy is None:
+            dz = logp.exp_().mul_(-grad_logprob.float().unsqueeze(-1))
+        else:
+            p = torch.exp(logp)  # (k, V)
+            coef = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))
+            if grad_logprob is not None:
+                coef.add_(grad_logprob.float().unsqueeze(-1))
+            dz = p.mul_(coef).neg_()  # -p * (g_lp + g_ent * (log p + H))
+        if grad_logprob is not None:
+            dz.scatter_add_(-1, targets.unsqueeze(-1), grad_logprob.float().unsqueeze(-1))
+        return dz.div_(temperature).to(hidden.dtype)
+
+
+_CHUNKED = _ChunkedBackend()
+
+
+class _TritonBackend:
+    """Adapts ``kernels.triton_logprobs`` (whose forward pass needs no chunking)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module  # looked up per call, so a reloaded module takes effect
+
+    def lm_head_rows(self, hidden, weight, targets, temperature, with_entropy, chunk_size):
+        return self.module.lm_head_rows(hidden, weight, targets, temperature, with_entropy)
+
+    def dlogits(self, *args):
+        return self.module.dlogits(*args)
+
+
+@functools.cache
+def _triton_backend() -> _TritonBackend:
+    try:
+        from kernels import triton_logprobs
+    except ImportError as exc:
+        raise RuntimeError(
+            "impl='triton' needs the triton package (pip install triton; CUDA only)"
+        ) from exc
+    return _TritonBackend(triton_logprobs)
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    """Row-chunked log-probs and entropy; saves only inputs and per-row scalars for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, backend):
+        logprob, lse, entropy = backend.lm_head_rows(
+            hidden, weight, targets, temperature, with_entropy, chunk_size
+        )  # (N,) each; entropy is empty without with_entropy
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.backend = backend
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an unused output arrives as None and costs nothing
+        return logprob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (grad_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return None, None, None, None, None, None, None
+        n = hidden.shape[0]
+        grad_hidden = grad_weight = None
+        if need_hidden:
+            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        if need_weight:
+            # Summed over chunks in float32, rounded to the weight's dtype once at the end.
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, n, ctx.chunk_size):
+            end = min(start + ctx.chunk_size, n)
+            h = hidden[start:end]  # (k, H)
+            dz = ctx.backend.dlogits(
+                h,
+                weight,
+                targets[start:end],
+                lse[start:end],
+                entropy[start:end],
+                None if grad_logprob is None else grad_logprob[start:end],
+                None if grad_entropy is None else grad_entropy[start:end],
+                ctx.temperature,
+            )  # (k, V) in hidden's dtype
+            if need_hidden:
+                torch.mm(dz, weight, out=grad_hidden[start:end])
+            if need_weight:
+                if dz.dtype == torch.float32:
+                    grad_weight.addmm_(dz.T, h)
+                else:
+                    grad_weight += dz.T @ h
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if need_weight else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )

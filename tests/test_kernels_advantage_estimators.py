@@ -1,0 +1,231 @@
+import math
+
+import pytest
+import torch
+
+from kernels.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from kernels.masked import masked_whiten
+
+# Four sequences in two groups of two, right-padded to T = 5 with different lengths.
+MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+SCORES = [1.0, 0.0, 0.5, 2.0]
+
+
+def _outcome(scores=SCORES, mask=MASK):
+    """Each score on its sequence's last response token, NaN in the padding."""
+    rewards = torch.full(mask.shape, math.nan)
+    rewards[mask.bool()] = 0.0
+    for i, length in enumerate(mask.long().sum(-1).tolist()):
+        rewards[i, length - 1] = scores[i]
+    return rewards
+
+
+def _per_sequence(adv, mask=MASK):
+    """The one value each sequence carries on all its tokens (checked constant)."""
+    out = []
+    for row, m in zip(adv, mask.bool(), strict=True):
+        vals = row[m]
+        torch.testing.assert_close(vals, vals[:1].expand_as(vals))
+        out.append(vals[0].item())
+    return out
+
+
+def _unbiased_whiten(xs):
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+    return [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_every_estimator_zero_outside_mask_and_finite(name):
+    rewards = _outcome()
+    values = torch.randn(MASK.shape, generator=torch.Generator().manual_seed(0))
+    values[~MASK.bool()] = math.nan  # garbage in padding must not leak
+    adv, ret = compute_advantages(
+        name,
+        rewards,
+        MASK,
+        group_size=2,
+        values=values,
+        gamma=0.9,
+        lam=0.8,
+        reward_baselines=torch.tensor([0.5, 0.5, 1.0, 1.0]),
+    )
+    for t in (adv, ret):
+        assert t.dtype == torch.float32 and t.shape == MASK.shape and not t.requires_grad
+        assert torch.isfinite(t).all()
+        assert torch.all(t[MASK == 0] == 0)
+
+
+def test_grpo_broadcast_and_group_mean_zero():
+    adv, ret = compute_advantages("grpo", _outcome(), MASK, group_size=2)
+    # group [1, 0]: +-0.5 / (std 0.7071 + 1e-6); group [0.5, 2]: +-0.75 / (1.06066 + 1e-6)
+    expected = [0.7071063, -0.7071063, -0.7071063, 0.7071063]
+    assert _per_sequence(adv) == pytest.approx(expected, abs=1e-6)
+    assert torch.equal(adv, ret)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.rand(6 * 4, generator=gen).tolist()
+    mask = torch.ones(24, 3)
+    adv, _ = compute_advantages("grpo", _outcome(scores, mask), mask, group_size=6)
+    per_seq = torch.tensor(_per_sequence(adv, mask)).view(4, 6)
+    torch.testing.assert_close(per_seq.mean(-1), torch.zeros(4), atol=1e-6, rtol=0)
+
+
+def test_dr_grpo_ignores_norm_flag_and_grpo_honours_it():
+    for name, flag in (("dr_grpo", True), ("grpo", False)):
+        adv, _ = compute_advantages(name, _outcome(), MASK, group_size=2, norm_adv_by_std=flag)
+        assert _per_sequence(adv) == pytest.approx([0.5, -0.5, -0.75, 0.75])
+
+
+def test_rloo_is_leave_one_out():
+    scores = [1.0, 0.0, 0.5, 3.0, 2.0, -1.0]
+    mask = torch.ones(6, 2)
+    adv, _ = compute_advantages("rloo", _outcome(scores, mask), mask, group_size=3)
+    got = _per_sequence(adv, mask)
+    for i, r in enumerate(scores):
+        group = scores[(i // 3) * 3 : (i // 3) * 3 + 3]
+        others = list(group)
+        others.remove(r)
+        assert got[i] == pytest.approx(r - sum(others) / 2)
+    single, _ = compute_advantages("rloo", _outcome(scores, mask), mask, group_size=1)
+    assert _per_sequence(single, mask) == pytest.approx(scores)  # no other sample: A = r
+
+
+def test_opo_length_weighted_baseline():
+    adv, _ = compute_advantages("opo", _outcome(), MASK, group_size=2)
+    # group 1: lengths 3, 2 -> baseline (3*1 + 2*0) / 5 = 0.6
+    # group 2: lengths 5, 1 -> baseline (5*0.5 + 1*2) / 6 = 0.75
+    assert _per_sequence(adv) == pytest.approx([0.4, -0.6, -0.25, 1.25])
+
+
+def test_grpo_passk_only_best_gets_credit():
+    scores = [0.0, 1.0, 0.25, 0.5, 0.5, 0.5]
+    mask = torch.ones(6, 2)
+    raw, _ = compute_advantages(
+        "grpo_passk", _outcome(scores, mask), mask, group_size=3, norm_adv_by_std=False
+    )
+    assert _per_sequence(raw, mask) == pytest.approx([0.0, 0.75, 0.0, 0.0, 0.0, 0.0])
+    normed, _ = compute_advantages("grpo_passk", _outcome(scores, mask), mask, group_size=3)
+    std = torch.tensor([0.0, 1.0, 0.25]).std().item()
+    assert _per_sequence(normed, mask)[1] == pytest.approx(0.75 / (std + 1e-6))
+    assert sum(v != 0 for v in _per_sequence(normed, mask)) == 1
+    with pytest.raises(ValueError, match="group_size >= 2, got 1"):
+        compute_advantages("grpo_passk", _outcome(scores, mask), mask, group_size=1)
+
+
+def test_reinforce_plus_plus_return_to_go_resets_per_sequence():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    rewards = torch.tensor([[0.1, 0.0, 1.0, 9.0], [-0.2, 2.0, 7.0, 7.0]])  # padding ignored
+    adv, ret = compute_advantages("reinforce_plus_plus", rewards, mask, group_size=1, gamma=0.5)
+    # row 0: G2 = 1, G1 = 0 + 0.5, G0 = 0.1 + 0.25; row 1 starts afresh: G1 = 2, G0 = -0.2 + 1
+    expected = torch.tensor([[0.35, 0.5, 1.0, 0.0], [0.8, 2.0, 0.0, 0.0]])
+    torch.testing.assert_close(ret, expected)
+    whitened = _unbiased_whiten([0.35, 0.5, 1.0, 0.8, 2.0])
+    torch.testing.assert_close(adv[mask.bool()], torch.tensor(whitened))
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_reinforce_plus_plus_baseline_whitens_centred_scores_over_tokens():
+    adv, _ = compute_advantages("reinforce_plus_plus_baseline", _outcome(), MASK, group_size=2)
+    centred = [0.5, -0.5, -0.75, 0.75]
+    tokens = [c for c, n in zip(centred, MASK.sum(-1).tolist(), strict=True) for _ in range(n)]
+    whitened = _unbiased_whiten(tokens)
+    torch.testing.assert_close(adv[MASK.bool()], torch.tensor(whitened))
+
+
+def test_remax_needs_baselines_and_subtracts_them():
+    with pytest.raises(ValueError, match="reward_baselines"):
+        compute_advantages("remax", _outcome(), MASK, group_size=2)
+    with pytest.raises(ValueError, match=r"reward_baselines shape \(2,\)"):
+        compute_advantages("remax", _outcome(), MASK, group_size=2, reward_baselines=torch.zeros(2))
+    rewards = torch.tensor([[0.5, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = compute_advantages(
+        "remax", rewards, mask, group_size=1, reward_baselines=torch.tensor([1.0, 0.5])
+    )
+    torch.testing.assert_close(ret, torch.tensor([[1.5, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.0, 0.0], [1.5, 1.5, 0.0]]))
+
+
+def _gae_loop(rewards, values, mask, gamma, lam):
+    """Textbook GAE per row over the masked positions only, in plain Python."""
+    adv_rows, ret_rows = [], []
+    for r, v, m in zip(rewards.tolist(), values.tolist(), mask.tolist(), strict=True):
+        idx = [t for t, keep in enumerate(m) if keep]
+        adv, ret = [0.0] * len(m), [0.0] * len(m)
+        last = 0.0
+        for k in reversed(range(len(idx))):
+            t = idx[k]
+            v_next = v[idx[k + 1]] if k + 1 < len(idx) else 0.0
+            delta = r[t] + gamma * v_next - v[t]
+            last = delta + gamma * lam * last
+            adv[t], ret[t] = last, last + v[t]
+        adv_rows.append(adv)
+        ret_rows.append(ret)
+    return adv_rows, ret_rows
+
+
+def test_gae_matches_direct_loop_with_padding_and_tool_tokens():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 1, 1, 1],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 1],  # tool tokens in the middle: skipped, not a reset
+            [1, 0, 0, 0, 0, 0],
+        ]
+    )
+    rewards = torch.randn(4, 6, generator=gen)
+    values = torch.randn(4, 6, generator=gen)
+    gamma, lam = 0.9, 0.7
+    adv, ret = compute_advantages(
+        "gae", rewards, mask, group_size=1, values=values, gamma=gamma, lam=lam
+    )
+    loop_adv, loop_ret = _gae_loop(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(ret, torch.tensor(loop_ret))
+    flat = [
+        a
+        for row, m in zip(loop_adv, mask.tolist(), strict=True)
+        for a, keep in zip(row, m, strict=True)
+        if keep
+    ]
+    torch.testing.assert_close(adv[mask.bool()], torch.tensor(_unbiased_whiten(flat)))
+
+
+def test_gae_with_gamma_lambda_one_is_return_minus_value():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = torch.tensor([[0.2, 0.4, 0.6], [0.5, 1.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    _, ret = compute_advantages("gae", rewards, mask, group_size=1, values=values)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages("gae", rewards, mask, group_size=1)
+
+
+def test_masked_whiten_is_verl_unbiased_and_survives_one_token():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    got = masked_whiten(x, mask)[mask.bool()]
+    torch.testing.assert_close(got, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6, rtol=0)
+    one = masked_whiten(torch.tensor([[5.0, 7.0]]), torch.tensor([[1, 0]]))
+    assert one[0, 0].item() == 0.0
+
+
+def test_bad_inputs():
+    rewards = _outcome()
+    with pytest.raises(ValueError, match="'ppo'"):
+        compute_advantages("ppo", rewards, MASK, group_size=2)
+    with pytest.raises(ValueError, match="multiple of group_size 3"):
+        compute_advantages("grpo", rewards, MASK, group_size=3)
+    with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+        compute_advantages("grpo", rewards, MASK, group_size=0)
+    with pytest.raises(ValueError, match=r"response_mask shape \(4, 4\)"):
+        compute_advantages("grpo", rewards, MASK[:, :4], group_size=2)
+    with pytest.raises(ValueError, match=r"\(N, T\)"):
+        compute_advantages("grpo", rewards[0], MASK[0], group_size=2)
+    with pytest.raises(ValueError, match="gamma must be in"):
+        compute_advantages("reinforce_plus_plus", rewards, MASK, group_size=2, gamma=1.5)
+    with pytest.raises(ValueError, match="lam must be in"):
+        compute_advantages("gae", rewards, MASK, group_size=2, lam=-0.1, values=rewards)
+    with pytest.raises(ValueError, match=r"values shape \(4, 4\)"):
+        compute_advantages("gae", rewards, MASK, group_size=2, values=rewards[:, :4])

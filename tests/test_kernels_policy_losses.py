@@ -1,0 +1,242 @@
+import math
+
+import pytest
+import torch
+
+from kernels.losses import (
+    DEFAULT_AGG_MODES,
+    POLICY_LOSSES,
+    aggregate,
+    policy_loss,
+    ppo_clip_loss,
+    value_loss,
+)
+
+METRIC_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+
+
+def _case(seed=0, b=3, t=5):
+    gen = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(b, t, generator=gen)).requires_grad_()
+    old = lp.detach() + 0.05 * torch.randn(b, t, generator=gen)
+    adv = torch.randn(b, 1, generator=gen).expand(b, t)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])[:b, :t]
+    return lp, old, adv, mask
+
+
+def _call(name, lp, old, adv, mask, **kw):
+    kw.setdefault("clip_low", 0.2)
+    kw.setdefault("clip_high", 0.2)
+    kw.setdefault("loss_agg_mode", "token-mean")
+    return policy_loss(name, lp, old, adv, mask, **kw)
+
+
+def test_registry_and_default_modes():
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "reinforce", "gpg", "cispo"}
+    assert set(DEFAULT_AGG_MODES) == set(POLICY_LOSSES)
+    assert DEFAULT_AGG_MODES["gspo"] == "seq-mean-token-mean"
+    assert POLICY_LOSSES["gpg"] is POLICY_LOSSES["reinforce"]
+
+
+def test_vanilla_is_ppo_clip_loss():
+    lp, old, adv, mask = _case()
+    got, m = _call("vanilla", lp, old, adv, mask, dual_clip=3.0)
+    want, m_want = ppo_clip_loss(lp, old, adv, mask, dual_clip=3.0)
+    assert got.item() == want.item()
+    assert {k: v.item() for k, v in m.items()} == {k: v.item() for k, v in m_want.items()}
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_same_metric_keys_detached_scalars(name):
+    lp, old, adv, mask = _case()
+    _, metrics = _call(name, lp, old, adv, mask)
+    assert set(metrics) == METRIC_KEYS
+    assert all(not v.requires_grad and v.dim() == 0 for v in metrics.values())
+    kl = ((old - lp.detach())[mask.bool()]).mean().item()
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(kl, abs=1e-6)
+
+
+def test_gspo_ratio_is_sequence_geometric_mean_and_gradient_per_token():
+    lp = torch.log(torch.tensor([[1.2, 0.9, 2.0], [0.5, 1.0, 1.0]])).requires_grad_()
+    old = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # the 2.0 in padding must not count
+    adv = torch.tensor([[1.0], [-2.0]]).expand(2, 3)
+    s = [math.sqrt(1.2 * 0.9), 0.5 ** (1 / 3)]  # geometric means 1.03923, 0.79370
+    loss, m = _call(
+        "gspo", lp, old, adv, mask, clip_low=0.5, clip_high=0.5, loss_agg_mode="seq-mean-token-mean"
+    )
+    # nothing clipped: per-token loss -A * s_i; seq-mean-token-mean over 2 sequences
+    assert loss.item() == pytest.approx((-1.0 * s[0] + 2.0 * s[1]) / 2, rel=1e-6)
+    assert m["actor/pg_clipfrac"].item() == 0.0
+    loss.backward()
+    # d loss / d lp_t = -A_i * s_i / (L_i * 2): every token of a sequence gets the same gradient
+    expected = torch.tensor(
+        [
+            [-s[0] / (2 * 2), -s[0] / (2 * 2), 0.0],
+            [2.0 * s[1] / (3 * 2)] * 3,
+        ]
+    )
+    torch.testing.assert_close(lp.grad, expected)
+
+
+def test_gspo_clips_whole_sequences():
+    lp = torch.log(torch.tensor([[1.5, 1.5], [1.0, 1.0]])).requires_grad_()
+    old = torch.zeros(2, 2)
+    adv = torch.ones(2, 2)
+    loss, m = _call(
+        "gspo",
+        lp,
+        old,
+        adv,
+        torch.ones(2, 2),
+        clip_low=3e-4,
+        clip_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    assert loss.item() == pytest.approx((-(1 + 4e-4) - 1.0) / 2)
+    assert m["actor/pg_clipfrac"].item() == 0.5
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0], [-0.25, -0.25]]))
+
+
+def test_cispo_gradient_is_clipped_ratio_times_advantage():
+    ratios = torch.tensor([[2.0, 0.5, 1.1, 1.0]])
+    lp = torch.log(ratios).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 2.0, -3.0]])
+    loss, m = _call("cispo", lp, torch.zeros(1, 4), adv, torch.ones(1, 4))
+    clipped = torch.tensor([[1.2, 0.8, 1.1, 1.0]])
+    assert loss.item() == pytest.approx((-(clipped * adv * lp.detach()).sum() / 4).item())
+    assert m["actor/pg_clipfrac"].item() == 0.5
+    loss.backward()
+    # clipped tokens keep a gradient, unlike PPO: -clip(ratio) * A / N
+    torch.testing.assert_close(lp.grad, -clipped * adv / 4)
+
+
+def test_cispo_upper_only_with_clip_low_one():
+    lp = torch.log(torch.tensor([[0.01]])).requires_grad_()
+    _call(
+        "cispo",
+        lp,
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        clip_low=1.0,
+        clip_high=0.28,
+    )[0].backward()
+    assert lp.grad.item() == pytest.approx(-0.01, rel=1e-5)  # not raised to a lower bound
+
+
+@pytest.mark.parametrize("name", ["reinforce", "gpg"])
+def test_reinforce_gradient_and_value(name):
+    lp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    old = lp.detach() + 5.0  # far off-policy: REINFORCE does not look at the ratio
+    adv = torch.tensor([[1.0, -2.0, 3.0]])
+    w = torch.tensor([[0.5, 1.0, 2.0]])
+    loss, m = _call(name, lp, old, adv, torch.ones(1, 3), weights=w)
+    assert loss.item() == pytest.approx((0.25 - 2.0 + 12.0) / 3)
+    assert m["actor/pg_clipfrac"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv * w / 3)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_masked_tokens_carry_no_gradient_and_garbage_does_not_leak(name):
+    lp, old, adv, mask = _case(seed=2)
+    lp_in = lp.detach().clone()
+    lp_in[mask == 0] = math.nan
+    lp_in.requires_grad_()
+    old = old.clone()
+    old[mask == 0] = math.nan
+    adv = adv.clone()
+    adv[mask == 0] = math.inf
+    weights = torch.rand(mask.shape)
+    loss, metrics = _call(
+        name, lp_in, old, adv, mask, weights=weights, dual_clip=3.0 if name == "vanilla" else None
+    )
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.all(lp_in.grad[mask == 0] == 0)
+    assert torch.all(lp_in.grad[mask == 1] != 0)
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_weights_are_detached_and_scale_the_loss(name):
+    lp, old, adv, mask = _case(seed=4)
+    weights = torch.full(mask.shape, 2.0, requires_grad=True)
+    plain, _ = _call(name, lp, old, adv, mask)
+    weighted, _ = _call(name, lp, old, adv, mask, weights=weights)
+    assert weighted.item() == pytest.approx(2 * plain.item(), rel=1e-6)
+    weighted.backward()
+    assert weights.grad is None
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_add_up_to_the_batch(name, mode):
+    lp, old, adv, mask = _case(seed=5)
+    full, _ = _call(name, lp, old, adv, mask, loss_agg_mode=mode)
+    (full_grad,) = torch.autograd.grad(full, lp)
+    counts = dict(token_count=int(mask.sum()), seq_count=int((mask.sum(-1) > 0).sum()))
+    micro = sum(
+        _call(name, lp[s], old[s], adv[s], mask[s], loss_agg_mode=mode, **counts)[0]
+        for s in (slice(0, 1), slice(1, 3))
+    )
+    (micro_grad,) = torch.autograd.grad(micro, lp)
+    torch.testing.assert_close(micro, full)
+    torch.testing.assert_close(micro_grad, full_grad)
+
+
+def test_policy_loss_bad_inputs():
+    lp, old, adv, mask = _case()
+    with pytest.raises(ValueError, match="'ppo'"):
+        _call("ppo", lp, old, adv, mask)
+    with pytest.raises(ValueError, match="tau"):
+        _call("gspo", lp, old, adv, mask, tau=1.0)
+    with pytest.raises(ValueError, match=r"old_logprobs shape \(3, 4\)"):
+        _call("cispo", lp, old[:, :4], adv, mask)
+    with pytest.raises(ValueError, match=r"advantages shape \(2, 5\)"):
+        _call("reinforce", lp, old, adv[:2], mask)
+    with pytest.raises(ValueError, match="clip_low=1.5"):
+        _call("gspo", lp, old, adv, mask, clip_low=1.5)
+    with pytest.raises(ValueError, match="clip_high=-0.1"):
+        _call("cispo", lp, old, adv, mask, clip_high=-0.1)
+    with pytest.raises(ValueError, match="seq-sum"):
+        _call("gspo", lp, old, adv, mask, loss_agg_mode="seq-sum")
+
+
+# value_loss ----------------------------------------------------------------------------------
+
+
+def test_value_loss_clipping_hand_case():
+    # v_old = 0, c = 0.5
+    # v = 1.0, R = 2: unclipped 1, clipped (0.5-2)^2 = 2.25 -> 2.25, clipped branch, no grad
+    # v = 1.0, R = 0: unclipped 1, clipped 0.25 -> 1, gradient 2(v-R) = 2
+    # v = 0.2, R = 1: inside the range, both 0.64
+    values = torch.tensor([[1.0, 1.0, 0.2, 9.0]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    returns = torch.tensor([[2.0, 0.0, 1.0, math.nan]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, m = value_loss(values, old, returns, mask, cliprange_value=0.5)
+    assert loss.item() == pytest.approx(0.5 * (2.25 + 1.0 + 0.64) / 3)
+    assert m["critic/vf_loss"].item() == pytest.approx(loss.item())
+    assert m["critic/vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert m["critic/vpred_mean"].item() == pytest.approx(2.2 / 3)
+    loss.backward()
+    # 0.5 * d/dv (v-R)^2 / 3 = (v-R)/3
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 1 / 3, -0.8 / 3, 0.0]]))
+
+
+def test_value_loss_aggregation_and_errors():
+    values = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    zeros = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, _ = value_loss(values, values, zeros, mask, loss_agg_mode="seq-mean-token-sum")
+    per_token = values.square()
+    assert loss.item() == pytest.approx(
+        0.5 * aggregate(per_token, mask, "seq-mean-token-sum").item()
+    )
+    with pytest.raises(ValueError, match="cliprange_value must be > 0, got 0"):
+        value_loss(values, values, zeros, mask, cliprange_value=0)
+    with pytest.raises(ValueError, match=r"returns shape \(2,\)"):
+        value_loss(values, values, zeros[0], mask)
