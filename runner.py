@@ -199,11 +199,18 @@ class Job:
                 print(format_status(self.procs, self.started), flush=True)
 
     async def signals(self) -> None:
+        """First Ctrl-C: orderly stop (final checkpoint). A second one: kill every actor now."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
             async for _ in received:
-                print("=== interrupted: stopping every actor (final checkpoint first)", flush=True)
-                self.end("interrupted")
-                return
+                if self.outcome is None:
+                    print("=== interrupted: stopping every actor (final checkpoint first; "
+                          "Ctrl-C again to kill)", flush=True)
+                    self.end("interrupted")
+                    continue
+                print("=== interrupted again: killing every actor", flush=True)
+                for p in self.procs.values():
+                    if p.process is not None and p.process.returncode is None:
+                        p.process.kill()
 
     async def shutdown(self) -> None:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
@@ -226,21 +233,23 @@ class Job:
                 getattr(p.process, action)()
 
     async def run(self) -> int:
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.listen)
-                nursery.start_soon(self.signals)
-                for p in self.procs.values():
-                    await self.spawn(p)
-                    nursery.start_soon(self.supervise, p)
-                nursery.start_soon(self.watch)
-                await self.done.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.shutdown()
-            self.control.close()
-            self.zmq.destroy(linger=0)
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self.signals)  # stays on through shutdown
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.listen)
+                    for p in self.procs.values():
+                        await self.spawn(p)
+                        nursery.start_soon(self.supervise, p)
+                    nursery.start_soon(self.watch)
+                    await self.done.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.shutdown()
+                self.control.close()
+                self.zmq.destroy(linger=0)
+                outer.cancel_scope.cancel()
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
             return 0

@@ -17,7 +17,7 @@ import anyio
 import torch
 import zmq
 
-from actors.learner.trainer import Aborted, Trainer
+from actors.learner.trainer import Trainer
 from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.tensors import meta, raw_bytes
 from actors.runtime.zmq_bridge import make_socket
@@ -115,8 +115,6 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                 tg.start_soon(server.serve)
                 await train()
                 tg.cancel_scope.cancel()
-        except Aborted:
-            pass
         finally:
             if trainer.step > trainer.saved_step or trainer.step == cfg.total_steps:
                 with anyio.CancelScope(shield=True):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import zmq
 
@@ -93,8 +94,22 @@ async def _control_listener(ctx: ActorContext, scope: anyio.CancelScope) -> None
             return
 
 
+_stop_signalled = threading.Event()  # a stop signal arrived outside the receiver below
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    _stop_signalled.set()
+
+
 async def _signals(scope: anyio.CancelScope) -> None:
+    # Ctrl-C in a terminal reaches every actor and the runner (whose Stop follows): the first
+    # of the two cancels; signals still queued when the receiver closes are re-delivered by
+    # trio to the process handler, which ``run_actor`` set to ``_note_signal``: no
+    # KeyboardInterrupt in the middle of shutdown.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        if _stop_signalled.is_set():
+            scope.cancel()
+            return
         async for _ in signals:
             scope.cancel()
             return
@@ -135,6 +150,8 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
     ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
                        zmq=zmq.Context())
     control = None if topology.control_address == "auto" else topology.control_address
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _note_signal)
     try:
         anyio.run(serve_actor, ctx, body, control, os.getppid(), backend="trio")
         return 0
@@ -171,6 +188,10 @@ async def run_compute(fn: Callable[..., Any], *args: Any, abort: threading.Event
         tg.start_soon(watch)
         try:
             return await anyio.to_thread.run_sync(fn, *args)
+        except Exception:
+            if abort.is_set():  # fn gave up because we are cancelled: that is the outcome
+                await anyio.lowlevel.checkpoint()
+            raise
         finally:
             finished = True
             tg.cancel_scope.cancel()
