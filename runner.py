@@ -32,6 +32,7 @@ from messages.control import Finished, Heartbeat, Ready, StepReport, Stop, ToRun
 START_ORDER = ("replay", "router", "learner", "reward", "sampler")
 STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's final checkpoint)
 TERM_GRACE_S = 10.0
+ROOT = Path(__file__).resolve().parent
 
 
 def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
@@ -126,7 +127,7 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.process = await trio.lowlevel.open_process(cmd, cwd=Path(__file__).resolve().parent)
+        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""

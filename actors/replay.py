@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-import anyio
 import zmq
 
 from actors.runtime.actor import ActorContext

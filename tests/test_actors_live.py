@@ -62,7 +62,7 @@ async def test_replay_answers_bad_frames_and_keeps_serving(sockets):
                 await sock.send_multipart([encode(PromptRequest(2, "me"))])
                 batch = Codec(FromReplay).decode((await sock.recv_multipart())[-1])
                 assert isinstance(batch, PromptBatch) and len(batch.prompts) == 2
-            while ctx.status.get("rejected_frames") != len(BAD_FRAMES):
+            while ctx.status.get("rejected_frames") != len(BAD_FRAMES):  # noqa: ASYNC110 - status is a plain dict
                 await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)

@@ -181,7 +181,7 @@ def test_checkpoint_resume_restores_weights_and_step(tiny, tmp_path, extra):
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-6
     if t.critic is not None:
-        for (ka, va), (kb, vb) in zip(t.critic.state_dict().items(), r.critic.state_dict().items()):
+        for (ka, va), (kb, vb) in zip(t.critic.state_dict().items(), r.critic.state_dict().items(), strict=True):
             assert ka == kb and torch.equal(va, vb)
     # the next step is the same from the original and from the resumed trainer
     groups = make_groups(t, seed=1)

@@ -8,6 +8,7 @@ import tempfile
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 import zmq
 
@@ -78,7 +79,7 @@ async def until(predicate) -> None:
     for _ in range(1_000_000):
         if predicate():
             return
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
     raise AssertionError("condition never held")
 
 
@@ -190,7 +191,7 @@ async def test_recv_blocked_while_other_task_sends_same_socket_thread_peer(ctx, 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(receive)
                     for i in range(n):
-                        await anyio.sleep(0)  # let the receiver block first
+                        await anyio.lowlevel.checkpoint()  # let the receiver block first
                         await sock.send_multipart([b"%d" % i])
                 assert got == list(range(n))
 
@@ -312,7 +313,7 @@ async def test_router_mandatory_full_peer_blocks_without_spinning(ctx):
             with anyio.move_on_after(0.3):
                 while not done.is_set():
                     ticks += 1
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
             assert not done.is_set()
             # Other tasks still get to run, and the fast peer is still reachable.
             await router.send_multipart([b"fast", b"ok"])

@@ -11,7 +11,12 @@ import torch
 
 from actors.learner.batch import RolloutBatch
 from actors.runtime.config import AlgorithmConfig
-from kernels.importance import RejectionRule, normalize_weights, rejection_mask, truncated_is_weights
+from kernels.importance import (
+    RejectionRule,
+    normalize_weights,
+    rejection_mask,
+    truncated_is_weights,
+)
 from kernels.kl import kl_estimate
 from kernels.logprobs import entropy_from_logits, token_logprobs
 from kernels.losses import aggregate, policy_loss, value_loss

@@ -163,7 +163,6 @@ class Trainer:
         batch = build_batch(groups, self.pad_id)
         N, mask = batch.size, batch.response_mask
         c = algo.correction
-        whole = slice(0, N)
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
                       and not c.rejection and not c.normalize_weights and not algo.use_kl_in_reward)
         need_old = c.mode == "decoupled" and not inline_old

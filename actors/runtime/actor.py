@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -65,7 +65,7 @@ async def _orphan_watch(scope: anyio.CancelScope, parent: int) -> None:
     PR_SET_PDEATHSIG would fire when the *thread* that spawned us exits (trio spawns from a
     worker thread), so the parent pid is watched instead: on its death we are re-parented.
     """
-    while os.getppid() == parent:
+    while os.getppid() == parent:  # noqa: ASYNC110 - a parent's death raises no event to wait on
         await anyio.sleep(1.0)
     scope.cancel()
 

@@ -174,11 +174,11 @@ class AsyncSocket:
             await anyio.lowlevel.cancel_shielded_checkpoint()
         return result
 
-    async def _wait(self, flag: int, timeout: float | None) -> None:
+    async def _wait(self, flag: int, poll_after: float | None) -> None:
         """Block until this task might make progress: FD signal, wake-up or timeout."""
         self._waiting[flag] += 1
         try:
-            with anyio.move_on_after(timeout):
+            with anyio.move_on_after(poll_after):
                 if self._fd_scope is None:
                     with anyio.CancelScope() as scope:
                         self._fd_scope = scope

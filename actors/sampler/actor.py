@@ -25,8 +25,16 @@ from actors.runtime.tensors import from_buffer, to_wire
 from actors.runtime.zmq_bridge import make_socket
 from actors.sampler.engine import Completion, HFEngine
 from messages.codec import Codec, DecodeError, encode
-from messages.rollout import FromReplay, GroupsDone, Prompt, PromptBatch, PromptRequest, Sample, ScoredGroup
 from messages.reward import RouterError, ScoreItem, ScoreReply, ScoreRequest, ToClient
+from messages.rollout import (
+    FromReplay,
+    GroupsDone,
+    Prompt,
+    PromptBatch,
+    PromptRequest,
+    Sample,
+    ScoredGroup,
+)
 from messages.weights import FromLearnerWeights, WeightsHeader, WeightsPoll
 
 MAX_SCORING = 2  # generated batches waiting for rewards at once
