@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology, load_topology
+from actors.runtime.config import (
+    ConfigError,
+    Topology,
+    apply_overrides,
+    decode_topology,
+    load_topology,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,17 +4,52 @@ import msgspec
 import pytest
 
 from messages.codec import Codec, DecodeError, encode
-from messages.control import ErrorReply, Finished, Heartbeat, Ready, StepReport, Stop, ToActor, ToRunner
+from messages.control import (
+    ErrorReply,
+    Finished,
+    Heartbeat,
+    Ready,
+    StepReport,
+    Stop,
+    ToActor,
+    ToRunner,
+)
 from messages.reward import (
-    RouterError, ScoreItem, ScoreReply, ScoreRequest, ScoreResult, ToClient, ToRouterFromClient,
-    ToRouterFromWorker, ToWorker, WorkerBye, WorkerHeartbeat, WorkerHello,
+    RouterError,
+    ScoreItem,
+    ScoreReply,
+    ScoreRequest,
+    ScoreResult,
+    ToClient,
+    ToRouterFromClient,
+    ToRouterFromWorker,
+    ToWorker,
+    WorkerBye,
+    WorkerHeartbeat,
+    WorkerHello,
 )
 from messages.rollout import (
-    BatchRequest, ChatMessage, FromReplay, GroupsDone, Prompt, PromptBatch, PromptRequest, Sample,
-    ScoredGroup, ToReplay, TrainBatch, VersionUpdate,
+    BatchRequest,
+    ChatMessage,
+    FromReplay,
+    GroupsDone,
+    Prompt,
+    PromptBatch,
+    PromptRequest,
+    Sample,
+    ScoredGroup,
+    ToReplay,
+    TrainBatch,
+    VersionUpdate,
 )
 from messages.tensor import Tensor
-from messages.weights import FromLearnerWeights, TensorMeta, ToLearnerWeights, WeightsHeader, WeightsPoll
+from messages.weights import (
+    FromLearnerWeights,
+    TensorMeta,
+    ToLearnerWeights,
+    WeightsHeader,
+    WeightsPoll,
+)
 
 
 def _tensor(dtype="int32", values=(1, 2, 3)):

@@ -47,7 +47,7 @@ def test_dead_worker_work_is_resent_and_late_reply_discarded():
     (worker, keyed), = s.assign(now=0)
     s.register(b"w2", "w2", "reward", 4, now=5)
     s.expire(now=11, worker_timeout=10, request_timeout=100)  # w1 silent since 0
-    assert "w1".encode() not in s.workers
+    assert b"w1" not in s.workers
     (worker2, keyed2), = s.assign(now=11)
     assert worker2.name == "w2" and keyed2.request_id == keyed.request_id
     assert s.complete(b"w2", reply(keyed.request_id), now=12).client_request_id == 41
