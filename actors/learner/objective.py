@@ -18,24 +18,31 @@ from kernels.importance import (
     truncated_is_weights,
 )
 from kernels.kl import kl_estimate
-from kernels.logprobs import entropy_from_logits, token_logprobs
+from kernels.lm_head_logprobs import lm_head_logprobs
 from kernels.losses import aggregate, policy_loss, value_loss
 
 
-def response_logprobs(model, batch: RolloutBatch, temperature: float, *, with_logits: bool = False):
-    """Log-probs (N, W-1) of the response tokens, the LM head applied only at response positions.
+def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
+                      with_entropy: bool = False):
+    """Log-probs (N, W-1) of the response tokens, 0 elsewhere; with entropies when asked.
 
-    The prompt is most of each sequence in these tasks and the LM head (V = 49,152 columns for
-    the default model) a large share of the compute, so hidden states are gathered first.
+    Hidden states are gathered at response positions before the LM head (the prompt is most of
+    each sequence here), and ``kernels.lm_head_logprobs`` walks them in chunks so no float32
+    (tokens, V) logits exist at once (a fused Triton kernel on CUDA).
     """
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
     hidden = core.base_model(input_ids=batch.input_ids,
                              attention_mask=batch.attention_mask).last_hidden_state
     at = batch.response_mask.bool()  # (N, W-1)
-    logits = core.get_output_embeddings()(hidden[:, :-1][at])  # (R, V), R response tokens
-    lp_at = token_logprobs(logits, batch.input_ids[:, 1:][at], temperature, chunk_size=1024)
+    head = core.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
+    lp_at, ent_at = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
+                                     temperature=temperature, with_entropy=True)  # (R,), (R,)
     lp = torch.zeros(at.shape, dtype=lp_at.dtype).masked_scatter(at, lp_at)  # (N, W-1)
-    return (lp, logits) if with_logits else lp
+    if not with_entropy:
+        return lp
+    return lp, torch.zeros(at.shape, dtype=ent_at.dtype).masked_scatter(at, ent_at)
 
 
 @dataclass
@@ -69,7 +76,7 @@ def correction(algo: AlgorithmConfig, old: torch.Tensor, behav: torch.Tensor,
 def micro_batch_loss(
     algo: AlgorithmConfig,
     lp: torch.Tensor,  # (B, W-1) with grad
-    logits: torch.Tensor,  # (R, V) response logits, for the entropy
+    entropy: torch.Tensor,  # (B, W-1) with grad
     batch: RolloutBatch,
     advantages: torch.Tensor,  # (B, W-1)
     old: torch.Tensor,  # (B, W-1) PPO old log-probs
@@ -79,7 +86,6 @@ def micro_batch_loss(
     token_count: float,
     seq_count: int,
     norm_constant: float,
-    temperature: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """pg_loss + kl_loss_coef·kl_loss − entropy_coeff·entropy, aggregated over the mini-batch."""
     counts = dict(token_count=token_count, seq_count=seq_count, norm_constant=norm_constant)
@@ -90,14 +96,8 @@ def micro_batch_loss(
         loss_agg_mode=algo.loss_agg_mode, **counts,
     )
     metrics = {k: float(v) for k, v in raw.items()}
-    want_grad = algo.entropy_coeff > 0
-    with torch.set_grad_enabled(want_grad and torch.is_grad_enabled()):
-        ent_at = entropy_from_logits(logits if want_grad else logits.detach(), temperature,
-                                     chunk_size=1024)  # (R,)
-    at = batch.response_mask.bool()
-    entropy = torch.zeros(at.shape, dtype=ent_at.dtype).masked_scatter(at, ent_at)  # (B, W-1)
     metrics["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
-    if want_grad:
+    if algo.entropy_coeff > 0:
         loss = loss - algo.entropy_coeff * aggregate(entropy, mask, algo.loss_agg_mode, **counts)
     if algo.use_kl_loss:
         assert ref is not None

@@ -29,7 +29,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.learner.batch import RolloutBatch, build_batch
-from actors.learner.objective import correction, critic_loss, micro_batch_loss, response_logprobs
+from actors.learner.objective import (
+    Correction,
+    correction,
+    critic_loss,
+    micro_batch_loss,
+    response_logprobs,
+)
 from actors.runtime.config import Topology
 from kernels.advantages import compute_advantages
 from kernels.importance import mismatch_metrics, staleness_histogram
@@ -218,7 +224,7 @@ class Trainer:
                     self._check_abort()
                     mb = batch.rows(s)
                     w = mb.response_mask.shape[1]
-                    lp, logits = response_logprobs(self.model, mb, temp, with_logits=True)
+                    lp, entropy = response_logprobs(self.model, mb, temp, with_entropy=True)
                     if inline_old:
                         old_mb = lp.detach()
                         corr = correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
@@ -228,9 +234,9 @@ class Trainer:
                                 if batch_corr is None else _rows(batch_corr, s, w))
                     old_seen[s, :w] = old_mb
                     loss, m = micro_batch_loss(
-                        algo, lp, logits, mb, advantages[s, :w], old_mb, corr,
+                        algo, lp, entropy, mb, advantages[s, :w], old_mb, corr,
                         ref[s, :w] if ref is not None else None, token_count=token_count,
-                        seq_count=hi - lo, norm_constant=norm_constant, temperature=temp)
+                        seq_count=hi - lo, norm_constant=norm_constant)
                     loss.backward()
                     n_tok = float(corr.keep.sum())
                     tokens_seen += n_tok
@@ -339,7 +345,6 @@ class Trainer:
         return final
 
 
-def _rows(corr, s: slice, width: int):
-    from actors.learner.objective import Correction
+def _rows(corr: Correction, s: slice, width: int) -> Correction:
     return Correction(None if corr.weights is None else corr.weights[s, :width], corr.keep[s, :width],
                       corr.metrics)
