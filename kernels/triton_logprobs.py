@@ -236,6 +236,8 @@ def lm_head_rows(
     logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+    if n == 0:  # no response tokens in the batch; an empty grid is not launchable
+        return logprob, lse, entropy
     grid = (triton.cdiv(n, _BLOCK_N),)
     _lm_head_fwd_kernel[grid](
         hidden, weight, targets, logprob, lse, entropy,

@@ -3,7 +3,8 @@
 The Triton path runs on CUDA when there is a GPU and otherwise on CPU under the Triton
 interpreter (the ``triton_device`` fixture sets ``TRITON_INTERPRET=1`` before
 ``kernels.triton_logprobs`` is imported); its tests are skipped only when the ``triton``
-package is missing. Each comparison prints its max and mean absolute difference (``pytest -s`` shows them).
+package is missing. Each comparison prints its max and mean absolute difference
+(``pytest -s`` shows them).
 """
 
 import importlib
@@ -218,6 +219,22 @@ def test_saves_no_vocab_sized_tensor(request, impl):
     assert max(saved[impl]) <= max(v * h, n * h, n)
 
 
+@pytest.mark.parametrize("impl", ["naive", "chunked", "triton"])
+def test_no_tokens(request, impl):
+    """A batch without response tokens gives empty outputs and a zero weight gradient."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    hidden = torch.zeros(0, H, device=device, requires_grad=True)
+    weight = torch.randn(V, H, device=device, requires_grad=True)
+    lp, ent = lm_head_logprobs(
+        hidden, weight, torch.zeros(0, dtype=torch.long, device=device), with_entropy=True,
+        impl=impl,
+    )
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad.shape == (0, H)
+    assert weight.grad is None or not weight.grad.any()
+
+
 def test_no_grad_matches_naive():
     hidden, weight, targets, _, _ = _inputs(FP32)
     with torch.no_grad():
@@ -261,3 +278,32 @@ def test_bad_arguments():
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             lm_head_logprobs(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_on_gpu_at_model_size():
+    """Default-model sizes on CUDA: Triton matches naive and keeps its peak far below it."""
+    importlib.import_module("kernels.triton_logprobs")
+    n, h, v = 4096, 576, 49152
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(v, h, generator=gen, device="cuda") * (3 / math.sqrt(h))).bfloat16()
+    targets = torch.randint(0, v, (n,), generator=gen, device="cuda")
+    results, peaks = {}, {}
+    for impl in ("naive", "triton"):
+        hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, ent = lm_head_logprobs(hid, w, targets, temperature=0.7, with_entropy=True, impl=impl)
+        (lp.sum() + ent.sum()).backward()
+        torch.cuda.synchronize()
+        peaks[impl] = torch.cuda.max_memory_allocated() - base
+        results[impl] = [lp.detach(), ent.detach(), hid.grad, w.grad]
+    for name, a, b in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), *results.values(), strict=True):
+        worst, mean = _report(f"gpu triton bf16 {name}", a, b)
+        scale = b.float().abs().max().item()  # bf16 results: a few steps of 2**-8 relative
+        assert worst <= 0.1 + 0.02 * scale and mean <= 0.02 + 0.002 * scale, name
+    print(f"peak bytes: naive {peaks['naive']:,}, triton {peaks['triton']:,}")
+    assert peaks["triton"] <= peaks["naive"] / 4

@@ -39,10 +39,10 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
     lp_at, ent_at = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
                                      temperature=temperature, with_entropy=True)  # (R,), (R,)
-    lp = torch.zeros(at.shape, dtype=lp_at.dtype).masked_scatter(at, lp_at)  # (N, W-1)
+    lp = torch.zeros(at.shape, dtype=lp_at.dtype, device=lp_at.device).masked_scatter(at, lp_at)
     if not with_entropy:
         return lp
-    return lp, torch.zeros(at.shape, dtype=ent_at.dtype).masked_scatter(at, ent_at)
+    return lp, torch.zeros(at.shape, dtype=ent_at.dtype, device=ent_at.device).masked_scatter(at, ent_at)
 
 
 @dataclass
