@@ -1,4 +1,13 @@
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter. It must be chosen before triton
+# is first imported (torch and transformers may import it while probing for it), so here, at
+# collection start, rather than in a fixture.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
