@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     pass
 
 
-class ActorCommon(_Section):
+class ActorCommon(_Section, frozen=True):
     count: int = 1
     """How many processes of this actor kind to start."""
     threads: int = 1
@@ -32,7 +33,7 @@ class ActorCommon(_Section):
     """Restarts allowed per process before the job is stopped."""
 
 
-class RunConfig(_Section):
+class RunConfig(_Section, frozen=True):
     dir: str = "runs/{time}"
     """Run directory (metrics.jsonl, checkpoints, logs). ``{time}`` becomes a timestamp."""
     seed: int = 0
@@ -47,14 +48,14 @@ class RunConfig(_Section):
     """Directory for ipc:// sockets of ``auto`` addresses (default: a fresh folder under /tmp)."""
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     path: str = "default"
     """Local Hugging Face model directory, or ``default`` for the embedded SmolLM2-135M-Instruct."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for sampling and training (float32 is the fast choice on CPUs)."""
 
 
-class TaskConfig(_Section):
+class TaskConfig(_Section, frozen=True):
     name: str = "arithmetic"
     """Built-in task (``arithmetic``, ``repeat_letter``)."""
     size: int = 100_000
@@ -65,13 +66,13 @@ class TaskConfig(_Section):
     """Override the task's system prompt (empty: the task's own)."""
 
 
-ADV_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                  "remax", "gae", "opo", "grpo_passk")
-POLICY_LOSSES = ("vanilla", "gspo", "reinforce", "gpg", "cispo")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+                       "reinforce_plus_plus_baseline", "remax", "gae", "opo", "grpo_passk"]
+PolicyLoss = Literal["vanilla", "gspo", "reinforce", "gpg", "cispo"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 
-class RejectionRule(_Section):
+class RejectionRule(_Section, frozen=True):
     statistic: Literal["ratio", "geo_mean", "k1", "k2", "k3"]
     """What is bounded: the IS ratio, its per-sequence geometric mean, or a KL statistic of it."""
     level: Literal["token", "sequence"] = "sequence"
@@ -82,7 +83,7 @@ class RejectionRule(_Section):
     """Upper bound, kept when statistic <= high (none: unbounded above)."""
 
 
-class CorrectionConfig(_Section):
+class CorrectionConfig(_Section, frozen=True):
     mode: Literal["decoupled", "bypass"] = "decoupled"
     """decoupled: proximal log-probs recomputed, PPO on π_θ/π_old, tokens weighted by π_old/μ;
     bypass: the sampler's behaviour log-probs are the PPO old log-probs (no recompute)."""
@@ -96,7 +97,7 @@ class CorrectionConfig(_Section):
     """Masked IS / rejection rules (IcePop, verl rollout_rs); a token is kept only if all keep it."""
 
 
-class KLControl(_Section):
+class KLControl(_Section, frozen=True):
     type: Literal["fixed", "adaptive"] = "fixed"
     """Fixed coefficient, or adaptive towards target_kl (verl kl_ctrl)."""
     kl_coef: float = 0.001
@@ -107,8 +108,8 @@ class KLControl(_Section):
     """adaptive: steps over which β moves by at most 20%."""
 
 
-class AlgorithmConfig(_Section):
-    adv_estimator: Literal[ADV_ESTIMATORS] = "grpo"
+class AlgorithmConfig(_Section, frozen=True):
+    adv_estimator: AdvEstimator = "grpo"
     """Advantage estimator (verl names): grpo, dr_grpo, rloo, reinforce_plus_plus,
     reinforce_plus_plus_baseline, remax (adds a greedy sample per prompt), gae (trains a critic),
     opo, grpo_passk."""
@@ -120,7 +121,7 @@ class AlgorithmConfig(_Section):
     """GAE λ."""
     n: int = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
-    policy_loss: Literal[POLICY_LOSSES] = "vanilla"
+    policy_loss: PolicyLoss = "vanilla"
     """vanilla (PPO clip), gspo (sequence ratio), reinforce (alias gpg), cispo."""
     clip_ratio_low: float = 0.2
     """PPO clip ε_low."""
@@ -139,11 +140,11 @@ class AlgorithmConfig(_Section):
     """Add kl_loss_coef·KL(π_θ‖π_ref) to the loss, against the frozen initial model."""
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss."""
-    kl_loss_type: Literal[KL_TYPES] = "low_var_kl"
+    kl_loss_type: KLType = "low_var_kl"
     """KL estimator of the loss term."""
     use_kl_in_reward: bool = False
     """Subtract β·KL(π_old‖π_ref) per token from the reward."""
-    kl_penalty: Literal[KL_TYPES] = "kl"
+    kl_penalty: KLType = "kl"
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLControl = KLControl()
     """Controller of β for the in-reward penalty."""
@@ -155,7 +156,7 @@ class AlgorithmConfig(_Section):
     """Policy versions a sample may lag the learner (0 = synchronous). Older groups are dropped."""
 
 
-class LoraConfig(_Section):
+class LoraConfig(_Section, frozen=True):
     rank: int = 0
     """LoRA rank (0 trains all weights). Samplers receive the merged weights."""
     alpha: float = 16.0
@@ -167,7 +168,7 @@ class LoraConfig(_Section):
     """Module names that get adapters."""
 
 
-class SamplerConfig(ActorCommon):
+class SamplerConfig(ActorCommon, frozen=True):
     prompts_per_request: int = 4
     """Prompts a sampler asks for (and generates) per batch."""
     temperature: float = 1.0
@@ -184,7 +185,7 @@ class SamplerConfig(ActorCommon):
     """Samplers hold no state worth keeping, so they restart by default."""
 
 
-class RouterConfig(ActorCommon):
+class RouterConfig(ActorCommon, frozen=True):
     address: str = "auto"
     """Where samplers send scoring requests (ZeroMQ endpoint, or ``auto``)."""
     worker_address: str = "auto"
@@ -193,21 +194,21 @@ class RouterConfig(ActorCommon):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
-class RewardConfig(ActorCommon):
+class RewardConfig(ActorCommon, frozen=True):
     capacity: int = 4
     """Requests one reward worker takes at once."""
     restart: Restart = "on-failure"
     """Reward workers are stateless, so they restart by default."""
 
 
-class ReplayConfig(ActorCommon):
+class ReplayConfig(ActorCommon, frozen=True):
     address: str = "auto"
     """Where samplers and the learner connect (ZeroMQ endpoint, or ``auto``)."""
     capacity: int = 256
     """Most scored groups held at once; admission never lets more be in flight."""
 
 
-class LearnerConfig(ActorCommon):
+class LearnerConfig(ActorCommon, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
     total_steps: int = 40
@@ -248,7 +249,7 @@ class LearnerConfig(ActorCommon):
     """Continue from the run directory's latest checkpoint when one exists."""
 
 
-class Topology(_Section):
+class Topology(_Section, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -379,7 +380,7 @@ def decode_topology(data: dict[str, Any]) -> Topology:
     return topology
 
 
-def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
+def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
     """Read a topology TOML file, apply dotted overrides, validate."""
     path = Path(path)
     try:

@@ -19,7 +19,7 @@ _NAME = {v: k for k, v in _TORCH.items()}
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
     t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def to_wire(t: torch.Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast, overload
 
 import anyio
 import anyio.lowlevel
@@ -66,10 +66,10 @@ class AsyncSocket:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self._sock = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._closed = False
         self._last_events = 0
-        self._waiting = {zmq.POLLIN: 0, zmq.POLLOUT: 0}  # tasks inside _wait, per flag
+        self._waiting: dict[int, int] = {zmq.POLLIN: 0, zmq.POLLOUT: 0}  # tasks in _wait, per flag
         self._fd_scope: anyio.CancelScope | None = None  # the FD waiter's scope
         self._parked: anyio.Event | None = None  # created lazily: needs a running loop
 
@@ -107,6 +107,11 @@ class AsyncSocket:
         """Send one multipart message now, or raise ``zmq.Again`` and send nothing."""
         self._call(lambda: self._sock.send_multipart(frames, zmq.NOBLOCK, copy))
 
+    @overload
+    async def recv_multipart(self, *, copy: Literal[True] = ...) -> list[bytes]: ...
+    @overload
+    async def recv_multipart(self, *, copy: Literal[False]) -> list[zmq.Frame]: ...
+
     async def recv_multipart(self, *, copy: bool = True) -> list[bytes] | list[zmq.Frame]:
         """Receive one multipart message. With ``copy=False`` the parts are ``zmq.Frame``s."""
         return await self._retry(zmq.POLLIN, lambda: self._sock.recv_multipart(zmq.NOBLOCK, copy))
@@ -128,7 +133,7 @@ class AsyncSocket:
         if self._closed:
             return
         with suppress(zmq.ZMQError):  # a broken socket shows up on the next call
-            events = self._sock.getsockopt(zmq.EVENTS)
+            events = cast(int, self._sock.getsockopt(zmq.EVENTS))
             rising = events & ~self._last_events
             self._last_events = events
             if any(rising & flag and n for flag, n in self._waiting.items()):
