@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.aggregate import aggregate
 from kernels.masked import masked_mean
 
 
@@ -59,3 +60,23 @@ def pg_metrics(
             "actor/pg_clipfrac_lower": zero,
             "actor/ppo_kl": masked_mean(-log_ratio.detach().float(), mask),
         }
+
+
+def weighted_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    loss_agg_mode: str,
+    token_count: int | torch.Tensor | None,
+    seq_count: int | torch.Tensor | None,
+    norm_constant: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the detached importance ``weights`` to a ``(B, T)`` per-token loss, then aggregate.
+
+    Returns ``(loss, per_token)`` with ``per_token`` weighted, for the metrics.
+    """
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, loss_agg_mode, token_count=token_count,
+                     seq_count=seq_count, norm_constant=norm_constant)
+    return loss, per_token

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.aggregate import aggregate
-from kernels.policy_losses._common import check_clip, pg_metrics
+from kernels.policy_losses._common import check_clip, pg_metrics, weighted_loss
 from kernels.ratios import masked_log_ratio
 
 
@@ -43,14 +42,6 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)  # (B, T), detached
     low, high = 1.0 - clip_low, 1.0 + clip_high
     per_token = -ratio.clamp(low, high) * advantages * lp  # (B, T)
-    if weights is not None:
-        per_token = per_token * weights.detach()
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_agg_mode,
-        token_count=token_count,
-        seq_count=seq_count,
-        norm_constant=norm_constant,
-    )
+    loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count, seq_count,
+                                  norm_constant)
     return loss, pg_metrics(per_token, mask, (ratio < low) | (ratio > high), log_ratio)

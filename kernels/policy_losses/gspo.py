@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.aggregate import aggregate
 from kernels.masked import masked_mean
-from kernels.policy_losses._common import check_clip, pg_metrics
+from kernels.policy_losses._common import check_clip, pg_metrics, weighted_loss
 
 # verl clamps the combined log-ratio from above at 10 before exp (e^10 ~ 2.2e4, far past any
 # clip range); tokens above it get no gradient, as clipped tokens would not.
@@ -57,14 +56,6 @@ def gspo_loss(
     loss_unclipped = -advantages * ratio  # (B, T)
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     per_token = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
-    if weights is not None:
-        per_token = per_token * weights.detach()
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_agg_mode,
-        token_count=token_count,
-        seq_count=seq_count,
-        norm_constant=norm_constant,
-    )
+    loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count, seq_count,
+                                  norm_constant)
     return loss, pg_metrics(per_token, mask, loss_clipped > loss_unclipped, log_ratio)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.aggregate import aggregate
-from kernels.policy_losses._common import pg_metrics
+from kernels.policy_losses._common import pg_metrics, weighted_loss
 
 
 def reinforce_loss(
@@ -37,14 +36,6 @@ def reinforce_loss(
     lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # (B, T)
     old = torch.where(keep, old_logprobs.detach(), torch.zeros_like(lp))  # (B, T)
     per_token = -advantages * lp  # (B, T)
-    if weights is not None:
-        per_token = per_token * weights.detach()
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_agg_mode,
-        token_count=token_count,
-        seq_count=seq_count,
-        norm_constant=norm_constant,
-    )
+    loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count, seq_count,
+                                  norm_constant)
     return loss, pg_metrics(per_token, mask, None, lp - old)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.aggregate import aggregate
 from kernels.masked import masked_mean
+from kernels.policy_losses._common import weighted_loss
 from kernels.ratios import LOG_RATIO_BOUND
 
 
@@ -69,17 +69,8 @@ def ppo_clip_loss(
         per_token = torch.where(negative, torch.minimum(per_token, loss_dual), per_token)
     else:
         dual_active = torch.zeros_like(clipped)
-    if weights is not None:
-        per_token = per_token * weights.detach()
-
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_agg_mode,
-        token_count=token_count,
-        seq_count=seq_count,
-        norm_constant=norm_constant,
-    )
+    loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count, seq_count,
+                                    norm_constant)
     with torch.no_grad():
         metrics = {
             "actor/pg_loss": masked_mean(per_token.float(), mask),
