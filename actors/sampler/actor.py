@@ -115,10 +115,9 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
             replies[rid] = (done, box)
             await router.send_multipart([encode(ScoreRequest(request_id=rid, items=items))])
             await done.wait()
-            results = iter(box[0].results)
             score_s = time.monotonic() - started
-            results_list = box[0].results
-            baselines = ([r.score for r in results_list[-len(prompts):]] if greedy is not None
+            results = iter(box[0].results)  # samples in order, then the greedy baselines
+            baselines = ([r.score for r in box[0].results[-len(prompts):]] if greedy is not None
                          else [None] * len(prompts))
             out = []
             for p, ids, group, baseline in zip(prompts, prompt_ids, groups, baselines, strict=True):
