@@ -1,8 +1,11 @@
-"""Reward worker: scores completions with the built-in task scorers.
+"""Reward worker: scores completions with built-in rules and users' functions.
 
 Connects a DEALER to the router's worker address, announces itself (``WorkerHello``), heartbeats,
-and answers each ``ScoreRequest`` with one ``ScoreResult`` per item. Scoring runs in a worker
-thread so heartbeats keep flowing; a scorer that raises gives score 0.0 and a recorded error.
+and answers each ``ScoreRequest`` with one ``ScoreResult`` per item. ``actors.scoring.Scoring``
+does the work: rules on a worker thread, user code and math-verify in child processes with a
+timeout and limits, so heartbeats keep flowing and a scorer that hangs, crashes or raises gives
+score 0.0 and a recorded error while the worker goes on serving. Its counters are published in
+the actor's status (``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
 """
 
 from __future__ import annotations
@@ -12,35 +15,16 @@ import zmq
 
 from actors.runtime.actor import ActorContext
 from actors.runtime.zmq_bridge import make_socket
-from actors.tasks import SCORERS
+from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
 from messages.reward import (
     RouterError,
-    ScoreItem,
     ScoreReply,
     ScoreRequest,
-    ScoreResult,
     ToWorker,
     WorkerHeartbeat,
     WorkerHello,
 )
-
-
-def score_items(items: list[ScoreItem]) -> list[ScoreResult]:
-    """Score each item with its data source's scorer; failures become 0.0 plus the error."""
-    results = []
-    for item in items:
-        scorer = SCORERS.get(item.data_source)
-        if scorer is None:
-            results.append(ScoreResult(0.0, error=f"no scorer for data_source {item.data_source!r}"))
-            continue
-        try:
-            value = scorer(item.data_source, item.solution_str, item.ground_truth,
-                           dict(item.extra_info))
-            results.append(ScoreResult(float(value)))
-        except Exception as exc:  # user-visible: recorded with the sample, job goes on
-            results.append(ScoreResult(0.0, error=f"{type(exc).__name__}: {exc}"))
-    return results
 
 
 async def reward_actor(ctx: ActorContext, *, task_status) -> None:
@@ -49,15 +33,22 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                        identity=ctx.name.encode())
     codec: Codec[ToWorker] = Codec(ToWorker)
     hello = WorkerHello(name=ctx.name, pool="reward", capacity=cfg.capacity)
-    done = failed = 0
+    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens)
+    done = 0
     slots = anyio.Semaphore(cfg.capacity)
 
+    def publish() -> None:
+        s = scoring.statistics()
+        ctx.status.update(requests_done=done, items_scored=s.items, score_errors=s.errors,
+                          score_timeouts=s.timeouts, score_crashes=s.crashes,
+                          score_children=s.children, score_children_started=s.children_started)
+
     async def handle(request: ScoreRequest) -> None:
-        nonlocal done, failed
+        nonlocal done
         try:
-            results = await anyio.to_thread.run_sync(score_items, request.items)
-            failed += sum(1 for r in results if r.error)
+            results = await scoring.score(request.items)
             done += 1
+            publish()
             await sock.send_multipart([encode(ScoreReply(request.request_id, results))])
         finally:
             slots.release()
@@ -65,22 +56,25 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     async def heartbeats() -> None:
         while True:
             await sock.send_multipart([encode(WorkerHeartbeat(ctx.name, hello.pool, cfg.capacity))])
-            ctx.status.update(requests_done=done, score_errors=failed)
+            publish()
             await anyio.sleep(min(1.0, ctx.topology.run.heartbeat_interval))
 
     await sock.send_multipart([encode(hello)])
     task_status.started()
-    with sock:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeats)
-            while True:
-                frames = await sock.recv_multipart()
-                try:
-                    msg = codec.decode(frames[-1])
-                except DecodeError:
-                    ctx.status["rejected_frames"] = codec.rejected
-                    continue
-                if isinstance(msg, RouterError):
-                    continue
-                await slots.acquire()
-                tg.start_soon(handle, msg)
+    try:
+        with sock:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(heartbeats)
+                while True:
+                    frames = await sock.recv_multipart()
+                    try:
+                        msg = codec.decode(frames[-1])
+                    except DecodeError:
+                        ctx.status["rejected_frames"] = codec.rejected
+                        continue
+                    if isinstance(msg, RouterError):
+                        continue
+                    await slots.acquire()
+                    tg.start_soon(handle, msg)
+    finally:
+        await scoring.aclose()  # children are killed and reaped, whatever ended the worker

@@ -18,6 +18,7 @@ class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
     solution_str: str
     ground_truth: str
     extra_info: dict[str, str | int | float] = {}
+    response_length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
 
 
 class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -7,6 +7,7 @@ names the full key path (``learner.total_stepz``) whichever way the value came i
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Sequence
@@ -194,11 +195,51 @@ class RouterConfig(ActorCommon, frozen=True):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
+BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter")
+
+
+class RewardFunction(_Section, frozen=True):
+    builtin: str = ""
+    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter); set
+    this or ``path``."""
+    path: str = ""
+    """A Python file (relative to where the runner is started) holding a verl-style scoring
+    function; it runs in a child process."""
+    name: str = "compute_score"
+    """The function in ``path``: ``(data_source, solution_str, ground_truth, extra_info)`` ->
+    float or dict(score=..., **numeric extras); ``async def`` works too."""
+    weight: float = 1.0
+    """This function's weight in the item's reward (the weighted sum over functions)."""
+    batch: bool = False
+    """``path`` function takes lists (``data_sources, solution_strs, ground_truths,
+    extra_infos``) for a whole request and returns a list."""
+    kwargs: dict[str, str | int | float | bool] = {}
+    """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
+    format_score)."""
+
+
 class RewardConfig(ActorCommon, frozen=True):
     capacity: int = 4
     """Requests one reward worker takes at once."""
     restart: Restart = "on-failure"
     """Reward workers are stateless, so they restart by default."""
+    functions: list[RewardFunction] = []
+    """Scoring functions, combined by weight (``[[reward.functions]]``). None: each item is
+    scored by the built-in its ``data_source`` names (the task's scorer, verl's defaults)."""
+    timeout_s: float = 15.0
+    """Per call of a function in a child: past it the child is killed, the item scores 0.0."""
+    memory_mb: int = 2048
+    """Address-space limit (RLIMIT_AS) of each scoring child in MiB (0: none)."""
+    cpu_s: int = 60
+    """CPU seconds one call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
+    processes: int = 4
+    """Scoring child processes per worker (calls run in parallel up to this)."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong penalty: tokens before max_response_length where it starts (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong penalty at max_response_length (it falls linearly from 0 to -factor)."""
+    max_response_length: int = 0
+    """L_max of the overlong penalty (0: sampler.max_tokens)."""
 
 
 class ReplayConfig(ActorCommon, frozen=True):
@@ -352,7 +393,28 @@ def _check(topology: Topology) -> None:
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
          f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
-    need(topology.reward.capacity >= 1, "reward.capacity", "must be >= 1")
+    R = topology.reward
+    need(R.capacity >= 1, "reward.capacity", "must be >= 1")
+    for i, fn in enumerate(R.functions):
+        key = f"reward.functions[{i}]"
+        need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
+        need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
+             f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
+        need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
+        need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
+        need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
+        need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
+    need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
+         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+    need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
+    need(R.processes >= 1, "reward.processes", "must be >= 1")
+    need(R.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
+    need(R.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
+    need(R.max_response_length >= 0, "reward.max_response_length", "must be >= 0")
+    max_length = R.max_response_length or s.max_tokens
+    need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
+         f"must be <= the response length limit ({max_length})")
     need(topology.task.size >= 1, "task.size", "must be >= 1")
 
 
@@ -377,7 +439,18 @@ def decode_topology(data: dict[str, Any]) -> Topology:
         # msgspec reports "... - at `$.learner.total_stepz`"; restate it as a key path
         raise ConfigError(_key_path_message(str(exc))) from None
     _check(topology)
-    return topology
+    return _absolute_paths(topology)
+
+
+def _absolute_paths(topology: Topology) -> Topology:
+    """Reward function files are named relative to where the job is started; the actors run
+    elsewhere (and read the resolved topology), so the paths are made absolute here."""
+    R = topology.reward
+    if all(not fn.path or Path(fn.path).is_absolute() for fn in R.functions):
+        return topology
+    functions = [msgspec.structs.replace(fn, path=str(Path(fn.path).resolve())) if fn.path else fn
+                 for fn in R.functions]
+    return msgspec.structs.replace(topology, reward=msgspec.structs.replace(R, functions=functions))
 
 
 def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:

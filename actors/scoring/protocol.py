@@ -1,0 +1,152 @@
+"""What crosses the pipe between the reward worker and a scoring child: msgspec, length-framed.
+
+Worker -> child: one ``Setup`` on start, then ``Call``s, one at a time. Child -> worker: one
+``Ready`` after loading every function, then one ``Outcomes`` per ``Call``. User return values
+are turned into ``Outcome``s inside the child (``run_call``, ``to_outcome``), so nothing but
+numbers and strings ever leaves it. ``run_call`` is also how the worker calls its in-thread
+rule scorers, so both paths follow one calling convention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from messages.reward import ScoreItem
+
+HEADER = struct.Struct("<I")  # frame length, then the msgpack body
+MAX_FRAME = 256 * 1024 * 1024
+ERROR_CHARS = 500  # errors travel with every sample: keep them short
+
+
+class FunctionSpec(msgspec.Struct, frozen=True):
+    """One function a child can call: a built-in by name, or ``name`` in the file ``path``."""
+
+    builtin: str = ""
+    path: str = ""
+    name: str = "compute_score"
+    batch: bool = False
+    kwargs: dict[str, Any] = {}
+
+
+class Setup(msgspec.Struct, tag=True):
+    """Worker -> child: what to load and the limits to put on itself first."""
+
+    functions: list[FunctionSpec]
+    memory_mb: int = 0  # RLIMIT_AS in MiB (0: none)
+    cpu_s: int = 0  # RLIMIT_CPU per call in seconds (0: none)
+
+
+class Call(msgspec.Struct, tag=True):
+    """Worker -> child: call ``functions[function]`` on these items (one item unless batch)."""
+
+    function: int
+    data_sources: list[str]
+    solution_strs: list[str]
+    ground_truths: list[str]
+    extra_infos: list[dict[str, Any]]
+
+
+def make_call(function: int, items: list[ScoreItem]) -> Call:
+    return Call(function, [i.data_source for i in items], [i.solution_str for i in items],
+                [i.ground_truth for i in items], [dict(i.extra_info) for i in items])
+
+
+class Outcome(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One item's value from one function: a finite score, or 0.0 and what went wrong."""
+
+    score: float = 0.0
+    error: str = ""
+    extra: dict[str, float] = {}
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Child -> worker: loaded; ``load_errors[i]`` is non-empty when function ``i`` failed."""
+
+    load_errors: list[str]
+
+
+class Outcomes(msgspec.Struct, tag=True):
+    """Child -> worker: one outcome per item of the call."""
+
+    outcomes: list[Outcome]
+
+
+ToChild = Setup | Call
+FromChild = Ready | Outcomes
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = msgspec.msgpack.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def to_outcome(value: Any) -> Outcome:
+    """verl return conventions: a number, or a dict with ``score`` and numeric extras."""
+    extra: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return Outcome(error=f"returned a dict without 'score' (keys: {sorted(map(str, value))[:8]})")
+        extra = {str(k): float(v) for k, v in value.items()
+                 if k != "score" and isinstance(v, int | float) and math.isfinite(v)}
+        value = value["score"]
+    if isinstance(value, bool | int | float) or _is_numpy_number(value):
+        score = float(value)
+        if math.isfinite(score):
+            return Outcome(score, extra=extra)
+        return Outcome(error=f"returned a non-finite score {score}")
+    return Outcome(error=f"returned {type(value).__name__}, not a number")
+
+
+def _is_numpy_number(value: Any) -> bool:
+    # numpy scalars and 0-d tensors without importing numpy or torch here
+    return hasattr(value, "item") and getattr(value, "shape", None) == () and \
+        isinstance(value.item(), bool | int | float)
+
+
+def describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
+def _resolve(value: Any) -> Any:
+    if inspect.isawaitable(value):  # ``async def`` scorers run to completion on a fresh loop
+
+        async def wait() -> Any:
+            return await value
+
+        return asyncio.run(wait())
+    return value
+
+
+def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Outcome]:
+    """Call ``fn`` the way verl does (keyword arguments, ``kwargs`` appended): once per item,
+    or once with lists when ``spec.batch``. Exceptions and bad values become error outcomes."""
+    n = len(call.solution_strs)
+    if spec.batch:
+        try:
+            values = _resolve(fn(data_sources=call.data_sources, solution_strs=call.solution_strs,
+                                 ground_truths=call.ground_truths, extra_infos=call.extra_infos,
+                                 **spec.kwargs))
+        except (Exception, SystemExit) as exc:
+            return [Outcome(error=describe(exc))] * n
+        if not isinstance(values, list | tuple) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
+            return [Outcome(error=f"batch function returned {got} for {n} items")] * n
+        return [to_outcome(v) for v in values]
+    outcomes = []
+    for i in range(n):
+        try:
+            value = _resolve(fn(data_source=call.data_sources[i], solution_str=call.solution_strs[i],
+                                ground_truth=call.ground_truths[i], extra_info=call.extra_infos[i],
+                                **spec.kwargs))
+            outcomes.append(to_outcome(value))
+        except (Exception, SystemExit) as exc:
+            outcomes.append(Outcome(error=describe(exc)))
+    return outcomes

@@ -1,0 +1,102 @@
+"""Built-in rule scorers, all with verl's ``compute_score`` signature.
+
+Each takes ``(data_source, solution_str, ground_truth, extra_info)`` plus keyword options set
+in ``[[reward.functions]] kwargs`` and returns a float. The pure-regex ones run in the reward
+worker's thread; ``math`` (math-verify, whose timeouts use ``signal.alarm`` and so only work on
+a main thread) runs in a child process, like user code.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from actors.tasks import arithmetic_score, repeat_letter_score
+
+_SOLUTION_CLIP_CHARS = 300  # verl: the final answer is near the end; long regex scans are slow
+_STRICT = re.compile("#### (\\-?[0-9\\.\\,]+)")
+_FLEXIBLE = re.compile("(\\-?[0-9\\.\\,]+)")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
+    """verl's GSM8K answer extraction, rule for rule (quirks included: flexible keeps commas)."""
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', not {method!r}")
+    solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = _STRICT.findall(solution_str)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    final = None
+    for final in reversed(_FLEXIBLE.findall(solution_str)):
+        if final not in ("", "."):
+            break
+    return final
+
+
+def gsm8k(data_source: str, solution_str: str, ground_truth: str,
+          extra_info: dict[str, Any] | None = None, *, method: str = "strict",
+          format_score: float = 0.0, score: float = 1.0) -> float:
+    """``score`` when the extracted answer equals the ground truth, ``format_score`` when an
+    answer was extracted but differs, 0.0 when none was found (verl ``gsm8k.compute_score``)."""
+    answer = gsm8k_extract(solution_str, method)
+    if answer is None:
+        return 0.0
+    return float(score) if answer == ground_truth else float(format_score)
+
+
+def exact_match(data_source: str, solution_str: str, ground_truth: str,
+                extra_info: dict[str, Any] | None = None) -> float:
+    """1.0 when the reply, stripped of surrounding whitespace, is the ground truth."""
+    return float(solution_str.strip() == ground_truth.strip())
+
+
+def answer_tag(data_source: str, solution_str: str, ground_truth: str,
+               extra_info: dict[str, Any] | None = None, *, format_score: float = 0.0) -> float:
+    """1.0 when the text inside the last ``<answer>...</answer>`` is the ground truth (both
+    stripped), ``format_score`` for a well-formed tag with a wrong answer, 0.0 with no tag."""
+    tags = _ANSWER_TAG.findall(solution_str)
+    if not tags:
+        return 0.0
+    return 1.0 if tags[-1].strip() == ground_truth.strip() else float(format_score)
+
+
+def math(data_source: str, solution_str: str, ground_truth: str,
+         extra_info: dict[str, Any] | None = None) -> float:
+    """1.0 when math-verify finds the answer equivalent to the ground truth (verl's
+    ``math_verify.compute_score``: the ground truth is wrapped in ``\\boxed{}``, the reply is
+    searched for a LaTeX or plain expression). Call it in a child process: see the module doc."""
+    from math_verify.metric import math_metric
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+
+    verify = math_metric(gold_extraction_target=(LatexExtractionConfig(),),
+                         pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()))
+    value, _ = verify(["\\boxed{" + ground_truth + "}"], [solution_str])
+    return float(value)
+
+
+def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - buffer_len`` tokens, then falling
+    linearly to ``-factor`` at ``max_length`` (and below it past that)."""
+    expected = max_length - buffer_len
+    return min(-(length - expected) / buffer_len * factor, 0.0)
+
+
+Rule = Callable[..., float]
+BUILTINS: dict[str, Rule] = {
+    "gsm8k": gsm8k, "math": math, "exact_match": exact_match, "answer_tag": answer_tag,
+    "arithmetic": arithmetic_score, "repeat_letter": repeat_letter_score,
+}
+IN_CHILD = frozenset({"math"})  # built-ins that must not run on the worker's threads
+PRELOAD = {"math": ("math_verify.metric", "math_verify.parser")}  # imported when a child starts,
+# so the first call's timeout does not pay for the import
+
+# verl ``default_compute_score`` data sources, so verl parquet rows score with no config
+DATA_SOURCES: dict[str, str] = {
+    **{name: name for name in BUILTINS},
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+}

@@ -1,0 +1,175 @@
+"""``Scoring``: what the reward worker calls to turn ``ScoreItem``s into ``ScoreResult``s.
+
+With ``[[reward.functions]]`` configured, every item is scored by every function and the
+scores are summed with their weights; without, each item goes to the built-in named by its
+``data_source`` (verl's default data sources included). Built-in rules run on a worker thread;
+user functions and math-verify run in the child pool. An item any function failed on scores
+0.0 with the errors joined in ``ScoreResult.error``; the rest may get DAPO's overlong penalty.
+``score`` never raises for a scorer's fault and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from actors.runtime.config import RewardConfig, RewardFunction
+from actors.scoring.pool import ChildPool
+from actors.scoring.protocol import FunctionSpec, Outcome, make_call, run_call
+from actors.scoring.rules import BUILTINS, DATA_SOURCES, IN_CHILD, overlong_penalty
+from messages.reward import ScoreItem, ScoreResult
+
+
+@dataclass(frozen=True)
+class ScoringStatistics:
+    items: int
+    """Items scored since start."""
+    errors: int
+    """Items whose score is a failure score (0.0 with an error)."""
+    timeouts: int
+    """Child calls killed at reward.timeout_s."""
+    crashes: int
+    """Child calls whose process died (segfault, exit, signal)."""
+    children: int
+    """Scoring child processes alive now."""
+    children_started: int
+    """Scoring child processes started (replacements included)."""
+
+
+@dataclass(frozen=True)
+class _Component:
+    label: str  # names this function's score in ScoreResult.extra
+    weight: float
+    spec: FunctionSpec
+    child_index: int  # index into the pool's functions, or -1: runs on a worker thread
+
+
+def _label(fn: RewardFunction) -> str:
+    return fn.builtin or f"{Path(fn.path).stem}.{fn.name}"
+
+
+class Scoring:
+    """Scores items as ``cfg`` says; ``max_response_length`` is the overlong penalty's L_max
+    when ``cfg.max_response_length`` is 0 (the sampler's ``max_tokens``)."""
+
+    def __init__(self, cfg: RewardConfig, max_response_length: int) -> None:
+        self.cfg = cfg
+        self.max_length = cfg.max_response_length or max_response_length
+        child_specs: list[FunctionSpec] = []
+        self._components: list[_Component] = []
+        labels: set[str] = set()
+        for i, fn in enumerate(cfg.functions):
+            spec = FunctionSpec(builtin=fn.builtin, path=str(Path(fn.path).resolve()) if fn.path else "",
+                                name=fn.name, batch=fn.batch, kwargs=dict(fn.kwargs))
+            in_child = not fn.builtin or fn.builtin in IN_CHILD
+            label = _label(fn) if _label(fn) not in labels else f"{_label(fn)}#{i}"
+            labels.add(label)
+            self._components.append(_Component(label, fn.weight, spec,
+                                               len(child_specs) if in_child else -1))
+            if in_child:
+                child_specs.append(spec)
+        self._by_source_child: dict[str, int] = {}  # default mode: child built-in -> pool index
+        if not cfg.functions:
+            for name in sorted(IN_CHILD):
+                self._by_source_child[name] = len(child_specs)
+                child_specs.append(FunctionSpec(builtin=name))
+        self.pool = ChildPool(child_specs, size=cfg.processes, timeout_s=cfg.timeout_s,
+                              memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s)
+        self._items = self._errors = 0
+
+    def statistics(self) -> ScoringStatistics:
+        pool = self.pool.statistics()
+        return ScoringStatistics(self._items, self._errors, pool.timeouts, pool.crashes,
+                                 pool.children, pool.started)
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        """One result per item, in order."""
+        if self._components:
+            per_function = [[Outcome()] * len(items) for _ in self._components]
+
+            async def run(k: int) -> None:
+                per_function[k] = await self._run(self._components[k].spec,
+                                                  self._components[k].child_index, items)
+
+            async with anyio.create_task_group() as tg:
+                for k in range(len(self._components)):
+                    tg.start_soon(run, k)
+            results = [self._combine([per_function[k][i] for k in range(len(self._components))])
+                       for i in range(len(items))]
+        else:
+            results = [ScoreResult(o.score, o.error, o.extra) for o in await self._by_source(items)]
+        for item, result in zip(items, results, strict=True):
+            if result.error:
+                result.score, result.extra = 0.0, {}
+            elif self.cfg.overlong_buffer_len and item.response_length:
+                penalty = overlong_penalty(item.response_length, self.max_length,
+                                           self.cfg.overlong_buffer_len,
+                                           self.cfg.overlong_penalty_factor)
+                result.score += penalty
+                result.extra = {**result.extra, "overlong_penalty": penalty}
+        self._items += len(items)
+        self._errors += sum(1 for r in results if r.error)
+        return results
+
+    def _combine(self, outcomes: list[Outcome]) -> ScoreResult:
+        errors = [f"{c.label}: {o.error}" for c, o in zip(self._components, outcomes, strict=True)
+                  if o.error]
+        if errors:
+            return ScoreResult(0.0, error="; ".join(errors))
+        total = sum(c.weight * o.score for c, o in zip(self._components, outcomes, strict=True))
+        if len(self._components) == 1:
+            return ScoreResult(total, extra=outcomes[0].extra)
+        extra: dict[str, float] = {}
+        for c, o in zip(self._components, outcomes, strict=True):
+            extra[c.label] = o.score
+            extra.update({f"{c.label}/{k}": v for k, v in o.extra.items()})
+        return ScoreResult(total, extra=extra)
+
+    async def _run(self, spec: FunctionSpec, child_index: int,
+                   items: list[ScoreItem]) -> list[Outcome]:
+        """One function over the items: on a thread, or in children (one call per item, or
+        one call for all when batch)."""
+        if not items:
+            return []
+        if child_index < 0:
+            return await anyio.to_thread.run_sync(run_call, BUILTINS[spec.builtin], spec,
+                                                  make_call(-1, items))
+        if spec.batch:
+            return await self.pool.call(child_index, items)
+        outcomes = [Outcome()] * len(items)
+
+        async def one(i: int) -> None:
+            (outcomes[i],) = await self.pool.call(child_index, items[i:i + 1])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(items)):
+                tg.start_soon(one, i)
+        return outcomes
+
+    async def _by_source(self, items: list[ScoreItem]) -> list[Outcome]:
+        """Default mode: each item by the built-in its data_source names."""
+        outcomes = [Outcome()] * len(items)
+        groups: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            name = DATA_SOURCES.get(item.data_source)
+            if name is None:
+                outcomes[i] = Outcome(error=f"no scorer for data_source {item.data_source!r} "
+                                            "(configure [[reward.functions]])")
+            else:
+                groups.setdefault(name, []).append(i)
+
+        async def group(name: str, indices: list[int]) -> None:
+            scored = await self._run(FunctionSpec(builtin=name), self._by_source_child.get(name, -1),
+                                     [items[i] for i in indices])
+            for i, outcome in zip(indices, scored, strict=True):
+                outcomes[i] = outcome
+
+        async with anyio.create_task_group() as tg:
+            for name, indices in groups.items():
+                tg.start_soon(group, name, indices)
+        return outcomes

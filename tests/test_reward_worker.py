@@ -1,0 +1,69 @@
+"""A live router and reward worker (in this process, on trio, over real ipc sockets) with a
+user's scoring function that hangs on one item: the reply still comes, with that item's error
+and the others scored, and the worker serves the next request."""
+
+from __future__ import annotations
+
+import tempfile
+
+import anyio
+import pytest
+import zmq
+
+from actors.reward import reward_actor
+from actors.router import router_actor
+from actors.runtime.actor import ActorContext, serve_actor
+from actors.runtime.config import apply_overrides, decode_topology
+from actors.runtime.zmq_bridge import make_socket
+from messages.codec import Codec, encode
+from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ToClient
+
+USER_FUNCTION = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        time.sleep(3600)
+    return {"score": float(solution_str == ground_truth), "chars": len(solution_str)}
+'''
+
+
+@pytest.mark.anyio
+async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path):
+    sockets = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(USER_FUNCTION)
+    topo = decode_topology(apply_overrides({}, [
+        f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
+        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]',
+        "reward.timeout_s=1.0", "reward.processes=2"]))
+    zctx = zmq.Context()
+    reward_ctx = ActorContext(kind="reward", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    router_ctx = ActorContext(kind="router", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    codec = Codec(ToClient)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            tg.start_soon(serve_actor, reward_ctx, reward_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+                items = [ScoreItem("mine", "4", "4"), ScoreItem("mine", "hang", "4"),
+                         ScoreItem("mine", "5", "4"), ScoreItem("mine", "4", "4")]
+                await client.send_multipart([encode(ScoreRequest(request_id=1, items=items))])
+                reply = codec.decode((await client.recv_multipart())[-1])
+                assert isinstance(reply, ScoreReply) and reply.request_id == 1
+                assert [r.score for r in reply.results] == [1.0, 0.0, 0.0, 1.0]
+                assert "timed out after 1 s" in reply.results[1].error
+                assert [r.error for r in reply.results[::2]] == ["", ""]
+                assert reply.results[2].extra == {"chars": 1.0}
+
+                await client.send_multipart([encode(ScoreRequest(
+                    request_id=2, items=[ScoreItem("mine", "7", "7"), ScoreItem("mine", "x", "7")]))])
+                reply = codec.decode((await client.recv_multipart())[-1])
+                assert isinstance(reply, ScoreReply) and reply.request_id == 2
+                assert [(r.score, r.error) for r in reply.results] == [(1.0, ""), (0.0, "")]
+            status = reward_ctx.status
+            assert (status["requests_done"], status["items_scored"]) == (2, 6)
+            assert (status["score_errors"], status["score_timeouts"], status["score_crashes"]) == (1, 1, 0)
+            assert router_ctx.status["workers"] == 1  # heartbeats kept it registered throughout
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
