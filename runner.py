@@ -1,5 +1,10 @@
 """Run an RL post-training job: ``python runner.py topology.toml [dotted.key=value ...]``.
 
+Attach one more reward worker to a running job:
+``python runner.py attach reward --to RUN_DIR [--name NAME] [reward.key=value ...]``. It runs in
+the foreground, unsupervised by the job's runner, until Ctrl-C or SIGTERM: then it says bye to
+the router, answers what it has in flight and exits 0 (detach).
+
 The runner reads the topology into typed config, resolves the run directory, the model and
 every ``auto`` address, writes the result to ``RUN_DIR/topology.json``, starts one OS process
 per actor instance and supervises them: it prints one line per learner step and a live status
@@ -279,10 +284,62 @@ def run_command(args: argparse.Namespace) -> int:
     return anyio.run(Job(topology, run_dir).run, backend="trio")
 
 
+ATTACHABLE = {"reward": ("actors.reward", "reward_actor")}
+
+
+def attach_command(args: argparse.Namespace) -> int:
+    """Start one worker of ``args.kind`` in this process, joined to the job's router."""
+    import importlib
+    import os
+
+    from actors.runtime.actor import run_actor
+    from actors.runtime.config import apply_overrides, decode_topology
+
+    path = Path(args.to)
+    topo_file = path if path.suffix == ".json" else path / "topology.json"
+    if not topo_file.is_file():
+        print(f"error: no resolved topology at {topo_file} (is it the run directory of a job "
+              "started with runner.py?)", file=sys.stderr)
+        return 2
+    try:
+        data = msgspec.json.decode(topo_file.read_bytes())
+        bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(f"{args.kind}.")]
+        if bad:
+            raise ConfigError(f"only {args.kind}.* keys can be overridden when attaching: {', '.join(bad)}")
+        topology = decode_topology(apply_overrides(data, list(args.overrides)))
+    except (ConfigError, msgspec.DecodeError) as exc:
+        print(f"error: bad topology {topo_file}: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(topology.run.dir) if topology.run.dir else topo_file.parent
+    name = args.name or f"{args.kind}-attached-{os.getpid()}"
+    module, fn = ATTACHABLE[args.kind]
+    body = getattr(importlib.import_module(module), fn)
+    print(f"=== {name} (pid {os.getpid()}) attaching to {topology.router.worker_address}; "
+          "Ctrl-C detaches it", flush=True)
+    return run_actor(args.kind, -1, topology, run_dir, body, name=name, supervised=False)
+
+
+def attach_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py attach", description="Attach one worker to a running job (Ctrl-C detaches it).",
+        epilog="example: python runner.py attach reward --to runs/20260101-120000 reward.capacity=8",
+    )
+    parser.add_argument("kind", choices=sorted(ATTACHABLE), help="kind of worker")
+    parser.add_argument("--to", required=True, metavar="RUN_DIR",
+                        help="the job's run directory (or its topology.json)")
+    parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the worker's section")
+    return attach_command(parser.parse_intermixed_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "attach":
+        return attach_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
-        epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2",
+        epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
+               "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job",
     )
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")

@@ -70,13 +70,41 @@ class RouterState:
     answered: int = 0
     duplicates: int = 0  # replies for ids no longer in flight
     resent: int = 0
+    departed: set[bytes] = field(default_factory=set)  # said bye and gone: heartbeats ignored
 
-    def register(self, identity: bytes, name: str, pool: str, capacity: int, now: float) -> None:
+    def register(self, identity: bytes, name: str, pool: str, capacity: int, now: float,
+                 hello: bool = False) -> None:
+        """A hello or a heartbeat. A hello is a new incarnation: what the old one had in flight is
+        re-sent and a bye it said is forgotten. A heartbeat from a worker that said bye keeps it
+        leaving (or, once it is gone, does not bring it back)."""
+        if hello:
+            self.departed.discard(identity)
+        elif identity in self.departed:
+            return
         w = self.workers.get(identity)
         if w is None:
             self.workers[identity] = Worker(identity, name, pool, max(1, capacity), now)
-        else:
-            w.last_seen, w.capacity, w.pool = now, max(1, capacity), pool
+            return
+        w.last_seen, w.capacity, w.pool, w.name = now, max(1, capacity), pool, name
+        if hello:
+            w.leaving = False
+            for rid in sorted(w.in_flight):  # the old process died with these
+                self.take_back(rid)
+
+    def leave(self, identity: bytes, now: float) -> bool:
+        """A worker said bye: no new work; removed once its last request is answered.
+        Returns True when the bye is acknowledged (known worker or not, it gets no more work)."""
+        w = self.workers.get(identity)
+        if w is not None:
+            w.leaving, w.last_seen = True, now
+        self.departed.add(identity)
+        self._drop_if_done(identity)
+        return True
+
+    def _drop_if_done(self, identity: bytes) -> None:
+        w = self.workers.get(identity)
+        if w is not None and w.leaving and not w.in_flight:
+            del self.workers[identity]
 
     def submit(self, client: bytes, request: ScoreRequest) -> int:
         rid = next(self.ids)
@@ -131,6 +159,7 @@ class RouterState:
             worker.in_flight.discard(reply.request_id)
             worker.done += 1
             worker.latencies.append(now - entry.sent_at)
+            self._drop_if_done(worker_id)
         self.answered += 1
         return entry
 
@@ -143,6 +172,7 @@ class RouterState:
             w = self.workers[entry.worker]
             w.in_flight.discard(rid)
             w.failed += 1
+            self._drop_if_done(entry.worker)
         entry.worker = None
         self.pending.appendleft(rid)
         self.resent += 1
@@ -154,7 +184,7 @@ class RouterState:
             if now - w.last_seen > worker_timeout:
                 for rid in sorted(w.in_flight):
                     self.take_back(rid)
-                del self.workers[identity]
+                self.workers.pop(identity, None)
                 gone.append(w.name)
         for rid, entry in list(self.requests.items()):
             if entry.worker is not None and now - entry.sent_at > request_timeout:
@@ -170,8 +200,9 @@ class RouterState:
         for w in self.workers.values():
             lat = sorted(w.latencies)
             p50 = lat[len(lat) // 2] if lat else 0.0
-            stats[f"{w.name}"] = f"{len(w.in_flight)}/{w.capacity} done={w.done} p50={p50 * 1e3:.0f}ms"
-        if self.pending and not any(w.pool == "reward" for w in self.workers.values()):
+            stats[f"{w.name}"] = (f"{len(w.in_flight)}/{w.capacity} done={w.done} p50={p50 * 1e3:.0f}ms"
+                                  + (" leaving" if w.leaving else ""))
+        if self.pending and not any(w.pool == "reward" and not w.leaving for w in self.workers.values()):
             stats["waiting"] = "no live reward worker"
         return stats
 
@@ -186,11 +217,18 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
     worker_timeout = max(5.0, 5 * ctx.topology.run.heartbeat_interval)
     room = anyio.Event()
 
+    shown: set[str] = set()  # per-worker keys in the status: a worker that left is dropped
+
     async def dispatch() -> None:
         for worker, request in state.assign(time.monotonic()):
             await workers.send_multipart([worker.identity, encode(request)])
-        ctx.status.update(state.statistics(), rejected_frames=client_codec.rejected +
-                          worker_codec.rejected)
+        stats = state.statistics()
+        names = {w.name for w in state.workers.values()}
+        for gone in shown - names:
+            ctx.status.pop(gone, None)
+        shown.clear()
+        shown.update(names)
+        ctx.status.update(stats, rejected_frames=client_codec.rejected + worker_codec.rejected)
 
     async def from_clients() -> None:
         nonlocal room
@@ -217,13 +255,15 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
                 await workers.send_multipart([identity, encode(RouterError(error=f"router: {exc}"))])
                 continue
             match msg:
-                case WorkerHello(name=name, pool=pool, capacity=cap) | WorkerHeartbeat(
-                    name=name, pool=pool, capacity=cap
-                ):
+                case WorkerHello(name=name, pool=pool, capacity=cap):
+                    state.register(identity, name, pool, cap, now, hello=True)
+                case WorkerHeartbeat(name=name, pool=pool, capacity=cap):
                     state.register(identity, name, pool, cap, now)
-                case WorkerBye():
-                    if identity in state.workers:
-                        state.workers[identity].leaving = True
+                case WorkerBye(name=name):
+                    state.leave(identity, now)
+                    # the ack follows every request sent to it before (one pipe, in order): once
+                    # the worker has it and has answered those, it can go
+                    await workers.send_multipart([identity, encode(WorkerBye(name=name))])
                 case ScoreReply() as reply:
                     entry = state.complete(identity, reply, now)
                     if entry is not None:

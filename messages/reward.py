@@ -59,7 +59,10 @@ class WorkerHeartbeat(msgspec.Struct, tag=True, gc=False):
 
 
 class WorkerBye(msgspec.Struct, tag=True):
-    """Worker -> Router: leaving; send no more work (in-flight requests still get replies)."""
+    """Worker -> Router: leaving; send no more work (in-flight requests still get replies).
+
+    Router -> Worker: the acknowledgement; every request the router sent it before comes first.
+    """
 
     name: str
 
@@ -73,5 +76,5 @@ class RouterError(msgspec.Struct, tag=True):
 
 ToRouterFromClient = ScoreRequest
 ToRouterFromWorker = ScoreReply | WorkerHello | WorkerHeartbeat | WorkerBye
-ToWorker = ScoreRequest | RouterError
+ToWorker = ScoreRequest | RouterError | WorkerBye
 ToClient = ScoreReply | RouterError

@@ -67,3 +67,47 @@ async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path):
             assert router_ctx.status["workers"] == 1  # heartbeats kept it registered throughout
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
+
+
+SLOW_FUNCTION = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(float(solution_str))
+    return 1.0
+'''
+
+
+@pytest.mark.anyio
+async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path):
+    sockets = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(SLOW_FUNCTION)
+    topo = decode_topology(apply_overrides({}, [
+        f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
+        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]',
+        "reward.timeout_s=5.0", "reward.processes=1"]))
+    zctx = zmq.Context()
+    reward_ctx = ActorContext(kind="reward", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    router_ctx = ActorContext(kind="router", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    codec = Codec(ToClient)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            async with anyio.create_task_group() as worker:
+                worker.start_soon(serve_actor, reward_ctx, reward_actor, None)
+                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+                    await client.send_multipart([encode(ScoreRequest(
+                        request_id=5, items=[ScoreItem("mine", "1.5", "x")]))])
+                    while reward_ctx.status.get("requests_in_flight") != 1:  # noqa: ASYNC110
+                        await anyio.sleep(0.05)
+                    worker.cancel_scope.cancel()  # as SIGTERM: bye, then the reply, then gone
+                    reply = codec.decode((await client.recv_multipart())[-1])
+                    assert isinstance(reply, ScoreReply) and reply.request_id == 5
+                    assert [r.score for r in reply.results] == [1.0]
+            assert reward_ctx.status["requests_done"] == 1
+            await anyio.sleep(0.3)  # the router's status follows on its next dispatch
+            assert router_ctx.status["resent"] == 0 and router_ctx.status["workers"] == 0
+            assert "reward-0" not in router_ctx.status
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)

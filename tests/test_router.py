@@ -82,3 +82,62 @@ def test_pools_are_separate():
     assert s.assign(now=0) == []
     s.submit(b"c", ScoreRequest(request_id=1, items=[ITEM], pool="generate"))
     assert [w.name for w, _ in s.assign(now=0)] == ["gen-0"]
+
+
+def test_leaving_worker_is_removed_once_its_last_reply_is_in():
+    s = RouterState()
+    s.register(b"w1", "w1", "reward", 4, now=0)
+    s.register(b"w2", "w2", "reward", 4, now=0)
+    s.submit(b"c", request(7))
+    (worker, keyed), = s.assign(now=0)
+    s.leave(worker.identity, now=1)
+    assert worker.identity in s.workers  # still owes a reply
+    assert worker.name in s.statistics() and "leaving" in s.statistics()[worker.name]
+    s.submit(b"c", request(8))
+    (other, _), = s.assign(now=1)
+    assert other.identity != worker.identity  # no new work for the leaving one
+    assert s.complete(worker.identity, reply(keyed.request_id), now=2).client_request_id == 7
+    assert worker.identity not in s.workers and worker.name not in s.statistics()
+
+
+def test_idle_leaving_worker_is_removed_at_once():
+    s = RouterState()
+    s.register(b"w1", "w1", "reward", 4, now=0)
+    s.leave(b"w1", now=1)
+    assert b"w1" not in s.workers and s.statistics()["workers"] == 0
+
+
+def test_heartbeat_after_bye_does_not_bring_a_worker_back():
+    s = RouterState()
+    s.register(b"w1", "w1", "reward", 4, now=0)
+    s.register(b"w2", "w2", "reward", 4, now=0)
+    s.submit(b"c", request(0))
+    (worker, _), = s.assign(now=0)
+    s.leave(worker.identity, now=1)
+    s.register(worker.identity, worker.name, "reward", 4, now=2)  # heartbeat while draining
+    assert s.workers[worker.identity].leaving
+    idle = b"w2" if worker.identity == b"w1" else b"w1"
+    s.leave(idle, now=2)
+    s.register(idle, "again", "reward", 4, now=3)  # heartbeat after it was removed
+    assert idle not in s.workers
+    s.submit(b"c", request(1))
+    assert s.assign(now=3) == []  # nobody live: it waits
+    assert s.statistics()["waiting"] == "no live reward worker"
+
+
+def test_hello_is_a_new_incarnation():
+    s = RouterState()
+    s.register(b"w1", "w1", "reward", 4, now=0, hello=True)
+    s.submit(b"c", request(0))
+    (_, keyed), = s.assign(now=0)
+    # killed and restarted under the same identity: what it had is re-sent, to it again
+    s.register(b"w1", "w1", "reward", 4, now=5, hello=True)
+    assert s.resent == 1 and not s.workers[b"w1"].in_flight
+    (worker, again), = s.assign(now=5)
+    assert worker.identity == b"w1" and again.request_id == keyed.request_id
+    # one that said bye and is gone comes back with a hello
+    s.complete(b"w1", reply(keyed.request_id), now=6)
+    s.leave(b"w1", now=7)
+    assert b"w1" not in s.workers
+    s.register(b"w1", "w1", "reward", 4, now=8, hello=True)
+    assert b"w1" in s.workers and not s.workers[b"w1"].leaving

@@ -45,10 +45,12 @@ class ActorContext:
     """Published in every heartbeat; the body updates it as it works."""
     control: AsyncSocket | None = None
     """DEALER to the runner (None when the actor runs without a runner, e.g. in tests)."""
+    label: str = ""
+    """A name other than ``KIND-INDEX`` (a worker attached by hand: ``reward-attached-PID``)."""
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.index}"
+        return self.label or f"{self.kind}-{self.index}"
 
     async def report(self, message: msgspec.Struct) -> None:
         """Send a control message (StepReport, Finished, ...) to the runner, if there is one."""
@@ -145,15 +147,21 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             ctx.control.close()
 
 
-def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body) -> int:
-    """Process entry point: run one actor on trio; returns the exit status."""
+def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body, *,
+              name: str = "", supervised: bool = True) -> int:
+    """Process entry point: run one actor on trio; returns the exit status.
+
+    ``supervised=False`` (a worker attached by hand): no control channel to the runner and no
+    watch on the parent process; it runs until it is stopped by a signal.
+    """
     ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
-                       zmq=zmq.Context())
-    control = None if topology.control_address == "auto" else topology.control_address
+                       zmq=zmq.Context(), label=name)
+    control = None if topology.control_address == "auto" or not supervised else topology.control_address
+    parent = os.getppid() if supervised else None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _note_signal)
     try:
-        anyio.run(serve_actor, ctx, body, control, os.getppid(), backend="trio")
+        anyio.run(serve_actor, ctx, body, control, parent, backend="trio")
         return 0
     except KeyboardInterrupt:
         return 0
