@@ -28,18 +28,24 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.anyio
-async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path):
+def router_and_worker(tmp_path, source: str, *overrides: str):
+    """A topology on fresh ipc sockets whose reward function is ``source``, and both contexts."""
     sockets = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
     scorer = tmp_path / "scorer.py"
-    scorer.write_text(USER_FUNCTION)
+    scorer.write_text(source)
     topo = decode_topology(apply_overrides({}, [
         f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
-        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]',
-        "reward.timeout_s=1.0", "reward.processes=2"]))
+        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]', *overrides]))
     zctx = zmq.Context()
     reward_ctx = ActorContext(kind="reward", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
     router_ctx = ActorContext(kind="router", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    return topo, zctx, reward_ctx, router_ctx
+
+
+@pytest.mark.anyio
+async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path):
+    topo, zctx, reward_ctx, router_ctx = router_and_worker(
+        tmp_path, USER_FUNCTION, "reward.timeout_s=1.0", "reward.processes=2")
     codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -80,16 +86,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.mark.anyio
 async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path):
-    sockets = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
-    scorer = tmp_path / "scorer.py"
-    scorer.write_text(SLOW_FUNCTION)
-    topo = decode_topology(apply_overrides({}, [
-        f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
-        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]',
-        "reward.timeout_s=5.0", "reward.processes=1"]))
-    zctx = zmq.Context()
-    reward_ctx = ActorContext(kind="reward", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
-    router_ctx = ActorContext(kind="router", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
+    topo, zctx, reward_ctx, router_ctx = router_and_worker(
+        tmp_path, SLOW_FUNCTION, "reward.timeout_s=5.0", "reward.processes=1")
     codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
