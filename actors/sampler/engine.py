@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from actors.runtime.config import SamplerConfig
+from kernels.logprobs import token_logprobs
 
 
 @dataclass
@@ -80,8 +81,9 @@ class HFEngine:
             stopping_criteria=StoppingCriteriaList([_Abort(self.abort)]),
         )
         seqs = out.sequences[:, width:]  # (B·n, R)
-        logits = torch.stack(out.logits, 1).float() / cfg.temperature  # (B·n, R, V)
-        lps = torch.log_softmax(logits, -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+        logits = torch.stack(out.logits, 1)  # (B·n, R, V) raw logits of each step
+        lps = token_logprobs(logits, seqs, 1.0 if greedy else cfg.temperature,
+                             chunk_size=1024)  # (B·n, R), the learner's quantity
         groups: list[list[Completion]] = [[] for _ in prompts]
         for row in range(seqs.shape[0]):
             length, reason = self._length(seqs[row])
