@@ -222,13 +222,20 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
     async def dispatch() -> None:
         for worker, request in state.assign(time.monotonic()):
             await workers.send_multipart([worker.identity, encode(request)])
+
+    def count_rejected() -> None:
+        ctx.status["rejected_frames"] = client_codec.rejected + worker_codec.rejected
+
+    def publish_status() -> None:
+        """Per-worker statistics sort latency histories: refreshed on a timer, not per message."""
         stats = state.statistics()
         names = {w.name for w in state.workers.values()}
         for gone in shown - names:
             ctx.status.pop(gone, None)
         shown.clear()
         shown.update(names)
-        ctx.status.update(stats, rejected_frames=client_codec.rejected + worker_codec.rejected)
+        ctx.status.update(stats)
+        count_rejected()
 
     async def from_clients() -> None:
         nonlocal room
@@ -240,6 +247,7 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
             try:
                 request = client_codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
+                count_rejected()
                 await clients.send_multipart([client, encode(RouterError(error=f"router: {exc}"))])
                 continue
             state.submit(client, request)
@@ -252,6 +260,7 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
             try:
                 msg = worker_codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
+                count_rejected()
                 await workers.send_multipart([identity, encode(RouterError(error=f"router: {exc}"))])
                 continue
             match msg:
@@ -274,7 +283,8 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
 
     async def watchdog() -> None:
         while True:
-            await anyio.sleep(1.0)
+            publish_status()
+            await anyio.sleep(min(1.0, ctx.topology.run.heartbeat_interval))
             state.expire(time.monotonic(), worker_timeout, cfg.request_timeout)
             await dispatch()
 
