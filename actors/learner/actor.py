@@ -93,15 +93,21 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                     batch = replay_codec.decode((await replay.recv_multipart())[-1])
                 except DecodeError:
                     continue
-            wait_s = time.monotonic() - waited
-            metrics = await run_compute(trainer.train_step, batch.groups, abort=trainer.abort)
+            extra = {"timing_s/wait_batch": time.monotonic() - waited,
+                     **{f"replay/{k}": float(v) for k, v in batch.counters.items()}}
+
+            def step_and_record(groups, extra=extra):
+                # in the worker thread, so a step taken is always a step recorded: a stop can
+                # come before the step or after its metrics line, never between the two
+                metrics = {**trainer.train_step(groups), **extra}
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
+                return metrics
+
+            metrics = await run_compute(step_and_record, batch.groups, abort=trainer.abort)
             snapshot = await anyio.to_thread.run_sync(trainer.snapshot)
             await server.publish(trainer.version, snapshot)
             await replay.send_multipart([encode(VersionUpdate(version=trainer.version))])
-            metrics["timing_s/wait_batch"] = wait_s
-            metrics.update({f"replay/{k}": float(v) for k, v in batch.counters.items()})
-            with metrics_file.open("a") as f:
-                f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
             await ctx.report(StepReport(step=trainer.step, metrics=metrics))
             ctx.status.update(step=trainer.step, version=trainer.version,
                               reward=round(metrics["critic/score/mean"], 3),

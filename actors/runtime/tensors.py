@@ -34,6 +34,8 @@ def from_buffer(dtype: str, shape: tuple[int, ...], data) -> torch.Tensor:
     """A tensor over ``data`` (bytes, memoryview or zmq frame buffer); validates the size."""
     if dtype not in _TORCH:
         raise ValueError(f"unknown tensor dtype {dtype!r}")
+    if any(d < 0 for d in shape):  # torch would raise RuntimeError, which callers do not expect
+        raise ValueError(f"negative tensor dimension in shape {tuple(shape)}")
     n = 1
     for d in shape:
         n *= d

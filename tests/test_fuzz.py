@@ -1,0 +1,515 @@
+"""Property-based fuzzing (hypothesis) of every socket an actor receives on.
+
+Each live test starts one actor in this process, on trio, over real ipc sockets, and runs
+hypothesis in a worker thread: every example is a list of multipart messages (random bytes,
+msgpack of random JSON-like values, valid messages of the wrong type, truncated messages,
+messages with wrong field types, extra frames) sent to the actor through ``anyio.from_thread``.
+After each example the actor must still be running and answer a valid request, and its
+``rejected_frames`` counter (where it has one) must have grown by exactly the number of
+messages that do not decode. A fresh ``Codec`` of the socket's union is the oracle for that:
+messages it accepts are not sent (they would change the actor's state, not test its defences).
+
+Sockets covered: replay ROUTER, router client and worker ROUTERs, reward worker DEALER, the
+runner's control ROUTER (``Job.listen``), an actor's control DEALER (``_control_listener``),
+the learner's weights ROUTER (``WeightsServer.serve``), and, unit-level, the sampler's three
+decoders and ``from_buffer`` (weights frames) plus the codec's ``max_frame`` limit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import msgspec
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from actors.learner.actor import WeightsServer
+from actors.replay import replay_actor
+from actors.reward import reward_actor
+from actors.router import router_actor
+from actors.runtime.actor import ActorContext, serve_actor
+from actors.runtime.config import Topology, apply_overrides, decode_topology
+from actors.runtime.tensors import from_buffer
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from messages.codec import Codec, DecodeError, encode
+from messages.control import (
+    ErrorReply,
+    Finished,
+    Heartbeat,
+    Ready,
+    StepReport,
+    Stop,
+    ToActor,
+    ToRunner,
+)
+from messages.reward import (
+    RouterError,
+    ScoreItem,
+    ScoreReply,
+    ScoreRequest,
+    ScoreResult,
+    ToClient,
+    ToRouterFromClient,
+    ToRouterFromWorker,
+    ToWorker,
+    WorkerBye,
+    WorkerHeartbeat,
+    WorkerHello,
+)
+from messages.rollout import (
+    BatchRequest,
+    ChatMessage,
+    FromReplay,
+    GroupsDone,
+    Prompt,
+    PromptBatch,
+    PromptRequest,
+    Sample,
+    ScoredGroup,
+    ToReplay,
+    TrainBatch,
+    VersionUpdate,
+)
+from messages.tensor import DTYPES, ITEMSIZE, Tensor, TensorMeta
+from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsHeader, WeightsPoll
+from runner import Job
+
+# ---------------------------------------------------------------- strategies
+
+_TENSOR = Tensor("int32", (2,), b"\x01\x00\x00\x00\x02\x00\x00\x00")
+_PROMPT = Prompt(3, [ChatMessage("user", "2+2?")], "arithmetic", "4", {"a": 2, "b": 2})
+_GROUP = ScoredGroup(_PROMPT, _TENSOR, [Sample(_TENSOR, Tensor("float32", (0,), b""), 1, "4", "stop", 1.0)],
+                     "sampler-0")
+_ITEM = ScoreItem("arithmetic", "2 + 2 = 4", "4", {"a": 2, "b": 2})
+
+# one valid message of every type on the wire
+ALL_MESSAGES: list[msgspec.Struct] = [
+    PromptRequest(2, "inc"), GroupsDone([_GROUP]), BatchRequest(1, 1, 4), VersionUpdate(3),
+    PromptBatch([_PROMPT], 1), TrainBatch(1, [_GROUP], {"issued": 1}),
+    ScoreRequest(7, [_ITEM]), ScoreReply(7, [ScoreResult(1.0, "", {"x": 1.0})]),
+    WorkerHello("w", "reward", 2), WorkerHeartbeat("w"), WorkerBye("w"), RouterError("e", 3),
+    Ready("a", 1), Heartbeat("a", {"k": 1}), StepReport(1, {"m": 0.5}), Finished("a", "d"),
+    Stop("r"), ErrorReply("e"), WeightsPoll(-1), WeightsHeader(1, [TensorMeta("w", "float32", (2, 2))]),
+]
+
+_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+            | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20))
+json_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def truncated(draw) -> bytes:
+    frame = encode(draw(st.sampled_from(ALL_MESSAGES)))
+    return frame[: draw(st.integers(0, len(frame) - 1))]
+
+
+@st.composite
+def wrong_field(draw) -> bytes:
+    """A valid message with one field (top level or nested list element) replaced."""
+    value = msgspec.to_builtins(draw(st.sampled_from(ALL_MESSAGES)))
+    keys = [k for k in value if k != "type"]
+    if not keys:
+        return encode(value)
+    key = draw(st.sampled_from(keys))
+    replacement = draw(json_values | st.just("not an int") | st.just(-1) | st.just([]) | st.just({}))
+    field = value[key]
+    if isinstance(field, list) and field and draw(st.booleans()):
+        i = draw(st.integers(0, len(field) - 1))
+        field[i] = replacement  # e.g. a ScoreItem or Prompt that is not one
+    elif draw(st.booleans()) or not keys:
+        value[key] = replacement
+    else:
+        del value[key]  # a missing field
+    return encode(value)
+
+
+frames_strategy = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(encode),
+    st.sampled_from(ALL_MESSAGES).map(encode),  # valid, and of the wrong type for most sockets
+    truncated(),
+    wrong_field(),
+    st.dictionaries(st.just("type"), st.text(max_size=12)).map(encode),  # unknown tag
+)
+
+# a multipart message: the actors decode the last frame; extra frames before it are ignored
+multipart = st.lists(frames_strategy, min_size=1, max_size=3)
+examples = st.lists(multipart, min_size=1, max_size=8)
+
+FUZZ = settings(max_examples=40, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+LIVE = settings(FUZZ, max_examples=75)  # one long-lived actor, ~4 bad messages per example
+
+
+def rejected(union: Any, parts: list[bytes]) -> bool:
+    """The oracle: does this multipart message fail to decode on a socket of ``union``?"""
+    try:
+        Codec(union).decode(parts[-1] if parts else b"")
+    except DecodeError:
+        return True
+    return False
+
+
+def invalid_only(union: Any, messages: list[list[bytes]]) -> list[list[bytes]]:
+    return [m for m in messages if rejected(union, m)]
+
+
+# ---------------------------------------------------------------- live harness
+
+
+@pytest.fixture
+def sockets():
+    return tempfile.mkdtemp(dir="/tmp", prefix="flowrl-fuzz-")
+
+
+def topology(sockets: str, *overrides: str) -> Topology:
+    return decode_topology(apply_overrides({}, [
+        f"replay.address=ipc://{sockets}/replay", f"router.address=ipc://{sockets}/router",
+        f"router.worker_address=ipc://{sockets}/workers",
+        f"learner.weights_address=ipc://{sockets}/weights", f"control_address=ipc://{sockets}/control",
+        "run.heartbeat_interval=0.2", *overrides]))
+
+
+def context(kind: str, topo: Topology, zctx: zmq.Context) -> ActorContext:
+    return ActorContext(kind=kind, index=0, topology=topo, run_dir=Path(tempfile.mkdtemp()), zmq=zctx)
+
+
+async def fuzz_in_thread(strategy, check) -> None:
+    """Run hypothesis in a worker thread; each example runs ``await check(example)`` on this loop."""
+
+    @LIVE
+    @given(strategy)
+    def run(example) -> None:
+        anyio.from_thread.run(check, example)
+
+    await anyio.to_thread.run_sync(run)
+
+
+async def recv_type(sock: AsyncSocket, union: Any, want: type | tuple[type, ...]) -> Any:
+    """The next message of type ``want`` on ``sock`` (others, e.g. heartbeats, are skipped)."""
+    codec = Codec(union)
+    while True:
+        frames = await sock.recv_multipart()
+        msg = codec.decode(frames[-1])
+        if isinstance(msg, want):
+            return msg
+
+
+async def wait_status(ctx: ActorContext, key: str, value: Any) -> None:
+    with anyio.fail_after(5):
+        while ctx.status.get(key, 0) != value:  # noqa: ASYNC110 - status is a plain dict
+            await anyio.sleep(0.005)
+
+
+# ---------------------------------------------------------------- live actors
+
+
+@pytest.mark.anyio
+async def test_fuzz_replay_router_socket(sockets):
+    topo = topology(sockets)
+    zctx = zmq.Context()
+    ctx = context("replay", topo, zctx)
+    sent = {"bad": 0, "n": 0}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_actor, ctx, replay_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"fuzzer") as sock:
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToReplay, messages):
+                            await sock.send_multipart(parts)
+                            reply = Codec(ErrorReply).decode((await sock.recv_multipart())[-1])
+                            assert reply.error.startswith("replay:")
+                            sent["bad"] += 1
+                        # a new incarnation each time: the prompt issued before is issued again
+                        sent["n"] += 1
+                        await sock.send_multipart([encode(PromptRequest(1, f"inc-{sent['n']}"))])
+                        batch = Codec(FromReplay).decode((await sock.recv_multipart())[-1])
+                        assert isinstance(batch, PromptBatch) and len(batch.prompts) == 1
+                        await wait_status(ctx, "rejected_frames", sent["bad"])
+
+                await fuzz_in_thread(examples, check)
+            assert sent["bad"] > 0 and ctx.status["state"] == "running"
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_router_client_socket(sockets):
+    topo = topology(sockets)
+    zctx = zmq.Context()
+    router_ctx = context("router", topo, zctx)
+    sent = {"bad": 0, "n": 0}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            tg.start_soon(serve_actor, context("reward", topo, zctx), reward_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToRouterFromClient, messages):
+                            await client.send_multipart(parts)
+                            reply = Codec(ToClient).decode((await client.recv_multipart())[-1])
+                            assert isinstance(reply, RouterError) and reply.error.startswith("router:")
+                            sent["bad"] += 1
+                        sent["n"] += 1
+                        await client.send_multipart([encode(ScoreRequest(sent["n"], [_ITEM]))])
+                        reply = Codec(ToClient).decode((await client.recv_multipart())[-1])
+                        assert isinstance(reply, ScoreReply) and reply.request_id == sent["n"]
+                        assert [r.score for r in reply.results] == [1.0]
+                        await wait_status(router_ctx, "rejected_frames", sent["bad"])
+
+                await fuzz_in_thread(examples, check)
+            assert sent["bad"] > 0 and router_ctx.status["workers"] == 1
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_router_worker_socket(sockets):
+    topo = topology(sockets)
+    zctx = zmq.Context()
+    router_ctx = context("router", topo, zctx)
+    sent = {"bad": 0, "n": 0}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.router.worker_address,
+                             identity=b"fake-worker") as worker:
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToRouterFromWorker, messages):
+                            await worker.send_multipart(parts)
+                            reply = Codec(RouterError).decode((await worker.recv_multipart())[-1])
+                            assert reply.error.startswith("router:")
+                            sent["bad"] += 1
+                        # a valid request the router answers: a bye is acknowledged
+                        sent["n"] += 1
+                        await worker.send_multipart([encode(WorkerBye(f"w{sent['n']}"))])
+                        ack = Codec(ToWorker).decode((await worker.recv_multipart())[-1])
+                        assert ack == WorkerBye(f"w{sent['n']}")
+                        await wait_status(router_ctx, "rejected_frames", sent["bad"])
+
+                await fuzz_in_thread(examples, check)
+            assert sent["bad"] > 0
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_reward_worker_dealer(sockets):
+    topo = topology(sockets)
+    zctx = zmq.Context()
+    reward_ctx = context("reward", topo, zctx)
+    sent = {"bad": 0, "n": 0}
+    with anyio.fail_after(60):
+        # a fake router: the worker connects to it and gets whatever it sends
+        with make_socket(zctx, zmq.ROUTER, bind=topo.router.worker_address) as router:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve_actor, reward_ctx, reward_actor, None)
+                identity = reward_ctx.name.encode()
+                await recv_type(router, ToRouterFromWorker, WorkerHello)
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToWorker, messages):
+                            await router.send_multipart([identity, *parts])
+                            sent["bad"] += 1
+                        sent["n"] += 1
+                        await router.send_multipart([identity, encode(ScoreRequest(sent["n"], [_ITEM]))])
+                        reply = await recv_type(router, ToRouterFromWorker, ScoreReply)
+                        assert reply.request_id == sent["n"] and [r.score for r in reply.results] == [1.0]
+                        await wait_status(reward_ctx, "rejected_frames", sent["bad"])
+
+                await fuzz_in_thread(examples, check)
+                assert sent["bad"] > 0 and reward_ctx.status["requests_done"] == sent["n"]
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_actor_control_dealer(sockets):
+    """``_control_listener``: bad frames from the runner are answered; a Stop still stops."""
+    topo = topology(sockets)
+    zctx = zmq.Context()
+    ctx = context("probe", topo, zctx)
+    sent = {"bad": 0}
+
+    async def idle_body(ctx: ActorContext, *, task_status) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=topo.control_address) as control:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve_actor, ctx, idle_body, topo.control_address)
+                await recv_type(control, ToRunner, Ready)
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToActor, messages):
+                            await control.send_multipart([b"probe-0", *parts])
+                            reply = await recv_type(control, ToRunner, ErrorReply)
+                            assert reply.error.startswith("bad control frame:")
+                            sent["bad"] += 1
+                        # still serving: an empty frame is answered too
+                        await control.send_multipart([b"probe-0", b""])
+                        await recv_type(control, ToRunner, ErrorReply)
+                        assert ctx.status["state"] == "running"
+
+                await fuzz_in_thread(examples, check)
+                assert sent["bad"] > 0
+                await recv_type(control, ToRunner, Heartbeat)  # heartbeats still flow
+                await control.send_multipart([b"probe-0", encode(Stop("done"))])
+            # serve_actor returned: the Stop was obeyed after all that
+            assert ctx.status["state"] == "stopping"
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_runner_control_router(sockets, tmp_path):
+    """``Job.listen``: bad frames (from known and unknown actors) are dropped; heartbeats still land."""
+    topo = topology(sockets)
+    job = Job(topo, tmp_path)
+    proc = job.procs["replay-0"]
+    sent = {"n": 0}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.listen)
+            with make_socket(job.zmq, zmq.DEALER, connect=topo.control_address, identity=b"replay-0") as known, \
+                 make_socket(job.zmq, zmq.DEALER, connect=topo.control_address, identity=b"\xff") as stranger:
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToRunner, messages):
+                            await known.send_multipart(parts)
+                            await stranger.send_multipart(parts)
+                        sent["n"] += 1
+                        await known.send_multipart([encode(Heartbeat("replay-0", {"probe": sent["n"]}))])
+                        while proc.status.get("probe") != sent["n"]:  # noqa: ASYNC110
+                            await anyio.sleep(0.005)
+
+                await fuzz_in_thread(examples, check)
+            tg.cancel_scope.cancel()
+    job.control.close()
+    job.zmq.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_fuzz_learner_weights_router(sockets):
+    """``WeightsServer.serve`` (no model needed): bad polls are answered with an error; a valid
+    poll still gets the published weights."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    weights = [("w", torch.arange(4, dtype=torch.float32).reshape(2, 2))]
+    sent = {"bad": 0}
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler:
+            server = WeightsServer(sock)
+            await server.publish(5, weights)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve)
+
+                async def check(messages: list[list[bytes]]) -> None:
+                    with anyio.fail_after(10):
+                        for parts in invalid_only(ToLearnerWeights, messages):
+                            await sampler.send_multipart(parts)
+                            reply = Codec(ErrorReply).decode((await sampler.recv_multipart())[-1])
+                            assert reply.error.startswith("weights:")
+                            sent["bad"] += 1
+                        await sampler.send_multipart([encode(WeightsPoll(have_version=-1))])
+                        frames = await sampler.recv_multipart()
+                        header = Codec(FromLearnerWeights).decode(frames[0])
+                        assert header.version == 5 and len(frames) == 2
+                        got = from_buffer(header.tensors[0].dtype, header.tensors[0].shape, frames[1])
+                        assert torch.equal(got, weights[0][1])
+
+                await fuzz_in_thread(examples, check)
+                assert sent["bad"] > 0 and server.sent > 0
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------- unit level
+
+
+UNIONS = {  # the sampler's three decoders first
+    "sampler-FromReplay": FromReplay, "sampler-ToClient": ToClient,
+    "sampler-FromLearnerWeights": FromLearnerWeights, "ToRunner": ToRunner, "ToActor": ToActor,
+    "ToReplay": ToReplay, "ToWorker": ToWorker, "ToRouterFromClient": ToRouterFromClient,
+    "ToRouterFromWorker": ToRouterFromWorker, "ToLearnerWeights": ToLearnerWeights,
+}
+
+
+@pytest.mark.parametrize("union", list(UNIONS.values()), ids=list(UNIONS))
+@FUZZ
+@given(frames=st.lists(frames_strategy, max_size=20))
+def test_codec_only_raises_decode_error_and_counts(union, frames):
+    """The sampler's three decoders (and every other socket's): any frame either decodes to a
+    message of the union or raises ``DecodeError``, and every rejection is counted."""
+    codec = Codec(union)
+    bad = 0
+    for frame in frames:
+        try:
+            codec.decode(frame)
+        except DecodeError:
+            bad += 1
+    assert codec.rejected == bad
+
+
+@FUZZ
+@given(msg=st.sampled_from(ALL_MESSAGES), limit=st.integers(0, 64))
+def test_codec_refuses_frames_over_max_frame(msg, limit):
+    frame = encode(msg)
+    codec = Codec(type(msg), max_frame=limit)
+    if len(frame) > limit:
+        with pytest.raises(DecodeError, match="exceeds"):
+            codec.decode(frame)
+        assert codec.rejected == 1
+    else:
+        assert codec.decode(frame) == msg and codec.rejected == 0
+
+
+@st.composite
+def weights_frame(draw) -> tuple[str, tuple[int, ...], bytes]:
+    """A header entry and its frame: often a byte count that matches ``|prod(shape)|``, so
+    negative dimensions get past the size check."""
+    dtype = draw(st.sampled_from(DTYPES) | st.text(max_size=10))
+    shape = tuple(draw(st.lists(st.integers(-4, 4), max_size=4)))
+    n = 1
+    for d in shape:
+        n *= d
+    size = abs(n) * ITEMSIZE.get(dtype, 1)
+    data = draw(st.sampled_from([b"\0" * size, b"\1" * size]) | st.binary(max_size=64))
+    return dtype, shape, data
+
+
+@settings(FUZZ, max_examples=300)
+@example(frame=("uint8", (-1, -4), b"\0" * 4))  # torch raised RuntimeError before the fix
+@example(frame=("float32", (0, -1), b""))
+@given(frame=weights_frame())
+def test_weights_frame_to_tensor_only_raises_value_error(frame):
+    """The sampler turns each weights frame into a tensor with ``from_buffer`` and catches
+    ValueError (and DecodeError) only: any header/frame mismatch must be a ValueError."""
+    dtype, shape, data = frame
+    try:
+        t = from_buffer(dtype, shape, data)
+    except ValueError:
+        return
+    assert tuple(t.shape) == shape and t.numel() * t.element_size() == len(data)
