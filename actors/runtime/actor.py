@@ -181,7 +181,9 @@ async def run_compute(fn: Callable[..., Any], *args: Any, abort: threading.Event
 
     The thread cannot be interrupted, so on cancellation ``abort`` is set (the compute checks it
     between tokens or micro-batches and returns early) and the cancellation is delivered once
-    the thread has returned: no thread is left touching the model after this returns.
+    the thread has returned: no thread is left touching the model after this returns. A result
+    the thread finished while the caller was being cancelled is discarded with the cancellation,
+    so whatever must not be lost with it (a step's metrics line) is written inside ``fn``.
     """
     finished = False
 
