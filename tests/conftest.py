@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -14,3 +15,9 @@ if not torch.cuda.is_available():
 def anyio_backend():
     """Every async test runs on trio, the backend the actors use."""
     return "trio"
+
+
+@pytest.fixture
+def sockets() -> str:
+    """A fresh short directory for ipc:// endpoints (their paths must stay under ~100 bytes)."""
+    return tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")

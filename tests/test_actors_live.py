@@ -6,9 +6,6 @@ serving the next valid request.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import anyio
 import msgspec
 import pytest
@@ -17,39 +14,23 @@ import zmq
 from actors.replay import replay_actor
 from actors.reward import reward_actor
 from actors.router import router_actor
-from actors.runtime.actor import ActorContext, serve_actor
-from actors.runtime.config import Topology, apply_overrides, decode_topology
+from actors.runtime.actor import serve_actor
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, encode
 from messages.control import ErrorReply
 from messages.reward import RouterError, ScoreItem, ScoreReply, ScoreRequest, ToClient
 from messages.rollout import FromReplay, PromptBatch, PromptRequest
+from tests.helpers import actor_context, live_topology
 
 BAD_FRAMES = [b"", b"\xc1", encode(PromptRequest(4))[:-2], encode({"type": "Nope"}),
               encode({"type": "ScoreRequest", "request_id": "x", "items": []}), b"\x00" * 10_000]
 
 
-@pytest.fixture
-def sockets():
-    d = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
-    yield d
-
-
-def topology(sockets: str, *overrides: str) -> Topology:
-    return decode_topology(apply_overrides({}, [
-        f"replay.address=ipc://{sockets}/replay", f"router.address=ipc://{sockets}/router",
-        f"router.worker_address=ipc://{sockets}/workers", "run.heartbeat_interval=0.2", *overrides]))
-
-
-def context(kind: str, topo: Topology, zctx: zmq.Context) -> ActorContext:
-    return ActorContext(kind=kind, index=0, topology=topo, run_dir=Path(tempfile.mkdtemp()), zmq=zctx)
-
-
 @pytest.mark.anyio
 async def test_replay_answers_bad_frames_and_keeps_serving(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    ctx = context("replay", topo, zctx)
+    ctx = actor_context("replay", topo, zctx)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(serve_actor, ctx, replay_actor, None)
@@ -70,13 +51,13 @@ async def test_replay_answers_bad_frames_and_keeps_serving(sockets):
 
 @pytest.mark.anyio
 async def test_router_and_reward_worker_survive_bad_frames(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            router_ctx = context("router", topo, zctx)
+            router_ctx = actor_context("router", topo, zctx)
             tg.start_soon(serve_actor, router_ctx, router_actor, None)
-            tg.start_soon(serve_actor, context("reward", topo, zctx), reward_actor, None)
+            tg.start_soon(serve_actor, actor_context("reward", topo, zctx), reward_actor, None)
             client_codec = Codec(ToClient)
             with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client, \
                  make_socket(zctx, zmq.DEALER, connect=topo.router.worker_address) as fake_worker:

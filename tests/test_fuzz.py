@@ -17,8 +17,6 @@ decoders and ``from_buffer`` (weights frames) plus the codec's ``max_frame`` lim
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,16 +34,13 @@ from actors.replay import replay_actor
 from actors.reward import reward_actor
 from actors.router import router_actor
 from actors.runtime.actor import ActorContext, serve_actor
-from actors.runtime.config import Topology, apply_overrides, decode_topology
 from actors.runtime.tensors import from_buffer
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import (
     ErrorReply,
-    Finished,
     Heartbeat,
     Ready,
-    StepReport,
     Stop,
     ToActor,
     ToRunner,
@@ -55,50 +50,30 @@ from messages.reward import (
     ScoreItem,
     ScoreReply,
     ScoreRequest,
-    ScoreResult,
     ToClient,
     ToRouterFromClient,
     ToRouterFromWorker,
     ToWorker,
     WorkerBye,
-    WorkerHeartbeat,
     WorkerHello,
 )
 from messages.rollout import (
-    BatchRequest,
-    ChatMessage,
     FromReplay,
-    GroupsDone,
-    Prompt,
     PromptBatch,
     PromptRequest,
-    Sample,
-    ScoredGroup,
     ToReplay,
-    TrainBatch,
-    VersionUpdate,
 )
-from messages.tensor import DTYPES, ITEMSIZE, Tensor, TensorMeta
-from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsHeader, WeightsPoll
+from messages.tensor import DTYPES, ITEMSIZE
+from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsPoll
 from runner import Job
+from tests.helpers import CASES, actor_context, live_topology
 
 # ---------------------------------------------------------------- strategies
 
-_TENSOR = Tensor("int32", (2,), b"\x01\x00\x00\x00\x02\x00\x00\x00")
-_PROMPT = Prompt(3, [ChatMessage("user", "2+2?")], "arithmetic", "4", {"a": 2, "b": 2})
-_GROUP = ScoredGroup(_PROMPT, _TENSOR, [Sample(_TENSOR, Tensor("float32", (0,), b""), 1, "4", "stop", 1.0)],
-                     "sampler-0")
 _ITEM = ScoreItem("arithmetic", "2 + 2 = 4", "4", {"a": 2, "b": 2})
 
 # one valid message of every type on the wire
-ALL_MESSAGES: list[msgspec.Struct] = [
-    PromptRequest(2, "inc"), GroupsDone([_GROUP]), BatchRequest(1, 1, 4), VersionUpdate(3),
-    PromptBatch([_PROMPT], 1), TrainBatch(1, [_GROUP], {"issued": 1}),
-    ScoreRequest(7, [_ITEM]), ScoreReply(7, [ScoreResult(1.0, "", {"x": 1.0})]),
-    WorkerHello("w", "reward", 2), WorkerHeartbeat("w"), WorkerBye("w"), RouterError("e", 3),
-    Ready("a", 1), Heartbeat("a", {"k": 1}), StepReport(1, {"m": 0.5}), Finished("a", "d"),
-    Stop("r"), ErrorReply("e"), WeightsPoll(-1), WeightsHeader(1, [TensorMeta("w", "float32", (2, 2))]),
-]
+ALL_MESSAGES: list[msgspec.Struct] = [message for _, message in CASES]
 
 _scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
             | st.floats(allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20))
@@ -169,23 +144,6 @@ def invalid_only(union: Any, messages: list[list[bytes]]) -> list[list[bytes]]:
 # ---------------------------------------------------------------- live harness
 
 
-@pytest.fixture
-def sockets():
-    return tempfile.mkdtemp(dir="/tmp", prefix="flowrl-fuzz-")
-
-
-def topology(sockets: str, *overrides: str) -> Topology:
-    return decode_topology(apply_overrides({}, [
-        f"replay.address=ipc://{sockets}/replay", f"router.address=ipc://{sockets}/router",
-        f"router.worker_address=ipc://{sockets}/workers",
-        f"learner.weights_address=ipc://{sockets}/weights", f"control_address=ipc://{sockets}/control",
-        "run.heartbeat_interval=0.2", *overrides]))
-
-
-def context(kind: str, topo: Topology, zctx: zmq.Context) -> ActorContext:
-    return ActorContext(kind=kind, index=0, topology=topo, run_dir=Path(tempfile.mkdtemp()), zmq=zctx)
-
-
 async def fuzz_in_thread(strategy, check) -> None:
     """Run hypothesis in a worker thread; each example runs ``await check(example)`` on this loop."""
 
@@ -218,9 +176,9 @@ async def wait_status(ctx: ActorContext, key: str, value: Any) -> None:
 
 @pytest.mark.anyio
 async def test_fuzz_replay_router_socket(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    ctx = context("replay", topo, zctx)
+    ctx = actor_context("replay", topo, zctx)
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
@@ -249,14 +207,14 @@ async def test_fuzz_replay_router_socket(sockets):
 
 @pytest.mark.anyio
 async def test_fuzz_router_client_socket(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    router_ctx = context("router", topo, zctx)
+    router_ctx = actor_context("router", topo, zctx)
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(serve_actor, router_ctx, router_actor, None)
-            tg.start_soon(serve_actor, context("reward", topo, zctx), reward_actor, None)
+            tg.start_soon(serve_actor, actor_context("reward", topo, zctx), reward_actor, None)
             with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
 
                 async def check(messages: list[list[bytes]]) -> None:
@@ -281,9 +239,9 @@ async def test_fuzz_router_client_socket(sockets):
 
 @pytest.mark.anyio
 async def test_fuzz_router_worker_socket(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    router_ctx = context("router", topo, zctx)
+    router_ctx = actor_context("router", topo, zctx)
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
@@ -313,9 +271,9 @@ async def test_fuzz_router_worker_socket(sockets):
 
 @pytest.mark.anyio
 async def test_fuzz_reward_worker_dealer(sockets):
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    reward_ctx = context("reward", topo, zctx)
+    reward_ctx = actor_context("reward", topo, zctx)
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         # a fake router: the worker connects to it and gets whatever it sends
@@ -345,9 +303,9 @@ async def test_fuzz_reward_worker_dealer(sockets):
 @pytest.mark.anyio
 async def test_fuzz_actor_control_dealer(sockets):
     """``_control_listener``: bad frames from the runner are answered; a Stop still stops."""
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     zctx = zmq.Context()
-    ctx = context("probe", topo, zctx)
+    ctx = actor_context("probe", topo, zctx)
     sent = {"bad": 0}
 
     async def idle_body(ctx: ActorContext, *, task_status) -> None:
@@ -384,7 +342,7 @@ async def test_fuzz_actor_control_dealer(sockets):
 @pytest.mark.anyio
 async def test_fuzz_runner_control_router(sockets, tmp_path):
     """``Job.listen``: bad frames (from known and unknown actors) are dropped; heartbeats still land."""
-    topo = topology(sockets)
+    topo = live_topology(sockets)
     job = Job(topo, tmp_path)
     proc = job.procs["replay-0"]
     sent = {"n": 0}

@@ -4,91 +4,10 @@ import msgspec
 import pytest
 
 from messages.codec import Codec, DecodeError, encode
-from messages.control import (
-    ErrorReply,
-    Finished,
-    Heartbeat,
-    Ready,
-    StepReport,
-    Stop,
-    ToActor,
-    ToRunner,
-)
-from messages.reward import (
-    RouterError,
-    ScoreItem,
-    ScoreReply,
-    ScoreRequest,
-    ScoreResult,
-    ToClient,
-    ToRouterFromClient,
-    ToRouterFromWorker,
-    ToWorker,
-    WorkerBye,
-    WorkerHeartbeat,
-    WorkerHello,
-)
-from messages.rollout import (
-    BatchRequest,
-    ChatMessage,
-    FromReplay,
-    GroupsDone,
-    Prompt,
-    PromptBatch,
-    PromptRequest,
-    Sample,
-    ScoredGroup,
-    ToReplay,
-    TrainBatch,
-    VersionUpdate,
-)
+from messages.control import Stop
+from messages.rollout import GroupsDone, PromptRequest, ToReplay, VersionUpdate
 from messages.tensor import Tensor
-from messages.weights import (
-    FromLearnerWeights,
-    TensorMeta,
-    ToLearnerWeights,
-    WeightsHeader,
-    WeightsPoll,
-)
-
-
-def _tensor(dtype="int32", values=(1, 2, 3)):
-    import array
-    return Tensor(dtype, (len(values),), array.array("i" if dtype == "int32" else "f", values).tobytes())
-
-
-def _group():
-    prompt = Prompt(7, [ChatMessage("system", "s"), ChatMessage("user", "1 + 2")], "arithmetic", "3",
-                    {"a": 1, "b": 2})
-    sample = Sample(_tensor(), _tensor("float32", (-0.5, -1.0, -2.0)), policy_version=4, text="3",
-                    finish_reason="stop", reward=1.0)
-    return ScoredGroup(prompt=prompt, prompt_ids=_tensor(), samples=[sample, sample], sampler="sampler-0",
-                       generate_seconds=1.5)
-
-
-CASES = [
-    (ToRunner, Ready("sampler-0", 123)),
-    (ToRunner, Heartbeat("replay-0", {"issued": 3, "state": "running", "x": 0.5, "ok": True, "n": None})),
-    (ToRunner, StepReport(3, {"critic/score/mean": 0.25})),
-    (ToRunner, Finished("learner-0", "done")),
-    (ToRunner, ErrorReply("bad")),
-    (ToActor, Stop("because")),
-    (ToReplay, PromptRequest(4, "pid-1")),
-    (ToReplay, GroupsDone([_group()])),
-    (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
-    (ToReplay, VersionUpdate(3)),
-    (FromReplay, PromptBatch([_group().prompt])),
-    (FromReplay, TrainBatch(2, [_group()], {"issued": 8})),
-    (ToRouterFromClient, ScoreRequest(1, [ScoreItem("arithmetic", "3", "3", {"a": 1})])),
-    (ToRouterFromWorker, ScoreReply(1, [ScoreResult(1.0), ScoreResult(0.0, error="boom")])),
-    (ToRouterFromWorker, WorkerHello("reward-0", "reward", 4)),
-    (ToRouterFromWorker, WorkerHeartbeat("reward-0")),
-    (ToRouterFromWorker, WorkerBye("reward-0")),
-    (ToWorker, RouterError("x", 3)),
-    (ToClient, RouterError("y")),
-    (ToLearnerWeights, WeightsPoll(-1)),
-    (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
-]
+from tests.helpers import CASES, sample_group, sample_tensor
 
 
 @pytest.mark.parametrize(("union", "message"), CASES, ids=lambda c: type(c).__name__)
@@ -104,7 +23,7 @@ def test_every_message_type_is_covered():
 
 
 def test_tensor_validation():
-    _tensor().validate()
+    sample_tensor().validate()
     with pytest.raises(ValueError, match="needs 12 bytes"):
         Tensor("int32", (3,), b"\0" * 11).validate()
     with pytest.raises(ValueError, match="unknown tensor dtype"):
@@ -137,7 +56,7 @@ def test_bad_frames_are_rejected_and_counted(frame):
 def test_oversized_frame_is_rejected_before_decoding():
     codec = Codec(ToReplay, max_frame=100)
     with pytest.raises(DecodeError, match="exceeds"):
-        codec.decode(encode(GroupsDone([_group()] * 10)))
+        codec.decode(encode(GroupsDone([sample_group()] * 10)))
     assert codec.rejected == 1
 
 

@@ -4,19 +4,17 @@ and the others scored, and the worker serves the next request."""
 
 from __future__ import annotations
 
-import tempfile
-
 import anyio
 import pytest
 import zmq
 
 from actors.reward import reward_actor
 from actors.router import router_actor
-from actors.runtime.actor import ActorContext, serve_actor
-from actors.runtime.config import apply_overrides, decode_topology
+from actors.runtime.actor import serve_actor
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, encode
 from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ToClient
+from tests.helpers import actor_context, live_topology
 
 USER_FUNCTION = '''
 import time
@@ -28,24 +26,20 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def router_and_worker(tmp_path, source: str, *overrides: str):
-    """A topology on fresh ipc sockets whose reward function is ``source``, and both contexts."""
-    sockets = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+def router_and_worker(tmp_path, sockets: str, source: str, *overrides: str):
+    """A topology on ``sockets`` whose reward function is ``source``, and both actors' contexts."""
     scorer = tmp_path / "scorer.py"
     scorer.write_text(source)
-    topo = decode_topology(apply_overrides({}, [
-        f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
-        "run.heartbeat_interval=0.2", f'reward.functions=[{{path="{scorer}"}}]', *overrides]))
+    topo = live_topology(sockets, f'reward.functions=[{{path="{scorer}"}}]', *overrides)
     zctx = zmq.Context()
-    reward_ctx = ActorContext(kind="reward", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
-    router_ctx = ActorContext(kind="router", index=0, topology=topo, run_dir=tmp_path, zmq=zctx)
-    return topo, zctx, reward_ctx, router_ctx
+    return (topo, zctx, actor_context("reward", topo, zctx, tmp_path),
+            actor_context("router", topo, zctx, tmp_path))
 
 
 @pytest.mark.anyio
-async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path):
+async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path, sockets):
     topo, zctx, reward_ctx, router_ctx = router_and_worker(
-        tmp_path, USER_FUNCTION, "reward.timeout_s=1.0", "reward.processes=2")
+        tmp_path, sockets, USER_FUNCTION, "reward.timeout_s=1.0", "reward.processes=2")
     codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -85,9 +79,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.mark.anyio
-async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path):
+async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path, sockets):
     topo, zctx, reward_ctx, router_ctx = router_and_worker(
-        tmp_path, SLOW_FUNCTION, "reward.timeout_s=5.0", "reward.processes=1")
+        tmp_path, sockets, SLOW_FUNCTION, "reward.timeout_s=5.0", "reward.processes=1")
     codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
