@@ -37,12 +37,15 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     head = core.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
-    lp_at, ent_at = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
-                                     temperature=temperature, with_entropy=True)  # (R,), (R,)
-    lp = torch.zeros(at.shape, dtype=lp_at.dtype, device=lp_at.device).masked_scatter(at, lp_at)
+    out = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
+                           temperature=temperature, with_entropy=with_entropy)  # (R,) each
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
+        return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
+
     if not with_entropy:
-        return lp
-    return lp, torch.zeros(at.shape, dtype=ent_at.dtype, device=ent_at.device).masked_scatter(at, ent_at)
+        return scatter(out)
+    return scatter(out[0]), scatter(out[1])
 
 
 @dataclass
