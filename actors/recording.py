@@ -1,0 +1,186 @@
+"""Every run is a recording: append-only parquet tables under ``RUN_DIR/record/``.
+
+Each table is a directory of part files, ``record/<table>/part-<incarnation>-<seq>.parquet``;
+each part holds the rows of one flush as one row group and is written to a temporary name and
+renamed, so a run killed at any moment leaves only whole parts: the table reads back up to the
+last flush. ``incarnation`` is the writing process's start time in nanoseconds (zero-padded),
+so parts sort in the order they were written across restarts and resumes.
+
+Tables (who writes them, when they are flushed):
+
+- ``prompts`` (replay buffer, before each batch it serves and at exit): every prompt issued —
+  ``prompt_id``, dataset ``row``, ``dataset`` name.
+- ``groups`` (replay buffer, same flushes): every scored group accepted — readable columns
+  (prompt text, completions, rewards, reward errors, token ids, behaviour log-probs, policy
+  versions, sampler, timings) and ``message``, the group's exact msgspec encoding, from which
+  offline replay rebuilds the learner's input bit for bit.
+- ``fates`` (replay buffer, same flushes): what happened to each group — ``trained`` at
+  ``step`` (``position`` in that batch, ``served`` = how many times it has now been served) or
+  ``dropped`` with a ``reason`` (``stale``, ``filtered``...).
+- ``batches`` and ``metrics`` (learner, after every step, in the thread that took the step):
+  the group ids of each step's batch, and the step's metrics.
+
+Readers take the last record of a key when a resumed run wrote it again (steps after the
+checkpoint it resumed from are trained again).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from messages.rollout import ScoredGroup
+
+RECORD_DIR = "record"
+INCARNATION = f"{time.time_ns():020d}"  # this process's parts sort after any earlier process's
+
+_str, _i64, _f64 = pa.string(), pa.int64(), pa.float64()
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": pa.schema([
+        ("prompt_id", _i64), ("row", _i64), ("dataset", _str), ("time", _f64),
+        ("incarnation", _str),
+    ]),
+    "groups": pa.schema([
+        ("group_id", _i64), ("time", _f64), ("data_source", _str), ("prompt", _str),
+        ("ground_truth", _str), ("sampler", _str), ("version_min", _i64), ("version_max", _i64),
+        ("completions", pa.list_(_str)), ("rewards", pa.list_(_f64)),
+        ("reward_errors", pa.list_(_str)), ("finish_reasons", pa.list_(_str)),
+        ("policy_versions", pa.list_(_i64)), ("response_ids", pa.list_(pa.list_(pa.int32()))),
+        ("behaviour_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("baseline_reward", _f64), ("generate_seconds", _f64), ("score_seconds", _f64),
+        ("message", pa.binary()), ("incarnation", _str),
+    ]),
+    "fates": pa.schema([
+        ("group_id", _i64), ("fate", _str), ("reason", _str), ("step", _i64),
+        ("position", _i64), ("served", _i64), ("version", _i64), ("time", _f64),
+        ("incarnation", _str),
+    ]),
+    "batches": pa.schema([
+        ("step", _i64), ("group_ids", pa.list_(_i64)), ("version", _i64), ("time", _f64),
+        ("incarnation", _str),
+    ]),
+    "metrics": pa.schema([
+        ("step", _i64), ("metrics", pa.map_(_str, _f64)), ("time", _f64), ("incarnation", _str),
+    ]),
+}
+
+_group_encoder = msgspec.msgpack.Encoder()
+_group_decoder = msgspec.msgpack.Decoder(ScoredGroup)
+
+
+class TableWriter:
+    """Buffers rows of one table and writes them as one whole part file per ``flush``."""
+
+    def __init__(self, run_dir: Path, table: str) -> None:
+        if table not in SCHEMAS:
+            raise ValueError(f"unknown recording table {table!r}; tables: {sorted(SCHEMAS)}")
+        self.table = table
+        self.schema = SCHEMAS[table]
+        self.dir = Path(run_dir) / RECORD_DIR / table
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self.seq = 0
+        self.written = 0  # rows flushed so far
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append({"time": time.time(), "incarnation": INCARNATION, **row})
+
+    def flush(self) -> Path | None:
+        """Write the buffered rows (if any) as one part: temp name, fsync, rename."""
+        if not self.rows:
+            return None
+        table = pa.Table.from_pylist(self.rows, schema=self.schema)
+        final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
+        tmp = final.with_name(f".{final.name}.tmp")
+        pq.write_table(table, tmp, row_group_size=max(1, len(self.rows)))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.seq += 1
+        self.written += len(self.rows)
+        self.rows = []
+        return final
+
+
+class Recorder:
+    """The writers one actor owns; ``flush`` writes them all (in the order they were opened)."""
+
+    def __init__(self, run_dir: Path, tables: Iterable[str], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.writers = {t: TableWriter(run_dir, t) for t in tables} if enabled else {}
+
+    def append(self, table: str, row: dict[str, Any]) -> None:
+        if self.enabled:
+            self.writers[table].append(row)
+
+    def flush(self) -> None:
+        for w in self.writers.values():
+            w.flush()
+
+
+def group_row(group: ScoredGroup) -> dict[str, Any]:
+    """A ``groups`` row: readable columns plus the exact encoded message."""
+    versions = [s.policy_version for s in group.samples]
+    prompt = "\n".join(f"{m.role}: {m.content}" for m in group.prompt.messages)
+    return {
+        "group_id": group.prompt.prompt_id,
+        "data_source": group.prompt.data_source,
+        "prompt": prompt,
+        "ground_truth": group.prompt.ground_truth,
+        "sampler": group.sampler,
+        "version_min": min(versions, default=0),
+        "version_max": max(versions, default=0),
+        "completions": [s.text for s in group.samples],
+        "rewards": [s.reward for s in group.samples],
+        "reward_errors": [s.reward_error for s in group.samples],
+        "finish_reasons": [s.finish_reason for s in group.samples],
+        "policy_versions": versions,
+        "response_ids": [np.frombuffer(s.response_ids.data, dtype=np.int32).tolist()
+                         for s in group.samples],
+        "behaviour_logprobs": [np.frombuffer(s.behaviour_logprobs.data, dtype=np.float32).tolist()
+                               for s in group.samples],
+        "baseline_reward": group.baseline_reward,
+        "generate_seconds": group.generate_seconds,
+        "score_seconds": group.score_seconds,
+        "message": _group_encoder.encode(group),
+    }
+
+
+def decode_group(message: bytes) -> ScoredGroup:
+    """The exact ``ScoredGroup`` a ``groups`` row recorded."""
+    return _group_decoder.decode(message)
+
+
+def parts(run_dir: Path, table: str) -> list[Path]:
+    """The whole part files of ``table``, in the order they were written."""
+    return sorted((Path(run_dir) / RECORD_DIR / table).glob("part-*.parquet"))
+
+
+def read_table(run_dir: Path, table: str, columns: list[str] | None = None) -> pa.Table:
+    """All flushed rows of ``table`` (an empty table with the schema when nothing was recorded)."""
+    if table not in SCHEMAS:
+        raise ValueError(f"unknown recording table {table!r}; tables: {sorted(SCHEMAS)}")
+    schema = SCHEMAS[table]
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
+    tables = [pq.read_table(p, columns=columns) for p in parts(run_dir, table)]
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def last_by(table: pa.Table, key: str) -> dict[Any, dict[str, Any]]:
+    """``{key value: row}`` keeping the last row written for each key (a resumed run's rewrite)."""
+    out: dict[Any, dict[str, Any]] = {}
+    for row in table.to_pylist():
+        out[row[key]] = row
+    return out
