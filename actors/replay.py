@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from actors.recording import Recorder, group_row
 from actors.runtime.actor import ActorContext
 from actors.runtime.zmq_bridge import make_socket
 from actors.tasks import Task, make_task
@@ -59,6 +60,9 @@ class ReplayState:
     at_samplers: dict[int, tuple[bytes, Prompt]] = field(default_factory=dict)
     requeued: collections.deque[Prompt] = field(default_factory=collections.deque)
     staleness_hist: collections.Counter[int] = field(default_factory=collections.Counter)
+    # rows for the run's recording (table, row), appended as things happen; the actor moves them
+    # to its Recorder and flushes before it serves a batch (see actors/recording.py)
+    records: list[tuple[str, dict]] = field(default_factory=list)
 
     @property
     def in_flight(self) -> int:
@@ -81,6 +85,8 @@ class ReplayState:
         for _ in range(min(max_prompts - len(out), self.admissible())):
             out.append(self.task.prompt(self.next_row, prompt_id=self.issued))
             self.at_samplers[out[-1].prompt_id] = (sampler, out[-1])
+            self.records.append(("prompts", {"prompt_id": self.issued, "row": self.next_row,
+                                             "dataset": self.task.name}))
             self.next_row += 1
             self.issued += 1
         return out
@@ -98,7 +104,15 @@ class ReplayState:
             self.rejected += 1
             return False
         self.held.append(group)
+        self.records.append(("groups", group_row(group)))
         return True
+
+    def _drop(self, group: ScoredGroup, reason: str) -> None:
+        """Drop an accepted group for ``reason`` (counted and recorded)."""
+        self.dropped[reason] += 1
+        self.records.append(("fates", {
+            "group_id": group.prompt.prompt_id, "fate": "dropped", "reason": reason, "step": -1,
+            "position": -1, "served": 0, "version": self.version}))
 
     def drop_stale(self) -> int:
         """Drop held groups more than ``max_staleness`` versions behind the learner."""
@@ -106,21 +120,25 @@ class ReplayState:
         n = 0
         for g in self.held:
             if self.version - group_version(g) > self.max_staleness:
-                self.dropped["stale"] += 1
+                self._drop(g, "stale")
                 n += 1
             else:
                 keep.append(g)
         self.held = keep
         return n
 
-    def take_batch(self, num_groups: int) -> list[ScoredGroup] | None:
-        """The oldest ``num_groups`` fresh groups, or None while fewer are held."""
+    def take_batch(self, num_groups: int, step: int = 0) -> list[ScoredGroup] | None:
+        """The oldest ``num_groups`` fresh groups for learner step ``step`` (the step about to be
+        taken, counted from 1), or None while fewer are held."""
         self.drop_stale()
         if len(self.held) < num_groups:
             return None
         batch = [self.held.popleft() for _ in range(num_groups)]
         self.trained += len(batch)
-        for g in batch:
+        for position, g in enumerate(batch):
+            self.records.append(("fates", {
+                "group_id": g.prompt.prompt_id, "fate": "trained", "reason": "", "step": step,
+                "position": position, "served": 1, "version": self.version}))
             for s in g.samples:
                 self.staleness_hist[self.version - s.policy_version] += 1
         return batch
@@ -155,14 +173,22 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
     prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
     batch_waiter: tuple[bytes, BatchRequest] | None = None
     incarnations: dict[bytes, str] = {}
+    recorder = Recorder(ctx.run_dir, ["prompts", "groups", "fates"])
+
+    def record() -> None:
+        for table, row in state.records:
+            recorder.append(table, row)
+        state.records.clear()
+        recorder.flush()
 
     async def serve_waiting() -> None:
         nonlocal batch_waiter
         if batch_waiter is not None:
             peer, req = batch_waiter
-            groups = state.take_batch(req.num_groups)
+            groups = state.take_batch(req.num_groups, step=req.step + 1)
             if groups is not None:
                 batch_waiter = None
+                record()  # what this batch consumed is on disk before the learner trains on it
                 msg = TrainBatch(step=req.step, groups=groups, counters=state.counters())
                 await sock.send_multipart([peer, encode(msg)])
         for peer in list(prompt_waiters):
@@ -174,27 +200,30 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
 
     task_status.started()
     with sock:
-        while True:
-            peer, *frames = await sock.recv_multipart()
-            try:
-                msg = codec.decode(frames[-1]) if frames else codec.decode(b"")
-            except DecodeError as exc:
-                await sock.send_multipart([peer, encode(ErrorReply(error=f"replay: {exc}"))])
-                continue
-            match msg:
-                case PromptRequest(max_prompts=k, incarnation=inc):
-                    if incarnations.get(peer, inc) != inc:
-                        state.requeue_from(peer)
-                    incarnations[peer] = inc
-                    prompt_waiters[peer] = max(1, k)
-                case GroupsDone(groups=groups):
-                    for g in groups:
-                        state.accept(g)
-                case BatchRequest() as req:
-                    state.version = max(state.version, req.version)
-                    batch_waiter = (peer, req)
-                case VersionUpdate(version=v):
-                    state.version = max(state.version, v)
-            await serve_waiting()
-            ctx.status.update(state.counters(), version=state.version,
-                              rejected_frames=codec.rejected)
+        try:
+            while True:
+                peer, *frames = await sock.recv_multipart()
+                try:
+                    msg = codec.decode(frames[-1]) if frames else codec.decode(b"")
+                except DecodeError as exc:
+                    await sock.send_multipart([peer, encode(ErrorReply(error=f"replay: {exc}"))])
+                    continue
+                match msg:
+                    case PromptRequest(max_prompts=k, incarnation=inc):
+                        if incarnations.get(peer, inc) != inc:
+                            state.requeue_from(peer)
+                        incarnations[peer] = inc
+                        prompt_waiters[peer] = max(1, k)
+                    case GroupsDone(groups=groups):
+                        for g in groups:
+                            state.accept(g)
+                    case BatchRequest() as req:
+                        state.version = max(state.version, req.version)
+                        batch_waiter = (peer, req)
+                    case VersionUpdate(version=v):
+                        state.version = max(state.version, v)
+                await serve_waiting()
+                ctx.status.update(state.counters(), version=state.version,
+                                  rejected_frames=codec.rejected)
+        finally:
+            record()  # what was accepted since the last batch survives a stop

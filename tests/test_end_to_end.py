@@ -89,6 +89,22 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     assert "step   40/40" in res.stdout and "job finished" in res.stdout
     assert not actor_pids(run_dir)
 
+    # the recording: every step's batch, the groups it trained on and their fates agree
+    from actors.recording import decode_group, read_table
+    batches = read_table(run_dir, "batches").to_pylist()
+    assert [b["step"] for b in batches] == list(range(1, 41))
+    groups = {r["group_id"]: r for r in read_table(run_dir, "groups").to_pylist()}
+    trained = {(f["step"], f["position"]): f["group_id"]
+               for f in read_table(run_dir, "fates").to_pylist() if f["fate"] == "trained"}
+    for b in batches:
+        assert [trained[(b["step"], i)] for i in range(len(b["group_ids"]))] == b["group_ids"]
+        for gid in b["group_ids"]:
+            assert decode_group(groups[gid]["message"]).prompt.prompt_id == gid
+    recorded = {r["step"]: dict(r["metrics"]) for r in read_table(run_dir, "metrics").to_pylist()}
+    assert recorded[40]["critic/score/mean"] == rows[-1]["critic/score/mean"]
+    issued = read_table(run_dir, "prompts")["prompt_id"].to_pylist()  # flushed at exit too
+    assert issued == list(range(len(issued))) and len(issued) >= rows[-1]["replay/issued"]
+
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_40")
     assert model.config.vocab_size > 0

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from actors.learner.trainer import Trainer
+from actors.recording import Recorder
 from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.tensors import meta, raw_bytes
 from actors.runtime.zmq_bridge import make_socket
@@ -76,6 +77,7 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     server = WeightsServer(weights_sock)
     replay_codec: Codec[FromReplay] = Codec(FromReplay)
     metrics_file = ctx.run_dir / "metrics.jsonl"
+    recorder = Recorder(ctx.run_dir, ["batches", "metrics"])
     if trainer.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.resumed_from.name
     task_status.started()
@@ -99,9 +101,15 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
             def step_and_record(groups, extra=extra):
                 # in the worker thread, so a step taken is always a step recorded: a stop can
                 # come before the step or after its metrics line, never between the two
+                version = trainer.version
                 metrics = {**trainer.train_step(groups), **extra}
                 with metrics_file.open("a") as f:
                     f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
+                recorder.append("batches", {"step": trainer.step, "version": version,
+                                            "group_ids": [g.prompt.prompt_id for g in groups]})
+                recorder.append("metrics", {"step": trainer.step,
+                                            "metrics": {k: float(v) for k, v in metrics.items()}})
+                recorder.flush()
                 return metrics
 
             metrics = await run_compute(step_and_record, batch.groups, abort=trainer.abort)
