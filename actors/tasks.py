@@ -1,6 +1,7 @@
 """Built-in tasks: a deterministic prompt generator and the rule scorer that checks its answers.
 
-A task is named in ``topology.toml`` (``task.name``). Its prompts carry ``data_source`` so the
+A task is named in ``topology.toml`` (``task.name``), or mixed with dataset files
+(``[[task.datasets]]``, ``actors/datasets.py``). Its prompts carry ``data_source`` so the
 reward worker finds the matching scorer; scorers follow verl's
 ``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature.
 """
@@ -19,15 +20,23 @@ _INT = re.compile(r"-?\d+")
 
 
 class Task:
-    """A dataset of ``size`` prompts, row ``i`` always the same for a given seed."""
+    """A dataset of ``size`` prompts, row ``i`` always the same for a given seed.
 
-    name = ""
+    Prompts are drawn in order: draw ``index`` takes row ``row`` of dataset ``dataset``
+    (``locate``). A single task is its own one dataset, so ``row == index``; a mixture of
+    datasets (``actors/datasets.py``) spreads the draws over its datasets by weight. The replay
+    buffer records ``(prompt_id, row, dataset)`` of every prompt it issues; ``prompt_at`` rebuilds
+    a recorded prompt and ``index_after`` turns recorded positions back into the next draw.
+    """
+
+    name = ""  # the dataset's name in the recording (and the scorer's data_source by default)
     system_prompt = ""
 
     def __init__(self, config: TaskConfig, seed: int) -> None:
         self.config = config
         self.seed = seed
         self.size = config.size
+        self.data_source = self.name  # which scorer checks the answers, even if renamed
         if config.system_prompt:
             self.system_prompt = config.system_prompt
 
@@ -36,12 +45,32 @@ class Task:
         raise NotImplementedError
 
     def prompt(self, index: int, prompt_id: int) -> Prompt:
-        user, truth, extra = self.row(index % self.size)
+        """The prompt of draw ``index``, issued as ``prompt_id``."""
+        return self.prompt_at(*self.locate(index), prompt_id=prompt_id)
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """``(dataset, row)`` that draw ``index`` takes (rows count up from 0 per dataset, past
+        the dataset's size: the row of a later pass is ``row % size``)."""
+        return self.name, index
+
+    def prompt_at(self, dataset: str, row: int, prompt_id: int) -> Prompt:
+        """The prompt of ``row`` of ``dataset`` (as recorded), issued as ``prompt_id``."""
+        if dataset != self.name:
+            raise ValueError(f"task {self.name!r} has no dataset {dataset!r}")
+        user, truth, extra = self.row(row % self.size)
         messages = [ChatMessage("user", user)]
         if self.system_prompt:
             messages.insert(0, ChatMessage("system", self.system_prompt))
-        return Prompt(prompt_id=prompt_id, messages=messages, data_source=self.name,
-                      ground_truth=truth, extra_info={"index": index % self.size, **extra})
+        return Prompt(prompt_id=prompt_id, messages=messages, data_source=self.data_source,
+                      ground_truth=truth, extra_info={"index": row % self.size, **extra})
+
+    def index_after(self, next_rows: dict[str, int]) -> int:
+        """The first draw after the draws that took rows ``< next_rows[dataset]`` of each
+        dataset (what resume sets ``ReplayState.next_row`` to from the recorded prompts)."""
+        unknown = set(next_rows) - {self.name}
+        if unknown:
+            raise ValueError(f"task {self.name!r} has no dataset {sorted(unknown)}")
+        return next_rows.get(self.name, 0)
 
 
 class Arithmetic(Task):
@@ -96,6 +125,11 @@ SCORERS: dict[str, Scorer] = {"arithmetic": arithmetic_score, "repeat_letter": r
 
 
 def make_task(config: TaskConfig, seed: int) -> Task:
+    """The built-in ``config.name``, or the mixture of ``config.datasets`` when any are set."""
+    if config.datasets:
+        from actors.datasets import make_mixture  # it builds on Task
+
+        return make_mixture(config, seed)
     try:
         return TASKS[config.name](config, seed)
     except KeyError:

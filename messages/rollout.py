@@ -104,6 +104,9 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
     step: int
     groups: list[ScoredGroup]
     counters: dict[str, int] = {}
+    # this batch's figures (groups filtered since the last batch, the groups' age in versions
+    # and serves); the learner logs them, like the counters, as replay/* metrics
+    stats: dict[str, float] = {}
 
 
 ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate

@@ -41,10 +41,26 @@ def test_dotted_overrides_are_typed():
     ("learner=3", "learner: Expected `object`"),
     ("learner.total_steps", "not of the form"),
     ("replay.capacity=1", "replay.capacity: must hold at least one batch"),
+    ("replay.reuse=0", "replay.reuse: must be >= 1"),
+    ("replay.reuse=3", "replay.reuse: a group can be served at most once per policy version"),
+    ("algorithm.filter_groups.max_num_gen_batches=-1",
+     "algorithm.filter_groups.max_num_gen_batches: must be >= 0"),
+    ("algorithm.filter_groups.metric=loss", "algorithm.filter_groups.metric: Invalid enum value 'loss'"),
+    ("task.max_prompt_length=-5", "task.max_prompt_length: must be >= 0"),
+    ("task.name=chess", "task.name: 'chess' is not one of"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         decode_topology(apply_overrides({}, [override]))
+
+
+def test_group_filtering_needs_groups_of_two():
+    with pytest.raises(ConfigError, match="algorithm.filter_groups.enable: needs algorithm.n >= 2"):
+        decode_topology(apply_overrides({}, ["algorithm.filter_groups.enable=true",
+                                             "algorithm.n=1", "algorithm.adv_estimator=gae"]))
+    t = decode_topology(apply_overrides({}, ["algorithm.filter_groups.enable=true",
+                                             "algorithm.max_staleness=2", "replay.reuse=3"]))
+    assert t.algorithm.filter_groups.enable and t.replay.reuse == 3
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -96,7 +96,8 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                 except DecodeError:
                     continue
             extra = {"timing_s/wait_batch": time.monotonic() - waited,
-                     **{f"replay/{k}": float(v) for k, v in batch.counters.items()}}
+                     **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
+                     **{f"replay/{k}": v for k, v in batch.stats.items()}}
 
             def step_and_record(groups, extra=extra):
                 # in the worker thread, so a step taken is always a step recorded: a stop can

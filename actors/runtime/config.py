@@ -56,9 +56,45 @@ class ModelConfig(_Section, frozen=True):
     """Parameter dtype for sampling and training (float32 is the fast choice on CPUs)."""
 
 
+BUILTIN_TASKS = ("arithmetic", "repeat_letter")
+DATASET_SUFFIXES = (".parquet", ".jsonl")
+
+
+class DatasetConfig(_Section, frozen=True):
+    path: str = ""
+    """A parquet or jsonl file of prompts (relative to where the runner is started), in verl's
+    row layout: ``prompt`` (list of chat messages), ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``. Set this or ``builtin``."""
+    builtin: str = ""
+    """A built-in task instead of a file (``arithmetic``, ``repeat_letter``; task.size,
+    task.max_operand and task.system_prompt apply)."""
+    weight: float = 1.0
+    """Share of the prompts drawn from this dataset (weights are normalised over the list)."""
+    name: str = ""
+    """Name in the recording's ``prompts.dataset`` column (default: the file's stem or the
+    built-in's name); unique over the list."""
+    prompt_key: str = "prompt"
+    """Column of the prompt: a list of ``{role, content}`` messages, or a string (one user
+    message), e.g. ``question`` (verl ``data.prompt_key``)."""
+    answer_key: str = "reward_model.ground_truth"
+    """Column of the ground truth, dotted for nested fields (``answer`` for a plain file)."""
+    data_source: str = ""
+    """The reward scorer's ``data_source`` for every row (default: the row's ``data_source``)."""
+    system_prompt: str = ""
+    """A system message put before a row's messages when it has none."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order, a new one each pass (verl ``data.shuffle``)."""
+
+
 class TaskConfig(_Section, frozen=True):
     name: str = "arithmetic"
-    """Built-in task (``arithmetic``, ``repeat_letter``)."""
+    """Built-in task (``arithmetic``, ``repeat_letter``); not used when ``datasets`` is set."""
+    datasets: list[DatasetConfig] = []
+    """Prompt sources mixed by weight (``[[task.datasets]]``): the source of the i-th prompt
+    drawn is a function of run.seed and i alone, so a run's data order is reproducible."""
+    max_prompt_length: int = 0
+    """Skip prompts longer than this many chat-templated tokens of the model's tokenizer (verl
+    ``data.max_prompt_length``; 0: no limit). Skipped prompts are counted, never issued."""
     size: int = 100_000
     """Number of distinct prompts the task generates."""
     max_operand: int = 9
@@ -109,6 +145,17 @@ class KLControl(_Section, frozen=True):
     """adaptive: steps over which β moves by at most 20%."""
 
 
+class FilterGroups(_Section, frozen=True):
+    enable: bool = False
+    """Drop every group whose samples all got the same reward (it has no learning signal) and
+    admit replacement prompts until the batch is full."""
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    """verl's metric names; here all of them are the sample's reward (the scorers' score)."""
+    max_num_gen_batches: int = 0
+    """Stop the job with an error when more than this many batches' worth of groups
+    (× learner.groups_per_step) are filtered between two served batches (0: no limit)."""
+
+
 class AlgorithmConfig(_Section, frozen=True):
     adv_estimator: AdvEstimator = "grpo"
     """Advantage estimator (verl names): grpo, dr_grpo, rloo, reinforce_plus_plus,
@@ -155,6 +202,9 @@ class AlgorithmConfig(_Section, frozen=True):
     """Off-policy correction between the sampler's policy μ and the learner's."""
     max_staleness: int = 1
     """Policy versions a sample may lag the learner (0 = synchronous). Older groups are dropped."""
+    filter_groups: FilterGroups = FilterGroups()
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (verl
+    ``algorithm.filter_groups``)."""
 
 
 class LoraConfig(_Section, frozen=True):
@@ -247,6 +297,9 @@ class ReplayConfig(ActorCommon, frozen=True):
     """Where samplers and the learner connect (ZeroMQ endpoint, or ``auto``)."""
     capacity: int = 256
     """Most scored groups held at once; admission never lets more be in flight."""
+    reuse: int = 1
+    """Serve each group in up to this many batches (one per policy version, while it is within
+    algorithm.max_staleness of the version that generated it; so at most max_staleness + 1)."""
 
 
 class LearnerConfig(ActorCommon, frozen=True):
@@ -416,6 +469,72 @@ def _check(topology: Topology) -> None:
     need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
          f"must be <= the response length limit ({max_length})")
     need(topology.task.size >= 1, "task.size", "must be >= 1")
+    T = topology.task
+    need(T.name in BUILTIN_TASKS, "task.name", f"{T.name!r} is not one of {', '.join(BUILTIN_TASKS)}")
+    need(T.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0: no limit)")
+    _check_datasets(T.datasets, need)
+    F = a.filter_groups
+    need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
+         "needs algorithm.n >= 2 (a group of one always has equal rewards)")
+    need(F.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
+         "must be >= 0 (0: no limit)")
+    reuse = topology.replay.reuse
+    need(reuse >= 1, "replay.reuse", "must be >= 1 (1: each group is served once)")
+    need(reuse <= a.max_staleness + 1, "replay.reuse",
+         f"a group can be served at most once per policy version while it is fresh, so at most "
+         f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
+
+
+def _dataset_columns(path: Path) -> set[str]:
+    """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        return set(pq.read_schema(path).names)
+    import json
+
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}: line {n} is not JSON: {exc}") from None
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{path}: line {n} is not a JSON object")
+                return set(row)
+    return set()
+
+
+def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
+    names: dict[str, int] = {}
+    for i, d in enumerate(datasets):
+        key = f"task.datasets[{i}]"
+        need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
+        need(math.isfinite(d.weight) and d.weight > 0, f"{key}.weight", "must be > 0")
+        name = d.name or d.builtin or Path(d.path).stem
+        need(name not in names, f"{key}.name",
+             f"{name!r} is already the name of task.datasets[{names.get(name)}]; name one")
+        names[name] = i
+        if d.builtin:
+            need(d.builtin in BUILTIN_TASKS, f"{key}.builtin",
+                 f"{d.builtin!r} is not one of {', '.join(BUILTIN_TASKS)}")
+            continue
+        path = Path(d.path)
+        need(path.suffix in DATASET_SUFFIXES, f"{key}.path",
+             f"{d.path!r} is neither .parquet nor .jsonl")
+        need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
+        try:
+            columns = _dataset_columns(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}.path: {exc}") from None
+        need(bool(columns), f"{key}.path", f"{d.path!r} holds no rows")
+        shown = ", ".join(sorted(columns))
+        for field, column in (("prompt_key", d.prompt_key), ("answer_key", d.answer_key)):
+            need(column.split(".")[0] in columns, f"{key}.{field}",
+                 f"no column {column.split('.')[0]!r} in {d.path!r} (columns: {shown})")
+        need(bool(d.data_source) or "data_source" in columns, f"{key}.data_source",
+             f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
 
 
 def _key_path_message(msg: str) -> str:
@@ -443,14 +562,16 @@ def decode_topology(data: dict[str, Any]) -> Topology:
 
 
 def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files are named relative to where the job is started; the actors run
-    elsewhere (and read the resolved topology), so the paths are made absolute here."""
-    R = topology.reward
-    if all(not fn.path or Path(fn.path).is_absolute() for fn in R.functions):
-        return topology
+    """Reward function and dataset files are named relative to where the job is started; the
+    actors run elsewhere (and read the resolved topology), so the paths are made absolute here."""
+    R, T = topology.reward, topology.task
     functions = [msgspec.structs.replace(fn, path=str(Path(fn.path).resolve())) if fn.path else fn
                  for fn in R.functions]
-    return msgspec.structs.replace(topology, reward=msgspec.structs.replace(R, functions=functions))
+    datasets = [msgspec.structs.replace(d, path=str(Path(d.path).resolve())) if d.path else d
+                for d in T.datasets]
+    return msgspec.structs.replace(
+        topology, reward=msgspec.structs.replace(R, functions=functions),
+        task=msgspec.structs.replace(T, datasets=datasets))
 
 
 def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:

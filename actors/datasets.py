@@ -1,0 +1,223 @@
+"""Prompts from dataset files, several sources mixed by weight, and prompt length in tokens.
+
+``[[task.datasets]]`` entries name a parquet or jsonl file in verl's row layout (``prompt`` = a
+list of chat messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``; other
+columns through ``prompt_key`` / ``answer_key``, e.g. a plain ``question``/``answer`` file) or a
+built-in task, each with a weight.
+
+Mixing is deterministic: the source of draw ``i`` is a function of ``(run.seed, i)`` alone (a
+hash of both against the cumulative weights), and each source is read in order, so the row a
+draw takes is the number of earlier draws of the same source. Both are recorded with every
+prompt issued (``prompts.row``, ``prompts.dataset``); ``Mixture.index_after`` turns the recorded
+``{dataset: next row}`` back into the next draw, which is all a resume needs. A file's rows are
+visited in a seeded random order per pass (``shuffle``), a fresh order each pass.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from actors.runtime.config import DatasetConfig, TaskConfig
+from actors.tasks import TASKS, Task
+from messages.rollout import ChatMessage, Prompt
+
+_MASK = (1 << 64) - 1
+
+
+def uniform(seed: int, index: int) -> float:
+    """A number in [0, 1) that depends on ``seed`` and ``index`` only (splitmix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def _field(row: dict[str, Any], dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; KeyError when any part is missing."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def _scalar(value: Any) -> str | int | float:
+    """An extra_info value as the wire allows it (nested values become JSON text)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str | int | float):
+        return value
+    return json.dumps(value, default=str)
+
+
+class FileDataset(Task):
+    """The rows of one parquet or jsonl file, read whole at start."""
+
+    def __init__(self, config: DatasetConfig, seed: int, key: str) -> None:
+        self.cfg = config
+        self.seed = seed
+        self.key = key  # the config key path, for errors
+        self.name = config.name or Path(config.path).stem
+        self.data_source = config.data_source
+        self.system_prompt = config.system_prompt
+        path = Path(config.path)
+        if not path.is_file():
+            raise ValueError(f"{key}.path: no file {config.path!r}")
+        if path.suffix == ".parquet":
+            self.table = pq.read_table(path)
+            self.size = self.table.num_rows
+            self.lines: list[dict[str, Any]] = []
+        else:
+            self.table = None
+            self.lines = []
+            with path.open() as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{key}.path: {path} line {n} is not JSON: {exc}") from None
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{key}.path: {path} line {n} is not a JSON object")
+                    self.lines.append(row)
+            self.size = len(self.lines)
+        if self.size == 0:
+            raise ValueError(f"{key}.path: {path} holds no rows")
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, row order of that pass)
+
+    def file_row(self, row: int) -> int:
+        """Which row of the file the dataset's ``row``-th draw reads."""
+        epoch, i = divmod(row, self.size)
+        if not self.cfg.shuffle:
+            return i
+        if self._order[0] != epoch:
+            order = list(range(self.size))
+            random.Random(f"{self.seed}:{self.name}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][i]
+
+    def read(self, file_row: int) -> dict[str, Any]:
+        if self.table is not None:
+            return self.table.slice(file_row, 1).to_pylist()[0]
+        return self.lines[file_row]
+
+    def prompt_at(self, dataset: str, row: int, prompt_id: int) -> Prompt:
+        if dataset != self.name:
+            raise ValueError(f"dataset {self.name!r} is not {dataset!r}")
+        at = self.file_row(row)
+        data = self.read(at)
+        where = f"{self.key} ({self.cfg.path} row {at})"
+        try:
+            raw = _field(data, self.cfg.prompt_key)
+            truth = _field(data, self.cfg.answer_key)
+        except KeyError as exc:
+            raise ValueError(f"{where}: no field {exc.args[0]!r} (fields: {sorted(data)})") from None
+        if isinstance(raw, str):
+            messages = [ChatMessage("user", raw)]
+        elif isinstance(raw, list) and raw and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in raw):
+            messages = [ChatMessage(m["role"], m["content"]) for m in raw]
+        else:
+            raise ValueError(f"{where}: {self.cfg.prompt_key} must be a string or a non-empty list "
+                             f"of {{role, content}} messages, not {str(raw)[:80]!r}")
+        if self.system_prompt and all(m.role != "system" for m in messages):
+            messages.insert(0, ChatMessage("system", self.system_prompt))
+        source = self.data_source or data.get("data_source")
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"{where}: no data_source (set {self.key}.data_source)")
+        extra = data.get("extra_info")
+        extra_info = {"index": at, **{str(k): _scalar(v) for k, v in extra.items()}} \
+            if isinstance(extra, dict) else {"index": at}
+        return Prompt(prompt_id=prompt_id, messages=messages, data_source=source,
+                      ground_truth=truth if isinstance(truth, str) else json.dumps(truth),
+                      extra_info=extra_info)
+
+
+class Mixture(Task):
+    """Several datasets, draw ``i`` from source ``k`` with probability ``weight_k / Σ weights``."""
+
+    def __init__(self, sources: list[Task], weights: list[float], seed: int) -> None:
+        self.seed = seed
+        self.sources = {s.name: s for s in sources}
+        self.names = [s.name for s in sources]
+        self.name = "+".join(self.names)
+        self.size = sum(s.size for s in sources)
+        total = float(sum(weights))
+        self.cumulative = [sum(weights[: k + 1]) / total for k in range(len(weights))]
+        # draws are located in order; this cursor makes that O(1) per draw:
+        # counts[k] = draws of source k among draws [0, cursor)
+        self._cursor = 0
+        self._counts = [0] * len(sources)
+
+    def source_of(self, index: int) -> int:
+        """The source of draw ``index`` (a function of the seed and ``index`` only)."""
+        return min(bisect.bisect_right(self.cumulative, uniform(self.seed, index)),
+                   len(self.cumulative) - 1)
+
+    def locate(self, index: int) -> tuple[str, int]:
+        if index < self._cursor:
+            self._cursor, self._counts = 0, [0] * len(self.names)
+        while self._cursor < index:
+            self._counts[self.source_of(self._cursor)] += 1
+            self._cursor += 1
+        k = self.source_of(index)
+        return self.names[k], self._counts[k]
+
+    def prompt_at(self, dataset: str, row: int, prompt_id: int) -> Prompt:
+        if dataset not in self.sources:
+            raise ValueError(f"no dataset {dataset!r} in task.datasets ({', '.join(self.names)})")
+        return self.sources[dataset].prompt_at(dataset, row, prompt_id)
+
+    def index_after(self, next_rows: dict[str, int]) -> int:
+        unknown = set(next_rows) - set(self.sources)
+        if unknown:
+            raise ValueError(f"no dataset {sorted(unknown)} in task.datasets ({', '.join(self.names)})")
+        want = [next_rows.get(name, 0) for name in self.names]
+        counts = [0] * len(self.names)
+        index = 0
+        while any(c < w for c, w in zip(counts, want, strict=True)):
+            counts[self.source_of(index)] += 1
+            index += 1
+        return index
+
+
+def make_mixture(config: TaskConfig, seed: int) -> Mixture:
+    """The sources of ``config.datasets`` (validated by the config) mixed by their weights."""
+    sources: list[Task] = []
+    for i, d in enumerate(config.datasets):
+        source: Task
+        if d.builtin:
+            source = TASKS[d.builtin](config, seed)
+            source.name = d.name or d.builtin
+        else:
+            source = FileDataset(d, seed, f"task.datasets[{i}]")
+        sources.append(source)
+    return Mixture(sources, [d.weight for d in config.datasets], seed)
+
+
+def prompt_token_counter(model_path: str) -> Callable[[Prompt], int]:
+    """Tokens of a prompt as the sampler feeds it: the model's chat template with the
+    generation prompt (what verl's ``data.max_prompt_length`` filter counts)."""
+    from transformers import AutoTokenizer
+
+    from actors.model_store import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path))
+
+    def count(prompt: Prompt) -> int:
+        out = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in prompt.messages],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+        return len(out["input_ids"] if isinstance(out, dict) else out)
+
+    return count
