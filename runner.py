@@ -5,6 +5,11 @@ Attach one more reward worker to a running job:
 the foreground, unsupervised by the job's runner, until Ctrl-C or SIGTERM: then it says bye to
 the router, answers what it has in flight and exits 0 (detach).
 
+Debug a recorded run offline (``actors/offline``): ``python runner.py replay RUN_DIR --step N``
+trains step N again and compares its metrics with the recorded ones; ``python runner.py replay
+RUN_DIR --rescore FILE.py[:NAME]`` re-scores the recorded completions; ``python runner.py
+inspect RUN_DIR`` summarises the run and plots it.
+
 The runner reads the topology into typed config, resolves the run directory, the model and
 every ``auto`` address, writes the result to ``RUN_DIR/topology.json``, starts one OS process
 per actor instance and supervises them: it prints one line per learner step and a live status
@@ -332,14 +337,83 @@ def attach_main(argv: list[str]) -> int:
     return attach_command(parser.parse_intermixed_args(argv))
 
 
+def replay_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py replay",
+        description="Replay a recorded learner step offline and compare its metrics with the "
+                    "recorded ones (--step), or re-score the recorded completions with another "
+                    "reward function (--rescore). Exit status: 0 match, 1 mismatch, 2 bad input.",
+        epilog="examples: python runner.py replay RUN_DIR --step 12 --dump 40:3; "
+               "python runner.py replay RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, help="the learner step to replay")
+    what.add_argument("--rescore", metavar="FILE.py[:NAME]",
+                      help="a verl-style compute_score function (NAME defaults to compute_score)")
+    parser.add_argument("--dump", action="append", default=[], metavar="GROUP_ID[:SAMPLE]",
+                        help="--step: print the per-token tensors of these samples (repeatable)")
+    parser.add_argument("--dump-dir", metavar="DIR",
+                        help="--step: write the dumped samples as .pt and .parquet into DIR")
+    parser.add_argument("--steps", metavar="A:B", help="--rescore: only the batches of steps A..B")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="--rescore: at most this many groups (0: all)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="--rescore: a sample whose reward moved by more than this flips")
+    parser.add_argument("overrides", nargs="*",
+                        help="--step: dotted topology overrides for a what-if (learner.lr=1e-4)")
+    args = parser.parse_intermixed_args(argv)
+    from actors.offline.recorded import OfflineError
+
+    try:
+        if args.step is not None:
+            from actors.offline.replay import replay
+            return replay(args.run_dir, args.step, overrides=args.overrides, dump=args.dump,
+                          dump_dir=args.dump_dir)
+        from actors.offline.rescore import rescore
+        return rescore(args.run_dir, args.rescore, steps=args.steps, limit=args.limit,
+                       threshold=args.threshold)
+    except OfflineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def inspect_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py inspect",
+        description="Summarise a recorded run: a table of the run, the best and worst samples of "
+                    "a step, the staleness histogram, and PNG plots over steps.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--step", type=int, help="step whose best/worst samples are shown "
+                                                 "(default: the last)")
+    parser.add_argument("--plots", metavar="DIR", help="where the PNGs go (default RUN_DIR/plots)")
+    parser.add_argument("--top", type=int, default=3, help="best and worst samples shown")
+    args = parser.parse_args(argv)
+    from actors.offline.inspection import inspect_run
+    from actors.offline.recorded import OfflineError
+
+    try:
+        return inspect_run(args.run_dir, step=args.step, plots=args.plots, top=args.top)
+    except OfflineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":
         return attach_main(argv[1:])
+    if argv and argv[0] == "replay":
+        return replay_main(argv[1:])
+    if argv and argv[0] == "inspect":
+        return inspect_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
-               "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job",
+               "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job; "
+               "python runner.py replay RUN_DIR --step N | --rescore FILE.py[:NAME] and "
+               "python runner.py inspect RUN_DIR debug a recorded run",
     )
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")

@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,7 +71,16 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
 
 
 class Trainer:
-    def __init__(self, topology: Topology, run_dir: Path) -> None:
+    """The learner's state (policy, optimizer, scheduler, KL controller) and its training step.
+
+    ``checkpoint`` says where the state comes from: ``"latest"`` (the run directory's newest
+    checkpoint when ``learner.resume`` is set, else the base model), a given ``step_N``
+    directory, or ``None`` (the base model with a fresh optimizer: the state before step 1).
+    Only ``save_checkpoint`` writes into ``run_dir``.
+    """
+
+    def __init__(self, topology: Topology, run_dir: Path,
+                 checkpoint: Path | Literal["latest"] | None = "latest") -> None:
         self.topo, self.cfg, self.algo = topology, topology.learner, topology.algorithm
         self.run_dir = run_dir
         self.abort = threading.Event()
@@ -79,7 +89,10 @@ class Trainer:
         self.dtype = getattr(torch, topology.model.dtype)
         self.step = 0
         state: dict = {}
-        ckpt = latest_checkpoint(run_dir) if self.cfg.resume else None
+        if checkpoint == "latest":
+            ckpt = latest_checkpoint(run_dir) if self.cfg.resume else None
+        else:
+            ckpt = checkpoint
         if ckpt is not None:
             state = json.loads((ckpt / STATE_FILE).read_text())
             self.step = state["step"]
@@ -162,8 +175,23 @@ class Trainer:
 
     # -- one training step -----------------------------------------------------------------------
 
-    def train_step(self, groups: list[ScoredGroup]) -> dict[str, float]:
+    def step_seed(self) -> int:
+        """The RNG seed of the next step: a function of the run seed and the step only, so a
+        step draws the same numbers (dropout) live, after a resume and in offline replay."""
+        return self.topo.run.seed * 1_000_003 + self.step
+
+    def train_step(self, groups: list[ScoredGroup],
+                   trace: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One optimizer step on ``groups``; returns its metrics.
+
+        ``trace`` (offline replay's hook): when a dict is given, it is filled with the step's
+        per-token tensors, each (N, W-1) with rows in batch order (``group_size`` rows per
+        group): ``input_ids`` (N, W), ``mask``, ``keep`` (after rejection), ``advantages``,
+        ``behaviour_logprobs``, ``old_logprobs`` (proximal), ``current_logprobs`` (π_θ in
+        the first epoch's forward) and ``is_weights``. Left ``None``, nothing extra is kept.
+        """
         started = time.monotonic()
+        torch.manual_seed(self.step_seed())
         algo, cfg = self.algo, self.cfg
         temp = self.topo.sampler.temperature
         batch = build_batch(groups, self.pad_id)
@@ -215,7 +243,8 @@ class Trainer:
         tokens_seen = 0.0
         grad_norms, critic_sums = [], {}
         old_seen = torch.zeros_like(mask)  # the proximal log-probs used, for the metrics
-        for _epoch in range(cfg.ppo_epochs):
+        current = torch.zeros_like(mask) if trace is not None else None
+        for epoch in range(cfg.ppo_epochs):
             for lo, hi in bounds:
                 keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
                 token_count = float(keep_mb.sum())
@@ -233,6 +262,8 @@ class Trainer:
                         corr = (correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
                                 if batch_corr is None else _rows(batch_corr, s, w))
                     old_seen[s, :w] = old_mb
+                    if current is not None and epoch == 0:
+                        current[s, :w] = lp.detach()
                     loss, m = micro_batch_loss(
                         algo, lp, entropy, mb, advantages[s, :w], old_mb, corr,
                         ref[s, :w] if ref is not None else None, token_count=token_count,
@@ -286,6 +317,10 @@ class Trainer:
         if values is not None:
             metrics["critic/values/mean"] = float(values[mask.bool()].mean())
             metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())
+        if trace is not None:
+            trace.update(input_ids=batch.input_ids, mask=mask, keep=final.keep,
+                         advantages=advantages, behaviour_logprobs=batch.behaviour_logprobs,
+                         old_logprobs=old_seen, current_logprobs=current, is_weights=weights)
         return metrics
 
     # -- weights and checkpoints ----------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""A recorded run at a glance: ``python runner.py inspect RUN_DIR [--step N] [--plots DIR]``.
+
+Prints a summary table (steps, wall time, reward and response length first/last, groups
+trained and dropped by reason, reward errors), the best and worst samples of one step (default
+the last), the staleness histogram of every trained sample (learner version at its step minus
+the policy version that generated it), and writes PNG plots over steps (reward, response
+length, KL, entropy, importance weights) with matplotlib's Agg backend, to ``RUN_DIR/plots`` by
+default: the one thing it writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import TextIO
+
+from actors.offline.recorded import OfflineError, RecordedRun, excerpt, open_run, span
+from actors.recording import read_table
+
+# file -> (title, y label, [(metric, legend)])
+PLOTS = {
+    "reward.png": ("Reward", "score", [("critic/score/mean", "mean"), ("critic/score/max", "max"),
+                                       ("critic/score/min", "min")]),
+    "response_length.png": ("Response length", "tokens", [
+        ("response_length/mean", "mean"), ("response_length/max", "max")]),
+    "kl.png": ("KL", "nats/token", [
+        ("rollout_corr/kl", "mismatch k1 (behaviour vs proximal)"),
+        ("rollout_corr/k3_kl", "mismatch k3"), ("actor/ppo_kl", "ppo_kl"),
+        ("actor/kl_loss", "kl_loss (vs reference)"),
+        ("actor/reward_kl_penalty", "in-reward KL penalty")]),
+    "entropy.png": ("Entropy", "nats/token", [("actor/entropy", "policy entropy")]),
+    "importance.png": ("Importance weights", "weight", [
+        ("rollout_corr/is_weight_mean", "mean"), ("rollout_corr/is_weight_min", "min"),
+        ("rollout_corr/is_weight_max", "max"), ("rollout_corr/ess", "ESS"),
+        ("rollout_corr/is_clip_frac", "clipped fraction")]),
+}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def inspect_run(run_dir: str | Path, *, step: int | None = None, plots: str | None = None,
+                top: int = 3, out: TextIO = sys.stdout) -> int:
+    run = open_run(run_dir)
+    steps = run.steps
+    step = steps[-1] if step is None else step
+    if step not in run.batches:
+        raise OfflineError(f"step {step} is not recorded in {run.run_dir} "
+                           f"(recorded steps: {span(steps)})")
+    _summary(run, out)
+    _samples(run, step, top, out)
+    _staleness(run, out)
+    folder = Path(plots) if plots else run.run_dir / "plots"
+    written = write_plots(run, folder)
+    print(f"\nplots: {', '.join(str(p) for p in written)}", file=out)
+    return 0
+
+
+def _summary(run: RecordedRun, out: TextIO) -> None:
+    steps = run.steps
+    m = [run.metrics.get(s, {}) for s in steps]
+
+    def series(key: str) -> list[float]:
+        return [x[key] for x in m if key in x]
+
+    reward, length = series("critic/score/mean"), series("response_length/mean")
+    fates = read_table(run.run_dir, "fates", ["group_id", "fate", "reason"]).to_pylist()
+    last_fate = {f["group_id"]: f for f in fates}
+    trained = sum(1 for f in last_fate.values() if f["fate"] == "trained")
+    dropped = Counter(f["reason"] or "unknown" for f in last_fate.values() if f["fate"] == "dropped")
+    groups = run.groups()
+    errors = Counter(e for g in groups.values() for e in g["reward_errors"] if e)
+    n_samples = sum(len(g["rewards"]) for g in groups.values())
+    prompts = read_table(run.run_dir, "prompts", ["time"])["time"].to_pylist()
+    metric_times = read_table(run.run_dir, "metrics", ["time"])["time"].to_pylist()
+    start = min(prompts) if prompts else min(metric_times, default=0.0)
+    wall = max(metric_times, default=start) - start
+    incarnations = {b["incarnation"] for b in run.batches.values()}
+    step_time = series("timing_s/step")
+    rows = [
+        ("run", str(run.run_dir)),
+        ("steps", f"{len(steps)} recorded ({span(steps)}); {len(incarnations)} incarnation(s)"),
+        ("wall time", f"{wall:.1f} s (first prompt to last step); "
+                      f"{_mean(step_time):.2f} s per learner step"),
+        ("reward", f"first {reward[0]:.3f}, last {reward[-1]:.3f}; mean of first 5 "
+                   f"{_mean(reward[:5]):.3f}, last 5 {_mean(reward[-5:]):.3f}" if reward else "-"),
+        ("response length", f"first {length[0]:.1f}, last {length[-1]:.1f} tokens" if length else "-"),
+        ("groups", f"{len(groups)} recorded, {trained} trained, "
+                   f"{sum(dropped.values())} dropped"
+                   + "".join(f"; dropped {k}: {v}" for k, v in sorted(dropped.items()))),
+        ("reward errors", f"{sum(errors.values())} of {n_samples} samples"
+                          + (f"; most common: {excerpt(errors.most_common(1)[0][0], 60)!r}"
+                             if errors else "")),
+    ]
+    last = m[-1] if m else {}
+    for key in ("actor/entropy", "rollout_corr/kl", "rollout_corr/is_weight_mean",
+                "staleness/mean"):
+        if key in last:
+            rows.append((f"last {key}", f"{last[key]:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    print("=== run summary", file=out)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}", file=out)
+
+
+def _samples(run: RecordedRun, step: int, top: int, out: TextIO) -> None:
+    groups = run.groups()
+    samples = []
+    for gid in run.batches[step]["group_ids"]:
+        g = groups.get(gid)
+        if g is None:
+            continue
+        for j, (text, r, err) in enumerate(zip(g["completions"], g["rewards"], g["reward_errors"],
+                                               strict=True)):
+            samples.append((r, gid, j, len(g["response_ids"][j]), text, err, g["ground_truth"]))
+    ordered = sorted(samples, key=lambda x: (-x[0], x[1], x[2]))
+    for title, chosen in (("best", ordered[:top]), ("worst", ordered[::-1][:top])):
+        print(f"\n=== {title} {len(chosen)} samples of step {step} (of {len(samples)})", file=out)
+        for r, gid, j, n, text, err, truth in chosen:
+            note = f"  error: {excerpt(err, 50)}" if err else ""
+            print(f"  {r:7.3f}  group {gid}:{j}  {n:3d} tok  truth {excerpt(truth, 12)!r}  "
+                  f"{excerpt(text)!r}{note}", file=out)
+
+
+def _staleness(run: RecordedRun, out: TextIO) -> None:
+    groups = run.groups()
+    counts: Counter[int] = Counter()
+    for s, b in run.batches.items():
+        for gid in b["group_ids"]:
+            for v in groups[gid]["policy_versions"] if gid in groups else ():
+                counts[(s - 1) - v] += 1  # step s trains with the weights of version s - 1
+    total = sum(counts.values())
+    print(f"\n=== staleness of the {total} trained samples (versions behind the learner)",
+          file=out)
+    for lag in sorted(counts):
+        share = counts[lag] / total
+        print(f"  {lag:>3}  {counts[lag]:>7}  {100 * share:5.1f}%  {'#' * round(40 * share)}",
+              file=out)
+
+
+def write_plots(run: RecordedRun, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (title, ylabel, keys) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, legend in keys:
+            xs = [s for s in run.steps if key in run.metrics.get(s, {})]
+            if xs:
+                ax.plot(xs, [run.metrics[s][key] for s in xs], marker=".", label=legend)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center",
+                    transform=ax.transAxes)
+        else:
+            ax.legend(fontsize=8)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / name
+        tmp = folder / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(path)
+        written.append(path)
+    return written

@@ -1,0 +1,241 @@
+"""Offline replay of one learner step: ``python runner.py replay RUN_DIR --step N``.
+
+The learner is rebuilt as it was before step N: from the newest checkpoint of a step ≤ N−1
+(weights, optimizer, scheduler, KL coefficient), or from the base model with a fresh optimizer
+when none is left; the recorded batches of the steps in between are trained again. Then step N
+runs on its recorded batch (each group decoded from its exact recorded encoding, in the
+recorded order), with no sampler or reward worker, and every metric is compared with the
+recorded one. On the CPU they match exactly: a step's inputs are the recorded bytes, its RNG is
+seeded from (run seed, step) (``Trainer.step_seed``), the thread count is ``learner.threads``
+and the step runs on a worker thread as in the learner actor.
+
+Metrics about the live system rather than the computation (``timing_s/*``, ``perf/*``,
+``replay/*``) are not compared. A mismatch names the first differing quantity, in the order the
+computation produces them: the batch (scores, lengths, staleness), advantages, the importance
+correction (proximal vs behaviour log-probs), the loss terms, the gradient norm, the learning
+rate, then the rest; a difference in a replayed-forward step is reported before step N's.
+Nothing is written into the run directory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import re
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from actors.offline.recorded import OfflineError, open_run, span
+
+EXCLUDED_PREFIXES = ("timing_s/", "perf/", "replay/")
+# the order a step computes its quantities in: the first difference is the one to look at
+ORDER = ("critic/score/", "response_length/", "staleness/", "actor/reward_kl_penalty",
+         "critic/values/", "critic/returns/", "critic/advantages/", "rollout_corr/",
+         "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
+         "critic/vf", "actor/grad_norm", "actor/lr")
+
+
+def excluded(name: str) -> bool:
+    return name.startswith(EXCLUDED_PREFIXES)
+
+
+def _rank(name: str) -> int:
+    for i, prefix in enumerate(ORDER):
+        if name.startswith(prefix):
+            return i
+    return len(ORDER)
+
+
+def compared_names(recorded: dict[str, float], replayed: dict[str, float]) -> list[str]:
+    """Every compared metric, in computation order (the trainer's order within a kind)."""
+    names = list(replayed) + [k for k in recorded if k not in replayed]
+    return sorted((n for n in names if not excluded(n)), key=_rank)  # sort is stable
+
+
+def same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def first_difference(recorded: dict[str, float], replayed: dict[str, float]) -> str | None:
+    for name in compared_names(recorded, replayed):
+        if not same(recorded.get(name), replayed.get(name)):
+            return name
+    return None
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.10g}"
+
+
+def comparison_table(recorded: dict[str, float], replayed: dict[str, float]) -> str:
+    names = compared_names(recorded, replayed)
+    width = max(len(n) for n in names) if names else 10
+    lines = [f"{'name':<{width}}  {'recorded':>18}  {'replayed':>18}  {'|diff|':>10}"]
+    for n in names:
+        a, b = recorded.get(n), replayed.get(n)
+        diff = "-" if a is None or b is None else f"{abs(a - b):.3g}"
+        flag = "" if same(a, b) else "  <-- differs"
+        lines.append(f"{n:<{width}}  {_fmt(a):>18}  {_fmt(b):>18}  {diff:>10}{flag}")
+    return "\n".join(lines)
+
+
+def checkpoint_before(run_dir: Path, step: int) -> tuple[Path | None, int]:
+    """The newest checkpoint of a step ≤ ``step − 1`` and its step (``None, 0``: the base)."""
+    best: tuple[Path | None, int] = (None, 0)
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        m = re.fullmatch(r"step_(\d+)", path.name)
+        if m and best[1] < int(m.group(1)) <= step - 1:
+            best = (path, int(m.group(1)))
+    return best
+
+
+def parse_dump(spec: str) -> tuple[int, int | None]:
+    gid, _, sample = spec.partition(":")
+    try:
+        return int(gid), (int(sample) if sample else None)
+    except ValueError:
+        raise OfflineError(f"--dump {spec!r}: expected GROUP_ID or GROUP_ID:SAMPLE") from None
+
+
+def replay(run_dir: str | Path, step: int, *, overrides: list[str] = (),  # type: ignore[assignment]
+           dump: list[str] = (), dump_dir: str | None = None,  # type: ignore[assignment]
+           out: TextIO = sys.stdout) -> int:
+    """Replay step ``step``; 0 when every compared metric matches exactly, 1 otherwise."""
+    run = open_run(run_dir, overrides)
+    if step not in run.batches:
+        raise OfflineError(f"step {step} is not recorded in {run.run_dir} "
+                           f"(recorded steps: {span(run.steps)})")
+    if step not in run.metrics:
+        raise OfflineError(f"step {step} has a recorded batch but no recorded metrics")
+    dumps = [parse_dump(d) for d in dump]
+    ckpt, start = checkpoint_before(run.run_dir, step)
+    forward = list(range(start + 1, step))
+    unrecorded = [s for s in forward if s not in run.batches]
+    if unrecorded:
+        raise OfflineError(f"steps {span(unrecorded)} (between the checkpoint of step {start} and "
+                           f"step {step}) are not recorded: cannot rebuild the learner")
+    batch = run.batch_groups(step)
+    gids = [g.prompt.prompt_id for g in batch]
+    for gid, sample in dumps:
+        if gid not in gids:
+            raise OfflineError(f"--dump: group {gid} is not in step {step}'s batch (groups: {gids})")
+        if sample is not None and not 0 <= sample < len(batch[0].samples):
+            raise OfflineError(f"--dump: group {gid} has samples 0..{len(batch[0].samples) - 1}")
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from actors.learner.trainer import STATE_FILE
+
+    hf_logging.disable_progress_bar()  # the report is the output
+
+    if ckpt is not None:
+        import json
+        recorded_step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+        if recorded_step != start:
+            raise OfflineError(f"{ckpt}: its {STATE_FILE} says step {recorded_step}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(run.topology.learner.threads)
+    try:
+        return _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out)
+    finally:
+        torch.set_num_threads(threads)  # as it was: a caller in-process keeps its own setting
+
+
+def _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> int:
+    from actors.learner.trainer import Trainer
+
+    gids = [g.prompt.prompt_id for g in batch]
+    # the learner actor builds its Trainer and trains on a worker thread: so does the replay
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
+        trainer = thread.submit(Trainer, run.topology, run.run_dir, ckpt).result()
+        source = f"checkpoint {ckpt}" if ckpt is not None else "the base model (no checkpoint ≤ " \
+            f"step {step - 1} left), fresh optimizer"
+        print(f"=== replay of step {step} of {run.run_dir}", file=out)
+        print(f"=== learner rebuilt from {source}; threads={run.topology.learner.threads}", file=out)
+        if overrides:
+            print(f"=== overrides: {' '.join(overrides)}", file=out)
+        first: tuple[int, str] | None = None
+        for s in forward:
+            got = thread.submit(trainer.train_step, run.batch_groups(s)).result()
+            diff = first_difference(run.metrics.get(s, {}), got)
+            print(f"    replayed step {s} forward: {'match' if diff is None else 'differs at ' + diff}",
+                  file=out)
+            if diff is not None and first is None:
+                first = (s, diff)
+        trace: dict = {}
+        got = thread.submit(trainer.train_step, batch, trace).result()
+    recorded = run.metrics[step]
+    print(f"\nstep {step}: {len(batch)} groups × {len(batch[0].samples)} samples "
+          f"(group ids {gids})", file=out)
+    print(comparison_table(recorded, got), file=out)
+    skipped = sorted(n for n in {**recorded, **got} if excluded(n))
+    print(f"not compared (about the live system, not the computation): {', '.join(skipped)}",
+          file=out)
+    diff = first_difference(recorded, got)
+    if diff is not None and first is None:
+        first = (step, diff)
+    if dumps:
+        _dump(trainer, batch, trace, dumps, step, dump_dir, out)
+    if first is None:
+        n = len(compared_names(recorded, got))
+        print(f"\nresult: match — all {n} compared metrics of step {step} are identical", file=out)
+        return 0
+    s, name = first
+    a, b = run.metrics.get(s, {}).get(name), (got.get(name) if s == step else None)
+    where = f"step {s}" + (" (replayed forward, before the step asked for)" if s != step else "")
+    detail = f" (recorded {_fmt(a)}, replayed {_fmt(b)})" if s == step else ""
+    print(f"\nresult: MISMATCH — first differing quantity: {name} at {where}{detail}", file=out)
+    return 1
+
+
+def _dump(trainer, batch, trace: dict, dumps: list[tuple[int, int | None]], step: int,
+          dump_dir: str | None, out: TextIO) -> None:
+    """Per-token tensors of the chosen samples: a table on ``out``, or .pt and .parquet files."""
+    import torch
+
+    n = len(batch[0].samples)
+    gids = [g.prompt.prompt_id for g in batch]
+    chosen = [(gid, j) for gid, sample in dumps
+              for j in ([sample] if sample is not None else range(n))]
+    columns = ("mask", "keep", "advantages", "behaviour_logprobs", "old_logprobs",
+               "current_logprobs", "is_weights")
+    samples: dict[str, dict[str, torch.Tensor]] = {}
+    for gid, j in chosen:
+        row = gids.index(gid) * n + j
+        at = trace["mask"][row].bool()  # (W-1,) response positions
+        one = {c: trace[c][row][at].clone() for c in columns}
+        one["token_ids"] = trace["input_ids"][row, 1:][at].clone()
+        samples[f"{gid}:{j}"] = one
+    if dump_dir is None:
+        tok = trainer.tokenizer
+        for key, one in samples.items():
+            print(f"\n--- dump of sample {key} (step {step}): one row per response token", file=out)
+            print(f"{'t':>3} {'token':>10} {'mask':>4} {'keep':>4} {'adv':>9} {'behav_lp':>9} "
+                  f"{'old_lp':>9} {'cur_lp':>9} {'is_w':>7}", file=out)
+            for t in range(len(one["token_ids"])):
+                text = repr(tok.decode([int(one["token_ids"][t])]))[:10]
+                print(f"{t:>3} {text:>10} {int(one['mask'][t]):>4} {int(one['keep'][t]):>4} "
+                      f"{float(one['advantages'][t]):>9.4f} "
+                      f"{float(one['behaviour_logprobs'][t]):>9.4f} "
+                      f"{float(one['old_logprobs'][t]):>9.4f} "
+                      f"{float(one['current_logprobs'][t]):>9.4f} "
+                      f"{float(one['is_weights'][t]):>7.4f}", file=out)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = Path(dump_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    pt = folder / f"step_{step}_dump.pt"
+    torch.save(samples, pt)
+    rows = [{"group_id": int(key.split(":")[0]), "sample": int(key.split(":")[1]), "t": t,
+             "token_id": int(one["token_ids"][t]),
+             **{c: float(one[c][t]) for c in columns}}
+            for key, one in samples.items() for t in range(len(one["token_ids"]))]
+    parquet = folder / f"step_{step}_dump.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    print(f"\ndumped {len(samples)} samples ({len(rows)} tokens) to {pt} and {parquet}", file=out)

@@ -1,0 +1,163 @@
+"""Re-score recorded completions: ``python runner.py replay RUN_DIR --rescore file.py[:name]``.
+
+Every sample of the trained batches (``--steps A:B`` to narrow, ``--limit`` groups at most) is
+scored again by a verl-style ``compute_score(data_source, solution_str, ground_truth,
+extra_info)`` through the reward worker's own ``Scoring`` (the function runs in child
+processes with the run's ``reward.timeout_s`` and limits, so a function that hangs or crashes
+gives an error and score 0.0, never a hung command; the run's DAPO overlong penalty, if any,
+applies as it did live). It prints how many scores changed, the mean before and after (overall
+and per step), and the samples that flipped: reward crossing 0.5, or moved by more than
+``--threshold``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import msgspec
+
+from actors.offline.recorded import OfflineError, excerpt, open_run
+from actors.recording import decode_group
+from messages.reward import ScoreItem
+
+CHANGED_EPS = 1e-9  # scores closer than this are the same score
+FLIPS_SHOWN = 20
+
+
+@dataclass
+class Rescored:
+    step: int
+    group_id: int
+    sample: int
+    before: float
+    after: float
+    error: str
+    text: str
+    ground_truth: str
+
+
+def parse_function(spec: str) -> tuple[Path, str]:
+    """``file.py[:name]`` -> (path, name); checks, without running it, that the file defines it."""
+    path_text, _, name = spec.partition(":")
+    name = name or "compute_score"
+    path = Path(path_text)
+    if not path.is_file():
+        raise OfflineError(f"--rescore: no reward file {path}")
+    if not name.isidentifier():
+        raise OfflineError(f"--rescore: {name!r} is not a Python name")
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        raise OfflineError(f"--rescore: {path} is not valid Python: {exc}") from None
+    defined = {node.name for node in tree.body
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    defined |= {(a.asname or a.name) for node in tree.body if isinstance(node, ast.ImportFrom)
+                for a in node.names}
+    if name not in defined:
+        raise OfflineError(f"--rescore: {path} defines no function {name!r} "
+                           f"(it has: {', '.join(sorted(defined)) or 'nothing'})")
+    return path.resolve(), name
+
+
+def parse_steps(text: str | None, recorded: list[int]) -> list[int]:
+    if not text:
+        return recorded
+    lo, sep, hi = text.partition(":")
+    try:
+        a = int(lo) if lo else recorded[0]
+        b = int(hi) if hi else (recorded[-1] if sep else a)
+    except ValueError:
+        raise OfflineError(f"--steps {text!r}: expected A:B (either side may be left out)") from None
+    steps = [s for s in recorded if a <= s <= b]
+    if not steps:
+        raise OfflineError(f"--steps {text}: no recorded step in {a}..{b}")
+    return steps
+
+
+def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, limit: int = 0,
+            threshold: float = 0.5, out: TextIO = sys.stdout) -> int:
+    run = open_run(run_dir)
+    path, name = parse_function(function)
+    chosen = parse_steps(steps, run.steps)
+    rows = run.groups()
+    todo: list[tuple[int, int]] = [(s, gid) for s in chosen for gid in run.batches[s]["group_ids"]
+                                   if gid in rows]
+    if limit > 0:
+        todo = todo[:limit]
+    samples: list[Rescored] = []
+    items: list[ScoreItem] = []
+    for s, gid in todo:
+        group = decode_group(rows[gid]["message"])
+        p = group.prompt
+        for j, sample in enumerate(group.samples):
+            items.append(ScoreItem(p.data_source, sample.text, p.ground_truth, p.extra_info,
+                                   sample.response_ids.shape[0]))
+            samples.append(Rescored(s, gid, j, sample.reward, sample.reward, "", sample.text,
+                                    p.ground_truth))
+    from actors.runtime.config import RewardFunction
+
+    reward = msgspec.structs.replace(run.topology.reward,
+                                     functions=[RewardFunction(path=str(path), name=name)])
+    results = _score(reward, run.topology.sampler.max_tokens, items)
+    for r, res in zip(samples, results, strict=True):
+        r.after, r.error = res.score, res.error
+    _report(samples, f"{path.name}:{name}", threshold, out)
+    return 0
+
+
+def _score(reward, max_tokens: int, items: list[ScoreItem]):
+    import anyio
+
+    from actors.scoring.scorer import Scoring
+
+    async def main():
+        scoring = Scoring(reward, max_response_length=max_tokens)
+        try:
+            out = []
+            for i in range(0, len(items), 256):  # bounded: one chunk of calls in flight at once
+                out += await scoring.score(items[i:i + 256])
+            return out
+        finally:
+            await scoring.aclose()
+
+    return anyio.run(main, backend="trio")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _report(samples: list[Rescored], label: str, threshold: float, out: TextIO) -> None:
+    changed = [r for r in samples if abs(r.after - r.before) > CHANGED_EPS]
+    errors = [r for r in samples if r.error]
+    steps = sorted({r.step for r in samples})
+    print(f"=== re-scored {len(samples)} samples of {len({(r.step, r.group_id) for r in samples})} "
+          f"groups (steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}) "
+          f"with {label}", file=out)
+    print(f"changed: {len(changed)} of {len(samples)} scores; errors: {len(errors)}", file=out)
+    print(f"mean reward: before {_mean([r.before for r in samples]):.4f}, "
+          f"after {_mean([r.after for r in samples]):.4f}", file=out)
+    print(f"\n{'step':>5} {'samples':>7} {'before':>8} {'after':>8} {'changed':>7}", file=out)
+    for s in steps:
+        rs = [r for r in samples if r.step == s]
+        print(f"{s:>5} {len(rs):>7} {_mean([r.before for r in rs]):>8.4f} "
+              f"{_mean([r.after for r in rs]):>8.4f} "
+              f"{sum(abs(r.after - r.before) > CHANGED_EPS for r in rs):>7}", file=out)
+    flips = [r for r in samples
+             if (r.before >= 0.5) != (r.after >= 0.5) or abs(r.after - r.before) > threshold]
+    print(f"\nflipped (crossing 0.5 or moved by more than {threshold:g}): {len(flips)}", file=out)
+    for r in flips[:FLIPS_SHOWN]:
+        err = f" error: {excerpt(r.error, 60)}" if r.error else ""
+        print(f"  step {r.step:>3} group {r.group_id}:{r.sample}  {r.before:.3f} -> {r.after:.3f}"
+              f"  truth {excerpt(r.ground_truth, 16)!r}  text {excerpt(r.text)!r}{err}", file=out)
+    if len(flips) > FLIPS_SHOWN:
+        print(f"  ... and {len(flips) - FLIPS_SHOWN} more", file=out)
+    for r in errors[:3]:
+        print(f"  error at step {r.step} group {r.group_id}:{r.sample}: {excerpt(r.error, 120)}",
+              file=out)

@@ -1,0 +1,143 @@
+"""Offline tools on a real recorded run: a 6-step tiny-model job with a checkpoint at step 3.
+
+``replay --step`` must reproduce recorded steps exactly, both right after a checkpoint and after
+replaying steps forward from one; a corrupted recording is caught at the first differing
+quantity; ``--rescore`` counts changed scores; ``inspect`` prints the summary and writes PNGs.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pyarrow.parquet as pq
+import pytest
+
+from actors.offline.replay import replay
+from actors.recording import decode_group, last_by, parts, read_table
+from tests.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("offline")
+    model = build_tiny_model(base / "model")
+    run = base / "run"
+    res = subprocess.run(
+        [sys.executable, "runner.py", "topology.toml", f"model.path={model}", f"run.dir={run}",
+         "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8",
+         "run.status_interval=0", "run.heartbeat_interval=0.5", "learner.total_steps=6",
+         "learner.save_every=3", "learner.keep_checkpoints=10"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    return run
+
+
+def runner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "runner.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def check_match(text: str, forward: list[int]) -> None:
+    assert "checkpoints/step_3" in text
+    for s in forward:
+        assert f"replayed step {s} forward: match" in text
+    assert "result: match — all" in text
+    assert "actor/grad_norm" in text and "rollout_corr/is_weight_mean" in text
+    assert "not compared (about the live system" in text and "timing_s/step" in text
+
+
+def test_replay_right_after_a_checkpoint_matches_exactly(run_dir):
+    out = io.StringIO()
+    assert replay(run_dir, 4, out=out) == 0, out.getvalue()
+    check_match(out.getvalue(), [])
+
+
+def test_replay_with_forward_steps_matches_exactly(run_dir):
+    res = runner("replay", str(run_dir), "--step", "6")  # the command line, as a user runs it
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    check_match(res.stdout, [4, 5])
+
+
+def test_replay_dumps_per_token_tensors(run_dir, tmp_path):
+    import torch
+
+    gid = read_table(run_dir, "batches").to_pylist()[1]["group_ids"][0]  # step 2: base + 1 forward
+    out = io.StringIO()
+    assert replay(run_dir, 2, dump=[f"{gid}:1"], dump_dir=str(tmp_path), out=out) == 0
+    assert "base model" in out.getvalue()
+    dump = torch.load(tmp_path / "step_2_dump.pt")
+    one = dump[f"{gid}:1"]
+    group = decode_group(last_by(read_table(run_dir, "groups"), "group_id")[gid]["message"])
+    behav = torch.frombuffer(bytearray(group.samples[1].behaviour_logprobs.data), dtype=torch.float32)
+    assert torch.equal(one["behaviour_logprobs"], behav)
+    assert one["is_weights"].shape == one["advantages"].shape == behav.shape
+    assert pq.read_table(tmp_path / "step_2_dump.parquet").num_rows == len(behav)
+
+
+def test_corrupted_recording_names_the_first_difference(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    gid = read_table(copy, "batches").to_pylist()[3]["group_ids"][0]  # in step 4's batch
+    for part in parts(copy, "groups"):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for row in rows:
+            if row["group_id"] == gid:
+                g = decode_group(row["message"])
+                s0 = msgspec.structs.replace(g.samples[0], reward=g.samples[0].reward + 1.0)
+                row["message"] = msgspec.msgpack.encode(
+                    msgspec.structs.replace(g, samples=[s0, *g.samples[1:]]))
+        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+    out = io.StringIO()
+    assert replay(copy, 4, out=out) == 1, out.getvalue()
+    assert "MISMATCH — first differing quantity: critic/score/mean at step 4" in out.getvalue()
+
+
+def test_rescore_counts_changed_scores(run_dir, tmp_path):
+    fn = tmp_path / "reward.py"
+    fn.write_text("def always_one(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return 1.0\n")
+    groups = last_by(read_table(run_dir, "groups"), "group_id")
+    batches = last_by(read_table(run_dir, "batches"), "step")
+    rewards = [r for s in (2, 3) for g in batches[s]["group_ids"] for r in groups[g]["rewards"]]
+    expected = sum(r != 1.0 for r in rewards)
+    res = runner("replay", str(run_dir), "--rescore", f"{fn}:always_one", "--steps", "2:3")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"changed: {expected} of {len(rewards)} scores; errors: 0" in res.stdout
+    assert "after 1.0000" in res.stdout
+
+
+def test_inspect_prints_summary_and_writes_plots(run_dir, tmp_path):
+    res = runner("inspect", str(run_dir), "--plots", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for text in ("=== run summary", "6 recorded (1..6)", "24 trained", "best 3 samples of step 6",
+                 "=== staleness"):
+        assert text in res.stdout
+    for name in ("reward", "response_length", "kl", "entropy", "importance"):
+        data = (tmp_path / f"{name}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000
+
+
+def test_bad_input_exits_2(run_dir, tmp_path):
+    (tmp_path / "r.py").write_text("def compute_score(*a):\n    return 0.0\n")
+    cases = [
+        (("replay", str(tmp_path / "nope"), "--step", "1"), "no run directory"),
+        (("replay", str(tmp_path), "--step", "1"), "topology.json"),
+        (("replay", str(run_dir), "--step", "99"), "step 99 is not recorded"),
+        (("replay", str(run_dir), "--rescore", str(tmp_path / "missing.py")), "no reward file"),
+        (("replay", str(run_dir), "--rescore", f"{tmp_path / 'r.py'}:absent"),
+         "defines no function 'absent'"),
+        (("inspect", str(tmp_path)), "topology.json"),
+    ]
+    for args, message in cases:
+        res = runner(*args)
+        assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
