@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -276,17 +279,51 @@ def run_command(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
+    own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
     topology, run_dir = resolve(topology)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    for stale in (run_dir / "logs").glob("*.traceback"):
-        stale.unlink()
-    (run_dir / "topology.json").write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
-    print(f"=== run directory: {run_dir}", flush=True)
-    print(f"=== model: {topology.model.path}", flush=True)
-    counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in ACTOR_KINDS)
-    print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-    return anyio.run(Job(topology, run_dir).run, backend="trio")
+    lock = open(run_dir / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    try:
+        # released by the kernel when this process dies, however it dies (kill -9 included)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"error: another runner is using {run_dir}", file=sys.stderr)
+        return 2
+    try:
+        _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        (run_dir / "logs").mkdir(exist_ok=True)
+        for stale in (run_dir / "logs").glob("*.traceback"):
+            stale.unlink()
+        resolved = run_dir / "topology.json"  # actors read it: replace it whole, never half-written
+        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
+        os.replace(tmp, resolved)
+        print(f"=== run directory: {run_dir}", flush=True)
+        print(f"=== model: {topology.model.path}", flush=True)
+        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in ACTOR_KINDS)
+        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+        return anyio.run(Job(topology, run_dir).run, backend="trio")
+    finally:
+        if own_sockets:
+            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
+        lock.close()
+
+
+def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
+    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
+
+    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
+    """
+    try:
+        previous = Path(msgspec.json.decode((run_dir / "topology.json").read_bytes())
+                        ["run"]["socket_dir"])
+    except (OSError, msgspec.DecodeError, KeyError, TypeError):
+        return
+    if (previous == current or previous.parent != Path("/tmp")
+            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
+        return
+    if all(entry.is_socket() for entry in previous.iterdir()):
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 ATTACHABLE = {"reward": ("actors.reward", "reward_actor")}

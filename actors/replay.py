@@ -37,6 +37,7 @@ import zmq
 
 from actors.datasets import prompt_token_counter
 from actors.recording import Recorder, group_row
+from actors.replay_resume import restore
 from actors.runtime.actor import ActorContext
 from actors.runtime.zmq_bridge import make_socket
 from actors.tasks import Task, make_task
@@ -281,7 +282,13 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
     prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
     batch_waiter: tuple[bytes, BatchRequest] | None = None
     incarnations: dict[bytes, str] = {}
-    recorder = Recorder(ctx.run_dir, ["prompts", "groups", "fates"])
+    if topo.learner.resume:  # continue the recorded run from the learner's latest checkpoint
+        restored = restore(state, ctx.run_dir)
+        if restored is not None:
+            ctx.status.update(resumed_step=restored.step, redone=restored.redone)
+    # the table order is the write-ahead order a resume relies on: a flush writes prompts, then
+    # the groups of those prompts, then the fates of those groups (see actors/replay_resume.py)
+    recorder = Recorder(ctx.run_dir, ["prompts", "groups", "fates"], enabled=topo.run.record)
 
     def record() -> None:
         for table, row in state.records:

@@ -165,3 +165,76 @@ def test_bad_topology_names_the_key(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "learner.total_stepz: unknown key" in res.stderr
+
+
+def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path):
+    """Crash-proof resume: kill -9 the runner and every actor mid-run, start the same command."""
+    from actors.recording import read_table
+    from actors.replay_resume import checkpoint_position
+
+    run_dir = tmp_path / "run"
+    cmd = command(tiny_model, run_dir, "learner.total_steps=10", "learner.save_every=3")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_for_steps(run_dir, 5, proc)
+        assert len(actor_pids(run_dir)) == 5
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and its actors, at once, mid-step
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while actor_pids(run_dir):
+        assert time.monotonic() < deadline, "actors outlived kill -9"
+        time.sleep(0.1)
+    step, version = checkpoint_position(run_dir)
+    assert step >= 3 and version == step
+    killed = read_table(run_dir, "fates").to_pylist()
+    killed_batch = {}  # step -> group ids in position order, as the killed run served them
+    for f in sorted((f for f in killed if f["fate"] == "trained"), key=lambda f: f["position"]):
+        killed_batch.setdefault(f["step"], []).append(f["group_id"])
+    killed_rows = metrics(run_dir)
+    assert max(killed_batch) > step  # steps past the checkpoint were lost and will be redone
+
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert not actor_pids(run_dir)
+
+    rows = metrics(run_dir)
+    assert all(balanced(r) for r in rows)  # on every row, before the kill and after
+    resumed = rows[len(killed_rows):]
+    assert [r["step"] for r in resumed] == list(range(step + 1, 11))
+    # continuous with before: the redone step counts what the killed run counted for it
+    before = {r["step"]: r for r in killed_rows}
+    if step + 1 in before:
+        assert resumed[0]["replay/trained"] == before[step + 1]["replay/trained"]
+    assert resumed[0]["replay/issued"] >= max(r["replay/issued"] for r in killed_rows)
+
+    # the final lineage: each step's batch as the latest incarnation recorded it
+    lineage = {b["step"]: b["group_ids"] for b in read_table(run_dir, "batches").to_pylist()}
+    assert sorted(lineage) == list(range(1, 11))
+    trained_at = {}
+    for s, gids in lineage.items():
+        for gid in gids:
+            assert gid not in trained_at, f"group {gid} trained at steps {trained_at[gid]} and {s}"
+            trained_at[gid] = s
+    assert lineage[step + 1] == killed_batch[step + 1]  # the redone step, the same batch
+    for s in range(1, step + 1):
+        assert lineage[s] == killed_batch[s]
+
+    fates = read_table(run_dir, "fates").to_pylist()
+    final = [f for f in fates[len(killed):] if f["fate"] == "trained"]
+    assert {f["step"] for f in final} == set(range(step + 1, 11))
+    dropped = {f["group_id"]: f["reason"] for f in fates if f["fate"] == "dropped"}
+    assert all(reason for reason in dropped.values())
+    assert not set(dropped) & set(trained_at)
+
+    # no id repeats, and nothing accepted is lost: trained, dropped, or held at the end
+    prompts = read_table(run_dir, "prompts")["prompt_id"].to_pylist()
+    assert prompts == list(range(len(prompts)))
+    accepted = read_table(run_dir, "groups")["group_id"].to_pylist()
+    assert len(accepted) == len(set(accepted)) and set(accepted) <= set(prompts)
+    killed_accepted = {f["group_id"] for f in killed} | set(killed_batch.get(step + 1, []))
+    assert killed_accepted <= set(accepted)
+    held_at_end = set(accepted) - set(trained_at) - set(dropped)
+    assert len(trained_at) + len(dropped) + len(held_at_end) == len(accepted)

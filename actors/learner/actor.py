@@ -77,7 +77,7 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     server = WeightsServer(weights_sock)
     replay_codec: Codec[FromReplay] = Codec(FromReplay)
     metrics_file = ctx.run_dir / "metrics.jsonl"
-    recorder = Recorder(ctx.run_dir, ["batches", "metrics"])
+    recorder = Recorder(ctx.run_dir, ["batches", "metrics"], enabled=topo.run.record)
     if trainer.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.resumed_from.name
     task_status.started()

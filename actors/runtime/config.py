@@ -47,6 +47,8 @@ class RunConfig(_Section, frozen=True):
     """An actor silent for this long is treated as dead."""
     socket_dir: str = ""
     """Directory for ipc:// sockets of ``auto`` addresses (default: a fresh folder under /tmp)."""
+    record: bool = True
+    """Record prompts, groups, fates, batches and metrics to RUN_DIR/record (crash resume needs it)."""
 
 
 class ModelConfig(_Section, frozen=True):
