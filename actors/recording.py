@@ -15,8 +15,10 @@ Tables (who writes them, when they are flushed):
   versions, sampler, timings) and ``message``, the group's exact msgspec encoding, from which
   offline replay rebuilds the learner's input bit for bit.
 - ``fates`` (replay buffer, same flushes): what happened to each group — ``trained`` at
-  ``step`` (``position`` in that batch, ``served`` = how many times it has now been served) or
-  ``dropped`` with a ``reason`` (``stale``, ``filtered``...).
+  ``step`` (``position`` in that batch, ``served`` = how many times it has now been served; with
+  ``replay.reuse > 1`` a group has one such row per serve, its first with ``served = 1``),
+  ``dropped`` with a ``reason`` (``stale``, ``filtered``: all rewards equal), or ``retired``
+  (reason ``stale``: a trained group that went stale before its last serve).
 - ``batches`` and ``metrics`` (learner, after every step, in the thread that took the step):
   the group ids of each step's batch, and the step's metrics.
 

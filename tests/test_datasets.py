@@ -171,3 +171,14 @@ def test_dataset_paths_are_made_absolute_and_overrides_work(tmp_path, monkeypatc
         "task.datasets=[{path='d.jsonl', weight=2}, {builtin='repeat_letter'}]"]))
     assert t.task.datasets[0].path == str(tmp_path / "d.jsonl")
     assert t.task.datasets[0].weight == 2 and t.task.datasets[1].builtin == "repeat_letter"
+
+
+def test_prompt_tokens_are_counted_as_the_sampler_templates_them(tmp_path):
+    from actors.datasets import prompt_token_counter
+    from messages.rollout import ChatMessage, Prompt
+    from tests.tiny_model import build_tiny_model
+
+    count = prompt_token_counter(str(build_tiny_model(tmp_path / "model")))
+    # <|im_start|> u s e r \n s a y _ a <|im_end|> \n <|im_start|> a s s i s t a n t \n
+    assert count(Prompt(0, [ChatMessage("user", "say a")], "x", "a")) == 24
+    assert count(Prompt(0, [ChatMessage("user", "say ab")], "x", "a")) == 25
