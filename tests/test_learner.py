@@ -189,3 +189,37 @@ def test_checkpoint_resume_restores_weights_and_step(tiny, tmp_path, extra):
     r.train_step(groups)
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_a_stop_never_leaves_half_a_step(tiny, tmp_path):
+    """An abandoned step changes no state (β of the adaptive KL controller included); once it
+    has taken an optimizer update it finishes: a stop's checkpoint is a whole step's state."""
+    from actors.learner.trainer import Aborted
+
+    t = make_trainer(tiny, tmp_path, "learner.ppo_mini_batches=2", "algorithm.use_kl_in_reward=true",
+                     "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10")
+    groups = make_groups(t)
+    beta = t.kl_ctrl.value
+    zero_grad = t.optimizer.zero_grad
+
+    def stop_at_first_update(*args, **kwargs):  # the KL penalty is computed by then
+        t.abort.set()
+        return zero_grad(*args, **kwargs)
+
+    t.optimizer.zero_grad = stop_at_first_update
+    with pytest.raises(Aborted):
+        t.train_step(groups)
+    assert t.step == 0 and t.kl_ctrl.value == beta and t.scheduler.last_epoch == 0
+    t.optimizer.zero_grad = zero_grad
+    t.abort.clear()
+    step = t.optimizer.step
+
+    def step_then_stop(*args, **kwargs):
+        out = step(*args, **kwargs)
+        t.abort.set()
+        return out
+
+    t.optimizer.step = step_then_stop
+    t.train_step(groups)
+    assert t.step == 1 and t.scheduler.last_epoch == 2 and t.kl_ctrl.value != beta

@@ -84,6 +84,7 @@ class Trainer:
         self.topo, self.cfg, self.algo = topology, topology.learner, topology.algorithm
         self.run_dir = run_dir
         self.abort = threading.Event()
+        self._updated = False  # this step has taken an optimizer update (it can no longer abort)
         torch.manual_seed(topology.run.seed)
         base = Path(topology.model.path)
         self.dtype = getattr(torch, topology.model.dtype)
@@ -169,7 +170,9 @@ class Trainer:
         return [slice(i, min(i + size, hi)) for i in range(lo, hi, size)]
 
     def _check_abort(self) -> None:
-        if self.abort.is_set():
+        # once an update is taken the step is finished: an abandoned step changes no state, so
+        # a stop's checkpoint of step k is exactly the state after step k (offline replay)
+        if self.abort.is_set() and not self._updated:
             self.optimizer.zero_grad(set_to_none=True)
             raise Aborted
 
@@ -192,6 +195,7 @@ class Trainer:
         """
         started = time.monotonic()
         torch.manual_seed(self.step_seed())
+        self._updated = False
         algo, cfg = self.algo, self.cfg
         temp = self.topo.sampler.temperature
         batch = build_batch(groups, self.pad_id)
@@ -227,7 +231,6 @@ class Trainer:
             seq_kl = float((kl.sum(1) / mask.sum(1).clamp_min(1)).mean())
             metrics.update({"actor/reward_kl_penalty": seq_kl, "actor/reward_kl_penalty_coeff":
                             self.kl_ctrl.value})
-            self.kl_ctrl.update(seq_kl, N)
         advantages, returns = compute_advantages(
             algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
@@ -285,6 +288,7 @@ class Trainer:
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
                     [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm)))
                 self.optimizer.step()
+                self._updated = True
                 self.scheduler.step()
                 if self.critic is not None:
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
@@ -292,6 +296,8 @@ class Trainer:
                     self.critic_optimizer.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if algo.use_kl_in_reward:  # after the step: an abandoned step leaves β as it was
+            self.kl_ctrl.update(seq_kl, N)
 
         metrics.update({k: v / max(tokens_seen, 1.0) for k, v in {**sums, **critic_sums}.items()})
         final = correction(algo, old_seen, batch.behaviour_logprobs, mask)
