@@ -79,6 +79,15 @@ _group_encoder = msgspec.msgpack.Encoder()
 _group_decoder = msgspec.msgpack.Decoder(ScoredGroup)
 
 
+def _bulk(t: pa.DataType) -> bool:
+    """Bytes, or numbers in lists: data too varied for a dictionary to pay."""
+    while pa.types.is_list(t):
+        t = t.value_type
+        if pa.types.is_integer(t) or pa.types.is_floating(t):
+            return True
+    return pa.types.is_binary(t)
+
+
 class TableWriter:
     """Buffers rows of one table and writes them as one whole part file per ``flush``."""
 
@@ -90,6 +99,9 @@ class TableWriter:
         self.dir = Path(run_dir) / RECORD_DIR / table
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        # dictionary-encode the names and labels only: trying it on token ids, log-probs and
+        # encoded messages (all but unique) made a groups part ~4x slower to write
+        self.dictionary = [f.name for f in self.schema if not _bulk(f.type)]
         self.seq = 0
         self.written = 0  # rows flushed so far
 
@@ -103,7 +115,8 @@ class TableWriter:
         table = pa.Table.from_pylist(self.rows, schema=self.schema)
         final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
-        pq.write_table(table, tmp, row_group_size=max(1, len(self.rows)))
+        pq.write_table(table, tmp, row_group_size=max(1, len(self.rows)),
+                       use_dictionary=self.dictionary)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -146,9 +159,11 @@ def group_row(group: ScoredGroup) -> dict[str, Any]:
         "reward_errors": [s.reward_error for s in group.samples],
         "finish_reasons": [s.finish_reason for s in group.samples],
         "policy_versions": versions,
-        "response_ids": [np.frombuffer(s.response_ids.data, dtype=np.int32).tolist()
+        # numpy views, not lists: pyarrow copies them in bulk (tolist + list conversion cost
+        # about 10x more, in the replay buffer's event loop; bench/bench_recording.py)
+        "response_ids": [np.frombuffer(s.response_ids.data, dtype=np.int32)
                          for s in group.samples],
-        "behaviour_logprobs": [np.frombuffer(s.behaviour_logprobs.data, dtype=np.float32).tolist()
+        "behaviour_logprobs": [np.frombuffer(s.behaviour_logprobs.data, dtype=np.float32)
                                for s in group.samples],
         "baseline_reward": group.baseline_reward,
         "generate_seconds": group.generate_seconds,

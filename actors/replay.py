@@ -100,6 +100,7 @@ class ReplayState:
     # rows for the run's recording (table, row), appended as things happen; the actor moves them
     # to its Recorder and flushes before it serves a batch (see actors/recording.py)
     records: list[tuple[str, dict]] = field(default_factory=list)
+    record: bool = True  # run.record; off: groups rows are not even built (nothing is written)
 
     @property
     def in_flight(self) -> int:
@@ -154,7 +155,8 @@ class ReplayState:
         if self.at_samplers.pop(group.prompt.prompt_id, None) is None:
             self.rejected += 1
             return False
-        self.records.append(("groups", group_row(group)))
+        if self.record:  # the groups row is the recording's one costly row: built only when kept
+            self.records.append(("groups", group_row(group)))
         if self.filter_groups and len({s.reward for s in group.samples}) <= 1:
             self._drop(group, "filtered")
             self.step_filtered += 1
@@ -267,6 +269,7 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
         groups_per_step=topo.learner.groups_per_step,
         max_staleness=topo.algorithm.max_staleness,
         capacity=topo.replay.capacity,
+        record=topo.run.record,
         reuse=topo.replay.reuse,
         filter_groups=filter_groups.enable,
         max_filtered=filter_groups.max_num_gen_batches * topo.learner.groups_per_step,
