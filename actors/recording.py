@@ -19,8 +19,12 @@ Tables (who writes them, when they are flushed):
   ``replay.reuse > 1`` a group has one such row per serve, its first with ``served = 1``),
   ``dropped`` with a ``reason`` (``stale``, ``filtered``: all rewards equal), or ``retired``
   (reason ``stale``: a trained group that went stale before its last serve).
-- ``batches`` and ``metrics`` (learner, after every step, in the thread that took the step):
-  the group ids of each step's batch, and the step's metrics.
+- ``batches`` and ``metrics`` (learner: rows appended by the thread that took the step, flushed
+  in the background while the next batch is fetched, before each checkpoint and at exit): the
+  group ids of each step's batch, and the step's metrics.
+
+The replay buffer's three tables are its write-ahead log: a resumed run rebuilds the buffer from
+them (``actors/replay_resume.py``, which says why any kill leaves them consistent).
 
 Readers take the last record of a key when a resumed run wrote it again (steps after the
 checkpoint it resumed from are trained again).
@@ -109,20 +113,24 @@ class TableWriter:
         self.rows.append({"time": time.time(), "incarnation": INCARNATION, **row})
 
     def flush(self) -> Path | None:
-        """Write the buffered rows (if any) as one part: temp name, fsync, rename."""
-        if not self.rows:
+        """Write the buffered rows (if any) as one part: temp name, fsync, rename.
+
+        Rows appended by another thread while this writes go to the next part (one flush at a
+        time, though: the caller serialises flushes).
+        """
+        rows, self.rows = self.rows, []
+        if not rows:
             return None
-        table = pa.Table.from_pylist(self.rows, schema=self.schema)
+        table = pa.Table.from_pylist(rows, schema=self.schema)
         final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
-        pq.write_table(table, tmp, row_group_size=max(1, len(self.rows)),
+        pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
                        use_dictionary=self.dictionary)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
         self.seq += 1
-        self.written += len(self.rows)
-        self.rows = []
+        self.written += len(rows)
         return final
 
 

@@ -82,7 +82,16 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
         ctx.status["resumed_from"] = trainer.resumed_from.name
     task_status.started()
 
-    async def train() -> None:
+    flushing = anyio.Lock()  # one recording flush at a time
+
+    async def flush_recording() -> None:
+        # batches and metrics rows are not the replay buffer's write-ahead log (fates are), so
+        # they need not be on disk before the next step: a kill loses at most the rows of
+        # steps after the latest checkpoint, which a resume trains (and records) again
+        async with flushing:
+            await anyio.to_thread.run_sync(recorder.flush)
+
+    async def train(tg: anyio.abc.TaskGroup) -> None:
         await server.publish(trainer.version, await anyio.to_thread.run_sync(trainer.snapshot))
         await replay.send_multipart([encode(VersionUpdate(version=trainer.version))])
         while trainer.step < cfg.total_steps:
@@ -110,10 +119,10 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                                             "group_ids": [g.prompt.prompt_id for g in groups]})
                 recorder.append("metrics", {"step": trainer.step,
                                             "metrics": {k: float(v) for k, v in metrics.items()}})
-                recorder.flush()
                 return metrics
 
             metrics = await run_compute(step_and_record, batch.groups, abort=trainer.abort)
+            tg.start_soon(flush_recording)  # beside the next batch's wait, not before it
             snapshot = await anyio.to_thread.run_sync(trainer.snapshot)
             await server.publish(trainer.version, snapshot)
             await replay.send_multipart([encode(VersionUpdate(version=trainer.version))])
@@ -122,15 +131,18 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                               reward=round(metrics["critic/score/mean"], 3),
                               weights_sent=server.sent)
             if trainer.step % cfg.save_every == 0 and trainer.step < cfg.total_steps:
+                await flush_recording()  # every step a checkpoint holds is in the recording
                 await anyio.to_thread.run_sync(trainer.save_checkpoint)
 
     with weights_sock, replay:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(server.serve)
-                await train()
+                await train(tg)
                 tg.cancel_scope.cancel()
         finally:
+            with anyio.CancelScope(shield=True):
+                await flush_recording()
             if trainer.step > trainer.saved_step or trainer.step == cfg.total_steps:
                 with anyio.CancelScope(shield=True):
                     path = await anyio.to_thread.run_sync(trainer.save_checkpoint)
