@@ -397,6 +397,9 @@ def replay_main(argv: list[str]) -> int:
                         help="--rescore: at most this many groups (0: all)")
     parser.add_argument("--threshold", type=float, default=0.5,
                         help="--rescore: a sample whose reward moved by more than this flips")
+    parser.add_argument("--timeout", type=float, default=0.0, metavar="S",
+                        help="--rescore: seconds per call before the child is killed "
+                             "(default: the run's reward.timeout_s)")
     parser.add_argument("overrides", nargs="*",
                         help="--step: dotted topology overrides for a what-if (learner.lr=1e-4)")
     args = parser.parse_intermixed_args(argv)
@@ -409,7 +412,7 @@ def replay_main(argv: list[str]) -> int:
                           dump_dir=args.dump_dir)
         from actors.offline.rescore import rescore
         return rescore(args.run_dir, args.rescore, steps=args.steps, limit=args.limit,
-                       threshold=args.threshold)
+                       threshold=args.threshold, timeout_s=args.timeout)
     except OfflineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

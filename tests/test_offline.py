@@ -116,6 +116,15 @@ def test_rescore_counts_changed_scores(run_dir, tmp_path):
     assert "after 1.0000" in res.stdout
 
 
+def test_rescore_with_a_hanging_function_ends_with_errors(run_dir, tmp_path):
+    fn = tmp_path / "hang.py"
+    fn.write_text("import time\n\n\ndef compute_score(data_source, solution_str, ground_truth, "
+                  "extra_info=None):\n    time.sleep(600)\n")
+    res = runner("replay", str(run_dir), "--rescore", str(fn), "--limit", "1", "--timeout", "0.5")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "errors: 8" in res.stdout and "timed out after 0.5 s" in res.stdout
+
+
 def test_inspect_prints_summary_and_writes_plots(run_dir, tmp_path):
     res = runner("inspect", str(run_dir), "--plots", str(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

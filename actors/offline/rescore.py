@@ -81,7 +81,8 @@ def parse_steps(text: str | None, recorded: list[int]) -> list[int]:
 
 
 def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, limit: int = 0,
-            threshold: float = 0.5, out: TextIO = sys.stdout) -> int:
+            threshold: float = 0.5, timeout_s: float = 0.0, out: TextIO = sys.stdout) -> int:
+    """Re-score and report; ``timeout_s`` > 0 replaces the run's ``reward.timeout_s``."""
     run = open_run(run_dir)
     path, name = parse_function(function)
     chosen = parse_steps(steps, run.steps)
@@ -103,7 +104,8 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
     from actors.runtime.config import RewardFunction
 
     reward = msgspec.structs.replace(run.topology.reward,
-                                     functions=[RewardFunction(path=str(path), name=name)])
+                                     functions=[RewardFunction(path=str(path), name=name)],
+                                     timeout_s=timeout_s or run.topology.reward.timeout_s)
     results = _score(reward, run.topology.sampler.max_tokens, items)
     for r, res in zip(samples, results, strict=True):
         r.after, r.error = res.score, res.error
