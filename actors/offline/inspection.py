@@ -66,10 +66,14 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
         return [x[key] for x in m if key in x]
 
     reward, length = series("critic/score/mean"), series("response_length/mean")
-    fates = read_table(run.run_dir, "fates", ["group_id", "fate", "reason"]).to_pylist()
-    last_fate = {f["group_id"]: f for f in fates}
-    trained = sum(1 for f in last_fate.values() if f["fate"] == "trained")
-    dropped = Counter(f["reason"] or "unknown" for f in last_fate.values() if f["fate"] == "dropped")
+    fates: dict[int, dict[str, str]] = {}  # group -> fate -> reason (a reused group has several)
+    for f in read_table(run.run_dir, "fates", ["group_id", "fate", "reason"]).to_pylist():
+        fates.setdefault(f["group_id"], {})[f["fate"]] = f["reason"]
+    trained = sum(1 for f in fates.values() if "trained" in f)
+    dropped = Counter(f["dropped"] or "unknown" for f in fates.values()
+                      if "dropped" in f and "trained" not in f)
+    retired = sum(1 for f in fates.values() if "retired" in f)
+    serves = sum(len(b["group_ids"]) for b in run.batches.values())
     groups = run.groups()
     errors = Counter(e for g in groups.values() for e in g["reward_errors"] if e)
     n_samples = sum(len(g["rewards"]) for g in groups.values())
@@ -87,9 +91,10 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
         ("reward", f"first {reward[0]:.3f}, last {reward[-1]:.3f}; mean of first 5 "
                    f"{_mean(reward[:5]):.3f}, last 5 {_mean(reward[-5:]):.3f}" if reward else "-"),
         ("response length", f"first {length[0]:.1f}, last {length[-1]:.1f} tokens" if length else "-"),
-        ("groups", f"{len(groups)} recorded, {trained} trained, "
+        ("groups", f"{len(groups)} recorded, {trained} trained ({serves} serves), "
                    f"{sum(dropped.values())} dropped"
-                   + "".join(f"; dropped {k}: {v}" for k, v in sorted(dropped.items()))),
+                   + "".join(f"; dropped {k}: {v}" for k, v in sorted(dropped.items()))
+                   + (f"; {retired} retired after training" if retired else "")),
         ("reward errors", f"{sum(errors.values())} of {n_samples} samples"
                           + (f"; most common: {excerpt(errors.most_common(1)[0][0], 60)!r}"
                              if errors else "")),

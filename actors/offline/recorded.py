@@ -77,7 +77,7 @@ def open_run(run_dir: str | Path, overrides: list[str] = ()) -> RecordedRun:  # 
         raise OfflineError(f"no {topo_file}: not the run directory of a job started with runner.py")
     if not (run_dir / RECORD_DIR / "batches").is_dir():
         raise OfflineError(f"no recording in {run_dir} (no {RECORD_DIR}/batches: the run "
-                           "trained no step, or predates recording)")
+                           "trained no step, ran with run.record = false, or predates recording)")
     try:
         data = json.loads(topo_file.read_text())
         topology = decode_topology(apply_overrides(data, list(overrides)))
