@@ -324,6 +324,7 @@ class Trainer:
             metrics["critic/values/mean"] = float(values[mask.bool()].mean())
             metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())
         if trace is not None:
+            assert current is not None  # filled in the first epoch whenever a trace is asked
             trace.update(input_ids=batch.input_ids, mask=mask, keep=final.keep,
                          advantages=advantages, behaviour_logprobs=batch.behaviour_logprobs,
                          old_logprobs=old_seen, current_logprobs=current, is_weights=weights)

@@ -7,6 +7,7 @@ twice; the last record wins (``actors.recording.last_by``), as it is the one the
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def span(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-def open_run(run_dir: str | Path, overrides: list[str] = ()) -> RecordedRun:  # type: ignore[assignment]
+def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> RecordedRun:
     """Open ``run_dir``; ``overrides`` (dotted ``key=value``) change its topology for a what-if."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

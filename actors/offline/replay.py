@@ -23,6 +23,7 @@ import concurrent.futures
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -100,8 +101,8 @@ def parse_dump(spec: str) -> tuple[int, int | None]:
         raise OfflineError(f"--dump {spec!r}: expected GROUP_ID or GROUP_ID:SAMPLE") from None
 
 
-def replay(run_dir: str | Path, step: int, *, overrides: list[str] = (),  # type: ignore[assignment]
-           dump: list[str] = (), dump_dir: str | None = None,  # type: ignore[assignment]
+def replay(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
+           dump: Sequence[str] = (), dump_dir: str | None = None,
            out: TextIO = sys.stdout) -> int:
     """Replay step ``step``; 0 when every compared metric matches exactly, 1 otherwise."""
     run = open_run(run_dir, overrides)
