@@ -33,6 +33,7 @@ checkpoint it resumed from are trained again).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,6 +104,8 @@ class TableWriter:
         self.dir = Path(run_dir) / RECORD_DIR / table
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        self.lock = threading.Lock()  # rows may be appended by one thread and flushed by another
+        self.writing = threading.Lock()  # one flush at a time: parts are numbered in order
         # dictionary-encode the names and labels only: trying it on token ids, log-probs and
         # encoded messages (all but unique) made a groups part ~4x slower to write
         self.dictionary = [f.name for f in self.schema if not _bulk(f.type)]
@@ -110,17 +113,21 @@ class TableWriter:
         self.written = 0  # rows flushed so far
 
     def append(self, row: dict[str, Any]) -> None:
-        self.rows.append({"time": time.time(), "incarnation": INCARNATION, **row})
+        row = {"time": time.time(), "incarnation": INCARNATION, **row}
+        with self.lock:
+            self.rows.append(row)
 
     def flush(self) -> Path | None:
         """Write the buffered rows (if any) as one part: temp name, fsync, rename.
 
-        Rows appended by another thread while this writes go to the next part (one flush at a
-        time, though: the caller serialises flushes).
+        Rows appended (by any thread) while this writes go to the next part.
         """
-        rows, self.rows = self.rows, []
-        if not rows:
-            return None
+        with self.writing:
+            with self.lock:
+                rows, self.rows = self.rows, []
+            return self._write(rows) if rows else None
+
+    def _write(self, rows: list[dict[str, Any]]) -> Path:
         table = pa.Table.from_pylist(rows, schema=self.schema)
         final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
@@ -145,9 +152,12 @@ class Recorder:
         if self.enabled:
             self.writers[table].append(row)
 
-    def flush(self) -> None:
-        for w in self.writers.values():
-            w.flush()
+    def flush(self, tables: Iterable[str] | None = None) -> None:
+        """Write every table's buffered rows (or only ``tables``'), in the order they were opened."""
+        only = None if tables is None else set(tables)
+        for name, w in self.writers.items():
+            if only is None or name in only:
+                w.flush()
 
 
 def group_row(group: ScoredGroup) -> dict[str, Any]:

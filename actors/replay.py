@@ -33,6 +33,7 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import anyio
 import zmq
 
 from actors.datasets import prompt_token_counter
@@ -293,11 +294,20 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
     # the groups of those prompts, then the fates of those groups (see actors/replay_resume.py)
     recorder = Recorder(ctx.run_dir, ["prompts", "groups", "fates"], enabled=topo.run.record)
 
-    def record() -> None:
-        for table, row in state.records:
-            recorder.append(table, row)
-        state.records.clear()
-        recorder.flush()
+    flushing = anyio.Lock()  # one flush at a time, so the tables' parts keep the WAL order
+
+    async def record(tables: tuple[str, ...] | None = None) -> None:
+        """Hand the state's rows to the recorder and write ``tables`` (default all) in a worker
+        thread, in the WAL order. ``("prompts", "groups")`` is written ahead, when groups come
+        in, so the flush a batch waits for is mostly its fates."""
+        if not recorder.enabled:
+            state.records.clear()
+            return
+        async with flushing:
+            for table, row in state.records:
+                recorder.append(table, row)
+            state.records.clear()
+            await anyio.to_thread.run_sync(recorder.flush, tables)
 
     async def serve_waiting() -> None:
         nonlocal batch_waiter
@@ -306,7 +316,7 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
             groups = state.take_batch(req.num_groups, step=req.step + 1)
             if groups is not None:
                 batch_waiter = None
-                record()  # what this batch consumed is on disk before the learner trains on it
+                await record()  # what this batch consumed is on disk before the learner gets it
                 msg = TrainBatch(step=req.step, groups=groups, counters=state.counters(),
                                  stats=state.batch_stats)
                 await sock.send_multipart([peer, encode(msg)])
@@ -320,29 +330,33 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
     task_status.started()
     with sock:
         try:
-            while True:
-                peer, *frames = await sock.recv_multipart()
-                try:
-                    msg = codec.decode(frames[-1]) if frames else codec.decode(b"")
-                except DecodeError as exc:
-                    await sock.send_multipart([peer, encode(ErrorReply(error=f"replay: {exc}"))])
-                    continue
-                match msg:
-                    case PromptRequest(max_prompts=k, incarnation=inc):
-                        if incarnations.get(peer, inc) != inc:
-                            state.requeue_from(peer)
-                        incarnations[peer] = inc
-                        prompt_waiters[peer] = max(1, k)
-                    case GroupsDone(groups=groups):
-                        for g in groups:
-                            state.accept(g)
-                    case BatchRequest() as req:
-                        state.version = max(state.version, req.version)
-                        batch_waiter = (peer, req)
-                    case VersionUpdate(version=v):
-                        state.version = max(state.version, v)
-                await serve_waiting()
-                ctx.status.update(state.counters(), version=state.version,
-                                  rejected_frames=codec.rejected)
+            async with anyio.create_task_group() as tg:
+                while True:
+                    peer, *frames = await sock.recv_multipart()
+                    try:
+                        msg = codec.decode(frames[-1]) if frames else codec.decode(b"")
+                    except DecodeError as exc:
+                        await sock.send_multipart([peer, encode(ErrorReply(error=f"replay: {exc}"))])
+                        continue
+                    match msg:
+                        case PromptRequest(max_prompts=k, incarnation=inc):
+                            if incarnations.get(peer, inc) != inc:
+                                state.requeue_from(peer)
+                            incarnations[peer] = inc
+                            prompt_waiters[peer] = max(1, k)
+                        case GroupsDone(groups=groups):
+                            for g in groups:
+                                state.accept(g)
+                            if recorder.enabled and not flushing.locked():
+                                tg.start_soon(record, ("prompts", "groups"))
+                        case BatchRequest() as req:
+                            state.version = max(state.version, req.version)
+                            batch_waiter = (peer, req)
+                        case VersionUpdate(version=v):
+                            state.version = max(state.version, v)
+                    await serve_waiting()
+                    ctx.status.update(state.counters(), version=state.version,
+                                      rejected_frames=codec.rejected)
         finally:
-            record()  # what was accepted since the last batch survives a stop
+            with anyio.CancelScope(shield=True):
+                await record()  # what was accepted since the last batch survives a stop

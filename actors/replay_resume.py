@@ -25,12 +25,13 @@ after it, so a later incarnation's record of a step replaces an earlier one's.
 
 Why this is right whatever moment the job was killed at (``kill -9`` of every process):
 
-1. Part files are whole (temp name, fsync, rename), and one flush writes its tables in a fixed
-   order: ``prompts``, then ``groups``, then ``fates``. A groups row's prompt is issued before
-   the group is accepted, so it is in the same flush or an earlier one; likewise a fates row's
-   group. A kill between the parts of one flush therefore leaves prompts without their groups
-   (they are requeued) or groups without their fates (they are held): both are states the
-   buffer really passed through, never a fate without its group.
+1. Part files are whole (temp name, fsync, rename). Flushes run one at a time, and each
+   writes its tables in a fixed order: ``prompts``, then ``groups``, then ``fates`` (the one
+   before each batch writes all three; one when groups come in writes ahead the first two). A
+   groups row's prompt is issued before the group is accepted, so it is in the same flush or
+   an earlier one; likewise a fates row's group. A kill between two parts therefore leaves
+   prompts without their groups (they are requeued) or groups without their fates (they are
+   held): both are states the buffer really passed through, never a fate without its group.
 2. The fates of a batch are flushed before the batch is sent, so every step the learner ever
    trained is in ``fates``. A kill between the flush and the send, or during the step, loses a
    step ``> S``, which is redone anyway. A drop lost with an unfinished flush is a group held
