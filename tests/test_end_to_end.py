@@ -238,3 +238,35 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path):
     assert killed_accepted <= set(accepted)
     held_at_end = set(accepted) - set(trained_at) - set(dropped)
     assert len(trained_at) + len(dropped) + len(held_at_end) == len(accepted)
+
+
+def test_a_second_runner_on_the_same_run_dir_is_refused(tmp_path):
+    import fcntl
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".runner.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live runner holds it
+        res = subprocess.run([sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "another runner is using" in res.stderr
+    assert not (run_dir / "topology.json").exists()
+
+
+def test_a_killed_runners_socket_folder_is_removed_on_the_next_start(tmp_path):
+    import socket
+    import tempfile
+
+    from runner import _remove_stale_sockets
+    old = Path(tempfile.mkdtemp(prefix="flowrl-", dir="/tmp"))
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(old / "replay"))  # left behind by a killed run
+    (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(old)}}))
+    _remove_stale_sockets(tmp_path, old)  # the same folder is this run's: kept
+    assert old.is_dir()
+    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    assert not old.exists()
+    mine = tmp_path / "sockets"  # not a runner-made folder: never touched
+    mine.mkdir()
+    (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(mine)}}))
+    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    assert mine.is_dir()
