@@ -167,8 +167,11 @@ def test_bad_topology_names_the_key(tmp_path):
     assert "learner.total_stepz: unknown key" in res.stderr
 
 
-def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path):
-    """Crash-proof resume: kill -9 the runner and every actor mid-run, start the same command."""
+@pytest.mark.parametrize("kill_after", [4, 7])
+def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path, kill_after):
+    """Crash-proof resume: kill -9 the runner and every actor mid-run, start the same command.
+
+    Checkpoints every 3 steps; the kill comes a step or two after one, mid-step."""
     from actors.recording import read_table
     from actors.replay_resume import checkpoint_position
 
@@ -177,8 +180,11 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        wait_for_steps(run_dir, 5, proc)
+        wait_for_steps(run_dir, kill_after - 1, proc)
         assert len(actor_pids(run_dir)) == 5
+        while len(metrics(run_dir)) < kill_after:  # polled closely: the kill comes mid-step
+            assert proc.poll() is None
+            time.sleep(0.005)
         os.killpg(proc.pid, signal.SIGKILL)  # the runner and its actors, at once, mid-step
         proc.wait(timeout=30)
     finally:
@@ -188,7 +194,7 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path):
         assert time.monotonic() < deadline, "actors outlived kill -9"
         time.sleep(0.1)
     step, version = checkpoint_position(run_dir)
-    assert step >= 3 and version == step
+    assert step == 3 * (kill_after // 3) and version == step
     killed = read_table(run_dir, "fates").to_pylist()
     killed_batch = {}  # step -> group ids in position order, as the killed run served them
     for f in sorted((f for f in killed if f["fate"] == "trained"), key=lambda f: f["position"]):
