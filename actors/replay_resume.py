@@ -43,6 +43,12 @@ Why this is right whatever moment the job was killed at (``kill -9`` of every pr
    is recorded), requeued (it is not) or done, and new prompts start after the largest
    recorded id.
 
+The replay buffer and the learner resume together: ``restart = "on-failure"`` is refused for
+both, since a replay buffer restarted alone would rewind to the checkpoint while the live
+learner is past it (and its batch request died with the old process), and a learner restarted
+alone would rewind while the buffer has served the lost steps' groups. When either dies the job
+stops; starting it again resumes both from the same checkpoint.
+
 This module reads parquet only (no torch), so the replay process stays light.
 """
 

@@ -41,6 +41,8 @@ def test_dotted_overrides_are_typed():
     ("learner=3", "learner: Expected `object`"),
     ("learner.total_steps", "not of the form"),
     ("replay.capacity=1", "replay.capacity: must hold at least one batch"),
+    ("replay.restart=on-failure", "replay.restart: must be \"never\""),
+    ("learner.restart=on-failure", "learner.restart: must be \"never\""),
     ("replay.reuse=0", "replay.reuse: must be >= 1"),
     ("replay.reuse=3", "replay.reuse: a group can be served at most once per policy version"),
     ("algorithm.filter_groups.max_num_gen_batches=-1",

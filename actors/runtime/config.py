@@ -446,6 +446,12 @@ def _check(topology: Topology) -> None:
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
+    # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
+    # of the learner's checkpoint, which only holds when both start from it
+    for kind in ("replay", "learner"):
+        need(getattr(topology, kind).restart == "never", f"{kind}.restart",
+             "must be \"never\": restarted alone it would not match the other's state; when it "
+             "dies the job stops, and starting it again with the same run.dir resumes exactly")
     need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
          f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
     R = topology.reward
