@@ -245,6 +245,18 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path, k
     assert killed_accepted <= set(accepted)
     held_at_end = set(accepted) - set(trained_at) - set(dropped)
     assert len(trained_at) + len(dropped) + len(held_at_end) == len(accepted)
+    # the recording at the end agrees with the replay buffer's own counters at step 10
+    from actors.replay import ReplayState
+    from actors.replay_resume import restore
+    from actors.runtime.config import TaskConfig
+    from actors.tasks import make_task
+    end = ReplayState(task=make_task(TaskConfig(name="repeat_letter"), seed=0), groups_per_step=4,
+                      max_staleness=1, capacity=64)
+    restore(end, run_dir, step=10, version=10)
+    assert {g.prompt.prompt_id for g in end.held} == held_at_end
+    assert end.trained == len(trained_at) == rows[-1]["replay/trained"]
+    c = end.counters()
+    assert c["issued"] == c["trained"] + c["dropped"] + c["in_flight"] >= rows[-1]["replay/issued"]
 
 
 def test_a_second_runner_on_the_same_run_dir_is_refused(tmp_path):
