@@ -102,7 +102,8 @@ class Restored:
 
 
 def _groups_by_id(run_dir: Path, wanted: set[int]) -> dict[int, ScoredGroup]:
-    """The recorded groups of ``wanted`` ids, decoded; only parts that hold one are read whole."""
+    """The recorded groups of ``wanted`` ids, decoded (messages are read only from the parts
+    that hold one of them)."""
     out: dict[int, ScoredGroup] = {}
     if not wanted:
         return out
