@@ -14,6 +14,7 @@ import anyio
 import zmq
 
 from actors.runtime.actor import ActorContext
+from actors.runtime.security import handshake_monitor, watch_handshake
 from actors.runtime.zmq_bridge import make_socket
 from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
@@ -32,8 +33,10 @@ BYE_ACK_WAIT_S = 1.0  # with nothing in flight, how long to wait for the router'
 
 async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     cfg = ctx.topology.reward
-    sock = make_socket(ctx.zmq, zmq.DEALER, connect=ctx.topology.router.worker_address,
-                       identity=ctx.name.encode())
+    address = ctx.topology.router.worker_address
+    sock = make_socket(ctx.zmq, zmq.DEALER, identity=ctx.name.encode(), curve=ctx.curve)
+    monitor = handshake_monitor(sock) if ctx.curve is not None else None
+    sock.socket.connect(address)
     codec: Codec[ToWorker] = Codec(ToWorker)
     hello = WorkerHello(name=ctx.name, pool="reward", capacity=cfg.capacity)
     scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens)
@@ -114,6 +117,9 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(heartbeats)
+                        if monitor is not None:  # a refused key fails the worker, loudly
+                            assert ctx.curve is not None
+                            tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)
                         tg.start_soon(receive, tg)
                         await stopping.wait()
                         await drain()

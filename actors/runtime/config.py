@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import zmq
 
 Restart = Literal["never", "on-failure"]
 
@@ -290,6 +291,19 @@ class LearnerConfig(ActorCommon, frozen=True):
     """Continue from the run directory's latest checkpoint when one exists."""
 
 
+class SecurityConfig(_Section, frozen=True):
+    curve: bool = False
+    """Encrypt and authenticate every socket of the job with ZeroMQ CURVE: binding sockets are
+    CURVE servers, connecting ones clients, and only the job's own key and authorized keys pass."""
+    keys_dir: str = ""
+    """Where the runner keeps the job's keypairs (``server``, ``client``; default RUN_DIR/keys)."""
+    authorized_keys: str = ""
+    """A public key file (``NAME.key``, from ``runner.py keygen NAME``) or a directory of them:
+    the clients allowed to attach besides the job's own actors. Re-read at every handshake."""
+    server_key: str = ""
+    """Set by the runner: the job's CURVE server public key (Z85), which attaching workers use."""
+
+
 class Topology(_Section, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -300,6 +314,7 @@ class Topology(_Section, frozen=True):
     reward: RewardConfig = RewardConfig()
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerConfig = LearnerConfig()
+    security: SecurityConfig = SecurityConfig()
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 
@@ -416,6 +431,13 @@ def _check(topology: Topology) -> None:
     need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
          f"must be <= the response length limit ({max_length})")
     need(topology.task.size >= 1, "task.size", "must be >= 1")
+    sec = topology.security
+    need(not sec.curve or zmq.has("curve"), "security.curve",
+         "this libzmq was built without CURVE support (zmq.has('curve') is False)")
+    need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
+         "needs security.curve = true")
+    need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
+         "must be a 40-character Z85 public key")
 
 
 def _key_path_message(msg: str) -> str:
@@ -443,14 +465,18 @@ def decode_topology(data: dict[str, Any]) -> Topology:
 
 
 def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files are named relative to where the job is started; the actors run
-    elsewhere (and read the resolved topology), so the paths are made absolute here."""
-    R = topology.reward
-    if all(not fn.path or Path(fn.path).is_absolute() for fn in R.functions):
-        return topology
-    functions = [msgspec.structs.replace(fn, path=str(Path(fn.path).resolve())) if fn.path else fn
-                 for fn in R.functions]
-    return msgspec.structs.replace(topology, reward=msgspec.structs.replace(R, functions=functions))
+    """Reward function files and key paths are named relative to where the job is started; the
+    actors run elsewhere (and read the resolved topology), so the paths are made absolute here."""
+    R, sec = topology.reward, topology.security
+    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
+    return msgspec.structs.replace(
+        topology, reward=msgspec.structs.replace(R, functions=functions),
+        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
+                                         authorized_keys=_absolute(sec.authorized_keys)))
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve()) if path else path
 
 
 def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:

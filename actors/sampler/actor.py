@@ -47,9 +47,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     engine = await anyio.to_thread.run_sync(
         HFEngine, Path(topo.model.path), cfg, topo.model.dtype, topo.run.seed * 1009 + ctx.index
     )
-    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address, identity=ctx.name.encode())
-    router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address)
-    weights = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4)
+    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address, identity=ctx.name.encode(),
+                         curve=ctx.curve)
+    router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address, curve=ctx.curve)
+    weights = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
+                          curve=ctx.curve)
     replay_codec: Codec[FromReplay] = Codec(FromReplay)
     router_codec: Codec[ToClient] = Codec(ToClient)
     weights_codec: Codec[FromLearnerWeights] = Codec(FromLearnerWeights)
