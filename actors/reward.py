@@ -4,7 +4,8 @@ Connects a DEALER to the router's worker address, announces itself (``WorkerHell
 and answers each ``ScoreRequest`` with one ``ScoreResult`` per item. ``actors.scoring.Scoring``
 does the work: rules on a worker thread, user code and math-verify in child processes with a
 timeout and limits, so heartbeats keep flowing and a scorer that hangs, crashes or raises gives
-score 0.0 and a recorded error while the worker goes on serving. Its counters are published in
+score 0.0 and a recorded error while the worker goes on serving; a reward model is loaded at start
+and runs batched on a worker thread. Its counters are published in
 the actor's status (``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
 """
 
@@ -39,7 +40,8 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     sock.socket.connect(address)
     codec: Codec[ToWorker] = Codec(ToWorker)
     hello = WorkerHello(name=ctx.name, pool="reward", capacity=cfg.capacity)
-    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens)
+    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens, threads=cfg.threads)
+    await scoring.load()
     done = 0
     in_flight = 0
     slots = anyio.Semaphore(cfg.capacity)

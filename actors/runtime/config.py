@@ -7,6 +7,7 @@ names the full key path (``learner.total_stepz``) whichever way the value came i
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import tomllib
@@ -196,16 +197,18 @@ class RouterConfig(ActorCommon, frozen=True):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
-BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter")
+BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
+                   "reward_model")
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: str = ""
-    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter); set
-    this or ``path``."""
+    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
+    reward_model); set this or ``path`` (reward_model: both)."""
     path: str = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
-    function; it runs in a child process."""
+    function, which runs in a child process; for ``reward_model``, the local Hugging Face
+    directory of a sequence-classification checkpoint (one label: its logit is the score)."""
     name: str = "compute_score"
     """The function in ``path``: ``(data_source, solution_str, ground_truth, extra_info)`` ->
     float or dict(score=..., **numeric extras); ``async def`` works too."""
@@ -217,6 +220,14 @@ class RewardFunction(_Section, frozen=True):
     kwargs: dict[str, str | int | float | bool] = {}
     """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
     format_score)."""
+    batch_size: int = 8
+    """reward_model: sequences per forward pass."""
+    max_length: int = 1024
+    """reward_model: tokens kept per sequence (the start is cut, so the response's end stays)."""
+    reward_mean: float = 0.0
+    """reward_model: the score is (logit - reward_mean) / reward_std."""
+    reward_std: float = 1.0
+    """reward_model: see reward_mean."""
 
 
 class RewardConfig(ActorCommon, frozen=True):
@@ -412,6 +423,17 @@ def _check(topology: Topology) -> None:
     need(R.capacity >= 1, "reward.capacity", "must be >= 1")
     for i, fn in enumerate(R.functions):
         key = f"reward.functions[{i}]"
+        if fn.builtin == "reward_model":
+            need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
+            problem = _reward_model_problem(Path(fn.path))
+            need(problem is None, f"{key}.path", str(problem))
+            need(fn.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
+            need(fn.max_length >= 1, f"{key}.max_length", "must be >= 1")
+            need(math.isfinite(fn.reward_mean), f"{key}.reward_mean", "must be finite")
+            need(math.isfinite(fn.reward_std) and fn.reward_std > 0, f"{key}.reward_std",
+                 "must be > 0")
+            need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
+            continue
         need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
         need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
              f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
@@ -438,6 +460,26 @@ def _check(topology: Topology) -> None:
          "needs security.curve = true")
     need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
          "must be a 40-character Z85 public key")
+
+
+def _reward_model_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
+    its config.json, so the check needs no torch), or None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} is not readable JSON: {exc}"
+    architectures = data.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
+                "not a ...ForSequenceClassification reward model")
+    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
+    if labels != 1:
+        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
+    return None
 
 
 def _key_path_message(msg: str) -> str:

@@ -107,11 +107,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
         try:
             started = time.monotonic()
             items = [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                               len(c.response_ids))
+                               len(c.response_ids), p.messages)
                      for p, group in zip(prompts, groups, strict=True) for c in group]
             if greedy is not None:  # remax baselines are scored after the samples
                 items += [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                                    len(c.response_ids))
+                                    len(c.response_ids), p.messages)
                           for p, c in zip(prompts, greedy, strict=True)]
             rid = next(request_ids)
             done = anyio.Event()
