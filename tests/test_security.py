@@ -21,6 +21,7 @@ from actors.runtime.security import (
     CurveKeys,
     HandshakeRefused,
     ZapHandler,
+    attach_keys,
     handshake_monitor,
     keygen,
     load_public_keys,
@@ -199,3 +200,22 @@ def test_secured_job_runs_and_only_authorized_keys_attach(tiny_model, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     assert all(balanced(r) for r in rows)
     assert not actor_pids(run_dir)
+
+
+def test_bad_authorized_keys_stop_the_runner_before_any_actor(tiny_model, tmp_path):
+    res = subprocess.run([sys.executable, "runner.py", "topology.toml", f"model.path={tiny_model}",
+                          f"run.dir={tmp_path / 'run'}", "security.curve=true",
+                          f"security.authorized_keys={tmp_path / 'nobody.key'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"security.authorized_keys: no file or directory {tmp_path / 'nobody.key'}" in res.stderr
+
+
+def test_attach_without_a_key_it_can_read_says_to_pass_one(tmp_path, sockets):
+    topo = live_topology(sockets, "security.curve=true", f"security.keys_dir={tmp_path}/keys",
+                         f"security.server_key={'x' * 40}")
+    with pytest.raises(ConfigError, match="pass --key"):
+        attach_keys(topo, None)
+    keygen(tmp_path / "alice")
+    keys = attach_keys(topo, tmp_path / "alice.key_secret")
+    assert keys is not None and keys.server_secret is None and keys.server_public == b"x" * 40

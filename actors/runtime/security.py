@@ -119,13 +119,13 @@ def prepare_job_keys(topology: Topology, run_dir: Path) -> Topology:
     sec = topology.security
     if not sec.curve:
         return topology
+    if sec.authorized_keys:
+        load_public_keys(sec.authorized_keys)  # a bad file is an error now, not at the first attach
     keys_dir = Path(sec.keys_dir or run_dir / "keys")
     keys_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for name in ("server", "client"):
         if not (keys_dir / f"{name}.key_secret").is_file():
             keygen(keys_dir / name)
-    if sec.authorized_keys:
-        load_public_keys(sec.authorized_keys)  # a bad file is an error now, not at the first attach
     server_public, _ = load_secret(keys_dir / "server.key_secret")
     return msgspec.structs.replace(topology, security=msgspec.structs.replace(
         sec, keys_dir=str(keys_dir), server_key=server_public.decode()))
