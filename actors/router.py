@@ -210,8 +210,8 @@ class RouterState:
 async def router_actor(ctx: ActorContext, *, task_status) -> None:
     cfg = ctx.topology.router
     state = RouterState()
-    clients = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.address)
-    workers = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.worker_address)
+    clients = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.address, curve=ctx.curve)
+    workers = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.worker_address, curve=ctx.curve)
     client_codec: Codec[ToRouterFromClient] = Codec(ToRouterFromClient)
     worker_codec: Codec[ToRouterFromWorker] = Codec(ToRouterFromWorker)
     worker_timeout = max(5.0, 5 * ctx.topology.run.heartbeat_interval)

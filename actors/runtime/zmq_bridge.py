@@ -25,11 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import anyio
 import anyio.lowlevel
 import zmq
+
+if TYPE_CHECKING:
+    from actors.runtime.security import CurveKeys
 
 __all__ = ["AsyncSocket", "SocketStatistics", "make_socket"]
 
@@ -207,9 +210,11 @@ def make_socket(
     connect: str | None = None,
     hwm: int = 1000,
     identity: bytes | None = None,
+    curve: CurveKeys | None = None,
 ) -> AsyncSocket:
     """Create a socket of ``kind`` (e.g. ``zmq.DEALER``) with both HWMs set to ``hwm``,
-    ``LINGER=0`` and an optional routing ``identity``, then bind and/or connect it."""
+    ``LINGER=0`` and an optional routing ``identity``, then bind or connect it. With ``curve``
+    keys a binding socket is a CURVE server and a connecting one a CURVE client."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -217,6 +222,10 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, 0)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if curve is not None:
+            if bind is not None and connect is not None:
+                raise ValueError("a CURVE socket either binds (server) or connects (client)")
+            curve.configure(sock, server=bind is not None)
         if bind is not None:
             sock.bind(bind)
         if connect is not None:
