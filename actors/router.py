@@ -33,6 +33,7 @@ from messages.reward import (
 )
 
 MAX_PENDING = 4096  # requests waiting for a worker; past this the router stops reading clients
+BATCH = 256  # messages taken from a socket per wake-up
 
 
 @dataclass
@@ -219,9 +220,12 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
 
     shown: set[str] = set()  # per-worker keys in the status: a worker that left is dropped
 
+    def assigned(now: float) -> list[list[bytes]]:
+        return [[worker.identity, encode(request)] for worker, request in state.assign(now)]
+
     async def dispatch() -> None:
-        for worker, request in state.assign(time.monotonic()):
-            await workers.send_multipart([worker.identity, encode(request)])
+        if out := assigned(time.monotonic()):
+            await workers.send_multipart_batch(out)
 
     def count_rejected() -> None:
         ctx.status["rejected_frames"] = client_codec.rejected + worker_codec.rejected
@@ -237,49 +241,69 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
         ctx.status.update(stats)
         count_rejected()
 
+    # Both loops handle every message that is ready per wake-up and send what it produced in one
+    # batch per socket: under load the scheduler and the readiness checks are paid per batch.
+    # Requests are sent in the same step that assigns them (no checkpoint in between; a worker
+    # ROUTER never blocks a send), so every request assigned to a worker goes out before that
+    # worker's bye acknowledgement.
+
     async def from_clients() -> None:
         nonlocal room
         while True:
             while len(state.pending) >= MAX_PENDING:  # bounded: stop reading, clients wait
                 await room.wait()
                 room = anyio.Event()
-            client, *frames = await clients.recv_multipart()
-            try:
-                request = client_codec.decode(frames[-1] if frames else b"")
-            except DecodeError as exc:
+            batch = await clients.recv_multipart_batch(min(BATCH, MAX_PENDING - len(state.pending)))
+            errors = []
+            for client, *frames in batch:
+                try:
+                    request = client_codec.decode(frames[-1] if frames else b"")
+                except DecodeError as exc:
+                    errors.append([client, encode(RouterError(error=f"router: {exc}"))])
+                    continue
+                state.submit(client, request)
+            if errors:
                 count_rejected()
-                await clients.send_multipart([client, encode(RouterError(error=f"router: {exc}"))])
-                continue
-            state.submit(client, request)
+                await clients.send_multipart_batch(errors)
             await dispatch()
 
     async def from_workers() -> None:
         while True:
-            identity, *frames = await workers.recv_multipart()
+            batch = await workers.recv_multipart_batch(BATCH)
             now = time.monotonic()
-            try:
-                msg = worker_codec.decode(frames[-1] if frames else b"")
-            except DecodeError as exc:
+            to_workers: list[list[bytes]] = []
+            to_clients: list[list[bytes]] = []
+            rejected = False
+            for identity, *frames in batch:
+                try:
+                    msg = worker_codec.decode(frames[-1] if frames else b"")
+                except DecodeError as exc:
+                    rejected = True
+                    to_workers.append([identity, encode(RouterError(error=f"router: {exc}"))])
+                    continue
+                match msg:
+                    case ScoreReply() as reply:
+                        entry = state.complete(identity, reply, now)
+                        if entry is not None:
+                            answer = ScoreReply(request_id=entry.client_request_id, results=reply.results)
+                            to_clients.append([entry.client, encode(answer)])
+                    case WorkerHeartbeat(name=name, pool=pool, capacity=cap):
+                        state.register(identity, name, pool, cap, now)
+                    case WorkerHello(name=name, pool=pool, capacity=cap):
+                        state.register(identity, name, pool, cap, now, hello=True)
+                    case WorkerBye(name=name):
+                        state.leave(identity, now)
+                        # the ack follows every request sent to it before (one pipe, in order): once
+                        # the worker has it and has answered those, it can go
+                        to_workers.append([identity, encode(WorkerBye(name=name))])
+            if rejected:
                 count_rejected()
-                await workers.send_multipart([identity, encode(RouterError(error=f"router: {exc}"))])
-                continue
-            match msg:
-                case WorkerHello(name=name, pool=pool, capacity=cap):
-                    state.register(identity, name, pool, cap, now, hello=True)
-                case WorkerHeartbeat(name=name, pool=pool, capacity=cap):
-                    state.register(identity, name, pool, cap, now)
-                case WorkerBye(name=name):
-                    state.leave(identity, now)
-                    # the ack follows every request sent to it before (one pipe, in order): once
-                    # the worker has it and has answered those, it can go
-                    await workers.send_multipart([identity, encode(WorkerBye(name=name))])
-                case ScoreReply() as reply:
-                    entry = state.complete(identity, reply, now)
-                    if entry is not None:
-                        answer = ScoreReply(request_id=entry.client_request_id, results=reply.results)
-                        await clients.send_multipart([entry.client, encode(answer)])
-                        room.set()
-            await dispatch()
+            to_workers += assigned(now)  # a leaving worker gets none: its ack stays last
+            if to_workers:
+                await workers.send_multipart_batch(to_workers)
+            if to_clients:
+                await clients.send_multipart_batch(to_clients)
+                room.set()
 
     async def watchdog() -> None:
         while True:
