@@ -25,14 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal, TypeVar, cast, overload
 
 import anyio
 import anyio.lowlevel
 import zmq
 
-__all__ = ["AsyncSocket", "SocketStatistics", "make_socket"]
+__all__ = ["AsyncSocket", "SocketStatistics", "make_socket", "open_socket"]
 
 T = TypeVar("T")
 
@@ -114,16 +113,6 @@ class AsyncSocket:
         """Send one multipart message now, or raise ``zmq.Again`` and send nothing."""
         self._call(lambda: self._send(frames, copy))
 
-    async def send_multipart_batch(self, messages: Sequence[Sequence[Any]], *, copy: bool = True) -> None:
-        """Send several multipart messages in order, waiting whenever the high-water mark is full.
-
-        Same as calling :meth:`send_multipart` for each, with one scheduler checkpoint and one
-        readiness check for the whole batch instead of one per message. If cancelled, the
-        messages before some point have been sent and none after it."""
-        done = 0
-        while done < len(messages):
-            done = await self._retry(_POLLOUT, partial(self._send_from, messages, done, copy))
-
     def _send(self, frames: Sequence[Any], copy: bool) -> None:
         # pyzmq's send_multipart, without its per-frame checks and enum arithmetic. Only the
         # first frame can raise zmq.Again: libzmq queues the rest of a message atomically.
@@ -131,18 +120,6 @@ class AsyncSocket:
         last = len(frames) - 1
         for i, frame in enumerate(frames):
             send(frame, _MORE if i < last else _NOBLOCK, copy=copy)
-
-    def _send_from(self, messages: Sequence[Sequence[Any]], start: int, copy: bool) -> int:
-        """Send ``messages[start:]`` until the HWM is full; raise zmq.Again if none went."""
-        i = start
-        try:
-            while i < len(messages):
-                self._send(messages[i], copy)
-                i += 1
-        except zmq.Again:
-            if i == start:
-                raise
-        return i
 
     @overload
     async def recv_multipart(self, *, copy: Literal[True] = ...) -> list[bytes]: ...
@@ -157,14 +134,6 @@ class AsyncSocket:
         """Receive one multipart message now, or raise ``zmq.Again``."""
         return self._call(lambda: self._recv(copy))
 
-    async def recv_multipart_batch(self, limit: int, *, copy: bool = True) -> list[list[Any]]:
-        """Receive at least one and at most ``limit`` multipart messages: wait for the first,
-        then take every message already queued, without waiting again.
-
-        A server that handles a whole batch per wake-up pays the scheduler and the readiness
-        check once per batch instead of once per message."""
-        return await self._retry(_POLLIN, lambda: self._recv_batch(max(1, limit), copy))
-
     def _recv(self, copy: bool) -> list[Any]:
         # Frames rather than bytes: ``Frame.more`` is a field of the message, where
         # getsockopt(RCVMORE) costs an enum lookup in pyzmq, about 1.5 us per frame
@@ -175,18 +144,6 @@ class AsyncSocket:
             frame = recv(_NOBLOCK, copy=False)
             parts.append(frame.bytes if copy else frame)
         return parts
-
-    def _recv_batch(self, limit: int, copy: bool) -> list[list[Any]]:
-        batch = [self._recv(copy)]  # zmq.Again here: nothing queued, _retry waits
-        # One message at a time (low load) costs one EVENTS read and no exception; a queue is
-        # drained until zmq.Again. _after_call reads EVENTS after the last call either way.
-        if len(batch) < limit and self._sock.get(_EVENTS) & _POLLIN:
-            try:
-                while len(batch) < limit:
-                    batch.append(self._recv(copy))
-            except zmq.Again:
-                pass
-        return batch
 
     def _call(self, op: Callable[[], T]) -> T:
         if self._closed:
@@ -278,6 +235,20 @@ def make_socket(
 ) -> AsyncSocket:
     """Create a socket of ``kind`` (e.g. ``zmq.DEALER``) with both HWMs set to ``hwm``,
     ``LINGER=0`` and an optional routing ``identity``, then bind and/or connect it."""
+    return AsyncSocket(open_socket(ctx, kind, bind=bind, connect=connect, hwm=hwm, identity=identity))
+
+
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    hwm: int = 1000,
+    identity: bytes | None = None,
+) -> zmq.Socket:
+    """:func:`make_socket` without the async wrapper, for a socket served by a blocking loop in
+    its own thread (the router's)."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -292,4 +263,4 @@ def make_socket(
     except BaseException:
         sock.close(linger=0)
         raise
-    return AsyncSocket(sock)
+    return sock
