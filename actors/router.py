@@ -6,6 +6,10 @@ request with its own id, so a reply maps back to exactly one client request; a r
 is no longer in flight (a late duplicate after a re-send) is discarded and counted. A request
 whose worker stops heartbeating or exceeds ``request_timeout`` is re-sent to another live worker.
 While no worker can take it, a request waits in a bounded queue.
+
+``RouterState`` holds the decisions and the bookkeeping, without I/O. ``RouterLoop`` serves both
+sockets from a blocking ``zmq.poll`` loop in a thread of its own; ``router_actor`` starts that
+thread, publishes its status and stops it when cancelled.
 """
 
 from __future__ import annotations
