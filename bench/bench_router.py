@@ -558,7 +558,7 @@ def main() -> int:
         print(f"items={items} per request (req/s ratios; items/s ratios are the same)")
         if ("router", c1, items) in results and ("direct", c1, items) in results:
             print(f"  router p50 / direct p50 at C={c1}: {ratio(('router', c1, items), ('direct', c1, items), 'p50')}"
-                  ("  target < 2x" if c1 == 1 else ""))
+                  + ("  target < 2x" if c1 == 1 else ""))
             for c in concs:
                 print(f"  router req/s / direct req/s at C={c}: "
                       f"{ratio(('router', c, items), ('direct', c, items), 'rps')}")
