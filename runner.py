@@ -1,9 +1,11 @@
 """Run an RL post-training job: ``python runner.py topology.toml [dotted.key=value ...]``.
 
 Attach one more reward worker to a running job:
-``python runner.py attach reward --to RUN_DIR [--name NAME] [reward.key=value ...]``. It runs in
-the foreground, unsupervised by the job's runner, until Ctrl-C or SIGTERM: then it says bye to
-the router, answers what it has in flight and exits 0 (detach).
+``python runner.py attach reward --to RUN_DIR [--name NAME] [--key KEY] [reward.key=value ...]``.
+It runs in the foreground, unsupervised by the job's runner, until Ctrl-C or SIGTERM: then it
+says bye to the router, answers what it has in flight and exits 0 (detach). A job with
+``[security] curve = true`` lets it in only with an authorized key (``--key NAME.key_secret``,
+made by ``python runner.py keygen NAME``); a refused key ends it with an error and status 1.
 
 Debug a recorded run offline (``actors/offline``): ``python runner.py replay RUN_DIR --step N``
 trains step N again and compares its metrics with the recorded ones; ``python runner.py replay
@@ -38,6 +40,7 @@ import trio
 import zmq
 
 from actors.runtime.config import ACTOR_KINDS, ConfigError, Topology, load_topology
+from actors.runtime.security import ZapHandler, attach_keys, job_keys, keygen, prepare_job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Finished, Heartbeat, Ready, StepReport, Stop, ToRunner
@@ -129,7 +132,11 @@ class Job:
         self.stopping = False
         self.started = time.monotonic()
         self.zmq = zmq.Context()
-        self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address)
+        curve = job_keys(topology)
+        self.zap = None if curve is None else ZapHandler(
+            self.zmq, {curve.public}, topology.security.authorized_keys,
+            log=lambda text: print(f"!!! runner: {text}", flush=True))
+        self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address, curve=curve)
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
 
     def end(self, outcome: str) -> None:
@@ -262,6 +269,8 @@ class Job:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
                 self.control.close()
+                if self.zap is not None:
+                    self.zap.close()
                 self.zmq.destroy(linger=0)
                 outer.cancel_scope.cancel()
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
@@ -291,6 +300,11 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     try:
         _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        try:
+            topology = prepare_job_keys(topology, run_dir)
+        except ConfigError as exc:
+            print(f"error: bad topology: {exc}", file=sys.stderr)
+            return 2
         (run_dir / "logs").mkdir(exist_ok=True)
         for stale in (run_dir / "logs").glob("*.traceback"):
             stale.unlink()
@@ -352,13 +366,18 @@ def attach_command(args: argparse.Namespace) -> int:
     except (ConfigError, msgspec.DecodeError) as exc:
         print(f"error: bad topology {topo_file}: {exc}", file=sys.stderr)
         return 2
+    try:
+        curve = attach_keys(topology, args.key)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(topology.run.dir) if topology.run.dir else topo_file.parent
     name = args.name or f"{args.kind}-attached-{os.getpid()}"
     module, fn = ATTACHABLE[args.kind]
     body = getattr(importlib.import_module(module), fn)
     print(f"=== {name} (pid {os.getpid()}) attaching to {topology.router.worker_address}; "
           "Ctrl-C detaches it", flush=True)
-    return run_actor(args.kind, -1, topology, run_dir, body, name=name, supervised=False)
+    return run_actor(args.kind, -1, topology, run_dir, body, name=name, supervised=False, curve=curve)
 
 
 def attach_main(argv: list[str]) -> int:
@@ -370,6 +389,9 @@ def attach_main(argv: list[str]) -> int:
     parser.add_argument("--to", required=True, metavar="RUN_DIR",
                         help="the job's run directory (or its topology.json)")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
+    parser.add_argument("--key", default=None, metavar="KEY",
+                        help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
+                             "[security]; default: the job's own client key in its keys_dir")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the worker's section")
     return attach_command(parser.parse_intermixed_args(argv))
 
@@ -440,6 +462,22 @@ def inspect_main(argv: list[str]) -> int:
         return 2
 
 
+def keygen_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py keygen", description="Make a CURVE keypair for attaching to a secured job.",
+        epilog="example: python runner.py keygen keys/alice; then list keys/alice.key in the job's "
+               "security.authorized_keys and attach with --key keys/alice.key_secret")
+    parser.add_argument("name", help="writes NAME.key (public) and NAME.key_secret (mode 0600)")
+    args = parser.parse_args(argv)
+    try:
+        public, secret = keygen(args.name)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":
@@ -448,12 +486,15 @@ def main(argv: list[str] | None = None) -> int:
         return replay_main(argv[1:])
     if argv and argv[0] == "inspect":
         return inspect_main(argv[1:])
+    if argv and argv[0] == "keygen":
+        return keygen_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
                "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job; "
                "python runner.py replay RUN_DIR --step N | --rescore FILE.py[:NAME] and "
-               "python runner.py inspect RUN_DIR debug a recorded run",
+               "python runner.py inspect RUN_DIR debug a recorded run; "
+               "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")

@@ -15,6 +15,7 @@ import msgspec
 
 from actors.runtime.actor import run_actor
 from actors.runtime.config import Topology
+from actors.runtime.security import job_keys
 
 BODIES = {
     "replay": ("actors.replay", "replay_actor"),
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
     topology = msgspec.json.decode((run_dir / "topology.json").read_bytes(), type=Topology)
     module, name = BODIES[kind]
     body = getattr(importlib.import_module(module), name)
-    return run_actor(kind, index, topology, run_dir, body)
+    return run_actor(kind, index, topology, run_dir, body, curve=job_keys(topology))
 
 
 if __name__ == "__main__":

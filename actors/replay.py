@@ -280,7 +280,7 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
                        else None),
     )
     codec: Codec[ToReplay] = Codec(ToReplay)
-    sock = make_socket(ctx.zmq, zmq.ROUTER, bind=topo.replay.address)
+    sock = make_socket(ctx.zmq, zmq.ROUTER, bind=topo.replay.address, curve=ctx.curve)
     sock.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sampler reclaims its name
     # waiting requests: one per peer at most, since each peer waits for its answer
     prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()

@@ -4,7 +4,8 @@ Connects a DEALER to the router's worker address, announces itself (``WorkerHell
 and answers each ``ScoreRequest`` with one ``ScoreResult`` per item. ``actors.scoring.Scoring``
 does the work: rules on a worker thread, user code and math-verify in child processes with a
 timeout and limits, so heartbeats keep flowing and a scorer that hangs, crashes or raises gives
-score 0.0 and a recorded error while the worker goes on serving. Its counters are published in
+score 0.0 and a recorded error while the worker goes on serving; a reward model is loaded at start
+and runs batched on a worker thread. Its counters are published in
 the actor's status (``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
 """
 
@@ -14,6 +15,7 @@ import anyio
 import zmq
 
 from actors.runtime.actor import ActorContext
+from actors.runtime.security import handshake_monitor, watch_handshake
 from actors.runtime.zmq_bridge import make_socket
 from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
@@ -32,11 +34,14 @@ BYE_ACK_WAIT_S = 1.0  # with nothing in flight, how long to wait for the router'
 
 async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     cfg = ctx.topology.reward
-    sock = make_socket(ctx.zmq, zmq.DEALER, connect=ctx.topology.router.worker_address,
-                       identity=ctx.name.encode())
+    address = ctx.topology.router.worker_address
+    sock = make_socket(ctx.zmq, zmq.DEALER, identity=ctx.name.encode(), curve=ctx.curve)
+    monitor = handshake_monitor(sock) if ctx.curve is not None else None
+    sock.socket.connect(address)
     codec: Codec[ToWorker] = Codec(ToWorker)
     hello = WorkerHello(name=ctx.name, pool="reward", capacity=cfg.capacity)
-    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens)
+    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens, threads=cfg.threads)
+    await scoring.load()
     done = 0
     in_flight = 0
     slots = anyio.Semaphore(cfg.capacity)
@@ -114,6 +119,9 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(heartbeats)
+                        if monitor is not None:  # a refused key fails the worker, loudly
+                            assert ctx.curve is not None
+                            tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)
                         tg.start_soon(receive, tg)
                         await stopping.wait()
                         await drain()

@@ -6,20 +6,26 @@ request with its own id, so a reply maps back to exactly one client request; a r
 is no longer in flight (a late duplicate after a re-send) is discarded and counted. A request
 whose worker stops heartbeating or exceeds ``request_timeout`` is re-sent to another live worker.
 While no worker can take it, a request waits in a bounded queue.
+
+``RouterState`` holds the decisions and the bookkeeping, without I/O. ``RouterLoop`` serves both
+sockets from a blocking ``zmq.poll`` loop in a thread of its own; ``router_actor`` starts that
+thread, publishes its status and stops it when cancelled.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.to_thread
 import zmq
 
 from actors.runtime.actor import ActorContext
-from actors.runtime.zmq_bridge import make_socket
+from actors.runtime.zmq_bridge import open_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.reward import (
     RouterError,
@@ -33,6 +39,7 @@ from messages.reward import (
 )
 
 MAX_PENDING = 4096  # requests waiting for a worker; past this the router stops reading clients
+BATCH = 256  # messages taken from a socket per wake-up (then the other socket's turn)
 
 
 @dataclass
@@ -207,90 +214,172 @@ class RouterState:
         return stats
 
 
-async def router_actor(ctx: ActorContext, *, task_status) -> None:
-    cfg = ctx.topology.router
-    state = RouterState()
-    clients = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.address)
-    workers = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.worker_address)
-    client_codec: Codec[ToRouterFromClient] = Codec(ToRouterFromClient)
-    worker_codec: Codec[ToRouterFromWorker] = Codec(ToRouterFromWorker)
-    worker_timeout = max(5.0, 5 * ctx.topology.run.heartbeat_interval)
-    room = anyio.Event()
+_NOBLOCK, _MORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.POLLIN)
 
-    shown: set[str] = set()  # per-worker keys in the status: a worker that left is dropped
 
-    async def dispatch() -> None:
-        for worker, request in state.assign(time.monotonic()):
-            await workers.send_multipart([worker.identity, encode(request)])
+class RouterLoop:
+    """The router's sockets served by a blocking loop in a thread of its own.
 
-    def count_rejected() -> None:
-        ctx.status["rejected_frames"] = client_codec.rejected + worker_codec.rejected
+    Routing is pure message plumbing, and in the trio task each wake-up cost about twice the CPU
+    of a blocking ``zmq.poll`` (measured in ``bench/bench_router.py``: re-arming epoll, cancel
+    scopes, the ``AsyncSocket`` retry path). So the thread owns the sockets and the
+    ``RouterState``; the actor's task only starts it, publishes its status and stops it. Every
+    wake-up takes all ready messages of a socket (up to ``BATCH``) and sends what they produce
+    before polling again; sends never wait (a ROUTER drops a message for a full or unknown peer,
+    and a request so lost to a worker is re-sent on its timeout).
+    """
 
-    def publish_status() -> None:
-        """Per-worker statistics sort latency histories: refreshed on a timer, not per message."""
-        stats = state.statistics()
-        names = {w.name for w in state.workers.values()}
-        for gone in shown - names:
-            ctx.status.pop(gone, None)
-        shown.clear()
-        shown.update(names)
-        ctx.status.update(stats)
-        count_rejected()
+    def __init__(self, state: RouterState, clients: zmq.Socket, workers: zmq.Socket,
+                 stop: zmq.Socket, status: dict, *, tick: float, worker_timeout: float,
+                 request_timeout: float) -> None:
+        self.state, self.clients, self.workers, self.stop = state, clients, workers, stop
+        self.status = status  # the actor's status; this thread only overwrites rejected_frames
+        self.tick, self.worker_timeout, self.request_timeout = tick, worker_timeout, request_timeout
+        self.client_codec: Codec[ToRouterFromClient] = Codec(ToRouterFromClient)
+        self.worker_codec: Codec[ToRouterFromWorker] = Codec(ToRouterFromWorker)
+        # refreshed every tick, read by the actor's task: (statistics, names of known workers)
+        self.snapshot: tuple[dict[str, int | float | str], set[str]] = ({}, set())
+        self.status["rejected_frames"] = 0
 
-    async def from_clients() -> None:
-        nonlocal room
+    def run(self) -> None:
+        """Serve until a message arrives on the ``stop`` socket."""
+        state = self.state
+        next_tick = 0.0
+        with_clients = [(self.workers, _POLLIN), (self.stop, _POLLIN), (self.clients, _POLLIN)]
+        without_clients = with_clients[:2]  # bounded: past MAX_PENDING clients wait
         while True:
-            while len(state.pending) >= MAX_PENDING:  # bounded: stop reading, clients wait
-                await room.wait()
-                room = anyio.Event()
-            client, *frames = await clients.recv_multipart()
-            try:
-                request = client_codec.decode(frames[-1] if frames else b"")
-            except DecodeError as exc:
-                count_rejected()
-                await clients.send_multipart([client, encode(RouterError(error=f"router: {exc}"))])
-                continue
-            state.submit(client, request)
-            await dispatch()
-
-    async def from_workers() -> None:
-        while True:
-            identity, *frames = await workers.recv_multipart()
             now = time.monotonic()
+            if now >= next_tick:
+                state.expire(now, self.worker_timeout, self.request_timeout)
+                self.send(self.workers, self.assigned(now))
+                self.snapshot = (state.statistics(), {w.name for w in state.workers.values()})
+                next_tick = now + self.tick
+            items = with_clients if len(state.pending) < MAX_PENDING else without_clients
+            ready = zmq.zmq_poll(items, max(1, int((next_tick - now) * 1000) + 1))
+            to_workers: list[list[bytes]] = []
+            to_clients: list[list[bytes]] = []
+            for sock, _ in ready:
+                if sock is self.stop:
+                    return
+                if sock is self.workers:
+                    self.from_workers(to_workers, to_clients)
+                else:
+                    self.from_clients(to_clients)
+            to_workers += self.assigned(time.monotonic())  # a leaving worker gets none: its ack stays last
+            self.send(self.workers, to_workers)
+            self.send(self.clients, to_clients)
+
+    def from_clients(self, to_clients: list[list[bytes]]) -> None:
+        limit = min(BATCH, MAX_PENDING - len(self.state.pending))
+        for client, *frames in self.receive(self.clients, limit):
             try:
-                msg = worker_codec.decode(frames[-1] if frames else b"")
+                request = self.client_codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
-                count_rejected()
-                await workers.send_multipart([identity, encode(RouterError(error=f"router: {exc}"))])
+                self.count_rejected()
+                to_clients.append([client, encode(RouterError(error=f"router: {exc}"))])
+                continue
+            self.state.submit(client, request)
+
+    def from_workers(self, to_workers: list[list[bytes]], to_clients: list[list[bytes]]) -> None:
+        state = self.state
+        now = time.monotonic()
+        for identity, *frames in self.receive(self.workers, BATCH):
+            try:
+                msg = self.worker_codec.decode(frames[-1] if frames else b"")
+            except DecodeError as exc:
+                self.count_rejected()
+                to_workers.append([identity, encode(RouterError(error=f"router: {exc}"))])
                 continue
             match msg:
-                case WorkerHello(name=name, pool=pool, capacity=cap):
-                    state.register(identity, name, pool, cap, now, hello=True)
-                case WorkerHeartbeat(name=name, pool=pool, capacity=cap):
-                    state.register(identity, name, pool, cap, now)
-                case WorkerBye(name=name):
-                    state.leave(identity, now)
-                    # the ack follows every request sent to it before (one pipe, in order): once
-                    # the worker has it and has answered those, it can go
-                    await workers.send_multipart([identity, encode(WorkerBye(name=name))])
                 case ScoreReply() as reply:
                     entry = state.complete(identity, reply, now)
                     if entry is not None:
                         answer = ScoreReply(request_id=entry.client_request_id, results=reply.results)
-                        await clients.send_multipart([entry.client, encode(answer)])
-                        room.set()
-            await dispatch()
+                        to_clients.append([entry.client, encode(answer)])
+                case WorkerHeartbeat(name=name, pool=pool, capacity=cap):
+                    state.register(identity, name, pool, cap, now)
+                case WorkerHello(name=name, pool=pool, capacity=cap):
+                    state.register(identity, name, pool, cap, now, hello=True)
+                case WorkerBye(name=name):
+                    state.leave(identity, now)
+                    # the ack follows every request sent to it before (one pipe, in order): once
+                    # the worker has it and has answered those, it can go
+                    to_workers.append([identity, encode(WorkerBye(name=name))])
 
-    async def watchdog() -> None:
-        while True:
-            publish_status()
-            await anyio.sleep(min(1.0, ctx.topology.run.heartbeat_interval))
-            state.expire(time.monotonic(), worker_timeout, cfg.request_timeout)
-            await dispatch()
+    def assigned(self, now: float) -> list[list[bytes]]:
+        return [[worker.identity, encode(request)] for worker, request in self.state.assign(now)]
 
-    task_status.started()
-    with clients, workers:
+    def count_rejected(self) -> None:
+        # an existing key: no resize while the actor's task copies the status
+        self.status["rejected_frames"] = self.client_codec.rejected + self.worker_codec.rejected
+
+    @staticmethod
+    def receive(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+        """Up to ``limit`` queued messages, without waiting."""
+        out: list[list[bytes]] = []
+        recv = sock.recv
+        try:
+            while len(out) < limit:
+                frame = recv(_NOBLOCK, copy=False)  # a Frame knows ``more``: no getsockopt
+                parts = [frame.bytes]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    parts.append(frame.bytes)
+                out.append(parts)
+        except zmq.Again:
+            pass
+        return out
+
+    @staticmethod
+    def send(sock: zmq.Socket, messages: list[list[bytes]]) -> None:
+        send = sock.send
+        for *head, last in messages:
+            for frame in head:
+                send(frame, _MORE)
+            send(last, _NOBLOCK)
+
+
+async def router_actor(ctx: ActorContext, *, task_status) -> None:
+    cfg = ctx.topology.router
+    tick = min(1.0, ctx.topology.run.heartbeat_interval)
+    stop_address = f"inproc://router-stop-{id(ctx)}-{time.monotonic_ns()}"
+    with contextlib.ExitStack() as stack:
+        clients = stack.enter_context(open_socket(ctx.zmq, zmq.ROUTER, bind=cfg.address,
+                                                       curve=ctx.curve))
+        workers = stack.enter_context(open_socket(ctx.zmq, zmq.ROUTER, bind=cfg.worker_address,
+                                                       curve=ctx.curve))
+        stop_rx = stack.enter_context(open_socket(ctx.zmq, zmq.PAIR, bind=stop_address))
+        stop_tx = stack.enter_context(open_socket(ctx.zmq, zmq.PAIR, connect=stop_address))
+        loop = RouterLoop(RouterState(), clients, workers, stop_rx, ctx.status, tick=tick,
+                          worker_timeout=max(5.0, 5 * ctx.topology.run.heartbeat_interval),
+                          request_timeout=cfg.request_timeout)
+        shown: set[str] = set()  # per-worker keys in the status: a worker that left is dropped
+
+        async def publish_status() -> None:
+            """Per-worker statistics sort latency histories: refreshed on a timer, not per message."""
+            while True:
+                stats, names = loop.snapshot
+                for gone in shown - names:
+                    ctx.status.pop(gone, None)
+                shown.clear()
+                shown.update(names)
+                ctx.status.update(stats)
+                await anyio.sleep(tick)
+
+        async def serve() -> None:
+            try:
+                await anyio.to_thread.run_sync(loop.run)
+            finally:
+                tg.cancel_scope.cancel()  # the loop only returns when told to stop
+
+        async def stop_on_cancel() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stop_tx.send(b"")  # wakes the loop's poll; it returns, and serve() with it
+
+        task_status.started()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(from_clients)
-            tg.start_soon(from_workers)
-            tg.start_soon(watchdog)
+            tg.start_soon(stop_on_cancel)
+            tg.start_soon(serve)
+            tg.start_soon(publish_status)

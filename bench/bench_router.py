@@ -1,14 +1,16 @@
 """Transport cost of the scoring router, side by side with a direct link and an HTTP proxy.
 
     .venv/bin/python bench/bench_router.py
-    .venv/bin/python bench/bench_router.py --workers 2 --concurrency 1,32 --rounds 5 --requests 4000 --seconds 3
+    .venv/bin/python bench/bench_router.py --workers 2 --concurrency 1,32 --items 1,8 --clients 1 \
+        --rounds 5 --seconds 2
 
-Every request is one ``ScoreItem`` (a ~200-character solution), answered by a trivial echo
-worker with a fixed score: nothing is scored, so what is measured is the transport. Modes, each
-with its own processes (client = this process; every other component its own process):
+A request is one ``ScoreRequest`` carrying ``--items`` ``ScoreItem``s (a ~200-character
+solution each; a sampler sends the n completions of a prompt together, so 8 is the realistic
+case), answered by a trivial echo worker with one fixed score per item: nothing is scored, so
+what is measured is the transport. Every component is its own process:
 
 - ``direct``: client DEALER -> echo workers' ROUTERs over ipc (the DEALER round-robins over the
-  workers), no router. Client and workers use the project's ``AsyncSocket`` on trio.
+  workers), no router.
 - ``router``: client DEALER -> ``router_actor`` (own process, trio, ipc) -> echo workers (DEALERs
   that say ``WorkerHello`` and heartbeat, as a reward worker does).
 - ``http-direct``: aiohttp client -> one FastAPI/uvicorn echo worker (the proxy's hop removed;
@@ -18,10 +20,25 @@ with its own processes (client = this process; every other component its own pro
   HTTP reward/rollout routers do. Bodies are msgspec JSON on both sides and the proxy forwards
   bytes without parsing them, which favours HTTP.
 
-For each mode and each concurrency C, the client keeps C requests in flight (closed loop) for
-``--requests`` requests or ``--seconds`` seconds, whichever comes first, after a warm-up.
-Reported: requests/s, latency p50/p99. Every loop is bounded; children are killed at exit and
-also exit on their own when this process dies or after ``--child-lifetime`` seconds.
+Workers: the zmq echo worker is the project's ``AsyncSocket`` on trio, one message at a time
+(as the reward worker); the HTTP echo worker is a FastAPI endpoint. Both decode the request
+and encode a reply.
+
+Clients: ``--clients`` processes (the same number for every mode) share the C requests in
+flight. Each is the leanest client of its kind, so that it is not what limits a mode: for zmq a
+plain pyzmq loop that keeps its requests in flight, blocks for the first ready reply and then
+takes every queued one without blocking, sending a new request per reply; for HTTP an asyncio
+loop with one aiohttp task per request in flight over keep-alive connections (HTTP/1.1 has one
+request per connection at a time). Both encode every request and decode every reply with
+msgspec.
+
+A measurement keeps C requests in flight (closed loop) for ``--seconds`` (or ``--requests``),
+after each client process has warmed up its connections. Reported per mode, C and items:
+requests/s, items/s (= requests/s x items), latency p50/p99, and CPU time per request of each
+kind of process (client, hop = router or proxy, workers; from /proc, so ~10 ms resolution per
+process), which says where the time goes independently of how many cores there are. Modes are
+interleaved round by round in a rotated order. Every loop is bounded; children are killed at
+exit and also exit on their own when this process dies or after ``--child-lifetime`` seconds.
 
 Needs the ``bench`` extra (fastapi, uvicorn, aiohttp). Run by hand; results go in BENCHMARKS.md.
 """
@@ -31,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -186,21 +204,17 @@ def role_http_proxy(args: argparse.Namespace) -> None:
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
-ROLES = {"zmq-worker": role_zmq_worker, "router": role_router,
-         "http-worker": role_http_worker, "http-proxy": role_http_proxy}
-
-
 # ----------------------------------------------------------------------------- parent
 
 CHILDREN: list[subprocess.Popen] = []
 
 
-def spawn(role: str, lifetime: float, **kw: str | int) -> subprocess.Popen:
+def spawn(role: str, lifetime: float, stdin=None, stdout=None, **kw: str | int | float) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role,
            "--parent", str(os.getpid()), "--child-lifetime", str(lifetime)]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=stdin, stdout=stdout)
     CHILDREN.append(proc)
     return proc
 
@@ -245,98 +259,226 @@ def pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def zmq_run(endpoints: list[str], conc: int, n: int, seconds: float) -> tuple[int, float, list[float]]:
-    """Closed loop over one DEALER: ``conc`` requests in flight; returns (done, seconds, latencies)."""
-    import anyio
+def role_zmq_client(args: argparse.Namespace) -> None:
+    """Pipelined pyzmq client: ``--concurrency`` requests in flight over one DEALER."""
     import zmq
 
-    from actors.runtime.zmq_bridge import make_socket
-    from messages.codec import Codec, encode
     from messages.reward import ToClient
 
-    async def main() -> tuple[int, float, list[float]]:
-        zctx = zmq.Context()
-        codec: Codec[ToClient] = Codec(ToClient)
-        sent_at: dict[int, float] = {}
-        lat: list[float] = []
-        try:
-            with make_socket(zctx, zmq.DEALER, connect=endpoints[0], hwm=10000) as sock:
-                for ep in endpoints[1:]:
-                    sock.socket.connect(ep)
-                sent = 0
+    decode = msgspec.msgpack.Decoder(ToClient).decode
+    encode = msgspec.msgpack.Encoder().encode
+    items = [ITEM] * args.items
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    for opt, val in ((zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000), (zmq.LINGER, 0),
+                     (zmq.RCVTIMEO, int((args.seconds + 20) * 1000))):  # a lost reply fails loudly
+        sock.setsockopt(opt, val)
+    for ep in args.connect.split(","):
+        sock.connect(ep)
+    sent_at: dict[int, float] = {}
+    lat: list[float] = []
+    sent = 0
 
-                async def send_one() -> None:
-                    nonlocal sent
-                    sent_at[sent] = time.perf_counter()
-                    await sock.send_multipart([encode(ScoreRequest(request_id=sent, items=[ITEM]))])
+    def run(conc: int, n: int, seconds: float) -> float:
+        nonlocal sent
+        first = sent
+        start = time.perf_counter()
+        stop_at = start + seconds
+        for _ in range(min(conc, n)):
+            sent_at[sent] = time.perf_counter()
+            sock.send(encode(ScoreRequest(request_id=sent, items=items)))
+            sent += 1
+        while sent_at:
+            frame = sock.recv(copy=False)  # blocks for the first; zmq.Again after RCVTIMEO
+            while True:
+                assert not frame.more
+                reply = decode(frame.buffer)
+                now = time.perf_counter()
+                assert isinstance(reply, ScoreReply) and len(reply.results) == len(items), reply
+                lat.append(now - sent_at.pop(reply.request_id))
+                if sent - first < n and now < stop_at:
+                    sent_at[sent] = now
+                    sock.send(encode(ScoreRequest(request_id=sent, items=items)))
                     sent += 1
+                try:
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+        return time.perf_counter() - start
 
-                with anyio.fail_after(seconds + 20):  # a lost reply fails loudly, never hangs
-                    start = time.perf_counter()
-                    stop_at = start + seconds
-                    for _ in range(min(conc, n)):
-                        await send_one()
-                    while len(lat) < sent:
-                        reply = codec.decode((await sock.recv_multipart())[-1])
-                        now = time.perf_counter()
-                        assert isinstance(reply, ScoreReply), reply
-                        lat.append(now - sent_at.pop(reply.request_id))
-                        if sent < n and now < stop_at:
-                            await send_one()
-                    elapsed = time.perf_counter() - start
-        finally:
-            zctx.destroy(linger=0)
-        return len(lat), elapsed, lat
-
-    return anyio.run(main, backend="trio")
+    try:
+        run(4, 200, 10.0)  # warm-up: every connection up, so the DEALER spreads over all workers
+        lat.clear()
+        client_ready_then_measure(args, run, lat)
+    finally:
+        zctx.destroy(linger=0)
 
 
-def http_run(port: int, conc: int, n: int, seconds: float) -> tuple[int, float, list[float]]:
-    """Closed loop with aiohttp: ``conc`` tasks, each one request in flight."""
+def role_http_client(args: argparse.Namespace) -> None:
+    """aiohttp client: ``--concurrency`` tasks, each with one request in flight."""
     import aiohttp
 
-    url = f"http://127.0.0.1:{port}/score"
+    url = f"http://127.0.0.1:{args.port}/score"
     headers = {"content-type": "application/json"}
+    items = [ITEM] * args.items
+    decode = msgspec.json.Decoder(ScoreReply).decode
+    encode = msgspec.json.Encoder().encode
+    lat: list[float] = []
 
-    async def main() -> tuple[int, float, list[float]]:
-        lat: list[float] = []
+    async def main() -> None:
         counter = 0
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=30)) as session:
-            start = time.perf_counter()
-            stop_at = start + seconds
 
-            async def loop() -> None:
-                nonlocal counter
-                while counter < n and time.perf_counter() < stop_at:
-                    rid = counter
-                    counter += 1
-                    body = msgspec.json.encode(ScoreRequest(request_id=rid, items=[ITEM]))
-                    t0 = time.perf_counter()
-                    async with session.post(url, data=body, headers=headers) as resp:
-                        data = await resp.read()
-                    lat.append(time.perf_counter() - t0)
-                    reply = msgspec.json.decode(data, type=ScoreReply)
-                    assert reply.request_id == rid
+            async def run_async(conc: int, n: int, seconds: float) -> float:
+                start = time.perf_counter()
+                stop_at = start + seconds
+                last = counter + n
 
-            async with asyncio.timeout(seconds + 20):
-                await asyncio.gather(*(loop() for _ in range(conc)))
-            elapsed = time.perf_counter() - start
-        return len(lat), elapsed, lat
+                async def loop() -> None:
+                    nonlocal counter
+                    while counter < last and time.perf_counter() < stop_at:
+                        rid = counter
+                        counter += 1
+                        t0 = time.perf_counter()
+                        body = encode(ScoreRequest(request_id=rid, items=items))
+                        async with session.post(url, data=body, headers=headers) as resp:
+                            data = await resp.read()
+                        reply = decode(data)
+                        lat.append(time.perf_counter() - t0)
+                        assert reply.request_id == rid and len(reply.results) == len(items)
 
-    return asyncio.run(main())
+                async with asyncio.timeout(seconds + 20):
+                    await asyncio.gather(*(loop() for _ in range(conc)))
+                return time.perf_counter() - start
+
+            # warm-up: one keep-alive connection per task, all open before the measurement
+            await run_async(args.concurrency, 4 * args.concurrency, 10.0)
+            lat.clear()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, client_ready)
+            cpu0 = time.process_time()
+            elapsed = await run_async(args.concurrency, args.requests, args.seconds)
+            client_report(elapsed, time.process_time() - cpu0, lat)
+
+    asyncio.run(main())
+
+
+def client_ready() -> None:
+    """Tell the parent this client is warmed up, then wait for its go (one line on stdin)."""
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+def client_report(elapsed: float, cpu: float, lat: list[float]) -> None:
+    print(json.dumps({"elapsed": elapsed, "cpu": cpu, "lat": [round(x * 1e6) for x in lat]}), flush=True)
+
+
+def client_ready_then_measure(args: argparse.Namespace, run, lat: list[float]) -> None:
+    client_ready()
+    cpu0 = time.process_time()
+    elapsed = run(args.concurrency, args.requests, args.seconds)
+    client_report(elapsed, time.process_time() - cpu0, lat)
+
+
+ROLES = {"zmq-worker": role_zmq_worker, "router": role_router,
+         "http-worker": role_http_worker, "http-proxy": role_http_proxy,
+         "zmq-client": role_zmq_client, "http-client": role_http_client}
+
+
+def cpu_seconds(procs: list[subprocess.Popen]) -> float:
+    """User + system CPU time of live processes so far (from /proc; clock-tick resolution)."""
+    total = 0
+    for proc in procs:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class Mode:
+    """One mode's long-lived processes, and how its clients reach it."""
+
+    def __init__(self, name: str, client_role: str, target: dict[str, str | int],
+                 hop: list[subprocess.Popen], workers: list[subprocess.Popen]) -> None:
+        self.name, self.client_role, self.target = name, client_role, target
+        self.hop, self.workers = hop, workers
+
+    def measure(self, args: argparse.Namespace, conc: int, items: int, n: int,
+                seconds: float) -> dict[str, float]:
+        """Run ``--clients`` client processes (at most ``conc``) sharing ``conc`` in flight."""
+        k = max(1, min(args.clients, conc))
+        shares = [conc // k + (i < conc % k) for i in range(k)]
+        clients = [spawn(self.client_role, args.child_lifetime, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, concurrency=share, items=items,
+                         requests=max(1, n // k), seconds=seconds, **self.target)
+                   for share in shares]
+        try:
+            for proc in clients:
+                if proc.stdout.readline().strip() != b"ready":
+                    raise RuntimeError(f"{self.client_role} did not start")
+            hop0, workers0 = cpu_seconds(self.hop), cpu_seconds(self.workers)
+            for proc in clients:
+                proc.stdin.write(b"go\n")
+                proc.stdin.flush()
+            reports = []
+            for proc in clients:
+                out, _ = proc.communicate(timeout=seconds + 60)
+                reports.append(json.loads(out))
+            hop1, workers1 = cpu_seconds(self.hop), cpu_seconds(self.workers)
+        finally:
+            for proc in clients:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                CHILDREN.remove(proc)
+        lat = sorted(x for r in reports for x in r["lat"])
+        done = len(lat)
+        elapsed = max(r["elapsed"] for r in reports)
+        us = 1e6 / max(1, done)
+        return {"done": done, "elapsed": elapsed, "rps": done / elapsed, "ips": done * items / elapsed,
+                "p50": pct(lat, 0.5) / 1e3, "p99": pct(lat, 0.99) / 1e3,
+                "cpu_client": sum(r["cpu"] for r in reports) * us,
+                "cpu_hop": (hop1 - hop0) * us, "cpu_workers": (workers1 - workers0) * us}
+
+
+def start_mode(mode: str, args: argparse.Namespace, sockets: str) -> Mode:
+    life = args.child_lifetime
+    if mode == "direct":
+        eps = [f"ipc://{sockets}/direct-{i}" for i in range(args.workers)]
+        workers = [spawn("zmq-worker", life, bind=ep, name=f"echo-{i}") for i, ep in enumerate(eps)]
+        return Mode(mode, "zmq-client", {"connect": ",".join(eps)}, [], workers)
+    if mode == "router":
+        front, back = f"ipc://{sockets}/router", f"ipc://{sockets}/router-workers"
+        hop = [spawn("router", life, bind=front, connect=back)]
+        time.sleep(0.5)
+        workers = [spawn("zmq-worker", life, connect=back, name=f"echo-{i}") for i in range(args.workers)]
+        return Mode(mode, "zmq-client", {"connect": front}, hop, workers)
+    if mode in ("http-direct", "http-proxy"):
+        ports = [free_port() for _ in range(1 if mode == "http-direct" else args.workers)]
+        workers = [spawn("http-worker", life, port=port) for port in ports]
+        for port in ports:
+            wait_http(port)
+        if mode == "http-direct":
+            return Mode(mode, "http-client", {"port": ports[0]}, [], workers)
+        target = free_port()
+        hop = [spawn("http-proxy", life, port=target, upstreams=",".join(map(str, ports)))]
+        wait_http(target)
+        return Mode(mode, "http-client", {"port": target}, hop, workers)
+    raise SystemExit(f"unknown mode {mode}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="echo workers behind router/proxy/direct")
     p.add_argument("--concurrency", default="1,32", help="requests in flight, comma-separated")
+    p.add_argument("--items", default="1,8", help="ScoreItems per request, comma-separated")
+    p.add_argument("--clients", type=int, default=1, help="client processes (every mode alike)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians reported)")
-    p.add_argument("--requests", type=int, default=4000, help="max requests per measurement")
-    p.add_argument("--seconds", type=float, default=3.0, help="max seconds per measurement")
-    p.add_argument("--warmup", type=int, default=300, help="warm-up requests per mode (C = 4)")
+    p.add_argument("--requests", type=int, default=200_000, help="max requests per measurement")
+    p.add_argument("--seconds", type=float, default=2.0, help="max seconds per measurement")
     p.add_argument("--modes", default="direct,router,http-direct,http-proxy")
-    p.add_argument("--child-lifetime", type=float, default=600.0)
+    p.add_argument("--child-lifetime", type=float, default=900.0)
     # child-only
     p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     p.add_argument("--parent", type=int, help=argparse.SUPPRESS)
@@ -349,98 +491,89 @@ def main() -> int:
 
     if args.role:
         _die_with_parent(args.parent, args.child_lifetime)
+        if args.role.endswith("-client"):
+            args.concurrency, args.items = int(args.concurrency), int(args.items)
         ROLES[args.role](args)
         return 0
 
     concs = [int(c) for c in args.concurrency.split(",")]
-    modes = args.modes.split(",")
+    item_counts = [int(i) for i in args.items.split(",")]
+    names = args.modes.split(",")
     sockets = tempfile.mkdtemp(dir="/tmp", prefix="bench-router-")
-    life = args.child_lifetime
+    sizes = ", ".join(f"{i} items: msgpack {len(msgspec.msgpack.encode(ScoreRequest(0, [ITEM] * i)))} B "
+                      f"json {len(msgspec.json.encode(ScoreRequest(0, [ITEM] * i)))} B" for i in item_counts)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()}, "
-          f"workers={args.workers}, request = 1 ScoreItem ({len(SOLUTION)}-char solution), "
-          f"msgpack {len(msgspec.msgpack.encode(ScoreRequest(0, [ITEM])))} B, "
-          f"json {len(msgspec.json.encode(ScoreRequest(0, [ITEM])))} B, "
-          f"{args.rounds} rounds x (<= {args.requests} req or <= {args.seconds} s) per mode and C",
-          flush=True)
+          f"workers={args.workers}, clients={args.clients}, item = {len(SOLUTION)}-char solution "
+          f"({sizes}), {args.rounds} rounds x (<= {args.requests} req or <= {args.seconds} s) "
+          f"per mode, C and items", flush=True)
 
-    # (mode, C) -> one (requests, req/s, p50 ms, p99 ms) per round
-    results: dict[tuple[str, int], list[tuple[int, float, float, float]]] = {}
+    results: dict[tuple[str, int, int], list[dict[str, float]]] = {}
     try:
         # every mode's processes are up for the whole run (idle ones only heartbeat), and the
         # measurements are interleaved round by round in a rotated order: load from other jobs
         # that comes and goes then hits every mode alike
-        runs = {}
-        for mode in modes:
-            if mode == "direct":
-                eps = [f"ipc://{sockets}/direct-{i}" for i in range(args.workers)]
-                for i, ep in enumerate(eps):
-                    spawn("zmq-worker", life, bind=ep, name=f"echo-{i}")
-                runs[mode] = lambda c, n, s, eps=eps: zmq_run(eps, c, n, s)
-            elif mode == "router":
-                front, back = f"ipc://{sockets}/router", f"ipc://{sockets}/router-workers"
-                spawn("router", life, bind=front, connect=back)
-                time.sleep(0.5)
-                for i in range(args.workers):
-                    spawn("zmq-worker", life, connect=back, name=f"echo-{i}")
-                runs[mode] = lambda c, n, s, front=front: zmq_run([front], c, n, s)
-            elif mode in ("http-direct", "http-proxy"):
-                nw = 1 if mode == "http-direct" else args.workers
-                ports = [free_port() for _ in range(nw)]
-                for port in ports:
-                    spawn("http-worker", life, port=port)
-                for port in ports:
-                    wait_http(port)
-                target = ports[0]
-                if mode == "http-proxy":
-                    target = free_port()
-                    spawn("http-proxy", life, port=target, upstreams=",".join(map(str, ports)))
-                    wait_http(target)
-                runs[mode] = lambda c, n, s, t=target: http_run(t, c, n, s)
-            else:
-                raise SystemExit(f"unknown mode {mode}")
+        modes = {name: start_mode(name, args, sockets) for name in names}
         time.sleep(1.0)
-        for mode in modes:
-            runs[mode](4, args.warmup, args.seconds)  # warm-up: connections, imports, caches
+        for mode in modes.values():
+            mode.measure(args, 4, 1, 2000, 0.5)  # warm-up: imports, caches, the router's workers
         for r in range(args.rounds):
-            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            order = names[r % len(names):] + names[:r % len(names)]
             print(f"round {r + 1}/{args.rounds} (load {os.getloadavg()[0]:.2f})", flush=True)
-            for mode in order:
+            for name in order:
                 for c in concs:
-                    done, elapsed, lat = runs[mode](c, args.requests, args.seconds)
-                    lat.sort()
-                    row = (done, done / elapsed, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3)
-                    results.setdefault((mode, c), []).append(row)
-                    print(f"  {mode:<12} C={c:<3} {done:>6} req in {elapsed:5.2f} s  {row[1]:>8.0f} req/s"
-                          f"  p50 {row[2]:7.3f} ms  p99 {row[3]:7.3f} ms", flush=True)
+                    for items in item_counts:
+                        row = modes[name].measure(args, c, items, args.requests, args.seconds)
+                        results.setdefault((name, c, items), []).append(row)
+                        print(f"  {name:<12} C={c:<3} items={items:<2} {row['done']:>6} req in "
+                              f"{row['elapsed']:5.2f} s {row['rps']:>7.0f} req/s {row['ips']:>7.0f} "
+                              f"items/s  p50 {row['p50']:7.3f} ms  p99 {row['p99']:7.3f} ms  CPU us/req "
+                              f"client {row['cpu_client']:4.0f} hop {row['cpu_hop']:4.0f} "
+                              f"workers {row['cpu_workers']:4.0f}", flush=True)
     finally:
         kill_children()
         shutil.rmtree(sockets, ignore_errors=True)
 
     med = statistics.median
     print()
-    print(f"medians over {args.rounds} rounds (per-round min..max in brackets)")
-    print(f"{'mode':<12} {'C':>3} {'req/s':>20} {'p50 ms':>22} {'p99 ms':>8}")
-    for (mode, c), rs in results.items():
-        rps, p50, p99 = [x[1] for x in rs], [x[2] for x in rs], [x[3] for x in rs]
-        print(f"{mode:<12} {c:>3} {med(rps):>7.0f} [{min(rps):>5.0f}..{max(rps):>5.0f}] "
-              f"{med(p50):>7.3f} [{min(p50):.3f}..{max(p50):.3f}] {med(p99):>8.3f}")
+    print(f"medians over {args.rounds} rounds (per-round min..max in brackets); "
+          f"CPU = CPU time per request in us, by process kind")
+    print(f"{'mode':<12} {'C':>3} {'items':>5} {'req/s':>20} {'items/s':>8} {'p50 ms':>22} {'p99 ms':>8} "
+          f"{'CPU client':>10} {'hop':>5} {'workers':>7}")
+    for (name, c, items), rs in results.items():
+        col = {k: [x[k] for x in rs] for k in rs[0]}
+        print(f"{name:<12} {c:>3} {items:>5} {med(col['rps']):>7.0f} [{min(col['rps']):>5.0f}..{max(col['rps']):>5.0f}] "
+              f"{med(col['ips']):>8.0f} {med(col['p50']):>7.3f} [{min(col['p50']):.3f}..{max(col['p50']):.3f}] "
+              f"{med(col['p99']):>8.3f} {med(col['cpu_client']):>10.0f} {med(col['cpu_hop']):>5.0f} "
+              f"{med(col['cpu_workers']):>7.0f}")
 
-    def ratio(a: tuple[str, int], b: tuple[str, int], field: int) -> str:
-        per_round = [x[field] / y[field] for x, y in zip(results[a], results[b], strict=True)]
+    def ratio(a: tuple[str, int, int], b: tuple[str, int, int], key: str) -> str:
+        per_round = [x[key] / y[key] for x, y in zip(results[a], results[b], strict=True)]
+        of_medians = med(x[key] for x in results[a]) / med(y[key] for y in results[b])
         return (f"{med(per_round):.2f}x (per round {min(per_round):.2f}..{max(per_round):.2f}; "
-                f"of medians {med(x[field] for x in results[a]) / med(y[field] for y in results[b]):.2f}x)")
+                f"of medians {of_medians:.2f}x)")
 
     c1, cmax = min(concs), max(concs)
-    print()
-    if ("router", c1) in results and ("direct", c1) in results:
-        print(f"router p50 / direct p50 at C={c1}: {ratio(('router', c1), ('direct', c1), 2)}  target < 2x")
-        for c in concs:
-            print(f"router req/s / direct req/s at C={c}: {ratio(('router', c), ('direct', c), 1)}")
-    if ("router", cmax) in results and ("http-proxy", cmax) in results:
-        for c in concs:
-            print(f"router req/s / http-proxy req/s at C={c}: {ratio(('router', c), ('http-proxy', c), 1)}"
-                  + ("  target >= 10x" if c == cmax else ""))
-        print(f"http-proxy p50 / router p50 at C={c1}: {ratio(('http-proxy', c1), ('router', c1), 2)}")
+    for items in item_counts:
+        print()
+        print(f"items={items} per request (req/s ratios; items/s ratios are the same)")
+        if ("router", c1, items) in results and ("direct", c1, items) in results:
+            print(f"  router p50 / direct p50 at C={c1}: {ratio(('router', c1, items), ('direct', c1, items), 'p50')}"
+                  + ("  target < 2x" if c1 == 1 else ""))
+            for c in concs:
+                print(f"  router req/s / direct req/s at C={c}: "
+                      f"{ratio(('router', c, items), ('direct', c, items), 'rps')}")
+        if ("router", cmax, items) in results and ("http-proxy", cmax, items) in results:
+            for c in concs:
+                print(f"  router req/s / http-proxy req/s at C={c}: "
+                      f"{ratio(('router', c, items), ('http-proxy', c, items), 'rps')}"
+                      + ("  target >= 10x" if c == cmax else ""))
+            print(f"  http-proxy p50 / router p50 at C={c1}: "
+                  f"{ratio(('http-proxy', c1, items), ('router', c1, items), 'p50')}")
+            print(f"  http-proxy hop CPU / router hop CPU per request at C={cmax}: "
+                  f"{ratio(('http-proxy', cmax, items), ('router', cmax, items), 'cpu_hop')}")
+        if ("direct", cmax, items) in results and ("http-proxy", cmax, items) in results:
+            print(f"  direct req/s / http-proxy req/s at C={cmax}: "
+                  f"{ratio(('direct', cmax, items), ('http-proxy', cmax, items), 'rps')}  (no router at all)")
     return 0
 
 

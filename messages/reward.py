@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from messages.rollout import ChatMessage
+
 
 class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One completion to score (verl ``compute_score`` arguments)."""
@@ -19,6 +21,7 @@ class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
     ground_truth: str
     extra_info: dict[str, str | int | float] = {}
     response_length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
+    prompt: list[ChatMessage] = []  # the prompt's messages, for scorers that read it (reward models)
 
 
 class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

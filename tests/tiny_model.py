@@ -9,7 +9,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 +=?\n")
@@ -19,22 +24,42 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
                                    bos_token=None, unk_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(hidden: int = 64, layers: int = 2, **extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, pad_token_id=0,
+                       eos_token_id=VOCAB["<|im_end|>"], bos_token_id=None, **extra)
+
+
+def build_tiny_model(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    fast = tiny_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True,
-                         pad_token_id=0, eos_token_id=vocab["<|im_end|>"], bos_token_id=None)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_config(hidden, layers, tie_word_embeddings=True))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     fast.save_pretrained(path)
+    return path
+
+
+def build_tiny_reward_model(path: Path, *, seed: int = 0) -> Path:
+    """A random one-label ``LlamaForSequenceClassification`` (a reward model) and the tokenizer."""
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(tiny_config(num_labels=1))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path

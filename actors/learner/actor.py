@@ -71,9 +71,10 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     cfg = topo.learner
     torch.set_num_threads(cfg.threads)
     trainer = await anyio.to_thread.run_sync(Trainer, topo, ctx.run_dir)
-    weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8)
+    weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8,
+                               curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
-                         identity=ctx.name.encode())
+                         identity=ctx.name.encode(), curve=ctx.curve)
     server = WeightsServer(weights_sock)
     replay_codec: Codec[FromReplay] = Codec(FromReplay)
     metrics_file = ctx.run_dir / "metrics.jsonl"

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from actors.runtime.config import Topology
+from actors.runtime.security import CurveKeys, HandshakeRefused, ZapHandler
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply, Finished, Heartbeat, Ready, StatusValue, Stop, ToActor
@@ -47,6 +48,10 @@ class ActorContext:
     """DEALER to the runner (None when the actor runs without a runner, e.g. in tests)."""
     label: str = ""
     """A name other than ``KIND-INDEX`` (a worker attached by hand: ``reward-attached-PID``)."""
+    curve: CurveKeys | None = None
+    """CURVE keys for every socket the actor makes (None: the job runs without ``[security]``)."""
+    zap: ZapHandler | None = None
+    """The ZAP handler of this process's context, whose refusals the heartbeat reports."""
 
     @property
     def name(self) -> str:
@@ -76,6 +81,8 @@ async def _heartbeats(ctx: ActorContext, interval: float) -> None:
     started = time.monotonic()
     while True:
         ctx.status["uptime_s"] = round(time.monotonic() - started, 1)
+        if ctx.zap is not None and ctx.zap.refused:
+            ctx.status["auth_refused"] = ctx.zap.refused
         await ctx.report(Heartbeat(actor=ctx.name, status=dict(ctx.status)))
         await anyio.sleep(interval)
 
@@ -122,7 +129,7 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
     """Run ``body`` under the lifecycle: ready, heartbeats, stop on message or signal."""
     if control_address:
         ctx.control = make_socket(ctx.zmq, zmq.DEALER, connect=control_address,
-                                  identity=ctx.name.encode())
+                                  identity=ctx.name.encode(), curve=ctx.curve)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_signals, tg.cancel_scope)
@@ -148,14 +155,18 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
 
 
 def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body, *,
-              name: str = "", supervised: bool = True) -> int:
+              name: str = "", supervised: bool = True, curve: CurveKeys | None = None) -> int:
     """Process entry point: run one actor on trio; returns the exit status.
 
     ``supervised=False`` (a worker attached by hand): no control channel to the runner and no
-    watch on the parent process; it runs until it is stopped by a signal.
+    watch on the parent process; it runs until it is stopped by a signal. With ``curve`` keys
+    every socket uses CURVE, and a process holding the server key answers ZAP requests.
     """
     ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
-                       zmq=zmq.Context(), label=name)
+                       zmq=zmq.Context(), label=name, curve=curve)
+    if curve is not None and curve.server_secret is not None:
+        ctx.zap = ZapHandler(ctx.zmq, {curve.public}, topology.security.authorized_keys,
+                             log=lambda text: print(f"[{ctx.name}] {text}", file=sys.stderr, flush=True))
     control = None if topology.control_address == "auto" or not supervised else topology.control_address
     parent = os.getppid() if supervised else None
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -165,7 +176,11 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
         return 0
     except KeyboardInterrupt:
         return 0
-    except BaseException:
+    except BaseException as exc:
+        refused = _only(exc, HandshakeRefused)
+        if refused is not None:  # says all there is to say: no traceback
+            sys.stderr.write(f"error: [{ctx.name}] {refused}\n")
+            return 1
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         text = traceback.format_exc()
@@ -173,7 +188,16 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
         sys.stderr.write(f"[{ctx.name}] died:\n{text}")
         return 1
     finally:
+        if ctx.zap is not None:
+            ctx.zap.close()
         ctx.zmq.destroy(linger=0)
+
+
+def _only(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """``exc`` when it is a ``kind``, alone or as the sole leaf of nested exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, kind) else None
 
 
 async def run_compute(fn: Callable[..., Any], *args: Any, abort: threading.Event) -> Any:

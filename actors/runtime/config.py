@@ -7,6 +7,7 @@ names the full key path (``learner.total_stepz``) whichever way the value came i
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import tomllib
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import zmq
 
 Restart = Literal["never", "on-failure"]
 
@@ -247,16 +249,18 @@ class RouterConfig(ActorCommon, frozen=True):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
-BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter")
+BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
+                   "reward_model")
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: str = ""
-    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter); set
-    this or ``path``."""
+    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
+    reward_model); set this or ``path`` (reward_model: both)."""
     path: str = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
-    function; it runs in a child process."""
+    function, which runs in a child process; for ``reward_model``, the local Hugging Face
+    directory of a sequence-classification checkpoint (one label: its logit is the score)."""
     name: str = "compute_score"
     """The function in ``path``: ``(data_source, solution_str, ground_truth, extra_info)`` ->
     float or dict(score=..., **numeric extras); ``async def`` works too."""
@@ -268,6 +272,14 @@ class RewardFunction(_Section, frozen=True):
     kwargs: dict[str, str | int | float | bool] = {}
     """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
     format_score)."""
+    batch_size: int = 8
+    """reward_model: sequences per forward pass."""
+    max_length: int = 1024
+    """reward_model: tokens kept per sequence (the start is cut, so the response's end stays)."""
+    reward_mean: float = 0.0
+    """reward_model: the score is (logit - reward_mean) / reward_std."""
+    reward_std: float = 1.0
+    """reward_model: see reward_mean."""
 
 
 class RewardConfig(ActorCommon, frozen=True):
@@ -345,6 +357,19 @@ class LearnerConfig(ActorCommon, frozen=True):
     """Continue from the run directory's latest checkpoint when one exists."""
 
 
+class SecurityConfig(_Section, frozen=True):
+    curve: bool = False
+    """Encrypt and authenticate every socket of the job with ZeroMQ CURVE: binding sockets are
+    CURVE servers, connecting ones clients, and only the job's own key and authorized keys pass."""
+    keys_dir: str = ""
+    """Where the runner keeps the job's keypairs (``server``, ``client``; default RUN_DIR/keys)."""
+    authorized_keys: str = ""
+    """A public key file (``NAME.key``, from ``runner.py keygen NAME``) or a directory of them:
+    the clients allowed to attach besides the job's own actors. Re-read at every handshake."""
+    server_key: str = ""
+    """Set by the runner: the job's CURVE server public key (Z85), which attaching workers use."""
+
+
 class Topology(_Section, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -355,6 +380,7 @@ class Topology(_Section, frozen=True):
     reward: RewardConfig = RewardConfig()
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerConfig = LearnerConfig()
+    security: SecurityConfig = SecurityConfig()
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 
@@ -458,6 +484,17 @@ def _check(topology: Topology) -> None:
     need(R.capacity >= 1, "reward.capacity", "must be >= 1")
     for i, fn in enumerate(R.functions):
         key = f"reward.functions[{i}]"
+        if fn.builtin == "reward_model":
+            need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
+            problem = _reward_model_problem(Path(fn.path))
+            need(problem is None, f"{key}.path", str(problem))
+            need(fn.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
+            need(fn.max_length >= 1, f"{key}.max_length", "must be >= 1")
+            need(math.isfinite(fn.reward_mean), f"{key}.reward_mean", "must be finite")
+            need(math.isfinite(fn.reward_std) and fn.reward_std > 0, f"{key}.reward_std",
+                 "must be > 0")
+            need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
+            continue
         need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
         need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
              f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
@@ -491,6 +528,13 @@ def _check(topology: Topology) -> None:
     need(reuse <= a.max_staleness + 1, "replay.reuse",
          f"a group can be served at most once per policy version while it is fresh, so at most "
          f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
+    sec = topology.security
+    need(not sec.curve or zmq.has("curve"), "security.curve",
+         "this libzmq was built without CURVE support (zmq.has('curve') is False)")
+    need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
+         "needs security.curve = true")
+    need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
+         "must be a 40-character Z85 public key")
 
 
 def _dataset_columns(path: Path) -> set[str]:
@@ -545,6 +589,26 @@ def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
              f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
 
 
+def _reward_model_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
+    its config.json, so the check needs no torch), or None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} is not readable JSON: {exc}"
+    architectures = data.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
+                "not a ...ForSequenceClassification reward model")
+    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
+    if labels != 1:
+        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
+    return None
+
+
 def _key_path_message(msg: str) -> str:
     """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown keys get their own name)."""
     where = ""
@@ -570,16 +634,21 @@ def decode_topology(data: dict[str, Any]) -> Topology:
 
 
 def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function and dataset files are named relative to where the job is started; the
-    actors run elsewhere (and read the resolved topology), so the paths are made absolute here."""
-    R, T = topology.reward, topology.task
-    functions = [msgspec.structs.replace(fn, path=str(Path(fn.path).resolve())) if fn.path else fn
-                 for fn in R.functions]
-    datasets = [msgspec.structs.replace(d, path=str(Path(d.path).resolve())) if d.path else d
-                for d in T.datasets]
+    """Reward function files, dataset files and key paths are named relative to where the job is
+    started; the actors run elsewhere (and read the resolved topology), so the paths are made
+    absolute here."""
+    R, T, sec = topology.reward, topology.task, topology.security
+    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
+    datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
     return msgspec.structs.replace(
         topology, reward=msgspec.structs.replace(R, functions=functions),
-        task=msgspec.structs.replace(T, datasets=datasets))
+        task=msgspec.structs.replace(T, datasets=datasets),
+        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
+                                         authorized_keys=_absolute(sec.authorized_keys)))
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve()) if path else path
 
 
 def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:

@@ -25,15 +25,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import anyio
 import anyio.lowlevel
 import zmq
 
-__all__ = ["AsyncSocket", "SocketStatistics", "make_socket"]
+if TYPE_CHECKING:
+    from actors.runtime.security import CurveKeys
+
+__all__ = ["AsyncSocket", "SocketStatistics", "make_socket", "open_socket"]
 
 T = TypeVar("T")
+
+# pyzmq's constants are enum.Flag members, whose operators run Python code (~1 us each): the
+# hot path uses their int values
+_POLLIN, _POLLOUT, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = _NOBLOCK | int(zmq.SNDMORE)
 
 # How waiting works. zmq.FD is edge-triggered. It turns readable when the
 # socket's command mailbox receives something, and any call on the socket (send,
@@ -69,7 +78,7 @@ class AsyncSocket:
         self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._closed = False
         self._last_events = 0
-        self._waiting: dict[int, int] = {zmq.POLLIN: 0, zmq.POLLOUT: 0}  # tasks in _wait, per flag
+        self._waiting: dict[int, int] = {_POLLIN: 0, _POLLOUT: 0}  # tasks in _wait, per flag
         self._fd_scope: anyio.CancelScope | None = None  # the FD waiter's scope
         self._parked: anyio.Event | None = None  # created lazily: needs a running loop
 
@@ -97,15 +106,23 @@ class AsyncSocket:
         self.close()
 
     def statistics(self) -> SocketStatistics:
-        return SocketStatistics(self._waiting[zmq.POLLOUT], self._waiting[zmq.POLLIN])
+        return SocketStatistics(self._waiting[_POLLOUT], self._waiting[_POLLIN])
 
     async def send_multipart(self, frames: Sequence[Any], *, copy: bool = True) -> None:
         """Send one multipart message, waiting while the peer's high-water mark is full."""
-        await self._retry(zmq.POLLOUT, lambda: self._sock.send_multipart(frames, zmq.NOBLOCK, copy))
+        await self._retry(_POLLOUT, lambda: self._send(frames, copy))
 
     def send_multipart_nowait(self, frames: Sequence[Any], copy: bool = True) -> None:
         """Send one multipart message now, or raise ``zmq.Again`` and send nothing."""
-        self._call(lambda: self._sock.send_multipart(frames, zmq.NOBLOCK, copy))
+        self._call(lambda: self._send(frames, copy))
+
+    def _send(self, frames: Sequence[Any], copy: bool) -> None:
+        # pyzmq's send_multipart, without its per-frame checks and enum arithmetic. Only the
+        # first frame can raise zmq.Again: libzmq queues the rest of a message atomically.
+        send = self._sock.send
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            send(frame, _MORE if i < last else _NOBLOCK, copy=copy)
 
     @overload
     async def recv_multipart(self, *, copy: Literal[True] = ...) -> list[bytes]: ...
@@ -114,11 +131,22 @@ class AsyncSocket:
 
     async def recv_multipart(self, *, copy: bool = True) -> list[bytes] | list[zmq.Frame]:
         """Receive one multipart message. With ``copy=False`` the parts are ``zmq.Frame``s."""
-        return await self._retry(zmq.POLLIN, lambda: self._sock.recv_multipart(zmq.NOBLOCK, copy))
+        return await self._retry(_POLLIN, lambda: self._recv(copy))
 
     def recv_multipart_nowait(self, *, copy: bool = True) -> list[bytes] | list[zmq.Frame]:
         """Receive one multipart message now, or raise ``zmq.Again``."""
-        return self._call(lambda: self._sock.recv_multipart(zmq.NOBLOCK, copy))
+        return self._call(lambda: self._recv(copy))
+
+    def _recv(self, copy: bool) -> list[Any]:
+        # Frames rather than bytes: ``Frame.more`` is a field of the message, where
+        # getsockopt(RCVMORE) costs an enum lookup in pyzmq, about 1.5 us per frame
+        recv = self._sock.recv
+        frame = recv(_NOBLOCK, copy=False)
+        parts = [frame.bytes if copy else frame]
+        while frame.more:  # the rest of a message is there once its first frame is
+            frame = recv(_NOBLOCK, copy=False)
+            parts.append(frame.bytes if copy else frame)
+        return parts
 
     def _call(self, op: Callable[[], T]) -> T:
         if self._closed:
@@ -133,7 +161,7 @@ class AsyncSocket:
         if self._closed:
             return
         with suppress(zmq.ZMQError):  # a broken socket shows up on the next call
-            events = cast(int, self._sock.getsockopt(zmq.EVENTS))
+            events = cast(int, self._sock.get(_EVENTS))
             rising = events & ~self._last_events
             self._last_events = events
             if any(rising & flag and n for flag, n in self._waiting.items()):
@@ -207,9 +235,27 @@ def make_socket(
     connect: str | None = None,
     hwm: int = 1000,
     identity: bytes | None = None,
+    curve: CurveKeys | None = None,
 ) -> AsyncSocket:
     """Create a socket of ``kind`` (e.g. ``zmq.DEALER``) with both HWMs set to ``hwm``,
-    ``LINGER=0`` and an optional routing ``identity``, then bind and/or connect it."""
+    ``LINGER=0`` and an optional routing ``identity``, then bind or connect it. With ``curve``
+    keys a binding socket is a CURVE server and a connecting one a CURVE client."""
+    return AsyncSocket(open_socket(ctx, kind, bind=bind, connect=connect, hwm=hwm,
+                                   identity=identity, curve=curve))
+
+
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    hwm: int = 1000,
+    identity: bytes | None = None,
+    curve: CurveKeys | None = None,
+) -> zmq.Socket:
+    """:func:`make_socket` without the async wrapper, for a socket served by a blocking loop in
+    its own thread (the router's)."""
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -217,6 +263,10 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, 0)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if curve is not None:
+            if bind is not None and connect is not None:
+                raise ValueError("a CURVE socket either binds (server) or connects (client)")
+            curve.configure(sock, server=bind is not None)
         if bind is not None:
             sock.bind(bind)
         if connect is not None:
@@ -224,4 +274,4 @@ def make_socket(
     except BaseException:
         sock.close(linger=0)
         raise
-    return AsyncSocket(sock)
+    return sock

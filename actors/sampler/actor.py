@@ -47,9 +47,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     engine = await anyio.to_thread.run_sync(
         HFEngine, Path(topo.model.path), cfg, topo.model.dtype, topo.run.seed * 1009 + ctx.index
     )
-    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address, identity=ctx.name.encode())
-    router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address)
-    weights = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4)
+    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address, identity=ctx.name.encode(),
+                         curve=ctx.curve)
+    router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address, curve=ctx.curve)
+    weights = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
+                          curve=ctx.curve)
     replay_codec: Codec[FromReplay] = Codec(FromReplay)
     router_codec: Codec[ToClient] = Codec(ToClient)
     weights_codec: Codec[FromLearnerWeights] = Codec(FromLearnerWeights)
@@ -105,11 +107,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
         try:
             started = time.monotonic()
             items = [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                               len(c.response_ids))
+                               len(c.response_ids), p.messages)
                      for p, group in zip(prompts, groups, strict=True) for c in group]
             if greedy is not None:  # remax baselines are scored after the samples
                 items += [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                                    len(c.response_ids))
+                                    len(c.response_ids), p.messages)
                           for p, c in zip(prompts, greedy, strict=True)]
             rid = next(request_ids)
             done = anyio.Event()

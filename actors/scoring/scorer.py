@@ -3,7 +3,8 @@
 With ``[[reward.functions]]`` configured, every item is scored by every function and the
 scores are summed with their weights; without, each item goes to the built-in named by its
 ``data_source`` (verl's default data sources included). Built-in rules run on a worker thread;
-user functions and math-verify run in the child pool. An item any function failed on scores
+user functions and math-verify run in the child pool; a reward model runs batched on a worker
+thread of its own (``reward_model``). An item any function failed on scores
 0.0 with the errors joined in ``ScoreResult.error``; the rest may get DAPO's overlong penalty.
 ``score`` never raises for a scorer's fault and never blocks the event loop.
 """
@@ -18,6 +19,7 @@ import anyio
 from actors.runtime.config import RewardConfig, RewardFunction
 from actors.scoring.pool import ChildPool
 from actors.scoring.protocol import FunctionSpec, Outcome, make_call, run_call
+from actors.scoring.reward_model import RewardModel
 from actors.scoring.rules import BUILTINS, DATA_SOURCES, IN_CHILD, overlong_penalty
 from messages.reward import ScoreItem, ScoreResult
 
@@ -44,6 +46,7 @@ class _Component:
     weight: float
     spec: FunctionSpec
     child_index: int  # index into the pool's functions, or -1: runs on a worker thread
+    model: RewardModel | None = None  # set for reward_model, which scores instead of spec
 
 
 def _label(fn: RewardFunction) -> str:
@@ -54,7 +57,7 @@ class Scoring:
     """Scores items as ``cfg`` says; ``max_response_length`` is the overlong penalty's L_max
     when ``cfg.max_response_length`` is 0 (the sampler's ``max_tokens``)."""
 
-    def __init__(self, cfg: RewardConfig, max_response_length: int) -> None:
+    def __init__(self, cfg: RewardConfig, max_response_length: int, threads: int = 1) -> None:
         self.cfg = cfg
         self.max_length = cfg.max_response_length or max_response_length
         child_specs: list[FunctionSpec] = []
@@ -66,6 +69,10 @@ class Scoring:
             in_child = not fn.builtin or fn.builtin in IN_CHILD
             label = _label(fn) if _label(fn) not in labels else f"{_label(fn)}#{i}"
             labels.add(label)
+            if fn.builtin == "reward_model":
+                self._components.append(_Component(label, fn.weight, spec, -1,
+                                                   RewardModel(fn, threads)))
+                continue
             self._components.append(_Component(label, fn.weight, spec,
                                                len(child_specs) if in_child else -1))
             if in_child:
@@ -84,6 +91,12 @@ class Scoring:
         return ScoringStatistics(self._items, self._errors, pool.timeouts, pool.crashes,
                                  pool.children, pool.started)
 
+    async def load(self) -> None:
+        """Load the reward models now (on a thread), so a broken one fails the worker at start."""
+        for c in self._components:
+            if c.model is not None:
+                await anyio.to_thread.run_sync(c.model.load)
+
     async def aclose(self) -> None:
         await self.pool.aclose()
 
@@ -93,8 +106,9 @@ class Scoring:
             per_function = [[Outcome()] * len(items) for _ in self._components]
 
             async def run(k: int) -> None:
-                per_function[k] = await self._run(self._components[k].spec,
-                                                  self._components[k].child_index, items)
+                c = self._components[k]
+                per_function[k] = (await c.model.score(items) if c.model is not None
+                                   else await self._run(c.spec, c.child_index, items))
 
             async with anyio.create_task_group() as tg:
                 for k in range(len(self._components)):

@@ -1,0 +1,90 @@
+"""A reward model as a scorer: a Hugging Face sequence-classification checkpoint with one label.
+
+The text scored is the prompt's messages plus the response, through the tokenizer's chat
+template when it has one (the response as the assistant's turn), else the messages' contents
+and the response joined by newlines. The score is the label's logit at the last token (as TRL
+and OpenRLHF reward models are trained), shifted and scaled by ``reward_mean``/``reward_std``.
+
+The model is loaded once per reward worker and runs in the worker's process, in a worker
+thread, one batch of ``batch_size`` sequences at a time: it is the job's own trusted
+checkpoint, not user code, and reloading it in a fresh child after every timeout would cost
+more than the call. torch and transformers are imported only when a reward model is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from actors.runtime.config import RewardFunction
+from actors.scoring.protocol import Outcome
+from messages.reward import ScoreItem
+
+
+class RewardModel:
+    """``fn.path``'s checkpoint, scoring items in batches on a worker thread."""
+
+    def __init__(self, fn: RewardFunction, threads: int = 1) -> None:
+        self.fn = fn
+        self.threads = threads
+        self._model: Any = None  # loaded by load(); None until then
+        self._tokenizer: Any = None
+        self._lock = anyio.Lock()  # one forward at a time: the threads share the model
+
+    def load(self) -> None:
+        """Load the tokenizer and the model (blocking: call it on a worker thread)."""
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.set_num_threads(self.threads)
+        path = Path(self.fn.path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        if model.config.num_labels != 1:
+            raise ValueError(f"{path}: {model.config.num_labels} labels; a reward model has one")
+        if tokenizer.pad_token_id is None:  # the last real token is found by its padding
+            if self.fn.batch_size > 1:
+                raise ValueError(f"{path}: the tokenizer has no pad token, so batch_size must be 1")
+        elif model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        tokenizer.padding_side = "right"
+        tokenizer.truncation_side = "left"  # keep the end of the response, where the score is read
+        self._model, self._tokenizer = model.eval(), tokenizer
+
+    def text(self, item: ScoreItem) -> str:
+        """What the model reads for one item."""
+        messages = [{"role": m.role, "content": m.content} for m in item.prompt]
+        if self._tokenizer.chat_template:
+            messages.append({"role": "assistant", "content": item.solution_str})
+            return str(self._tokenizer.apply_chat_template(messages, tokenize=False))
+        return "\n".join([m["content"] for m in messages] + [item.solution_str])
+
+    def score_sync(self, items: list[ScoreItem]) -> list[float]:
+        """Scores of ``items`` in order, ``batch_size`` at a time (blocking)."""
+        import torch
+
+        if self._model is None:
+            self.load()
+        templated = bool(self._tokenizer.chat_template)
+        scores: list[float] = []
+        for start in range(0, len(items), self.fn.batch_size):
+            texts = [self.text(item) for item in items[start:start + self.fn.batch_size]]
+            batch = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                                    max_length=self.fn.max_length,
+                                    add_special_tokens=not templated)  # the template has them
+            with torch.inference_mode():
+                logits = self._model(input_ids=batch["input_ids"],
+                                     attention_mask=batch["attention_mask"]).logits  # (B, 1)
+            scores += ((logits[:, 0].float() - self.fn.reward_mean) / self.fn.reward_std).tolist()
+        return scores
+
+    async def score(self, items: list[ScoreItem]) -> list[Outcome]:
+        """One outcome per item, computed on a worker thread; a failure is every item's error."""
+        async with self._lock:
+            try:
+                scores = await anyio.to_thread.run_sync(self.score_sync, items)
+            except Exception as exc:  # a scorer's fault is a recorded error, never a dead worker
+                return [Outcome(error=f"reward model: {type(exc).__name__}: {exc}"[:500])] * len(items)
+        return [Outcome(score=s) for s in scores]

@@ -1,0 +1,118 @@
+"""The ``reward_model`` scorer on a tiny random ``LlamaForSequenceClassification``: its scores are
+the model's own forward on the chat-templated text, batching changes nothing, bad checkpoints are
+config errors, and a live reward worker serves them (weighted with a rule) over real sockets."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import zmq
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from actors.reward import reward_actor
+from actors.router import router_actor
+from actors.runtime.actor import serve_actor
+from actors.runtime.config import ConfigError
+from actors.runtime.zmq_bridge import make_socket
+from actors.scoring.scorer import Scoring
+from messages.codec import Codec, encode
+from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ToClient
+from messages.rollout import ChatMessage
+from tests.helpers import actor_context, live_topology
+from tests.tiny_model import build_tiny_model, build_tiny_reward_model
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    return build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model")
+
+
+def items() -> list[ScoreItem]:
+    """Responses of different lengths (so a batch pads), with and without a prompt."""
+    prompt = [ChatMessage("system", "answer with a number"), ChatMessage("user", "what is 2 + 3?")]
+    texts = ["5", "it is 5", "6", "the answer is five", "", "55 55 55 55 55 55 55 55"]
+    return [ScoreItem("mine", t, "5", prompt=prompt if i != 2 else []) for i, t in enumerate(texts)]
+
+
+def reference(path, item: ScoreItem) -> float:
+    """The checkpoint's own forward, one sequence, no padding."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    messages = [{"role": m.role, "content": m.content} for m in item.prompt]
+    messages.append({"role": "assistant", "content": item.solution_str})
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0, 0].item()
+
+
+def scoring(path, *extra: str, sockets: str = "/tmp") -> Scoring:
+    fields = ", ".join(['builtin="reward_model"', f'path="{path}"', *extra])
+    topo = live_topology(sockets, f"reward.functions=[{{{fields}}}]")
+    return Scoring(topo.reward, max_response_length=32)
+
+
+@pytest.mark.anyio
+async def test_scores_are_the_models_forward_and_batching_changes_nothing(reward_model):
+    expected = [reference(reward_model, item) for item in items()]
+    one_by_one = scoring(reward_model, "batch_size=1")
+    batched = scoring(reward_model, "batch_size=4")
+    normalised = scoring(reward_model, "batch_size=8", "reward_mean=0.5", "reward_std=2.0")
+    try:
+        single = [r.score for r in await one_by_one.score(items())]
+        many = [r.score for r in await batched.score(items())]
+        norm = [r.score for r in await normalised.score(items())]
+    finally:
+        for s in (one_by_one, batched, normalised):
+            await s.aclose()
+    diff = max(abs(a - b) for a, b in zip(single, many, strict=True))
+    print(f"batched vs one by one: max diff {diff:.2e}")
+    assert diff < 1e-5
+    assert single == pytest.approx(expected, abs=1e-5)
+    assert norm == pytest.approx([(e - 0.5) / 2.0 for e in expected], abs=1e-5)
+    assert len(set(round(s, 6) for s in single)) == len(single)  # the texts really differ
+
+
+def test_bad_reward_model_paths_are_config_errors(reward_model, tmp_path, sockets):
+    def check(fields: str, match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
+            live_topology(sockets, f"reward.functions=[{{{fields}}}]")
+
+    check('builtin="reward_model"', r"reward.functions\[0\].path: reward_model needs")
+    check(f'builtin="reward_model", path="{tmp_path}/none"', r"reward.functions\[0\].path: .*no config")
+    causal = build_tiny_model(tmp_path / "causal")
+    check(f'builtin="reward_model", path="{causal}"',
+          r"reward.functions\[0\].path: .*LlamaForCausalLM, not a ...ForSequenceClassification")
+    check(f'builtin="reward_model", path="{reward_model}", batch_size=0',
+          r"reward.functions\[0\].batch_size: must be >= 1")
+
+
+@pytest.mark.anyio
+async def test_a_live_worker_serves_reward_model_scores_weighted_with_a_rule(reward_model, tmp_path,
+                                                                               sockets):
+    topo = live_topology(sockets, "reward.functions=["
+                         f'{{builtin="reward_model", path="{reward_model}", weight=0.5, batch_size=4}},'
+                         '{builtin="exact_match", weight=2.0}]')
+    expected = [0.5 * reference(reward_model, item) + 2.0 * (item.solution_str == "5")
+                for item in items()]
+    zctx = zmq.Context()
+    codec = Codec(ToClient)
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve_actor, actor_context("router", topo, zctx, tmp_path), router_actor,
+                              None)
+                tg.start_soon(serve_actor, actor_context("reward", topo, zctx, tmp_path), reward_actor,
+                              None)
+                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+                    for request_id in (1, 2):
+                        await client.send_multipart([encode(ScoreRequest(request_id, items()))])
+                        reply = codec.decode((await client.recv_multipart())[-1])
+                        assert isinstance(reply, ScoreReply) and reply.request_id == request_id
+                        assert [r.error for r in reply.results] == [""] * len(expected)
+                        assert [r.score for r in reply.results] == pytest.approx(expected, abs=1e-5)
+                        assert set(reply.results[0].extra) == {"reward_model", "exact_match"}
+                tg.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)
