@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -199,9 +200,18 @@ class Job:
                     p.status = status
                 case StepReport() as report:
                     print(format_step(report, total, stale), flush=True)
+                    self.record_status(report.step)
                 case Finished(detail=detail):
                     p.finished = True
                     print(f"=== {p.name} finished: {detail}", flush=True)
+
+    def record_status(self, step: int) -> None:
+        """One ``status.jsonl`` line per learner step: every actor's last reported status (the
+        router's per-worker in flight, done, failed and latency percentiles among them)."""
+        line = {"step": step, "time": time.time(),
+                **{p.name: p.status for p in self.procs.values() if p.status}}
+        with (self.run_dir / "status.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
 
     async def watch(self) -> None:
         """Print the status table and treat an actor silent past the timeout as dead."""
@@ -351,28 +361,45 @@ def attach_command(args: argparse.Namespace) -> int:
     from actors.runtime.actor import run_actor
     from actors.runtime.config import apply_overrides, decode_topology
 
+    by_address = "://" in args.to  # the router's worker address, e.g. from another machine
     path = Path(args.to)
     topo_file = path if path.suffix == ".json" else path / "topology.json"
-    if not topo_file.is_file():
+    if by_address:
+        if not args.to.startswith(("tcp://", "ipc://")):
+            print(f"error: --to {args.to}: an address is tcp://HOST:PORT or ipc://PATH",
+                  file=sys.stderr)
+            return 2
+        data: dict = {"router": {"worker_address": args.to}}
+        if args.server_key:
+            data["security"] = {"curve": True, "server_key": args.server_key}
+    elif not topo_file.is_file():
         print(f"error: no resolved topology at {topo_file} (is it the run directory of a job "
               "started with runner.py?)", file=sys.stderr)
         return 2
+    elif args.server_key:
+        print("error: --server-key goes with --to ADDRESS; a run directory's topology.json "
+              "already holds the job's server key", file=sys.stderr)
+        return 2
     try:
-        data = msgspec.json.decode(topo_file.read_bytes())
+        if not by_address:
+            data = msgspec.json.decode(topo_file.read_bytes())
         bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(f"{args.kind}.")]
         if bad:
             raise ConfigError(f"only {args.kind}.* keys can be overridden when attaching: {', '.join(bad)}")
         topology = decode_topology(apply_overrides(data, list(args.overrides)))
     except (ConfigError, msgspec.DecodeError) as exc:
-        print(f"error: bad topology {topo_file}: {exc}", file=sys.stderr)
+        print(f"error: bad topology {args.to if by_address else topo_file}: {exc}", file=sys.stderr)
         return 2
     try:
         curve = attach_keys(topology, args.key)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_dir = Path(topology.run.dir) if topology.run.dir else topo_file.parent
     name = args.name or f"{args.kind}-attached-{os.getpid()}"
+    if by_address:  # no run directory here: logs go to ./attached/NAME/logs
+        run_dir = Path("attached") / name
+    else:
+        run_dir = Path(topology.run.dir) if topology.run.dir else topo_file.parent
     module, fn = ATTACHABLE[args.kind]
     body = getattr(importlib.import_module(module), fn)
     print(f"=== {name} (pid {os.getpid()}) attaching to {topology.router.worker_address}; "
@@ -386,8 +413,13 @@ def attach_main(argv: list[str]) -> int:
         epilog="example: python runner.py attach reward --to runs/20260101-120000 reward.capacity=8",
     )
     parser.add_argument("kind", choices=sorted(ATTACHABLE), help="kind of worker")
-    parser.add_argument("--to", required=True, metavar="RUN_DIR",
-                        help="the job's run directory (or its topology.json)")
+    parser.add_argument("--to", required=True, metavar="RUN_DIR|ADDRESS",
+                        help="the job's run directory (or its topology.json), or the router's "
+                             "worker address (tcp://HOST:PORT, ipc://PATH) with the default reward "
+                             "config plus the reward.* overrides given")
+    parser.add_argument("--server-key", default="", metavar="Z85",
+                        help="with --to ADDRESS of a job with CURVE on: the job's server public "
+                             "key (security.server_key in its topology.json); use with --key")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
     parser.add_argument("--key", default=None, metavar="KEY",
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "

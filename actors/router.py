@@ -207,7 +207,9 @@ class RouterState:
         for w in self.workers.values():
             lat = sorted(w.latencies)
             p50 = lat[len(lat) // 2] if lat else 0.0
-            stats[f"{w.name}"] = (f"{len(w.in_flight)}/{w.capacity} done={w.done} p50={p50 * 1e3:.0f}ms"
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
+            stats[f"{w.name}"] = (f"{len(w.in_flight)}/{w.capacity} done={w.done} failed={w.failed} "
+                                  f"p50={p50 * 1e3:.0f}ms p99={p99 * 1e3:.0f}ms"
                                   + (" leaving" if w.leaving else ""))
         if self.pending and not any(w.pool == "reward" and not w.leaving for w in self.workers.values()):
             stats["waiting"] = "no live reward worker"

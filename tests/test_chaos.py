@@ -8,6 +8,7 @@ on Ctrl-C, says bye, answers what it has and exits 0 while the job goes on.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.test_end_to_end import (
     ROOT,
@@ -85,7 +88,8 @@ def test_killed_reward_worker_is_restarted_and_no_request_is_lost(tiny_model, tm
     assert not actor_pids(run_dir)
 
 
-def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_path):
+@pytest.mark.parametrize("to", ["run_dir", "address"])
+def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_path, to):
     run_dir, log, attach_log = tmp_path / "run", tmp_path / "runner.log", tmp_path / "attach.log"
     total = 80
     proc = start_job(tiny_model, run_dir, log, f"learner.total_steps={total}", "reward.capacity=1")
@@ -95,10 +99,13 @@ def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_p
         while not (run_dir / "topology.json").is_file():  # written before any actor starts
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
+        target = str(run_dir)
+        if to == "address":  # as from another machine: only the router's worker address
+            target = json.loads((run_dir / "topology.json").read_text())["router"]["worker_address"]
         with attach_log.open("w") as out:
             worker = subprocess.Popen(
-                [sys.executable, "runner.py", "attach", "reward", "--to", str(run_dir),
-                 "reward.capacity=2"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+                [sys.executable, str(ROOT / "runner.py"), "attach", "reward", "--to", target,
+                 "reward.capacity=2"], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
         name = f"reward-attached-{worker.pid}"
         busy = re.compile(rf"{name}=\d+/2 done=[1-9]")
         deadline = time.monotonic() + 60

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,11 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     recorded = {r["step"]: dict(r["metrics"]) for r in read_table(run_dir, "metrics").to_pylist()}
     assert recorded[40]["critic/score/mean"] == rows[-1]["critic/score/mean"]
     issued = read_table(run_dir, "prompts")["prompt_id"].to_pylist()  # flushed at exit too
+    # the runner's per-step status record: the router's per-worker statistics among it
+    status = [json.loads(line) for line in (run_dir / "status.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in status] == list(range(1, 41))
+    assert re.fullmatch(r"\d+/\d+ done=[1-9]\d* failed=0 p50=\d+ms p99=\d+ms",
+                        status[-1]["router-0"]["reward-0"])
     assert issued == list(range(len(issued))) and len(issued) >= rows[-1]["replay/issued"]
 
     from transformers import AutoModelForCausalLM
