@@ -139,10 +139,13 @@ async def test_a_key_added_to_the_authorized_directory_is_let_in_without_a_resta
         ctx.destroy(linger=0)
 
 
-def attach(run_dir, log, *args: str) -> subprocess.Popen:
+def attach(to, log, *args: str) -> subprocess.Popen:
+    """``runner.py attach reward --to TO ...`` started from the log's folder (an attach by
+    address keeps its logs under ./attached/)."""
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "runner.py", "attach", "reward", "--to", str(run_dir),
-                                 *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen([sys.executable, str(ROOT / "runner.py"), "attach", "reward", "--to",
+                                 str(to), *args], cwd=log.parent, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
 
 
 def test_secured_job_runs_and_only_authorized_keys_attach(tiny_model, tmp_path):
@@ -175,7 +178,10 @@ def test_secured_job_runs_and_only_authorized_keys_attach(tiny_model, tmp_path):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
 
-        good = attach(run_dir, tmp_path / "good.log", "--key", str(tmp_path / "alice.key_secret"))
+        # as from another machine: the router's address and the job's public key, no run directory
+        good = attach(topology["router"]["worker_address"], tmp_path / "good.log",
+                      "--server-key", topology["security"]["server_key"],
+                      "--key", str(tmp_path / "alice.key_secret"), "reward.capacity=1")
         name = f"reward-attached-{good.pid}"
         busy = re.compile(rf"{name}=\d+/1 done=[1-9]")
         deadline = time.monotonic() + 60
