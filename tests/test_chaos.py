@@ -141,3 +141,65 @@ def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_p
         assert name not in last_router_status(after), after[-2000:]
     assert "!!!" not in out, out[-4000:]  # nothing in the job died or was restarted
     assert not actor_pids(run_dir)
+
+
+BAD_REWARD = '''
+import time
+
+from actors.tasks import repeat_letter_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A user function that hangs, raises or allocates without bound on some prompts."""
+    kind = extra_info["index"] % 4
+    if kind == 0:
+        while True:
+            time.sleep(1)
+    if kind == 1:
+        raise RuntimeError("the judge is down")
+    if kind == 2:
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 << 20))
+    return repeat_letter_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_reward_functions_that_hang_raise_or_hoard_memory_cost_their_samples_not_the_job(
+        tiny_model, tmp_path):
+    """The job finishes every step; each failure is a 0.0 score with its error kept with the
+    sample in the recording, and counted by the reward worker."""
+    (tmp_path / "bad_reward.py").write_text(BAD_REWARD)
+    topology = tmp_path / "topology.toml"
+    topology.write_text((ROOT / "topology.toml").read_text() + f'''
+[[reward.functions]]
+path = "{tmp_path / 'bad_reward.py'}"
+''')
+    run_dir = tmp_path / "run"
+    cmd = command(tiny_model, run_dir, *FAST, "learner.total_steps=4", "reward.timeout_s=0.5", "algorithm.n=4",
+                  "reward.memory_mb=512", "reward.processes=2")
+    cmd[2] = str(topology)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(balanced(r) for r in rows)
+    assert not actor_pids(run_dir)
+
+    from actors.recording import read_table
+    by_kind: dict[str, list[float]] = {"hang": [], "raise": [], "memory": [], "ok": []}
+    for g in read_table(run_dir, "groups").to_pylist():
+        said = " ".join(g["reward_errors"])
+        if "timed out" in said:
+            by_kind["hang"] += g["rewards"]
+        elif "the judge is down" in said:
+            by_kind["raise"] += g["rewards"]
+        elif "MemoryError" in said or "killed" in said:
+            by_kind["memory"] += g["rewards"]
+        else:
+            assert set(g["reward_errors"]) == {""}
+            by_kind["ok"] += g["rewards"]
+    for kind, rewards in by_kind.items():
+        assert rewards, f"no group of kind {kind} was recorded"
+        if kind != "ok":
+            assert set(rewards) == {0.0}, kind
+    assert re.search(r"score_errors=[1-9]", res.stdout) and re.search(r"score_timeouts=[1-9]", res.stdout)
