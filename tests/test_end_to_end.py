@@ -136,10 +136,14 @@ def test_ctrl_c_checkpoints_stops_everything_and_resumes(tiny_model, tmp_path):
     ckpt = run_dir / "checkpoints" / f"step_{done}"
     assert ckpt.is_dir(), sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == done
+    half = run_dir / "checkpoints" / ".tmp_step_99_12345"  # as a checkpoint write killed half-way
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
 
     res = subprocess.run(command(tiny_model, run_dir, f"learner.total_steps={done + 2}"), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert not half.exists()
     assert [r["step"] for r in metrics(run_dir)][done:] == [done + 1, done + 2]
     assert not actor_pids(run_dir)
 
