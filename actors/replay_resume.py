@@ -55,7 +55,6 @@ This module reads parquet only (no torch), so the replay process stays light.
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,25 +63,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from actors.learner.checkpoints import latest_checkpoint, read_state
 from actors.recording import decode_group, parts, read_table
 from messages.rollout import ScoredGroup
 
 if TYPE_CHECKING:
     from actors.replay import ReplayState
 
-STATE_FILE = "trainer_state.json"  # written by actors.learner.trainer.Trainer.save_checkpoint
-
-
 def checkpoint_position(run_dir: Path) -> tuple[int, int]:
-    """``(step, version)`` of the run directory's latest checkpoint, ``(0, 0)`` without one.
-
-    The same choice as ``actors.learner.trainer.latest_checkpoint`` (which imports torch):
-    checkpoints are renamed into place whole, so the highest ``step_N`` is the learner's.
-    """
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
-    if not ckpts:
+    """``(step, version)`` of the run directory's latest checkpoint (the one the learner
+    resumes from), ``(0, 0)`` without one."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
         return 0, 0
-    state = json.loads((ckpts[-1] / STATE_FILE).read_text())
+    state = read_state(ckpt)
     return int(state["step"]), int(state.get("version", state["step"]))
 
 

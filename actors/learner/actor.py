@@ -11,13 +11,13 @@ shielded scope.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import anyio
 import torch
 import zmq
 
+from actors.learner.checkpoints import remove_partial
 from actors.learner.trainer import Trainer
 from actors.recording import Recorder
 from actors.runtime.actor import ActorContext, run_compute
@@ -71,9 +71,7 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     topo = ctx.topology
     cfg = topo.learner
     torch.set_num_threads(cfg.threads)
-    # a checkpoint write killed half-way (kill -9) left a temp folder: never a checkpoint, drop it
-    for half in (ctx.run_dir / "checkpoints").glob(".tmp_step_*"):
-        shutil.rmtree(half, ignore_errors=True)
+    remove_partial(ctx.run_dir)  # a checkpoint write killed half-way (kill -9) left a temp folder
     trainer = await anyio.to_thread.run_sync(Trainer, topo, ctx.run_dir)
     weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8,
                                curve=ctx.curve)

@@ -30,6 +30,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.learner.batch import RolloutBatch, build_batch
+from actors.learner.checkpoints import (
+    PARTIAL_PREFIX,
+    STATE_FILE,
+    checkpoints,
+    latest_checkpoint,
+    read_state,
+)
 from actors.learner.objective import (
     Correction,
     correction,
@@ -43,17 +50,9 @@ from kernels.importance import mismatch_metrics, staleness_histogram
 from kernels.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from messages.rollout import ScoredGroup
 
-STATE_FILE = "trainer_state.json"
-
 
 class Aborted(Exception):
     """The step was abandoned because the actor is stopping (no optimizer step was taken)."""
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (written atomically, so any ``step_*`` dir is whole)."""
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
-    return ckpts[-1] if ckpts else None
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
@@ -95,7 +94,7 @@ class Trainer:
         else:
             ckpt = checkpoint
         if ckpt is not None:
-            state = json.loads((ckpt / STATE_FILE).read_text())
+            state = read_state(ckpt)
             self.step = state["step"]
         self.resumed_from = ckpt
         self.tokenizer = AutoTokenizer.from_pretrained(base)
@@ -357,7 +356,7 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"step_{self.step}"
-        tmp = root / f".tmp_step_{self.step}_{os.getpid()}"
+        tmp = root / f"{PARTIAL_PREFIX}{self.step}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         if self.cfg.lora.rank == 0:
             self.model.save_pretrained(tmp)
@@ -381,8 +380,7 @@ class Trainer:
             shutil.rmtree(final)
         os.replace(tmp, final)
         self.saved_step = self.step
-        ckpts = sorted(root.glob("step_*"), key=lambda p: int(p.name[5:]))
-        for stale in ckpts[: -self.cfg.keep_checkpoints]:
+        for _, stale in checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(stale, ignore_errors=True)
         return final
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from actors.learner.checkpoints import STATE_FILE, checkpoints, read_state
 from actors.offline.recorded import OfflineError, open_run, span
 
 EXCLUDED_PREFIXES = ("timing_s/", "perf/", "replay/")
@@ -85,12 +85,8 @@ def comparison_table(recorded: dict[str, float], replayed: dict[str, float]) -> 
 
 def checkpoint_before(run_dir: Path, step: int) -> tuple[Path | None, int]:
     """The newest checkpoint of a step ≤ ``step − 1`` and its step (``None, 0``: the base)."""
-    best: tuple[Path | None, int] = (None, 0)
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        m = re.fullmatch(r"step_(\d+)", path.name)
-        if m and best[1] < int(m.group(1)) <= step - 1:
-            best = (path, int(m.group(1)))
-    return best
+    before = [(path, n) for n, path in checkpoints(run_dir) if n <= step - 1]
+    return before[-1] if before else (None, 0)
 
 
 def parse_dump(spec: str) -> tuple[int, int | None]:
@@ -129,13 +125,10 @@ def replay(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
     import torch
     from transformers.utils import logging as hf_logging
 
-    from actors.learner.trainer import STATE_FILE
-
     hf_logging.disable_progress_bar()  # the report is the output
 
     if ckpt is not None:
-        import json
-        recorded_step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+        recorded_step = read_state(ckpt)["step"]
         if recorded_step != start:
             raise OfflineError(f"{ckpt}: its {STATE_FILE} says step {recorded_step}")
     threads = torch.get_num_threads()
