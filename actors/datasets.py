@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from actors.runtime.config import DatasetConfig, TaskConfig
+from actors.runtime.config import ConfigError, DatasetConfig, TaskConfig, jsonl_rows
 from actors.tasks import TASKS, Task
 from messages.rollout import ChatMessage, Prompt
 
@@ -77,18 +77,10 @@ class FileDataset(Task):
             self.lines: list[dict[str, Any]] = []
         else:
             self.table = None
-            self.lines = []
-            with path.open() as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{key}.path: {path} line {n} is not JSON: {exc}") from None
-                    if not isinstance(row, dict):
-                        raise ValueError(f"{key}.path: {path} line {n} is not a JSON object")
-                    self.lines.append(row)
+            try:
+                self.lines = list(jsonl_rows(path))
+            except ConfigError as exc:
+                raise ValueError(f"{key}.path: {exc}") from None
             self.size = len(self.lines)
         if self.size == 0:
             raise ValueError(f"{key}.path: {path} holds no rows")

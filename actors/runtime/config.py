@@ -11,7 +11,7 @@ import json
 import math
 import re
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -537,12 +537,9 @@ def _check(topology: Topology) -> None:
          "must be a 40-character Z85 public key")
 
 
-def _dataset_columns(path: Path) -> set[str]:
-    """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]
-
-        return set(pq.read_schema(path).names)
+def jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a jsonl file, one JSON object per non-blank line; a line that is not one is
+    a ``ConfigError`` naming the file and the line."""
     import json
 
     with path.open() as f:
@@ -554,8 +551,16 @@ def _dataset_columns(path: Path) -> set[str]:
                     raise ConfigError(f"{path}: line {n} is not JSON: {exc}") from None
                 if not isinstance(row, dict):
                     raise ConfigError(f"{path}: line {n} is not a JSON object")
-                return set(row)
-    return set()
+                yield row
+
+
+def _dataset_columns(path: Path) -> set[str]:
+    """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        return set(pq.read_schema(path).names)
+    return set(next(jsonl_rows(path), {}))
 
 
 def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
