@@ -1,8 +1,8 @@
 """Process entry point of one actor: ``python -m actors.main RUN_DIR KIND INDEX``.
 
 The runner writes the resolved topology to ``RUN_DIR/topology.json`` and starts one process per
-actor instance with this command. Actor modules are imported lazily, so the router and the
-replay buffer never import torch.
+actor instance with this command. Actor bodies are imported lazily from the registry, so the
+router and the replay buffer never import torch.
 """
 
 from __future__ import annotations
@@ -13,26 +13,20 @@ from pathlib import Path
 
 import msgspec
 
+from actors.registry import BY_NAME
 from actors.runtime.actor import run_actor
 from actors.runtime.config import Topology
+from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import job_keys
-
-BODIES = {
-    "replay": ("actors.replay", "replay_actor"),
-    "router": ("actors.router", "router_actor"),
-    "reward": ("actors.reward", "reward_actor"),
-    "sampler": ("actors.sampler.actor", "sampler_actor"),
-    "learner": ("actors.learner.actor", "learner_actor"),
-}
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] not in BODIES:
-        sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BODIES)}}} INDEX\n")
+    if len(argv) != 3 or argv[1] not in BY_NAME:
+        sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BY_NAME)}}} INDEX\n")
         return 2
     run_dir, kind, index = Path(argv[0]), argv[1], int(argv[2])
-    topology = msgspec.json.decode((run_dir / "topology.json").read_bytes(), type=Topology)
-    module, name = BODIES[kind]
+    topology = msgspec.json.decode((run_dir / TOPOLOGY).read_bytes(), type=Topology)
+    module, name = BY_NAME[kind].body.split(":")
     body = getattr(importlib.import_module(module), name)
     return run_actor(kind, index, topology, run_dir, body, curve=job_keys(topology))
 

@@ -1,12 +1,16 @@
 """Reward worker: scores completions with built-in rules and users' functions.
 
 Connects a DEALER to the router's worker address, announces itself (``WorkerHello``), heartbeats,
-and answers each ``ScoreRequest`` with one ``ScoreResult`` per item. ``actors.scoring.Scoring``
-does the work: rules on a worker thread, user code and math-verify in child processes with a
+and answers each routed ``ScoreRequest`` (one group: the prompt's fields once, its responses)
+with a ``ScoreReply`` of one ``ScoreResult`` per response. ``actors.scoring.Scoring`` does the
+work: rules on a worker thread, user code and math-verify in sandboxed child processes with a
 timeout and limits, so heartbeats keep flowing and a scorer that hangs, crashes or raises gives
-score 0.0 and a recorded error while the worker goes on serving; a reward model is loaded at start
-and runs batched on a worker thread. Its counters are published in
-the actor's status (``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
+score 0.0 and a recorded error while the worker goes on serving; a reward model is loaded at
+start and runs batched on a worker thread. Its counters are published in the actor's status
+(``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
+
+Stopping (Stop, SIGTERM, SIGINT, Ctrl-C of an attached worker) is a drain: the worker says bye,
+answers what the router sent it before the router's acknowledgement, then exits.
 """
 
 from __future__ import annotations
@@ -16,20 +20,97 @@ import zmq
 
 from actors.runtime.actor import ActorContext
 from actors.runtime.security import handshake_monitor, watch_handshake
-from actors.runtime.zmq_bridge import make_socket
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from actors.scoring.items import items_of
 from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
-from messages.reward import (
-    RouterError,
-    ScoreReply,
-    ScoreRequest,
-    ToWorker,
-    WorkerBye,
-    WorkerHeartbeat,
-    WorkerHello,
-)
+from messages.reward import ScoreReply, ToRewardWorker
+from messages.routing import Envelope, ToWorker, WorkerBye, WorkerHeartbeat, WorkerHello
 
 BYE_ACK_WAIT_S = 1.0  # with nothing in flight, how long to wait for the router's ack of a bye
+POOL = "reward"
+
+
+class RewardWorker:
+    """Takes routed requests up to ``capacity`` at once and answers each when it is scored."""
+
+    def __init__(self, ctx: ActorContext, sock: AsyncSocket, scoring: Scoring) -> None:
+        self.ctx, self.sock, self.scoring = ctx, sock, scoring
+        self.cfg = ctx.topology.reward
+        self.codec: Codec[ToWorker] = Codec(ToWorker)
+        self.body_codec: Codec[ToRewardWorker] = Codec(ToRewardWorker)
+        self.slots = anyio.Semaphore(self.cfg.capacity)
+        self.done = 0  # requests answered
+        self.in_flight = 0  # requests taken and not yet answered
+        self.idle = anyio.Event()  # set while nothing is in flight
+        self.idle.set()
+        self.acked = anyio.Event()  # the router acknowledged our bye: all it sent us is here
+
+    def publish(self) -> None:
+        s = self.scoring.statistics()
+        self.ctx.status.update(requests_done=self.done, items_scored=s.items,
+                               score_errors=s.errors, score_timeouts=s.timeouts,
+                               score_crashes=s.crashes, score_children=s.children,
+                               score_children_started=s.children_started,
+                               requests_in_flight=self.in_flight)
+
+    async def handle(self, envelope: Envelope, body: bytes) -> None:
+        self.in_flight += 1
+        self.idle = anyio.Event()
+        try:
+            try:
+                request = self.body_codec.decode(body)
+            except DecodeError as exc:  # answered with no results: the client fails the request
+                self.ctx.status["rejected_bodies"] = self.body_codec.rejected
+                self.ctx.status["body_error"] = str(exc)[:200]
+                results = []
+            else:
+                results = await self.scoring.score(items_of(request), request.max_response_length)
+                self.done += 1
+                self.publish()
+            await self.sock.send_multipart([encode(Envelope(envelope.request_id)),
+                                            encode(ScoreReply(results))])
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+            self.slots.release()
+
+    async def heartbeats(self) -> None:
+        while True:
+            await self.sock.send_multipart(
+                [encode(WorkerHeartbeat(self.ctx.name, POOL, self.cfg.capacity))])
+            self.publish()
+            await anyio.sleep(min(1.0, self.ctx.topology.run.heartbeat_interval))
+
+    async def receive(self, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                msg = self.codec.decode(frames[0])
+            except DecodeError:
+                self.ctx.status["rejected_frames"] = self.codec.rejected
+                continue
+            match msg:
+                case WorkerBye():
+                    self.acked.set()
+                case Envelope() if len(frames) == 2:
+                    await self.slots.acquire()
+                    tg.start_soon(self.handle, msg, frames[1])
+                case _:  # a RouterError, or an envelope without its body
+                    self.codec.rejected += 1  # counted with the frames that did not decode
+                    self.ctx.status["rejected_frames"] = self.codec.rejected
+
+    async def drain(self) -> None:
+        """Say bye, answer what was sent before the router's ack (bounded), then return."""
+        await self.sock.send_multipart([encode(WorkerBye(name=self.ctx.name))])
+        self.ctx.status["state"] = "leaving"
+        bound = self.cfg.timeout_s + 5.0
+        with anyio.move_on_after(bound):
+            with anyio.move_on_after(BYE_ACK_WAIT_S if self.in_flight == 0 else bound):
+                await self.acked.wait()  # no ack (router gone): what is in flight still answers
+            while self.in_flight:
+                await self.idle.wait()
 
 
 async def reward_actor(ctx: ActorContext, *, task_status) -> None:
@@ -38,70 +119,10 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     sock = make_socket(ctx.zmq, zmq.DEALER, identity=ctx.name.encode(), curve=ctx.curve)
     monitor = handshake_monitor(sock) if ctx.curve is not None else None
     sock.socket.connect(address)
-    codec: Codec[ToWorker] = Codec(ToWorker)
-    hello = WorkerHello(name=ctx.name, pool="reward", capacity=cfg.capacity)
-    scoring = Scoring(cfg, max_response_length=ctx.topology.sampler.max_tokens, threads=cfg.threads)
+    scoring = Scoring(cfg, threads=cfg.threads)
     await scoring.load()
-    done = 0
-    in_flight = 0
-    slots = anyio.Semaphore(cfg.capacity)
+    worker = RewardWorker(ctx, sock, scoring)
     stopping = anyio.Event()  # cancelled from outside (Stop, SIGTERM, SIGINT): drain, then go
-    acked = anyio.Event()  # the router acknowledged our bye: every request it sent us is here
-    idle = anyio.Event()  # nothing in flight
-
-    def publish() -> None:
-        s = scoring.statistics()
-        ctx.status.update(requests_done=done, items_scored=s.items, score_errors=s.errors,
-                          score_timeouts=s.timeouts, score_crashes=s.crashes,
-                          score_children=s.children, score_children_started=s.children_started,
-                          requests_in_flight=in_flight)
-
-    async def handle(request: ScoreRequest) -> None:
-        nonlocal done, in_flight, idle
-        in_flight += 1
-        idle = anyio.Event()
-        try:
-            results = await scoring.score(request.items)
-            done += 1
-            publish()
-            await sock.send_multipart([encode(ScoreReply(request.request_id, results))])
-        finally:
-            in_flight -= 1
-            if in_flight == 0:
-                idle.set()
-            slots.release()
-
-    async def heartbeats() -> None:
-        while True:
-            await sock.send_multipart([encode(WorkerHeartbeat(ctx.name, hello.pool, cfg.capacity))])
-            publish()
-            await anyio.sleep(min(1.0, ctx.topology.run.heartbeat_interval))
-
-    async def receive(tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                msg = codec.decode(frames[-1])
-            except DecodeError:
-                ctx.status["rejected_frames"] = codec.rejected
-                continue
-            if isinstance(msg, WorkerBye):
-                acked.set()
-                continue
-            if isinstance(msg, RouterError):
-                continue
-            await slots.acquire()
-            tg.start_soon(handle, msg)
-
-    async def drain() -> None:
-        """Say bye, answer what was sent before the router's ack (bounded), then return."""
-        await sock.send_multipart([encode(WorkerBye(name=ctx.name))])
-        ctx.status["state"] = "leaving"
-        with anyio.move_on_after(cfg.timeout_s + 5.0):
-            with anyio.move_on_after(BYE_ACK_WAIT_S if in_flight == 0 else cfg.timeout_s + 5.0):
-                await acked.wait()  # no ack (router gone): whatever is in flight is still answered
-            while in_flight:
-                await idle.wait()
 
     async def watch_cancel() -> None:
         try:
@@ -109,8 +130,8 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
         finally:
             stopping.set()
 
-    await sock.send_multipart([encode(hello)])
-    idle.set()
+    await sock.send_multipart([encode(WorkerHello(name=ctx.name, pool=POOL,
+                                                  capacity=cfg.capacity))])
     task_status.started()
     try:
         with sock:
@@ -118,16 +139,16 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                 outer.start_soon(watch_cancel)  # the only task the outside cancellation reaches
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tg:
-                        tg.start_soon(heartbeats)
+                        tg.start_soon(worker.heartbeats)
                         if monitor is not None:  # a refused key fails the worker, loudly
                             assert ctx.curve is not None
                             tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)
-                        tg.start_soon(receive, tg)
+                        tg.start_soon(worker.receive, tg)
                         await stopping.wait()
-                        await drain()
+                        await worker.drain()
                         tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await scoring.aclose()  # children are killed and reaped, whatever ended the worker
         if ctx.control is None:  # attached by hand (or in a test): say what it did
-            print(f"=== {ctx.name} detached: {done} requests done", flush=True)
+            print(f"=== {ctx.name} detached: {worker.done} requests done", flush=True)

@@ -39,10 +39,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from actors.recording import Recorder  # noqa: E402
-from actors.replay import ReplayState  # noqa: E402
+from actors.data.sources import make_task  # noqa: E402
+from actors.replay.state import ReplayState  # noqa: E402
 from actors.runtime.config import TaskConfig  # noqa: E402
-from actors.tasks import make_task  # noqa: E402
+from actors.runtime.recording import Recorder  # noqa: E402
 from messages.codec import Codec, encode  # noqa: E402
 from messages.rollout import GroupsDone, Sample, ScoredGroup, ToReplay, TrainBatch  # noqa: E402
 from messages.tensor import Tensor  # noqa: E402

@@ -4,10 +4,12 @@
     .venv/bin/python bench/bench_router.py --workers 2 --concurrency 1,32 --items 1,8 --clients 1 \
         --rounds 5 --seconds 2
 
-A request is one ``ScoreRequest`` carrying ``--items`` ``ScoreItem``s (a ~200-character
-solution each; a sampler sends the n completions of a prompt together, so 8 is the realistic
-case), answered by a trivial echo worker with one fixed score per item: nothing is scored, so
-what is measured is the transport. Every component is its own process:
+A request is one ``ScoreRequest`` carrying ``--items`` responses (a ~200-character solution
+each; a sampler sends the n completions of a prompt as one request, so 8 is the realistic case),
+answered by a trivial echo worker with one fixed score per response: nothing is scored, so what
+is measured is the transport. On zmq a request and a reply are two frames, an ``Envelope`` (id,
+pool) and the encoded body, as the sampler's scoring client and the reward worker send them; the
+router reads the envelope only and forwards the body bytes. Every component is its own process:
 
 - ``direct``: client DEALER -> echo workers' ROUTERs over ipc (the DEALER round-robins over the
   workers), no router.
@@ -66,7 +68,9 @@ if str(ROOT) not in sys.path:
 
 import msgspec  # noqa: E402
 
-from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ScoreResult  # noqa: E402
+from messages.reward import Response as Completion  # noqa: E402
+from messages.reward import ScoreReply, ScoreRequest, ScoreResult  # noqa: E402
+from messages.routing import Envelope  # noqa: E402
 
 try:  # the ``bench`` extra; at module level so that FastAPI can resolve the annotations below
     from fastapi import FastAPI, Request, Response
@@ -76,8 +80,12 @@ except ImportError:  # the zmq modes still run
 SOLUTION = ("Let x be the number of apples. Then 3x + 4 = 25, so 3x = 21 and x = 7. "
             "Each basket holds 6 apples, so 7 * 6 = 42 apples in total. ") * 2
 SOLUTION = (SOLUTION + "#### 42")[:200]
-ITEM = ScoreItem("openai/gsm8k", SOLUTION, "42")
 RESULT = [ScoreResult(score=1.0)]
+
+
+def score_request(n: int) -> ScoreRequest:
+    """One group's request: the prompt's fields once, ``n`` responses."""
+    return ScoreRequest("openai/gsm8k", "42", [Completion(SOLUTION, 60)] * n)
 
 
 # ----------------------------------------------------------------------------- children
@@ -101,11 +109,14 @@ def role_zmq_worker(args: argparse.Namespace) -> None:
 
     from actors.runtime.zmq_bridge import make_socket
     from messages.codec import Codec, encode
-    from messages.reward import ToWorker, WorkerHeartbeat, WorkerHello
+    from messages.reward import ToRewardWorker
+    from messages.routing import ToWorker, WorkerHeartbeat, WorkerHello
 
     async def main() -> None:
         zctx = zmq.Context()
         codec: Codec[ToWorker] = Codec(ToWorker)
+        body_codec: Codec[ToRewardWorker] = Codec(ToRewardWorker)
+        routes = 1 if args.bind else 0  # a ROUTER's frames start with the client's identity
         if args.bind:
             sock = make_socket(zctx, zmq.ROUTER, bind=args.bind, hwm=10000)
         else:
@@ -124,18 +135,23 @@ def role_zmq_worker(args: argparse.Namespace) -> None:
 
                     tg.start_soon(heartbeat)
                 while True:
-                    *route, payload = await sock.recv_multipart()
-                    msg = codec.decode(payload)
-                    if isinstance(msg, ScoreRequest):
-                        reply = ScoreReply(request_id=msg.request_id, results=RESULT * len(msg.items))
-                        await sock.send_multipart([*route, encode(reply)])
+                    frames = await sock.recv_multipart()
+                    route, rest = frames[:routes], frames[routes:]
+                    if len(rest) != 2:  # the router's acknowledgements and errors: one frame
+                        continue
+                    envelope = codec.decode(rest[0])
+                    if isinstance(envelope, Envelope):
+                        request = body_codec.decode(rest[1])
+                        reply = ScoreReply(results=RESULT * len(request.responses))
+                        await sock.send_multipart([*route, encode(Envelope(envelope.request_id)),
+                                                   encode(reply)])
 
     anyio.run(main, backend="trio")
 
 
 def role_router(args: argparse.Namespace) -> None:
     """The project's router actor, as the runner would start it (trio, no control channel)."""
-    from actors.router import router_actor
+    from actors.router.actor import router_actor
     from actors.runtime.actor import run_actor
     from actors.runtime.config import apply_overrides, decode_topology
 
@@ -157,7 +173,7 @@ def role_http_worker(args: argparse.Namespace) -> None:
     @app.post("/score")
     async def score(request: Request) -> Response:
         msg = msgspec.json.decode(await request.body(), type=ScoreRequest)
-        reply = ScoreReply(request_id=msg.request_id, results=RESULT * len(msg.items))
+        reply = ScoreReply(results=RESULT * len(msg.responses))
         return Response(content=msgspec.json.encode(reply), media_type="application/json")
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
@@ -263,11 +279,12 @@ def role_zmq_client(args: argparse.Namespace) -> None:
     """Pipelined pyzmq client: ``--concurrency`` requests in flight over one DEALER."""
     import zmq
 
-    from messages.reward import ToClient
+    from messages.routing import ToClient
 
-    decode = msgspec.msgpack.Decoder(ToClient).decode
+    decode_envelope = msgspec.msgpack.Decoder(ToClient).decode
+    decode = msgspec.msgpack.Decoder(ScoreReply).decode
     encode = msgspec.msgpack.Encoder().encode
-    items = [ITEM] * args.items
+    request = score_request(args.items)
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     for opt, val in ((zmq.SNDHWM, 100_000), (zmq.RCVHWM, 100_000), (zmq.LINGER, 0),
@@ -279,27 +296,34 @@ def role_zmq_client(args: argparse.Namespace) -> None:
     lat: list[float] = []
     sent = 0
 
-    def run(conc: int, n: int, seconds: float) -> float:
+    def send_request() -> None:
+        # the body is encoded per request, as the sampler does (one group each)
         nonlocal sent
+        sent_at[sent] = time.perf_counter()
+        sock.send(encode(Envelope(sent, "reward")), zmq.SNDMORE)
+        sock.send(encode(request))
+        sent += 1
+
+    def run(conc: int, n: int, seconds: float) -> float:
         first = sent
         start = time.perf_counter()
         stop_at = start + seconds
         for _ in range(min(conc, n)):
-            sent_at[sent] = time.perf_counter()
-            sock.send(encode(ScoreRequest(request_id=sent, items=items)))
-            sent += 1
+            send_request()
         while sent_at:
             frame = sock.recv(copy=False)  # blocks for the first; zmq.Again after RCVTIMEO
             while True:
-                assert not frame.more
-                reply = decode(frame.buffer)
+                assert frame.more  # an envelope, then the body
+                envelope = decode_envelope(frame.buffer)
+                body = sock.recv(copy=False)
+                assert not body.more
+                reply = decode(body.buffer)
                 now = time.perf_counter()
-                assert isinstance(reply, ScoreReply) and len(reply.results) == len(items), reply
-                lat.append(now - sent_at.pop(reply.request_id))
+                assert isinstance(envelope, Envelope), envelope
+                assert len(reply.results) == len(request.responses), reply
+                lat.append(now - sent_at.pop(envelope.request_id))
                 if sent - first < n and now < stop_at:
-                    sent_at[sent] = now
-                    sock.send(encode(ScoreRequest(request_id=sent, items=items)))
-                    sent += 1
+                    send_request()
                 try:
                     frame = sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -320,7 +344,7 @@ def role_http_client(args: argparse.Namespace) -> None:
 
     url = f"http://127.0.0.1:{args.port}/score"
     headers = {"content-type": "application/json"}
-    items = [ITEM] * args.items
+    request = score_request(args.items)
     decode = msgspec.json.Decoder(ScoreReply).decode
     encode = msgspec.json.Encoder().encode
     lat: list[float] = []
@@ -338,15 +362,14 @@ def role_http_client(args: argparse.Namespace) -> None:
                 async def loop() -> None:
                     nonlocal counter
                     while counter < last and time.perf_counter() < stop_at:
-                        rid = counter
                         counter += 1
                         t0 = time.perf_counter()
-                        body = encode(ScoreRequest(request_id=rid, items=items))
+                        body = encode(request)  # HTTP/1.1 pairs a reply with its request
                         async with session.post(url, data=body, headers=headers) as resp:
                             data = await resp.read()
                         reply = decode(data)
                         lat.append(time.perf_counter() - t0)
-                        assert reply.request_id == rid and len(reply.results) == len(items)
+                        assert len(reply.results) == len(request.responses)
 
                 async with asyncio.timeout(seconds + 20):
                     await asyncio.gather(*(loop() for _ in range(conc)))
@@ -472,7 +495,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="echo workers behind router/proxy/direct")
     p.add_argument("--concurrency", default="1,32", help="requests in flight, comma-separated")
-    p.add_argument("--items", default="1,8", help="ScoreItems per request, comma-separated")
+    p.add_argument("--items", default="1,8", help="responses per request, comma-separated")
     p.add_argument("--clients", type=int, default=1, help="client processes (every mode alike)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians reported)")
     p.add_argument("--requests", type=int, default=200_000, help="max requests per measurement")
@@ -500,8 +523,9 @@ def main() -> int:
     item_counts = [int(i) for i in args.items.split(",")]
     names = args.modes.split(",")
     sockets = tempfile.mkdtemp(dir="/tmp", prefix="bench-router-")
-    sizes = ", ".join(f"{i} items: msgpack {len(msgspec.msgpack.encode(ScoreRequest(0, [ITEM] * i)))} B "
-                      f"json {len(msgspec.json.encode(ScoreRequest(0, [ITEM] * i)))} B" for i in item_counts)
+    envelope = len(msgspec.msgpack.encode(Envelope(0, "reward")))
+    sizes = ", ".join(f"{i} items: msgpack {envelope} + {len(msgspec.msgpack.encode(score_request(i)))} B "
+                      f"json {len(msgspec.json.encode(score_request(i)))} B" for i in item_counts)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()}, "
           f"workers={args.workers}, clients={args.clients}, item = {len(SOLUTION)}-char solution "
           f"({sizes}), {args.rounds} rounds x (<= {args.requests} req or <= {args.seconds} s) "

@@ -2,7 +2,9 @@
 
 - ``messages.control``: actor <-> runner lifecycle and heartbeats
 - ``messages.rollout``: prompts, scored groups and training batches through the replay buffer
-- ``messages.reward``: scoring requests through the router to reward workers
+- ``messages.routing``: the router's envelope (id, pool; the body is opaque) and its workers'
+  lifecycle
+- ``messages.reward``: the reward pool's bodies: one scoring request per group, and its reply
 - ``messages.weights``: versioned weights from the learner to samplers
 - ``messages.tensor``: tensors as (dtype, shape, bytes)
 - ``messages.codec``: the per-socket decoder

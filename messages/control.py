@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
-# status values are plain scalars so any actor can report anything without a schema change
-StatusValue = int | float | str | bool | None
+# status values are plain scalars (or one level of them by name: the router's per-worker
+# figures) so any actor can report anything without a schema change
+Scalar = int | float | str | bool | None
+StatusValue = Scalar | dict[str, Scalar]
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -1,9 +1,8 @@
-"""Scoring flow: Sampler -> Router -> reward worker -> Router -> Sampler.
+"""Scoring flow: the bodies of ``reward`` pool messages (``messages.routing`` carries them).
 
-Sockets: the router binds a ROUTER for clients (``router`` address, samplers connect DEALERs)
-and a ROUTER for workers (``router_workers`` address, reward workers connect DEALERs). Workers
-announce themselves with ``WorkerHello`` and can join or leave while the job runs. The router is
-generic over pools: ``pool`` names which kind of worker serves a request.
+Sampler -> reward worker: one ``ScoreRequest`` per group, with the prompt's fields once and the
+``n`` responses; reward worker -> sampler: one ``ScoreReply`` with a result per response, in
+order. The router forwards both as opaque bodies and never decodes them.
 """
 
 from __future__ import annotations
@@ -13,15 +12,22 @@ import msgspec
 from messages.rollout import ChatMessage
 
 
-class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """One completion to score (verl ``compute_score`` arguments)."""
+class Response(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One completion to score."""
+
+    solution_str: str  # verl ``compute_score``'s solution_str: the decoded response
+    length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
+
+
+class ScoreRequest(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> reward worker: the responses of one prompt (verl ``compute_score`` arguments)."""
 
     data_source: str
-    solution_str: str
     ground_truth: str
+    responses: list[Response]
     extra_info: dict[str, str | int | float] = {}
-    response_length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
     prompt: list[ChatMessage] = []  # the prompt's messages, for scorers that read it (reward models)
+    max_response_length: int = 0  # the sampler's response budget: L_max of the overlong penalty
 
 
 class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -30,54 +36,11 @@ class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     extra: dict[str, float] = {}
 
 
-class ScoreRequest(msgspec.Struct, tag=True, gc=False):
-    """Client -> Router -> Worker. ``request_id`` is unique per client; the router re-keys it."""
-
-    request_id: int
-    items: list[ScoreItem]
-    pool: str = "reward"
-
-
 class ScoreReply(msgspec.Struct, tag=True, gc=False):
-    """Worker -> Router -> Client: one result per item, in order."""
+    """Reward worker -> sampler: one result per response of the request, in order."""
 
-    request_id: int
     results: list[ScoreResult]
 
 
-class WorkerHello(msgspec.Struct, tag=True):
-    """Worker -> Router: this worker serves ``pool`` and takes up to ``capacity`` requests at once."""
-
-    name: str
-    pool: str = "reward"
-    capacity: int = 1
-
-
-class WorkerHeartbeat(msgspec.Struct, tag=True, gc=False):
-    """Worker -> Router: still alive. Carries the hello's fields so a restarted router re-learns it."""
-
-    name: str
-    pool: str = "reward"
-    capacity: int = 1
-
-
-class WorkerBye(msgspec.Struct, tag=True):
-    """Worker -> Router: leaving; send no more work (in-flight requests still get replies).
-
-    Router -> Worker: the acknowledgement; every request the router sent it before comes first.
-    """
-
-    name: str
-
-
-class RouterError(msgspec.Struct, tag=True):
-    """Router -> Client or Worker: a frame that did not decode, or a request it cannot route."""
-
-    error: str
-    request_id: int = -1
-
-
-ToRouterFromClient = ScoreRequest
-ToRouterFromWorker = ScoreReply | WorkerHello | WorkerHeartbeat | WorkerBye
-ToWorker = ScoreRequest | RouterError | WorkerBye
-ToClient = ScoreReply | RouterError
+ToRewardWorker = ScoreRequest
+ToScoringClient = ScoreReply

@@ -28,16 +28,34 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, frozen=True):
     extra_info: dict[str, str | int | float] = {}
 
 
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, omit_defaults=True):
+    """How a group was generated; the learner recomputes log-probs at this temperature."""
+
+    temperature: float = 1.0  # 0: greedy (remax's baseline sample)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k truncation
+    max_tokens: int = 32  # response budget: every token after the prompt counts
+    stop: tuple[str, ...] = ()  # stop strings besides EOS
+
+
 class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    """One completion of a prompt with everything the learner needs to train on it."""
+    """One completion of a prompt with everything the learner needs to train on it.
+
+    Per-token fields all have the response's length ``R``. Fields are only ever appended, with
+    defaults, so recordings made before a field existed still decode.
+    """
 
     response_ids: Tensor  # (R,) int32, response tokens only
-    behaviour_logprobs: Tensor  # (R,) float32, log π_behaviour(token) at the sampler's temperature
-    policy_version: int  # version of the weights that generated every token of this sample
+    behaviour_logprobs: Tensor  # (R,) float32, log π_behaviour(token) at the sampling temperature
+    policy_version: int  # version of the oldest token's weights (actors/runtime/versions.py)
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     reward: float = 0.0
     reward_error: str = ""  # non-empty when scoring failed; the reward is then 0.0
+    token_versions: Tensor | None = None  # (R,) int32 version of each token's weights
+    # (None in recordings made before tokens carried their own: every token is policy_version)
+    loss_mask: Tensor | None = None  # (R,) int8, 1 on the model's own tokens, 0 on tool or
+    # environment tokens (None in older recordings: all 1)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -50,6 +68,9 @@ class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     generate_seconds: float = 0.0
     score_seconds: float = 0.0
     baseline_reward: float | None = None  # remax: reward of a greedy sample of the same prompt
+    sampling: SamplingParams | None = None  # how it was generated (None in older recordings)
+    score_error: str = ""  # non-empty: the group could not be scored (no reward worker answered
+    # in time); the replay buffer records it and drops it, it is never trained on
 
 
 class PromptRequest(msgspec.Struct, tag=True, gc=False):

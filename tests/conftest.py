@@ -21,3 +21,11 @@ def anyio_backend():
 def sockets() -> str:
     """A fresh short directory for ipc:// endpoints (their paths must stay under ~100 bytes)."""
     return tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random llama with the embedded model's tokenizer, built once per test session."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

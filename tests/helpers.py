@@ -1,14 +1,22 @@
-"""Shared by the tests: one valid message of every type, and actors run in-process on ipc sockets."""
+"""Shared by the tests: one valid message of every type, a pickle detector for the frames, and
+actors run in-process on ipc sockets (whole jobs through ``runner.py``: ``tests/jobs.py``)."""
 
 from __future__ import annotations
 
+import array
+import pickletools
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import zmq
 
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import Topology, apply_overrides, decode_topology
+from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup
+from actors.sandbox.protocol import Ready as ChildReady
+from messages.codec import encode
 from messages.control import (
     ErrorReply,
     Finished,
@@ -20,18 +28,12 @@ from messages.control import (
     ToRunner,
 )
 from messages.reward import (
-    RouterError,
-    ScoreItem,
+    Response,
     ScoreReply,
     ScoreRequest,
     ScoreResult,
-    ToClient,
-    ToRouterFromClient,
-    ToRouterFromWorker,
-    ToWorker,
-    WorkerBye,
-    WorkerHeartbeat,
-    WorkerHello,
+    ToRewardWorker,
+    ToScoringClient,
 )
 from messages.rollout import (
     BatchRequest,
@@ -42,10 +44,22 @@ from messages.rollout import (
     PromptBatch,
     PromptRequest,
     Sample,
+    SamplingParams,
     ScoredGroup,
     ToReplay,
     TrainBatch,
     VersionUpdate,
+)
+from messages.routing import (
+    Envelope,
+    RouterError,
+    ToClient,
+    ToRouterFromClient,
+    ToRouterFromWorker,
+    ToWorker,
+    WorkerBye,
+    WorkerHeartbeat,
+    WorkerHello,
 )
 from messages.tensor import Tensor
 from messages.weights import (
@@ -56,24 +70,47 @@ from messages.weights import (
     WeightsPoll,
 )
 
+# ---------------------------------------------------------------- messages
+
 
 def sample_tensor(dtype="int32", values=(1, 2, 3)):
-    import array
-    return Tensor(dtype, (len(values),), array.array("i" if dtype == "int32" else "f", values).tobytes())
+    codes = {"int32": "i", "float32": "f", "int8": "b"}
+    return Tensor(dtype, (len(values),), array.array(codes[dtype], values).tobytes())
 
 
 def sample_group():
     prompt = Prompt(7, [ChatMessage("system", "s"), ChatMessage("user", "1 + 2")], "arithmetic", "3",
                     {"a": 1, "b": 2})
     sample = Sample(sample_tensor(), sample_tensor("float32", (-0.5, -1.0, -2.0)), policy_version=4, text="3",
-                    finish_reason="stop", reward=1.0)
+                    finish_reason="stop", reward=1.0, token_versions=sample_tensor("int32", (4, 4, 4)),
+                    loss_mask=sample_tensor("int8", (1, 1, 1)))
     return ScoredGroup(prompt=prompt, prompt_ids=sample_tensor(), samples=[sample, sample], sampler="sampler-0",
-                       generate_seconds=1.5)
+                       generate_seconds=1.5,
+                       sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=16,
+                                               stop=("\n\n",)))
 
 
+def score_request(*solutions: str, data_source: str = "arithmetic", ground_truth: str = "3",
+                  **fields) -> ScoreRequest:
+    """One group's request: the prompt's fields once, one ``Response`` per solution."""
+    return ScoreRequest(data_source, ground_truth, [Response(s, len(s)) for s in solutions],
+                        **fields)
+
+
+def routed(request_id: int, body, pool: str = "reward") -> list[bytes]:
+    """The two frames of a routed request: its envelope, then the encoded body."""
+    return [encode(Envelope(request_id, pool)), body if isinstance(body, bytes) else encode(body)]
+
+
+ToChild = Setup | Call  # the sandbox pipe (length-framed msgpack between a worker and its children)
+FromChild = ChildReady | Outcomes
+
+# (union, message): one valid message of every type of every union that crosses a process boundary
 CASES = [
     (ToRunner, Ready("sampler-0", 123)),
-    (ToRunner, Heartbeat("replay-0", {"issued": 3, "state": "running", "x": 0.5, "ok": True, "n": None})),
+    (ToRunner, Heartbeat("replay-0", {"issued": 3, "state": "running", "x": 0.5, "ok": True, "n": None,
+                                      "reward-0": {"pool": "reward", "done": 4, "p50_ms": 1.5,
+                                                   "leaving": False}})),
     (ToRunner, StepReport(3, {"critic/score/mean": 0.25})),
     (ToRunner, Finished("learner-0", "done")),
     (ToRunner, ErrorReply("bad")),
@@ -82,18 +119,39 @@ CASES = [
     (ToReplay, GroupsDone([sample_group()])),
     (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
     (ToReplay, VersionUpdate(3)),
-    (FromReplay, PromptBatch([sample_group().prompt])),
-    (FromReplay, TrainBatch(2, [sample_group()], {"issued": 8})),
-    (ToRouterFromClient, ScoreRequest(1, [ScoreItem("arithmetic", "3", "3", {"a": 1})])),
-    (ToRouterFromWorker, ScoreReply(1, [ScoreResult(1.0), ScoreResult(0.0, error="boom")])),
+    (FromReplay, PromptBatch([sample_group().prompt], version=2)),
+    (FromReplay, TrainBatch(2, [sample_group()], {"issued": 8}, {"age/mean": 0.5})),
+    (ToRouterFromClient, Envelope(1, "reward")),
+    (ToRouterFromWorker, Envelope(1)),
     (ToRouterFromWorker, WorkerHello("reward-0", "reward", 4)),
     (ToRouterFromWorker, WorkerHeartbeat("reward-0")),
     (ToRouterFromWorker, WorkerBye("reward-0")),
+    (ToWorker, Envelope(3, "reward")),
     (ToWorker, RouterError("x", 3)),
+    (ToWorker, WorkerBye("reward-0")),
+    (ToClient, Envelope(1)),
     (ToClient, RouterError("y")),
+    (ToRewardWorker, score_request("1 + 2 = 3", "4", extra_info={"a": 1, "b": 2},
+                                   prompt=[ChatMessage("user", "1 + 2")], max_response_length=32)),
+    (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0})])),
     (ToLearnerWeights, WeightsPoll(-1)),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
+    (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
+                                  preload=("math_verify.parser",)),
+                     FunctionSpec(path="/x/my_reward.py", batch=True, kwargs={"bonus": 0.5})],
+                    memory_mb=256, cpu_s=1)),
+    (ToChild, Call(0, [{"data_source": "d", "solution_str": "s", "ground_truth": "g",
+                        "extra_info": {"k": 1}}], 1)),
+    (FromChild, ChildReady(["", "SyntaxError: x"])),
+    (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0})])),
 ]
+
+
+def union_members(union) -> tuple[type, ...]:
+    return union.__args__ if hasattr(union, "__args__") else (union,)
+
+
+# ---------------------------------------------------------------- actors in this process
 
 
 def live_topology(sockets: str, *overrides: str) -> Topology:
@@ -110,3 +168,38 @@ def actor_context(kind: str, topo: Topology, zctx: zmq.Context, run_dir: Path | 
     """The context of actor ``kind``-0 for ``serve_actor`` without a runner."""
     return ActorContext(kind=kind, index=0, topology=topo,
                         run_dir=run_dir or Path(tempfile.mkdtemp()), zmq=zctx)
+
+
+async def wait_for(what: str, ready: Callable[[], bool], limit_s: float = 5.0) -> None:
+    """Poll a value an actor publishes on a timer (its status dict) until ``ready()``; fail
+    naming ``what`` after ``limit_s`` seconds."""
+    try:
+        with anyio.fail_after(limit_s):
+            while not ready():  # noqa: ASYNC110 - a plain dict, refreshed on the actor's timer
+                await anyio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {limit_s:g} s") from None
+
+
+# ---------------------------------------------------------------- the wire carries no pickle
+
+
+def is_pickle(frame: bytes) -> bool:
+    """Whether ``frame`` is a whole pickle stream (any protocol): its opcodes parse and it ends
+    with STOP exactly at its last byte. Nothing is unpickled."""
+    try:
+        ops = list(pickletools.genops(frame))
+    except Exception:  # noqa: BLE001 - genops raises ValueError, IndexError, ... on non-pickles
+        return False
+    return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] == len(frame) - 1
+
+
+def byte_leaves(value) -> list[bytes]:
+    """Every bytes value inside a schema-less decoded message (tensor data and the like)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return [bytes(value)]
+    if isinstance(value, dict):
+        return [b for v in (*value.keys(), *value.values()) for b in byte_leaves(v)]
+    if isinstance(value, list | tuple):
+        return [b for v in value for b in byte_leaves(v)]
+    return []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,73 +18,86 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_end_to_end import (
+from tests.jobs import (
+    FAST,
     ROOT,
     actor_pids,
+    alive,
     balanced,
     command,
     metrics,
-    tiny_model,
-    wait_for_steps,
+    pids_of,
+    start_job,
+    status_lines,
 )
 
-__all__ = ["tiny_model"]  # the fixture, shared with the end-to-end tests
+BLOCKING_REWARD = '''
+import os
+import time
+from pathlib import Path
+from pathlib import Path
 
-FAST = ["run.status_interval=1", "run.heartbeat_interval=0.5"]
+from actors.scoring.rules import repeat_letter_score
 
-
-def start_job(model: Path, run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
-    with log.open("w") as out:  # a file, not a pipe: the status tables never block the runner
-        return subprocess.Popen(command(model, run_dir, *FAST, *overrides), cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
-
-
-def pids_of(run_dir: Path, kind: str) -> list[int]:
-    out = []
-    for pid in actor_pids(run_dir):
-        try:
-            if kind.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+FLAG = Path({flag!r})
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def last_router_status(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip().startswith("router-0")]
-    return lines[-1] if lines else ""
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """While FLAG exists, every call says it is in flight and waits for FLAG to go."""
+    if FLAG.exists():
+        (FLAG.parent / f"in_flight-{{os.getpid()}}").touch()
+        while FLAG.exists():
+            time.sleep(0.05)
+    return repeat_letter_score(data_source, solution_str, ground_truth, extra_info)
+'''
 
 
 def test_killed_reward_worker_is_restarted_and_no_request_is_lost(tiny_model, tmp_path):
+    """The worker is killed while it holds a request (its scoring function is blocked on a
+    flag): the router takes the request back and re-sends it, so every step's batch comes."""
+    flag = tmp_path / "block"
+    flag.touch()
+    (tmp_path / "blocking_reward.py").write_text(BLOCKING_REWARD.format(flag=str(flag)))
+    topology = tmp_path / "topology.toml"
+    topology.write_text((ROOT / "topology.toml").read_text() + f'''
+[[reward.functions]]
+path = "{tmp_path / 'blocking_reward.py'}"
+''')
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
-    proc = start_job(tiny_model, run_dir, log, "learner.total_steps=10", "reward.capacity=1")
+    cmd = command(tiny_model, run_dir, *FAST, "learner.total_steps=10", "reward.capacity=1")
+    cmd[2] = str(topology)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_steps(run_dir, 2, proc)
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("in_flight-*")):  # a request is held by reward-0 now
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
         reward = pids_of(run_dir, "reward")
         assert len(reward) == 1
         os.kill(reward[0], signal.SIGKILL)
+        flag.unlink()  # the restarted worker scores as usual
         proc.wait(timeout=150)
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    out = log.read_text()
-    assert proc.returncode == 0, out[-4000:]
-    assert "actor reward-0" in out and "killed by signal SIGKILL" in out
-    assert "restarting reward-0" in out
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    status = status_lines(run_dir)
+    (exited,) = [line for line in status if line["event"] == "exited"]
+    assert exited["actor"] == "reward-0" and exited["returncode"] == -signal.SIGKILL
+    assert exited["restart"] and status[-1]["reward-0"]["restarts"] == 1
+    assert status[-1]["router-0"]["resent"] >= 1  # what it held went to the new worker
     rows = metrics(run_dir)
-    # a lost scoring request would stall its sampler for good: every step's batch came complete
+    # a lost scoring request would stall its sampler: every step's batch came complete
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(balanced(r) for r in rows)
-    assert "duplicates=" in last_router_status(out)
+    assert rows[-1]["replay/dropped_score_failed"] == 0
     assert not actor_pids(run_dir)
+
+
+def router_workers(run_dir: Path) -> list[dict]:
+    """The router's per-worker records at each recorded step."""
+    return [line["router-0"] for line in status_lines(run_dir) if line["event"] == "step"]
 
 
 @pytest.mark.parametrize("to", ["run_dir", "address"])
@@ -107,22 +119,21 @@ def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_p
                 [sys.executable, str(ROOT / "runner.py"), "attach", "reward", "--to", target,
                  "reward.capacity=2"], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
         name = f"reward-attached-{worker.pid}"
-        busy = re.compile(rf"{name}=\d+/2 done=[1-9]")
         deadline = time.monotonic() + 60
-        while not busy.search(log.read_text()):  # the router's status lists it, with work done
+        # the router's recorded status lists it, with work done
+        while not any(w.get(f"worker/{name}", {}).get("done", 0) > 0 for w in router_workers(run_dir)):
             assert worker.poll() is None, attach_log.read_text()
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
+        (seen,) = [w[f"worker/{name}"] for w in router_workers(run_dir) if f"worker/{name}" in w][-1:]
+        assert seen["capacity"] == 2 and seen["pool"] == "reward"
         steps_at_detach = len(metrics(run_dir))
         worker.send_signal(signal.SIGINT)  # Ctrl-C: detach
         assert worker.wait(timeout=30) == 0, attach_log.read_text()
-        said = attach_log.read_text()
-        done = re.search(rf"=== {name} detached: (\d+) requests done", said)
-        assert done and int(done.group(1)) > 0, said
-        assert "Traceback" not in said, said
+        assert "Traceback" not in attach_log.read_text()
         assert not alive(worker.pid)
-        detached_at = len(log.read_text())
+        detached_at = len(status_lines(run_dir))
         proc.wait(timeout=150)
     finally:
         if worker is not None:
@@ -130,23 +141,27 @@ def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_p
             worker.wait(timeout=30)
         proc.kill()
         proc.wait(timeout=30)
-    out = log.read_text()
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, log.read_text()[-4000:]
     assert steps_at_detach < total  # it left while the job ran, and the job went on without it
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     assert all(balanced(r) for r in rows)
-    after = out[detached_at:]
-    if after.count("--- status at") >= 2:  # the router's status, updated since the bye, drops it
-        assert name not in last_router_status(after), after[-2000:]
-    assert "!!!" not in out, out[-4000:]  # nothing in the job died or was restarted
+    status = status_lines(run_dir)
+    # once its bye is through, the router drops it: the last recorded steps do not list it
+    after = [line["router-0"] for line in status[detached_at:] if line["event"] == "step"]
+    assert after and f"worker/{name}" not in after[-1], after[-1]
+    # nothing in the job died or was restarted
+    assert not [line for line in status if line["event"] == "exited"]
+    assert status[-1]["outcome"] == "finished"
+    assert all(status[-1][a]["restarts"] == 0 for a in status[-1]["returncodes"])
     assert not actor_pids(run_dir)
 
 
 BAD_REWARD = '''
 import time
+from pathlib import Path
 
-from actors.tasks import repeat_letter_score
+from actors.scoring.rules import repeat_letter_score
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -185,7 +200,7 @@ path = "{tmp_path / 'bad_reward.py'}"
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(balanced(r) for r in rows)
     assert not actor_pids(run_dir)
 
-    from actors.recording import read_table
+    from actors.runtime.recording import read_table
     by_kind: dict[str, list[float]] = {"hang": [], "raise": [], "memory": [], "ok": []}
     for g in read_table(run_dir, "groups").to_pylist():
         said = " ".join(g["reward_errors"])
@@ -202,4 +217,5 @@ path = "{tmp_path / 'bad_reward.py'}"
         assert rewards, f"no group of kind {kind} was recorded"
         if kind != "ok":
             assert set(rewards) == {0.0}, kind
-    assert re.search(r"score_errors=[1-9]", res.stdout) and re.search(r"score_timeouts=[1-9]", res.stdout)
+    reward = [line for line in status_lines(run_dir) if line["event"] == "step"][-1]["reward-0"]
+    assert reward["score_errors"] >= 1 and reward["score_timeouts"] >= 1

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.replay import ReplayState
+from actors.data.sources import make_task
+from actors.replay.state import ReplayState
 from actors.runtime.config import ConfigError, apply_overrides, decode_topology
-from actors.tasks import make_task
 
 
 def verl_rows(n):
@@ -174,7 +174,7 @@ def test_dataset_paths_are_made_absolute_and_overrides_work(tmp_path, monkeypatc
 
 
 def test_prompt_tokens_are_counted_as_the_sampler_templates_them(tmp_path):
-    from actors.datasets import prompt_token_counter
+    from actors.data.chat import prompt_token_counter
     from messages.rollout import ChatMessage, Prompt
     from tests.tiny_model import build_tiny_model
 

@@ -6,17 +6,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
-import pytest
-
-from tests.test_end_to_end import ROOT, balanced, command, metrics
-from tests.tiny_model import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+from tests.jobs import ROOT, balanced, command, metrics
 
 
 def test_mixed_datasets_with_filtering_and_reuse(tiny_model, tmp_path):
@@ -47,7 +38,7 @@ def test_mixed_datasets_with_filtering_and_reuse(tiny_model, tmp_path):
     assert max(r["replay/age_served_max"] for r in rows) == 2
     assert max(r["staleness/max"] for r in rows) <= 1
 
-    from actors.recording import read_table
+    from actors.runtime.recording import read_table
     prompts = read_table(run_dir, "prompts").to_pylist()
     assert {p["dataset"] for p in prompts} == {"letters", "repeat_letter"}
     fates = read_table(run_dir, "fates").to_pylist()

@@ -3,16 +3,21 @@
 Each live test starts one actor in this process, on trio, over real ipc sockets, and runs
 hypothesis in a worker thread: every example is a list of multipart messages (random bytes,
 msgpack of random JSON-like values, valid messages of the wrong type, truncated messages,
-messages with wrong field types, extra frames) sent to the actor through ``anyio.from_thread``.
-After each example the actor must still be running and answer a valid request, and its
-``rejected_frames`` counter (where it has one) must have grown by exactly the number of
-messages that do not decode. A fresh ``Codec`` of the socket's union is the oracle for that:
-messages it accepts are not sent (they would change the actor's state, not test its defences).
+messages with wrong field types, missing and extra frames) sent to the actor through
+``anyio.from_thread``. After each example the actor must still be running and answer a valid
+request, and its ``rejected_frames`` counter (where it has one) must have grown by exactly the
+number of messages it cannot take. A fresh ``Codec`` of the socket's union, applied to the frame
+the actor reads (the last one on most sockets; on routed sockets the envelope, frame 0, and the
+frame count: an envelope and a body, or one frame) is the oracle for that: messages it accepts
+are not sent (they would change the actor's state, not test its defences). The reward worker
+also gets routed requests whose body is not a ``ScoreRequest``: dropped and counted
+(``rejected_bodies``), never answered.
 
 Sockets covered: replay ROUTER, router client and worker ROUTERs, reward worker DEALER, the
 runner's control ROUTER (``Job.listen``), an actor's control DEALER (``_control_listener``),
-the learner's weights ROUTER (``WeightsServer.serve``), and, unit-level, the sampler's three
-decoders and ``from_buffer`` (weights frames) plus the codec's ``max_frame`` limit.
+the learner's weights ROUTER (``WeightsPublisher.serve``), and, unit-level, the sampler's four
+decoders (replay, router envelope, scoring reply body, weights) and ``from_buffer`` (weights
+frames) plus the codec's ``max_frame`` limit.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from actors.learner.actor import WeightsServer
-from actors.replay import replay_actor
+from actors.replay.actor import replay_actor
 from actors.reward import reward_actor
-from actors.router import router_actor
+from actors.router.actor import router_actor
 from actors.runtime.actor import ActorContext, serve_actor
+from actors.runtime.supervisor import Job
 from actors.runtime.tensors import from_buffer
+from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import (
@@ -45,11 +51,16 @@ from messages.control import (
     ToActor,
     ToRunner,
 )
-from messages.reward import (
+from messages.reward import ScoreReply, ToRewardWorker, ToScoringClient
+from messages.rollout import (
+    FromReplay,
+    PromptBatch,
+    PromptRequest,
+    ToReplay,
+)
+from messages.routing import (
+    Envelope,
     RouterError,
-    ScoreItem,
-    ScoreReply,
-    ScoreRequest,
     ToClient,
     ToRouterFromClient,
     ToRouterFromWorker,
@@ -57,20 +68,14 @@ from messages.reward import (
     WorkerBye,
     WorkerHello,
 )
-from messages.rollout import (
-    FromReplay,
-    PromptBatch,
-    PromptRequest,
-    ToReplay,
-)
 from messages.tensor import DTYPES, ITEMSIZE
 from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsPoll
-from runner import Job
-from tests.helpers import CASES, actor_context, live_topology
+from tests.helpers import CASES, actor_context, live_topology, routed, score_request, wait_for
 
 # ---------------------------------------------------------------- strategies
 
-_ITEM = ScoreItem("arithmetic", "2 + 2 = 4", "4", {"a": 2, "b": 2})
+REQUEST = score_request("2 + 2 = 4", data_source="arithmetic", ground_truth="4",
+                        extra_info={"a": 2, "b": 2})
 
 # one valid message of every type on the wire
 ALL_MESSAGES: list[msgspec.Struct] = [message for _, message in CASES]
@@ -119,9 +124,11 @@ frames_strategy = st.one_of(
     st.dictionaries(st.just("type"), st.text(max_size=12)).map(encode),  # unknown tag
 )
 
-# a multipart message: the actors decode the last frame; extra frames before it are ignored
+# a multipart message: most actors decode the last frame and ignore the ones before it; the
+# routed sockets read frame 0 and refuse a wrong number of frames
 multipart = st.lists(frames_strategy, min_size=1, max_size=3)
 examples = st.lists(multipart, min_size=1, max_size=8)
+bodies = st.lists(frames_strategy, max_size=4)  # bodies of routed requests
 
 FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -129,7 +136,7 @@ LIVE = settings(FUZZ, max_examples=75)  # one long-lived actor, ~4 bad messages 
 
 
 def rejected(union: Any, parts: list[bytes]) -> bool:
-    """The oracle: does this multipart message fail to decode on a socket of ``union``?"""
+    """The oracle of the sockets that read the last frame: does it fail to decode as ``union``?"""
     try:
         Codec(union).decode(parts[-1] if parts else b"")
     except DecodeError:
@@ -139,6 +146,33 @@ def rejected(union: Any, parts: list[bytes]) -> bool:
 
 def invalid_only(union: Any, messages: list[list[bytes]]) -> list[list[bytes]]:
     return [m for m in messages if rejected(union, m)]
+
+
+def envelope_of(union: Any, parts: list[bytes]) -> Any:
+    """Frame 0 decoded as ``union``, or None when it does not decode."""
+    try:
+        return Codec(union).decode(parts[0] if parts else b"")
+    except DecodeError:
+        return None
+
+
+def router_client_rejects(parts: list[bytes]) -> bool:
+    """A request is an envelope and a body."""
+    return envelope_of(ToRouterFromClient, parts) is None or len(parts) != 2
+
+
+def router_worker_rejects(parts: list[bytes]) -> bool:
+    """A reply is an envelope and a body; a hello, heartbeat or bye is one frame."""
+    msg = envelope_of(ToRouterFromWorker, parts)
+    return msg is None or len(parts) != (2 if isinstance(msg, Envelope) else 1)
+
+
+def reward_worker_rejects(parts: list[bytes]) -> bool:
+    """The worker takes a request (an envelope and a body) and the router's bye acknowledgement;
+    anything else (a frame that does not decode, a RouterError, an envelope without its body or
+    with more) is dropped and counted."""
+    msg = envelope_of(ToWorker, parts)
+    return not (isinstance(msg, WorkerBye) or isinstance(msg, Envelope) and len(parts) == 2)
 
 
 # ---------------------------------------------------------------- live harness
@@ -155,20 +189,34 @@ async def fuzz_in_thread(strategy, check) -> None:
     await anyio.to_thread.run_sync(run)
 
 
-async def recv_type(sock: AsyncSocket, union: Any, want: type | tuple[type, ...]) -> Any:
-    """The next message of type ``want`` on ``sock`` (others, e.g. heartbeats, are skipped)."""
+async def recv_type(sock: AsyncSocket, union: Any, want: type | tuple[type, ...],
+                    at: int = -1) -> Any:
+    """The next message of type ``want`` on ``sock``, decoded from frame ``at`` (others, e.g.
+    heartbeats, are skipped)."""
     codec = Codec(union)
     while True:
         frames = await sock.recv_multipart()
-        msg = codec.decode(frames[-1])
+        msg = codec.decode(frames[at])
         if isinstance(msg, want):
             return msg
 
 
+async def recv_routed_reply(sock: AsyncSocket, at: int = 0) -> tuple[Envelope, ScoreReply]:
+    """The next routed reply on ``sock`` (its envelope at frame ``at``, the body after it);
+    heartbeats and the like are skipped."""
+    codec = Codec(ToRouterFromWorker if at else ToClient)
+    while True:
+        frames = await sock.recv_multipart()
+        msg = codec.decode(frames[at])
+        if isinstance(msg, Envelope):
+            assert len(frames) == at + 2
+            reply = Codec(ToScoringClient).decode(frames[at + 1])
+            assert isinstance(reply, ScoreReply)
+            return msg, reply
+
+
 async def wait_status(ctx: ActorContext, key: str, value: Any) -> None:
-    with anyio.fail_after(5):
-        while ctx.status.get(key, 0) != value:  # noqa: ASYNC110 - status is a plain dict
-            await anyio.sleep(0.005)
+    await wait_for(f"{ctx.name} status {key} == {value!r}", lambda: ctx.status.get(key, 0) == value)
 
 
 # ---------------------------------------------------------------- live actors
@@ -182,12 +230,12 @@ async def test_fuzz_replay_router_socket(sockets):
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_actor, ctx, replay_actor, None)
+            await tg.start(serve_actor, ctx, replay_actor, None)
             with make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"fuzzer") as sock:
 
                 async def check(messages: list[list[bytes]]) -> None:
                     with anyio.fail_after(10):
-                        for parts in invalid_only(ToReplay, messages):
+                        for parts in invalid_only(ToReplay, messages):  # the last frame is read
                             await sock.send_multipart(parts)
                             reply = Codec(ErrorReply).decode((await sock.recv_multipart())[-1])
                             assert reply.error.startswith("replay:")
@@ -213,25 +261,26 @@ async def test_fuzz_router_client_socket(sockets):
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_actor, router_ctx, router_actor, None)
-            tg.start_soon(serve_actor, actor_context("reward", topo, zctx), reward_actor, None)
+            await tg.start(serve_actor, router_ctx, router_actor, None)
+            await tg.start(serve_actor, actor_context("reward", topo, zctx), reward_actor, None)
             with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
 
                 async def check(messages: list[list[bytes]]) -> None:
                     with anyio.fail_after(10):
-                        for parts in invalid_only(ToRouterFromClient, messages):
+                        for parts in filter(router_client_rejects, messages):
                             await client.send_multipart(parts)
                             reply = Codec(ToClient).decode((await client.recv_multipart())[-1])
                             assert isinstance(reply, RouterError) and reply.error.startswith("router:")
                             sent["bad"] += 1
                         sent["n"] += 1
-                        await client.send_multipart([encode(ScoreRequest(sent["n"], [_ITEM]))])
-                        reply = Codec(ToClient).decode((await client.recv_multipart())[-1])
-                        assert isinstance(reply, ScoreReply) and reply.request_id == sent["n"]
+                        await client.send_multipart(routed(sent["n"], REQUEST))
+                        envelope, reply = await recv_routed_reply(client)
+                        assert envelope == Envelope(sent["n"])
                         assert [r.score for r in reply.results] == [1.0]
                         await wait_status(router_ctx, "rejected_frames", sent["bad"])
 
                 await fuzz_in_thread(examples, check)
+            await wait_status(router_ctx, "answered", sent["n"])  # its figures follow on a timer
             assert sent["bad"] > 0 and router_ctx.status["workers"] == 1
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
@@ -245,13 +294,13 @@ async def test_fuzz_router_worker_socket(sockets):
     sent = {"bad": 0, "n": 0}
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            await tg.start(serve_actor, router_ctx, router_actor, None)
             with make_socket(zctx, zmq.DEALER, connect=topo.router.worker_address,
                              identity=b"fake-worker") as worker:
 
                 async def check(messages: list[list[bytes]]) -> None:
                     with anyio.fail_after(10):
-                        for parts in invalid_only(ToRouterFromWorker, messages):
+                        for parts in filter(router_worker_rejects, messages):
                             await worker.send_multipart(parts)
                             reply = Codec(RouterError).decode((await worker.recv_multipart())[-1])
                             assert reply.error.startswith("router:")
@@ -274,28 +323,47 @@ async def test_fuzz_reward_worker_dealer(sockets):
     topo = live_topology(sockets)
     zctx = zmq.Context()
     reward_ctx = actor_context("reward", topo, zctx)
-    sent = {"bad": 0, "n": 0}
+    sent = {"bad": 0, "bad_bodies": 0, "n": 0}
     with anyio.fail_after(60):
         # a fake router: the worker connects to it and gets whatever it sends
         with make_socket(zctx, zmq.ROUTER, bind=topo.router.worker_address) as router:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(serve_actor, reward_ctx, reward_actor, None)
+                await tg.start(serve_actor, reward_ctx, reward_actor, None)
                 identity = reward_ctx.name.encode()
                 await recv_type(router, ToRouterFromWorker, WorkerHello)
+                # every kind of rejection counts, once each (not only those hypothesis finds)
+                known = [[encode(RouterError("x"))], [b"\xc1"], [encode(Envelope(1, "reward"))],
+                         [encode(Envelope(2, "reward")), b"body", b"extra"]]
+                for parts in known:
+                    assert reward_worker_rejects(parts)
+                    await router.send_multipart([identity, *parts])
+                sent["bad"] = len(known)
+                await wait_status(reward_ctx, "rejected_frames", sent["bad"])
 
-                async def check(messages: list[list[bytes]]) -> None:
+                async def check(example: tuple[list[list[bytes]], list[bytes]]) -> None:
+                    messages, request_bodies = example
                     with anyio.fail_after(10):
-                        for parts in invalid_only(ToWorker, messages):
+                        for parts in filter(reward_worker_rejects, messages):
                             await router.send_multipart([identity, *parts])
                             sent["bad"] += 1
+                        for body in request_bodies:  # routed, but not a request it can read
+                            if rejected(ToRewardWorker, [body]):
+                                await router.send_multipart([identity, *routed(-1, body)])
+                                sent["bad_bodies"] += 1
                         sent["n"] += 1
-                        await router.send_multipart([identity, encode(ScoreRequest(sent["n"], [_ITEM]))])
-                        reply = await recv_type(router, ToRouterFromWorker, ScoreReply)
-                        assert reply.request_id == sent["n"] and [r.score for r in reply.results] == [1.0]
+                        await router.send_multipart([identity, *routed(sent["n"], REQUEST)])
+                        # each unreadable body is answered with no results, then the request
+                        envelope, reply = await recv_routed_reply(router, at=1)
+                        while envelope == Envelope(-1):
+                            assert reply.results == []
+                            envelope, reply = await recv_routed_reply(router, at=1)
+                        assert envelope == Envelope(sent["n"]) and [r.score for r in reply.results] == [1.0]
                         await wait_status(reward_ctx, "rejected_frames", sent["bad"])
+                        await wait_status(reward_ctx, "rejected_bodies", sent["bad_bodies"])
 
-                await fuzz_in_thread(examples, check)
-                assert sent["bad"] > 0 and reward_ctx.status["requests_done"] == sent["n"]
+                await fuzz_in_thread(st.tuples(examples, bodies), check)
+                assert sent["bad"] > 0 and sent["bad_bodies"] > 0
+                assert reward_ctx.status["requests_done"] == sent["n"]
                 tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 
@@ -315,7 +383,7 @@ async def test_fuzz_actor_control_dealer(sockets):
     with anyio.fail_after(60):
         with make_socket(zctx, zmq.ROUTER, bind=topo.control_address) as control:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(serve_actor, ctx, idle_body, topo.control_address)
+                await tg.start(serve_actor, ctx, idle_body, topo.control_address)
                 await recv_type(control, ToRunner, Ready)
 
                 async def check(messages: list[list[bytes]]) -> None:
@@ -370,7 +438,7 @@ async def test_fuzz_runner_control_router(sockets, tmp_path):
 
 @pytest.mark.anyio
 async def test_fuzz_learner_weights_router(sockets):
-    """``WeightsServer.serve`` (no model needed): bad polls are answered with an error; a valid
+    """``WeightsPublisher.serve`` (no model needed): bad polls are answered with an error; a valid
     poll still gets the published weights."""
     zctx = zmq.Context()
     address = f"ipc://{sockets}/weights"
@@ -379,7 +447,7 @@ async def test_fuzz_learner_weights_router(sockets):
     with anyio.fail_after(60):
         with make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
              make_socket(zctx, zmq.DEALER, connect=address) as sampler:
-            server = WeightsServer(sock)
+            server = WeightsPublisher(sock)
             await server.publish(5, weights)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(server.serve)
@@ -407,10 +475,11 @@ async def test_fuzz_learner_weights_router(sockets):
 # ---------------------------------------------------------------- unit level
 
 
-UNIONS = {  # the sampler's three decoders first
+UNIONS = {  # the sampler's four decoders first
     "sampler-FromReplay": FromReplay, "sampler-ToClient": ToClient,
-    "sampler-FromLearnerWeights": FromLearnerWeights, "ToRunner": ToRunner, "ToActor": ToActor,
-    "ToReplay": ToReplay, "ToWorker": ToWorker, "ToRouterFromClient": ToRouterFromClient,
+    "sampler-ToScoringClient": ToScoringClient, "sampler-FromLearnerWeights": FromLearnerWeights,
+    "ToRunner": ToRunner, "ToActor": ToActor, "ToReplay": ToReplay, "ToWorker": ToWorker,
+    "ToRewardWorker": ToRewardWorker, "ToRouterFromClient": ToRouterFromClient,
     "ToRouterFromWorker": ToRouterFromWorker, "ToLearnerWeights": ToLearnerWeights,
 }
 
@@ -419,7 +488,7 @@ UNIONS = {  # the sampler's three decoders first
 @FUZZ
 @given(frames=st.lists(frames_strategy, max_size=20))
 def test_codec_only_raises_decode_error_and_counts(union, frames):
-    """The sampler's three decoders (and every other socket's): any frame either decodes to a
+    """The sampler's four decoders (and every other socket's): any frame either decodes to a
     message of the union or raises ``DecodeError``, and every rejection is counted."""
     codec = Codec(union)
     bad = 0

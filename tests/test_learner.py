@@ -8,18 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.data.chat import chat_ids
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
 from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.tensors import to_wire
-from messages.rollout import ChatMessage, Prompt, Sample, ScoredGroup
+from messages.rollout import ChatMessage, Prompt, Sample, SamplingParams, ScoredGroup
 from tests.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=6)  # what the groups were sampled with
 
 
 def make_trainer(model: Path, run_dir: Path, *overrides: str) -> Trainer:
@@ -35,20 +39,21 @@ def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for g in range(2):
-        prompt_ids = torch.tensor(trainer.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"say {'ab'[g]}"}], add_generation_prompt=True,
-            tokenize=True, return_dict=False), dtype=torch.int32)
+        prompt_ids = torch.tensor(chat_ids(trainer.policy.tokenizer,
+                                           [ChatMessage("user", f"say {'ab'[g]}")]),
+                                  dtype=torch.int32)
         samples = []
         for i in range(4):
             resp = torch.randint(3, 30, (2 + (i + g) % 5,), generator=gen, dtype=torch.int32)
             samples.append(Sample(to_wire(resp), to_wire(torch.zeros(len(resp))), version,
                                   "", "stop" if i % 2 else "length", reward=float((i + g) % 3 == 0)))
         prompt = Prompt(g, [ChatMessage("user", "x")], "repeat_letter", "a")
-        groups.append(ScoredGroup(prompt, to_wire(prompt_ids), samples, "s", baseline_reward=0.5))
+        groups.append(ScoredGroup(prompt, to_wire(prompt_ids), samples, "s", baseline_reward=0.5,
+                                  sampling=SAMPLING))
     # fill in the behaviour log-probs with the current policy's (optionally shifted)
-    batch = build_batch(groups, trainer.pad_id)
+    batch = build_batch(groups, trainer.policy.pad_id)
     with torch.no_grad():
-        lp = response_logprobs(trainer.model, batch, trainer.topo.sampler.temperature)
+        lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
     out, row = [], 0
     for g in groups:
         samples = []
@@ -58,12 +63,12 @@ def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.
                                   s.policy_version, s.text, s.finish_reason, s.reward))
             row += 1
         out.append(ScoredGroup(g.prompt, g.prompt_ids, samples, g.sampler,
-                               baseline_reward=g.baseline_reward))
+                               baseline_reward=g.baseline_reward, sampling=g.sampling))
     return out
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.snapshot()}
+    return {k: v.detach().clone() for k, v in trainer.policy.snapshot()}
 
 
 def test_is_weights_are_one_when_behaviour_is_the_policy(tiny, tmp_path):
@@ -78,16 +83,16 @@ def test_is_weights_are_one_when_behaviour_is_the_policy(tiny, tmp_path):
 def captured_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Record the accumulated gradients when the optimizer steps."""
     grads: dict[str, torch.Tensor] = {}
-    step = trainer.optimizer.step
+    step = trainer.policy.optimizer.step
 
     def recording_step(*args, **kwargs):
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.policy.model.named_parameters():
             if p.grad is not None:
                 grads[name] = p.grad.detach().clone()
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = recording_step
-    trainer.optimizer.step._wrapped_by_lr_sched = True  # the scheduler's own marker: no warning
+    trainer.policy.optimizer.step = recording_step
+    trainer.policy.optimizer.step._wrapped_by_lr_sched = True  # the scheduler's own marker: no warning
     return grads
 
 
@@ -143,7 +148,7 @@ def test_every_option_takes_a_finite_step(tiny, tmp_path, name):
     m = t.train_step(make_groups(t, behaviour_offset=-0.1))
     bad = {k: v for k, v in m.items() if not math.isfinite(v)}
     assert not bad, bad
-    assert t.step == 1
+    assert t.policy.step == 1
     moved = max(float((before[k] - v).abs().max()) for k, v in params(t).items())
     assert moved > 0, "the step did not change the policy"
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "rollout_corr/is_weight_mean",
@@ -154,17 +159,17 @@ def test_every_option_takes_a_finite_step(tiny, tmp_path, name):
 def test_lora_snapshot_is_the_merged_base_model(tiny, tmp_path):
     t = make_trainer(tiny, tmp_path, "learner.lora.rank=4")
     t.train_step(make_groups(t))
-    snap = dict(t.snapshot())
+    snap = dict(t.policy.snapshot())
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(tiny)
     assert set(snap) == {n for n, _ in base.named_parameters()}
     x = torch.randint(3, 30, (1, 7))
     with torch.no_grad():
-        want = t.model(input_ids=x).logits
+        want = t.policy.model(input_ids=x).logits
         base.load_state_dict(snap, strict=False)
         got = base(input_ids=x).logits
     assert float((want - got).abs().max()) < 1e-4
-    path = t.save_checkpoint()
+    path = t.policy.save_checkpoint()
     reloaded = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         assert float((reloaded(input_ids=x).logits - want).abs().max()) < 1e-4
@@ -175,13 +180,13 @@ def test_lora_snapshot_is_the_merged_base_model(tiny, tmp_path):
 def test_checkpoint_resume_restores_weights_and_step(tiny, tmp_path, extra):
     t = make_trainer(tiny, tmp_path, *extra)
     t.train_step(make_groups(t))
-    t.save_checkpoint()
+    t.policy.save_checkpoint()
     r = make_trainer(tiny, tmp_path, *extra)
-    assert r.step == 1 and r.resumed_from is not None
+    assert r.policy.step == 1 and r.policy.resumed_from is not None
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-6
-    if t.critic is not None:
-        for (ka, va), (kb, vb) in zip(t.critic.state_dict().items(), r.critic.state_dict().items(), strict=True):
+    if t.policy.critic is not None:
+        for (ka, va), (kb, vb) in zip(t.policy.critic.state_dict().items(), r.policy.critic.state_dict().items(), strict=True):
             assert ka == kb and torch.equal(va, vb)
     # the next step is the same from the original and from the resumed trainer
     groups = make_groups(t, seed=1)
@@ -200,26 +205,26 @@ def test_a_stop_never_leaves_half_a_step(tiny, tmp_path):
     t = make_trainer(tiny, tmp_path, "learner.ppo_mini_batches=2", "algorithm.use_kl_in_reward=true",
                      "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10")
     groups = make_groups(t)
-    beta = t.kl_ctrl.value
-    zero_grad = t.optimizer.zero_grad
+    beta = t.policy.kl_ctrl.value
+    zero_grad = t.policy.optimizer.zero_grad
 
     def stop_at_first_update(*args, **kwargs):  # the KL penalty is computed by then
         t.abort.set()
         return zero_grad(*args, **kwargs)
 
-    t.optimizer.zero_grad = stop_at_first_update
+    t.policy.optimizer.zero_grad = stop_at_first_update
     with pytest.raises(Aborted):
         t.train_step(groups)
-    assert t.step == 0 and t.kl_ctrl.value == beta and t.scheduler.last_epoch == 0
-    t.optimizer.zero_grad = zero_grad
+    assert t.policy.step == 0 and t.policy.kl_ctrl.value == beta and t.policy.scheduler.last_epoch == 0
+    t.policy.optimizer.zero_grad = zero_grad
     t.abort.clear()
-    step = t.optimizer.step
+    step = t.policy.optimizer.step
 
     def step_then_stop(*args, **kwargs):
         out = step(*args, **kwargs)
         t.abort.set()
         return out
 
-    t.optimizer.step = step_then_stop
+    t.policy.optimizer.step = step_then_stop
     t.train_step(groups)
-    assert t.step == 1 and t.scheduler.last_epoch == 2 and t.kl_ctrl.value != beta
+    assert t.policy.step == 1 and t.policy.scheduler.last_epoch == 2 and t.policy.kl_ctrl.value != beta

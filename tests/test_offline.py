@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from actors.offline.replay import replay
-from actors.recording import decode_group, last_by, parts, read_table
+from actors.runtime.recording import decode_group, last_by, parts, read_table
 from tests.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent

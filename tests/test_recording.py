@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.recording import (
+from actors.runtime.recording import (
     Recorder,
     TableWriter,
     decode_group,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from actors.recording import Recorder
-from actors.replay import ReplayState
-from actors.replay_resume import checkpoint_position, restore
+from actors.data.sources import make_task
+from actors.replay.state import ReplayState
 from actors.runtime.config import TaskConfig
-from actors.tasks import make_task
+from actors.runtime.recording import Recorder
+from actors.runtime.rundir import checkpoint_position
 from messages.rollout import Sample, ScoredGroup
 from messages.tensor import Tensor
 
@@ -71,7 +71,7 @@ def test_groups_trained_after_the_checkpoint_are_held_again_in_order(tmp_path):
     assert before.dropped["stale"] == 4  # groups 4..7 at version 0 against version 5
 
     s = state()
-    r = restore(s, tmp_path, step=1, version=1)
+    r = s.restore(tmp_path, step=1, version=1)
     assert r is not None and (r.step, r.version, r.redone) == (1, 1, 3)
     assert ids(s.held) == [2, 3, 10]  # steps 2 and 3 in (step, position) order; drops stay
     assert s.trained == 2 and s.dropped == {"stale": 4} and s.version == 1
@@ -91,7 +91,7 @@ def test_groups_trained_after_the_checkpoint_are_held_again_in_order(tmp_path):
 def test_a_checkpoint_past_every_batch_holds_only_what_was_never_trained(tmp_path):
     run_three_steps(tmp_path)
     s = state()
-    restore(s, tmp_path, step=3, version=3)
+    s.restore(tmp_path, step=3, version=3)
     assert s.trained == 5 and ids(s.held) == [] and ids(s.requeued) == [8, 9]
     assert s.counters()["dropped"] == 4 and balanced(s)
 
@@ -103,7 +103,7 @@ def test_restored_groups_are_the_exact_recorded_messages(tmp_path):
         s0.accept(g)
     flush(s0, rec)
     s = state()
-    restore(s, tmp_path, step=0, version=0)
+    s.restore(tmp_path, step=0, version=0)
     assert list(s.held) == groups
 
 
@@ -121,7 +121,7 @@ def test_kill_between_the_parts_of_one_flush(tmp_path):
     flush(s0, rec, tables=["prompts", "groups"])  # killed before the fates part: batch 2 unsent
 
     s = state()
-    restore(s, tmp_path, step=1, version=1)
+    s.restore(tmp_path, step=1, version=1)
     assert ids(s.held) == [2, 3, 4] and s.trained == 2 and ids(s.requeued) == [5]
     assert ids(s.take_batch(2, step=2)) == [2, 3] and balanced(s)
 
@@ -132,7 +132,7 @@ def test_kill_between_the_parts_of_one_flush(tmp_path):
         s0.accept(scored(p))
     flush(s0, rec, tables=["prompts"])
     s = state()
-    restore(s, tmp2, step=0, version=0)
+    s.restore(tmp2, step=0, version=0)
     assert ids(s.held) == [] and ids(s.requeued) == [0, 1] and balanced(s)
 
 
@@ -157,7 +157,7 @@ def test_a_later_incarnations_record_of_a_step_replaces_the_earlier_one(tmp_path
     rec.flush()
 
     s = state()
-    r = restore(s, tmp_path, step=2, version=2)
+    r = s.restore(tmp_path, step=2, version=2)
     assert s.trained == 4 and s.dropped == {"filtered": 1}
     assert ids(s.held) == [5] and r.redone == 1 and r.missing_steps == ()
     assert balanced(s)
@@ -165,7 +165,7 @@ def test_a_later_incarnations_record_of_a_step_replaces_the_earlier_one(tmp_path
 
 def test_nothing_recorded_leaves_a_fresh_state(tmp_path):
     s = state()
-    assert restore(s, tmp_path) is None
+    assert s.restore(tmp_path) is None
     assert s.issued == 0 and s.next_row == 0 and not s.held
 
 
@@ -193,7 +193,7 @@ def test_reused_groups_wait_for_their_next_serve_again(tmp_path):
 
     s = state(batch=2, staleness=3)
     s.reuse = 2
-    restore(s, tmp_path, step=1, version=1)
+    s.restore(tmp_path, step=1, version=1)
     assert [(g.prompt.prompt_id, n) for g, n in s.reusable] == [(0, 1), (1, 1)]
     assert s.trained == 2 and s.served == 2 and s.reused == 0 and ids(s.held) == [2, 3]  # admission let 4 in (reuse 2)
     assert balanced(s)

@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from actors.replay import ReplayState, group_version
+from actors.data.sources import make_task
+from actors.replay.state import ReplayState
 from actors.runtime.config import TaskConfig
-from actors.tasks import make_task
+from actors.runtime.versions import group_version
 from messages.rollout import Sample, ScoredGroup
 from messages.tensor import Tensor
 

@@ -11,15 +11,17 @@ import zmq
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from actors.reward import reward_actor
-from actors.router import router_actor
+from actors.router.actor import router_actor
 from actors.runtime.actor import serve_actor
 from actors.runtime.config import ConfigError
 from actors.runtime.zmq_bridge import make_socket
+from actors.scoring.items import ScoreItem, items_of
 from actors.scoring.scorer import Scoring
-from messages.codec import Codec, encode
-from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ToClient
+from messages.codec import Codec
+from messages.reward import Response, ScoreReply, ScoreRequest, ToScoringClient
 from messages.rollout import ChatMessage
-from tests.helpers import actor_context, live_topology
+from messages.routing import Envelope, ToClient
+from tests.helpers import actor_context, live_topology, routed
 from tests.tiny_model import build_tiny_model, build_tiny_reward_model
 
 
@@ -28,11 +30,18 @@ def reward_model(tmp_path_factory):
     return build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model")
 
 
-def items() -> list[ScoreItem]:
-    """Responses of different lengths (so a batch pads), with and without a prompt."""
+def requests() -> list[ScoreRequest]:
+    """Two groups: responses of different lengths (so a batch pads) to a prompt, and one
+    response without a prompt."""
     prompt = [ChatMessage("system", "answer with a number"), ChatMessage("user", "what is 2 + 3?")]
-    texts = ["5", "it is 5", "6", "the answer is five", "", "55 55 55 55 55 55 55 55"]
-    return [ScoreItem("mine", t, "5", prompt=prompt if i != 2 else []) for i, t in enumerate(texts)]
+    texts = ["5", "it is 5", "the answer is five", "", "55 55 55 55 55 55 55 55"]
+    return [ScoreRequest("mine", "5", [Response(t) for t in texts], prompt=prompt),
+            ScoreRequest("mine", "5", [Response("6")])]
+
+
+def items() -> list[ScoreItem]:
+    """Both groups' items in one list, as a batch mixing them."""
+    return [item for request in requests() for item in items_of(request)]
 
 
 def reference(path, item: ScoreItem) -> float:
@@ -50,7 +59,7 @@ def reference(path, item: ScoreItem) -> float:
 def scoring(path, *extra: str, sockets: str = "/tmp") -> Scoring:
     fields = ", ".join(['builtin="reward_model"', f'path="{path}"', *extra])
     topo = live_topology(sockets, f"reward.functions=[{{{fields}}}]")
-    return Scoring(topo.reward, max_response_length=32)
+    return Scoring(topo.reward)
 
 
 @pytest.mark.anyio
@@ -94,22 +103,23 @@ async def test_a_live_worker_serves_reward_model_scores_weighted_with_a_rule(rew
     topo = live_topology(sockets, "reward.functions=["
                          f'{{builtin="reward_model", path="{reward_model}", weight=0.5, batch_size=4}},'
                          '{builtin="exact_match", weight=2.0}]')
-    expected = [0.5 * reference(reward_model, item) + 2.0 * (item.solution_str == "5")
-                for item in items()]
     zctx = zmq.Context()
-    codec = Codec(ToClient)
     try:
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(serve_actor, actor_context("router", topo, zctx, tmp_path), router_actor,
-                              None)
-                tg.start_soon(serve_actor, actor_context("reward", topo, zctx, tmp_path), reward_actor,
-                              None)
+                await tg.start(serve_actor, actor_context("router", topo, zctx, tmp_path),
+                               router_actor, None)
+                await tg.start(serve_actor, actor_context("reward", topo, zctx, tmp_path),
+                               reward_actor, None)
                 with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                    for request_id in (1, 2):
-                        await client.send_multipart([encode(ScoreRequest(request_id, items()))])
-                        reply = codec.decode((await client.recv_multipart())[-1])
-                        assert isinstance(reply, ScoreReply) and reply.request_id == request_id
+                    for request_id, request in enumerate(requests()):
+                        expected = [0.5 * reference(reward_model, item)
+                                    + 2.0 * (item.solution_str == "5") for item in items_of(request)]
+                        await client.send_multipart(routed(request_id, request))
+                        envelope, body = await client.recv_multipart()
+                        assert Codec(ToClient).decode(envelope) == Envelope(request_id)
+                        reply = Codec(ToScoringClient).decode(body)
+                        assert isinstance(reply, ScoreReply)
                         assert [r.error for r in reply.results] == [""] * len(expected)
                         assert [r.score for r in reply.results] == pytest.approx(expected, abs=1e-5)
                         assert set(reply.results[0].extra) == {"reward_model", "exact_match"}

@@ -1,6 +1,7 @@
 """A live router and reward worker (in this process, on trio, over real ipc sockets) with a
-user's scoring function that hangs on one item: the reply still comes, with that item's error
-and the others scored, and the worker serves the next request."""
+user's scoring function that hangs on one response: the reply still comes, with that response's
+error and the others scored, and the worker serves the next request; a stopped worker says bye,
+answers what it has and leaves the router's status."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import pytest
 import zmq
 
 from actors.reward import reward_actor
-from actors.router import router_actor
-from actors.runtime.actor import serve_actor
-from actors.runtime.zmq_bridge import make_socket
-from messages.codec import Codec, encode
-from messages.reward import ScoreItem, ScoreReply, ScoreRequest, ToClient
-from tests.helpers import actor_context, live_topology
+from actors.router.actor import router_actor
+from actors.runtime.actor import ActorContext, serve_actor
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from messages.codec import Codec
+from messages.reward import ScoreReply, ToScoringClient
+from messages.routing import Envelope, ToClient
+from tests.helpers import actor_context, live_topology, routed, score_request, wait_for
 
 USER_FUNCTION = '''
 import time
@@ -36,35 +38,53 @@ def router_and_worker(tmp_path, sockets: str, source: str, *overrides: str):
             actor_context("router", topo, zctx, tmp_path))
 
 
+async def reply_to(client: AsyncSocket, request_id: int) -> ScoreReply:
+    """The next reply on ``client``: an envelope with ``request_id``, then a ``ScoreReply`` body."""
+    envelope_frame, body = await client.recv_multipart()
+    envelope = Codec(ToClient).decode(envelope_frame)
+    assert envelope == Envelope(request_id)
+    reply = Codec(ToScoringClient).decode(body)
+    assert isinstance(reply, ScoreReply)
+    return reply
+
+
+def worker_entry(router_ctx: ActorContext, name: str = "reward-0") -> dict:
+    return router_ctx.status.get(f"worker/{name}", {})
+
+
 @pytest.mark.anyio
-async def test_a_hanging_user_function_costs_one_item_not_the_worker(tmp_path, sockets):
+async def test_a_hanging_user_function_costs_one_response_not_the_worker(tmp_path, sockets):
     topo, zctx, reward_ctx, router_ctx = router_and_worker(
         tmp_path, sockets, USER_FUNCTION, "reward.timeout_s=1.0", "reward.processes=2")
-    codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_actor, router_ctx, router_actor, None)
-            tg.start_soon(serve_actor, reward_ctx, reward_actor, None)
+            await tg.start(serve_actor, router_ctx, router_actor, None)
+            await tg.start(serve_actor, reward_ctx, reward_actor, None)
             with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                items = [ScoreItem("mine", "4", "4"), ScoreItem("mine", "hang", "4"),
-                         ScoreItem("mine", "5", "4"), ScoreItem("mine", "4", "4")]
-                await client.send_multipart([encode(ScoreRequest(request_id=1, items=items))])
-                reply = codec.decode((await client.recv_multipart())[-1])
-                assert isinstance(reply, ScoreReply) and reply.request_id == 1
+                await client.send_multipart(routed(1, score_request(
+                    "4", "hang", "5", "4", data_source="mine", ground_truth="4")))
+                reply = await reply_to(client, 1)
                 assert [r.score for r in reply.results] == [1.0, 0.0, 0.0, 1.0]
                 assert "timed out after 1 s" in reply.results[1].error
                 assert [r.error for r in reply.results[::2]] == ["", ""]
                 assert reply.results[2].extra == {"chars": 1.0}
 
-                await client.send_multipart([encode(ScoreRequest(
-                    request_id=2, items=[ScoreItem("mine", "7", "7"), ScoreItem("mine", "x", "7")]))])
-                reply = codec.decode((await client.recv_multipart())[-1])
-                assert isinstance(reply, ScoreReply) and reply.request_id == 2
+                await client.send_multipart(routed(2, score_request(
+                    "7", "x", data_source="mine", ground_truth="7")))
+                reply = await reply_to(client, 2)
                 assert [(r.score, r.error) for r in reply.results] == [(1.0, ""), (0.0, "")]
             status = reward_ctx.status
             assert (status["requests_done"], status["items_scored"]) == (2, 6)
             assert (status["score_errors"], status["score_timeouts"], status["score_crashes"]) == (1, 1, 0)
+            # the router's per-worker figures follow on its status timer
+            await wait_for("two requests done", lambda: worker_entry(router_ctx).get("done") == 2)
+            entry = worker_entry(router_ctx)
+            assert (entry["pool"], entry["in_flight"], entry["failed"], entry["leaving"]) == \
+                ("reward", 0, 0, False)
+            assert entry["capacity"] == topo.reward.capacity
+            assert entry["p99_ms"] >= entry["p50_ms"] >= 1000.0  # the first waited for the timeout
             assert router_ctx.status["workers"] == 1  # heartbeats kept it registered throughout
+            assert (router_ctx.status["answered"], router_ctx.status["resent"]) == (2, 0)
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 
@@ -82,24 +102,25 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path, sockets):
     topo, zctx, reward_ctx, router_ctx = router_and_worker(
         tmp_path, sockets, SLOW_FUNCTION, "reward.timeout_s=5.0", "reward.processes=1")
-    codec = Codec(ToClient)
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve_actor, router_ctx, router_actor, None)
+            await tg.start(serve_actor, router_ctx, router_actor, None)
             async with anyio.create_task_group() as worker:
-                worker.start_soon(serve_actor, reward_ctx, reward_actor, None)
+                await worker.start(serve_actor, reward_ctx, reward_actor, None)
                 with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                    await client.send_multipart([encode(ScoreRequest(
-                        request_id=5, items=[ScoreItem("mine", "1.5", "x")]))])
-                    while reward_ctx.status.get("requests_in_flight") != 1:  # noqa: ASYNC110
-                        await anyio.sleep(0.05)
+                    await client.send_multipart(routed(5, score_request(
+                        "1.5", data_source="mine", ground_truth="x")))
+                    # the request is at the worker (the router says so) before it is stopped
+                    await wait_for("in flight at the worker",
+                                   lambda: worker_entry(router_ctx).get("in_flight") == 1)
                     worker.cancel_scope.cancel()  # as SIGTERM: bye, then the reply, then gone
-                    reply = codec.decode((await client.recv_multipart())[-1])
-                    assert isinstance(reply, ScoreReply) and reply.request_id == 5
+                    reply = await reply_to(client, 5)
                     assert [r.score for r in reply.results] == [1.0]
             assert reward_ctx.status["requests_done"] == 1
-            await anyio.sleep(0.3)  # the router's status follows on its next dispatch
-            assert router_ctx.status["resent"] == 0 and router_ctx.status["workers"] == 0
-            assert "reward-0" not in router_ctx.status
+            # the router drops the worker once its last reply is in (its status on the next tick)
+            await wait_for("worker gone", lambda: router_ctx.status.get("workers") == 0
+                           and "reward-0" not in router_ctx.status)
+            assert router_ctx.status["resent"] == 0 and router_ctx.status["answered"] == 1
+            assert "waiting" not in router_ctx.status
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)

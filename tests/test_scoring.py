@@ -9,17 +9,32 @@ import textwrap
 import anyio
 import pytest
 
+import actors.data.tasks
 from actors.runtime.config import (
     BUILTIN_SCORERS,
+    BUILTIN_TASKS,
     ConfigError,
     RewardConfig,
     apply_overrides,
     decode_topology,
 )
-from actors.scoring.rules import BUILTINS, answer_tag, exact_match, gsm8k, math, overlong_penalty
-from actors.scoring.scorer import Scoring
-from actors.tasks import SCORERS
-from messages.reward import ScoreItem, ScoreResult
+from actors.sandbox.pool import ChildPool
+from actors.sandbox.protocol import Call, FunctionSpec, Outcome
+from actors.scoring.items import ScoreItem, items_of, verl_arguments
+from actors.scoring.rules import (
+    BUILTINS,
+    DATA_SOURCES,
+    answer_tag,
+    arithmetic_score,
+    exact_match,
+    gsm8k,
+    math,
+    overlong_penalty,
+    repeat_letter_score,
+)
+from actors.scoring.scorer import Scoring, builtin_spec
+from messages.reward import Response, ScoreRequest, ScoreResult
+from messages.rollout import ChatMessage
 
 USER_FUNCTIONS = '''
 import asyncio, ctypes, math, os, time
@@ -88,15 +103,20 @@ def reward_config(*functions: str, **options) -> RewardConfig:
 
 
 async def score(cfg: RewardConfig, items: list[ScoreItem], max_tokens: int = 32):
-    scoring = Scoring(cfg, max_response_length=max_tokens)
+    scoring = Scoring(cfg)
     try:
-        return await scoring.score(items), scoring
+        return await scoring.score(items, max_tokens), scoring
     finally:
         await scoring.aclose()
 
 
 def item(solution: str, truth: str = "a", **extra) -> ScoreItem:
     return ScoreItem("test", solution, truth, extra)
+
+
+def exited(pid: int) -> None:
+    """Block until child ``pid`` has exited, without reaping it (its owner still can)."""
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
 # built-in rules --------------------------------------------------------------------------------
@@ -155,7 +175,30 @@ def test_overlong_penalty_numbers():
 
 def test_registries_agree():
     assert set(BUILTINS) | {"reward_model"} == set(BUILTIN_SCORERS)  # a model, not a rule
-    assert SCORERS["arithmetic"] is BUILTINS["arithmetic"]  # actors.tasks keeps working
+    # the built-in tasks' scorers live with the other rules; BUILTINS is the one table
+    assert BUILTINS["arithmetic"] is arithmetic_score
+    assert BUILTINS["repeat_letter"] is repeat_letter_score
+    assert all(DATA_SOURCES[task] in BUILTINS for task in BUILTIN_TASKS)
+    assert not hasattr(actors.data.tasks, "SCORERS")
+    assert arithmetic_score("arithmetic", "2 + 2 = 4", "4", {"a": 2, "b": 2}) == 1.0
+    assert arithmetic_score("arithmetic", "2 + 3 = 4", "4", {"a": 2, "b": 2}) == 0.0
+    assert repeat_letter_score("repeat_letter", "a a b a", "a") == 0.75
+
+
+def test_a_groups_request_becomes_one_item_per_response():
+    prompt = [ChatMessage("user", "1 + 2")]
+    request = ScoreRequest("arithmetic", "3", [Response("3", 1), Response("1 + 2 = 3", 7)],
+                           extra_info={"a": 1, "b": 2}, prompt=prompt, max_response_length=16)
+    items = items_of(request)
+    assert items == [ScoreItem("arithmetic", "3", "3", {"a": 1, "b": 2}, 1, prompt),
+                     ScoreItem("arithmetic", "1 + 2 = 3", "3", {"a": 1, "b": 2}, 7, prompt)]
+    assert verl_arguments(items, batch=False)[1] == {
+        "data_source": "arithmetic", "solution_str": "1 + 2 = 3", "ground_truth": "3",
+        "extra_info": {"a": 1, "b": 2}}
+    assert verl_arguments(items, batch=True) == [{
+        "data_sources": ["arithmetic"] * 2, "solution_strs": ["3", "1 + 2 = 3"],
+        "ground_truths": ["3", "3"], "extra_infos": [{"a": 1, "b": 2}] * 2}]
+    assert items_of(ScoreRequest("d", "g", [])) == []
 
 
 # through Scoring ------------------------------------------------------------------------------
@@ -183,6 +226,8 @@ async def test_overlong_penalty_uses_response_length():
     results, _ = await score(reward_config('{builtin="exact_match"}', overlong_buffer_len=4,
                                            max_response_length=40), items[3:], max_tokens=20)
     assert results[0].score == 0.0  # L_max from reward.max_response_length, not max_tokens
+    results, _ = await score(cfg, items, max_tokens=0)
+    assert [r.score for r in results] == [1.0, 1.0, 1.0, 0.0]  # no L_max known: no penalty
 
 
 @pytest.mark.anyio
@@ -220,7 +265,7 @@ async def test_weighted_combination(user_file):
 @pytest.mark.anyio
 async def test_hang_times_out_and_the_next_call_works(user_file):
     cfg = reward_config(f'{{path="{user_file}", name="hangs"}}', timeout_s=0.5, processes=1)
-    scoring = Scoring(cfg, 32)
+    scoring = Scoring(cfg)
     ticks = 0
 
     async def ticker() -> None:  # the event loop stays free while a child hangs
@@ -235,7 +280,7 @@ async def test_hang_times_out_and_the_next_call_works(user_file):
             results = await scoring.score([item("ok"), item("hang"), item("ok")])
             tg.cancel_scope.cancel()
         assert [r.score for r in results] == [1.0, 0.0, 1.0]
-        assert "timed out after 0.5 s" in results[1].error and ticks >= 15
+        assert "timed out after 0.5 s (reward.timeout_s)" in results[1].error and ticks >= 15
         assert (await scoring.score([item("ok")]))[0].score == 1.0
         stats = scoring.statistics()
         assert (stats.timeouts, stats.errors, stats.children) == (1, 1, 1)
@@ -265,7 +310,7 @@ async def test_exception_bad_values_and_load_failures_become_errors(user_file, t
 @pytest.mark.anyio
 async def test_memory_limit(user_file):
     cfg = reward_config(f'{{path="{user_file}", name="greedy"}}', memory_mb=256, processes=1)
-    scoring = Scoring(cfg, 32)
+    scoring = Scoring(cfg)
     try:
         results = await scoring.score([item("x")])
         assert results[0].score == 0.0 and results[0].error.startswith("my_reward.greedy: MemoryError")
@@ -278,19 +323,21 @@ async def test_memory_limit(user_file):
 @pytest.mark.anyio
 async def test_crashes_replace_the_child(user_file):
     cfg = reward_config(f'{{path="{user_file}", name="exits"}}', processes=1)
-    scoring = Scoring(cfg, 32)
+    scoring = Scoring(cfg)
     try:
         results = await scoring.score([item("ok")])
         (first,) = scoring.pool.pids
         results = await scoring.score([item("exit")])
         assert results[0].error == ("my_reward.exits: child process exited with status 1 "
-                                    "while scoring; replaced")
+                                    "while running; replaced")
         assert (await scoring.score([item("ok")]))[0].score == 1.0
         assert scoring.pool.pids != [first] and scoring.statistics().crashes == 1
         (second,) = scoring.pool.pids
         os.kill(second, 9)  # an idle child killed from outside is replaced before its next call
-        await anyio.sleep(0.1)
+        await anyio.to_thread.run_sync(exited, second)
         assert (await scoring.score([item("ok")]))[0] == ScoreResult(1.0)
+        assert scoring.pool.pids not in ([first], [second])
+        assert scoring.statistics().crashes == 1  # found dead before a call: no call crashed
     finally:
         await scoring.aclose()
     results, _ = await score(reward_config(f'{{path="{user_file}", name="segfaults"}}'), [item("x")])
@@ -306,9 +353,30 @@ async def test_cpu_limit(user_file):
 
 
 @pytest.mark.anyio
+async def test_the_sandbox_serves_any_caller_and_names_its_limits(user_file):
+    # the pool knows nothing of rewards: functions by module or by path, keyword arguments as
+    # the caller names them, and errors that name the caller's config section
+    pool = ChildPool([builtin_spec("exact_match"), FunctionSpec(path=user_file, name="hangs")],
+                     size=1, timeout_s=0.5, memory_mb=0, cpu_s=0, limits_key="tools")
+    args = {"data_source": "", "solution_str": "x", "ground_truth": "x", "extra_info": {}}
+    try:
+        assert await pool.call(Call(0, [args, {**args, "solution_str": "y"}], 2)) == \
+            [Outcome(1.0), Outcome(0.0)]
+        (outcome,) = await pool.call(Call(1, [{**args, "solution_str": "hang"}], 1))
+        assert outcome == Outcome(error="timed out after 0.5 s (tools.timeout_s); child killed "
+                                        "and replaced")
+        assert (await pool.call(Call(1, [args], 1))) == [Outcome(1.0)]
+        stats = pool.statistics()
+        assert (stats.timeouts, stats.crashes, stats.started, stats.children) == (1, 0, 2, 1)
+    finally:
+        await pool.aclose()
+    assert pool.statistics().children == 0
+
+
+@pytest.mark.anyio
 async def test_children_are_parallel_and_reaped(user_file):
     cfg = reward_config(f'{{path="{user_file}", name="pid"}}', processes=3)
-    scoring = Scoring(cfg, 32)
+    scoring = Scoring(cfg)
     results = await scoring.score([item("x")] * 9)
     pids = scoring.pool.pids
     assert len(pids) == 3 and {int(r.score) for r in results} <= set(pids)

@@ -84,8 +84,10 @@ async def until(predicate) -> None:
 
 
 async def fill(sock: AsyncSocket, make_msg) -> int:
-    """Send with send_multipart_nowait until zmq.Again persists across a pause (the io
-    threads and kernel buffers may still take data right after the first Again)."""
+    """Send with send_multipart_nowait until zmq.Again, then with a send that waits for room:
+    the io threads and kernel buffers may still take data right after the first Again, and the
+    waiting send goes through as soon as they do. Full is when it stays blocked for a while
+    (cancelled, it sends nothing)."""
     sent = 0
     for _ in range(100_000):
         try:
@@ -94,11 +96,10 @@ async def fill(sock: AsyncSocket, make_msg) -> int:
             continue
         except zmq.Again:
             pass
-        await anyio.sleep(0.05)
-        try:
-            sock.send_multipart_nowait(make_msg(sent))
+        with anyio.move_on_after(0.05) as blocked:
+            await sock.send_multipart(make_msg(sent))
             sent += 1
-        except zmq.Again:
+        if blocked.cancelled_caught:
             return sent
     raise AssertionError("the peer never pushed back")
 
@@ -338,7 +339,7 @@ async def test_cancelled_recv_leaves_socket_usable(ctx, endpoint):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(pull.recv_multipart)
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()
             assert pull.statistics().tasks_waiting_receive == 1
             tg.cancel_scope.cancel()
 
@@ -362,12 +363,13 @@ async def test_cancel_fd_waiter_hands_over_to_parked_receiver(ctx, endpoint):
                     await pull.recv_multipart()
 
             tg.start_soon(first)  # becomes the FD waiter
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()
             tg.start_soon(second)  # parks
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()
             assert pull.statistics().tasks_waiting_receive == 2
             first_scope.cancel()
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()  # first has left; second waits on the FD now
+            assert pull.statistics().tasks_waiting_receive == 1
             await push.send_multipart([b"for-second"])
         assert result == [[b"for-second"]]
 
@@ -418,7 +420,8 @@ async def test_close_wakes_waiters(ctx, endpoint):
         async with anyio.create_task_group() as tg:
             for _ in range(3):
                 tg.start_soon(waiter)
-            await anyio.sleep(0.02)
+            await anyio.wait_all_tasks_blocked()
+            assert pull.statistics().tasks_waiting_receive == 3
             pull.close()
         assert len(errors) == 3 and pull.closed
         with pytest.raises(anyio.ClosedResourceError):

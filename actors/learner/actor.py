@@ -1,70 +1,113 @@
 """The learner actor: pull a batch, take a step, publish weights, report, checkpoint.
 
-Weights are served by long-poll on the ``weights`` ROUTER: each sampler's ``WeightsPoll``
-is answered as soon as a version newer than the one it has exists (at once for a sampler that
-has none), with a header frame and one zero-copy frame per parameter. Training runs in a
-worker thread so polls, heartbeats and stop messages are served during a step. A stop
-abandons the step in progress at the next micro-batch and writes a final checkpoint under a
-shielded scope.
+Training runs in a worker thread (``Trainer``), so weight polls, heartbeats and stop messages
+are served during a step. New weights go out through the weights channel after every step
+(``actors/runtime/weights.py``). A stop abandons the step in progress at the next micro-batch
+and writes a final checkpoint under a shielded scope.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
 import anyio
 import torch
 import zmq
 
-from actors.learner.checkpoints import remove_partial
 from actors.learner.trainer import Trainer
-from actors.recording import Recorder
 from actors.runtime.actor import ActorContext, run_compute
-from actors.runtime.tensors import meta, raw_bytes
-from actors.runtime.zmq_bridge import make_socket
+from actors.runtime.metrics import JsonlSink
+from actors.runtime.recording import Recorder
+from actors.runtime.rundir import METRICS, remove_partial
+from actors.runtime.weights import WeightsPublisher
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
-from messages.control import ErrorReply, StepReport
-from messages.rollout import BatchRequest, FromReplay, TrainBatch, VersionUpdate
-from messages.weights import ToLearnerWeights, WeightsHeader, WeightsPoll
+from messages.control import StepReport
+from messages.rollout import BatchRequest, FromReplay, ScoredGroup, TrainBatch, VersionUpdate
 
 
-class WeightsServer:
-    """Holds the newest published weights and answers pollers that lack them."""
+class Learner:
+    """The training loop of one learner: batches from the replay buffer, weights to samplers."""
 
-    def __init__(self, sock) -> None:
-        self.sock = sock
-        self.version = -1
-        self.frames: list = []  # [header, tensor bytes...] of ``version``
-        self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
-        self.sent = 0
+    def __init__(self, ctx: ActorContext, trainer: Trainer, replay: AsyncSocket,
+                 weights: WeightsPublisher) -> None:
+        self.ctx, self.trainer, self.replay, self.weights = ctx, trainer, replay, weights
+        self.cfg = ctx.topology.learner
+        self.codec: Codec[FromReplay] = Codec(FromReplay)
+        self.metrics = JsonlSink(ctx.run_dir / METRICS)
+        self.recorder = Recorder(ctx.run_dir, ["batches", "metrics"],
+                                 enabled=ctx.topology.run.record)
+        self.flushing = anyio.Lock()  # one recording flush at a time
 
-    async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        header = WeightsHeader(version=version, tensors=[meta(n, t) for n, t in tensors])
-        self.version = version
-        self.frames = [encode(header), *(raw_bytes(t) for _, t in tensors)]
-        await self.flush()
+    async def flush_recording(self) -> None:
+        # batches and metrics rows are not the replay buffer's write-ahead log (fates are), so
+        # they need not be on disk before the next step: a kill loses at most the rows of
+        # steps after the latest checkpoint, which a resume trains (and records) again
+        async with self.flushing:
+            await anyio.to_thread.run_sync(self.recorder.flush)
 
-    async def flush(self) -> None:
-        for peer, have in list(self.waiting.items()):
-            if self.version > have:
-                del self.waiting[peer]
-                await self.sock.send_multipart([peer, *self.frames], copy=False)
-                self.sent += 1
+    async def publish(self) -> None:
+        """Send the current weights to the samplers, then tell the replay buffer the version
+        (its admission opens for it only once the weights are on their way)."""
+        policy = self.trainer.policy
+        await self.weights.publish(policy.version, await anyio.to_thread.run_sync(policy.snapshot))
+        await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
 
-    async def serve(self) -> None:
-        codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights)
+    async def next_batch(self) -> TrainBatch:
+        policy = self.trainer.policy
+        await self.replay.send_multipart([encode(BatchRequest(
+            step=policy.step, version=policy.version, num_groups=self.cfg.groups_per_step))])
         while True:
-            peer, *frames = await self.sock.recv_multipart()
             try:
-                poll = codec.decode(frames[-1] if frames else b"")
-            except DecodeError as exc:
-                await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
+                batch = self.codec.decode((await self.replay.recv_multipart())[-1])
+            except DecodeError:
                 continue
-            if isinstance(poll, WeightsPoll):
-                self.waiting[peer] = poll.have_version
-                if self.version >= 0:
-                    await self.flush()
+            if isinstance(batch, TrainBatch):
+                return batch
+
+    def step_and_record(self, groups: list[ScoredGroup], extra: dict[str, float]
+                        ) -> dict[str, float]:
+        """One step, in the worker thread, so a step taken is always a step recorded: a stop
+        can come before the step or after its metrics line, never between the two."""
+        policy = self.trainer.policy
+        version = policy.version
+        metrics = {**self.trainer.train_step(groups), **extra}
+        self.metrics.write(policy.step, metrics)
+        self.recorder.append("batches", {"step": policy.step, "version": version,
+                                         "group_ids": [g.prompt.prompt_id for g in groups]})
+        self.recorder.append("metrics", {"step": policy.step,
+                                         "metrics": {k: float(v) for k, v in metrics.items()}})
+        return metrics
+
+    async def train(self, tg: anyio.abc.TaskGroup) -> None:
+        policy = self.trainer.policy
+        await self.publish()
+        while policy.step < self.cfg.total_steps:
+            waited = time.monotonic()
+            batch = await self.next_batch()
+            extra = {"timing_s/wait_batch": time.monotonic() - waited,
+                     **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
+                     **{f"replay/{k}": v for k, v in batch.stats.items()}}
+            metrics = await run_compute(self.step_and_record, batch.groups, extra,
+                                        abort=self.trainer.abort)
+            tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
+            await self.publish()
+            await self.ctx.report(StepReport(step=policy.step, metrics=metrics))
+            self.ctx.status.update(step=policy.step, version=policy.version,
+                                   reward=round(metrics["critic/score/mean"], 3),
+                                   weights_sent=self.weights.sent)
+            if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
+                await self.flush_recording()  # every step a checkpoint holds is in the recording
+                await anyio.to_thread.run_sync(policy.save_checkpoint)
+
+    async def finish(self) -> None:
+        """At exit, whatever ended the loop: the recording, and a checkpoint of the last step."""
+        policy = self.trainer.policy
+        with anyio.CancelScope(shield=True):
+            await self.flush_recording()
+            if policy.step > policy.saved_step or policy.step == self.cfg.total_steps:
+                path = await anyio.to_thread.run_sync(policy.save_checkpoint)
+                self.ctx.status["checkpoint"] = str(path)
 
 
 async def learner_actor(ctx: ActorContext, *, task_status) -> str:
@@ -77,77 +120,17 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
-    server = WeightsServer(weights_sock)
-    replay_codec: Codec[FromReplay] = Codec(FromReplay)
-    metrics_file = ctx.run_dir / "metrics.jsonl"
-    recorder = Recorder(ctx.run_dir, ["batches", "metrics"], enabled=topo.run.record)
-    if trainer.resumed_from is not None:
-        ctx.status["resumed_from"] = trainer.resumed_from.name
+    weights = WeightsPublisher(weights_sock)
+    learner = Learner(ctx, trainer, replay, weights)
+    if trainer.policy.resumed_from is not None:
+        ctx.status["resumed_from"] = trainer.policy.resumed_from.name
     task_status.started()
-
-    flushing = anyio.Lock()  # one recording flush at a time
-
-    async def flush_recording() -> None:
-        # batches and metrics rows are not the replay buffer's write-ahead log (fates are), so
-        # they need not be on disk before the next step: a kill loses at most the rows of
-        # steps after the latest checkpoint, which a resume trains (and records) again
-        async with flushing:
-            await anyio.to_thread.run_sync(recorder.flush)
-
-    async def train(tg: anyio.abc.TaskGroup) -> None:
-        await server.publish(trainer.version, await anyio.to_thread.run_sync(trainer.snapshot))
-        await replay.send_multipart([encode(VersionUpdate(version=trainer.version))])
-        while trainer.step < cfg.total_steps:
-            waited = time.monotonic()
-            await replay.send_multipart([encode(BatchRequest(
-                step=trainer.step, version=trainer.version, num_groups=cfg.groups_per_step))])
-            batch = None
-            while not isinstance(batch, TrainBatch):
-                try:
-                    batch = replay_codec.decode((await replay.recv_multipart())[-1])
-                except DecodeError:
-                    continue
-            extra = {"timing_s/wait_batch": time.monotonic() - waited,
-                     **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
-                     **{f"replay/{k}": v for k, v in batch.stats.items()}}
-
-            def step_and_record(groups, extra=extra):
-                # in the worker thread, so a step taken is always a step recorded: a stop can
-                # come before the step or after its metrics line, never between the two
-                version = trainer.version
-                metrics = {**trainer.train_step(groups), **extra}
-                with metrics_file.open("a") as f:
-                    f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
-                recorder.append("batches", {"step": trainer.step, "version": version,
-                                            "group_ids": [g.prompt.prompt_id for g in groups]})
-                recorder.append("metrics", {"step": trainer.step,
-                                            "metrics": {k: float(v) for k, v in metrics.items()}})
-                return metrics
-
-            metrics = await run_compute(step_and_record, batch.groups, abort=trainer.abort)
-            tg.start_soon(flush_recording)  # beside the next batch's wait, not before it
-            snapshot = await anyio.to_thread.run_sync(trainer.snapshot)
-            await server.publish(trainer.version, snapshot)
-            await replay.send_multipart([encode(VersionUpdate(version=trainer.version))])
-            await ctx.report(StepReport(step=trainer.step, metrics=metrics))
-            ctx.status.update(step=trainer.step, version=trainer.version,
-                              reward=round(metrics["critic/score/mean"], 3),
-                              weights_sent=server.sent)
-            if trainer.step % cfg.save_every == 0 and trainer.step < cfg.total_steps:
-                await flush_recording()  # every step a checkpoint holds is in the recording
-                await anyio.to_thread.run_sync(trainer.save_checkpoint)
-
     with weights_sock, replay:
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(server.serve)
-                await train(tg)
+                tg.start_soon(weights.serve)
+                await learner.train(tg)
                 tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await flush_recording()
-            if trainer.step > trainer.saved_step or trainer.step == cfg.total_steps:
-                with anyio.CancelScope(shield=True):
-                    path = await anyio.to_thread.run_sync(trainer.save_checkpoint)
-                    ctx.status["checkpoint"] = str(path)
-    return f"trained {trainer.step} steps"
+            await learner.finish()
+    return f"trained {trainer.policy.step} steps"

@@ -3,8 +3,10 @@
 Rows are samples, ordered group by group (``group_size`` consecutive rows per prompt), each
 ``prompt + response`` right-padded to the batch width ``W``. Token-level tensors have ``W − 1``
 columns aligned with next-token prediction: column ``t`` scores token ``t + 1``, so
-``response_mask[i, t] = 1`` exactly where token ``t + 1`` of row ``i`` is a generated response
-token. The scalar reward sits on the last response token.
+``response_mask[i, t] = 1`` exactly where token ``t + 1`` of row ``i`` is a response token the model
+generated itself (a sample's ``loss_mask`` zeroes tool and environment tokens there, so every
+loss, aggregation, KL term, entropy and correction statistic leaves them out). The scalar
+reward sits on the last response token.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from messages.rollout import ScoredGroup
 class RolloutBatch:
     input_ids: torch.Tensor  # (N, W) long
     attention_mask: torch.Tensor  # (N, W) long
-    response_mask: torch.Tensor  # (N, W-1) float
+    response_mask: torch.Tensor  # (N, W-1) float, 1 on the model's own response tokens
     behaviour_logprobs: torch.Tensor  # (N, W-1) float, 0 outside the response
     token_rewards: torch.Tensor  # (N, W-1) float, the score on the last response token
     scores: torch.Tensor  # (N,) float
-    versions: torch.Tensor  # (N,) long, policy version that generated each sample
+    versions: torch.Tensor  # (N,) long, policy version of each sample's oldest token
     truncated: torch.Tensor  # (N,) bool, response hit max_tokens
     baseline_rewards: torch.Tensor | None  # (N,) remax: reward of the group's greedy sample
     group_size: int
@@ -33,6 +35,12 @@ class RolloutBatch:
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        """The same batch with every tensor on ``device``."""
+        return RolloutBatch(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name),
+                                                                     torch.Tensor) else v)
+                               for f in fields(self)})
 
     def rows(self, index: slice) -> RolloutBatch:
         """Rows ``index`` with the width trimmed to their longest sequence."""
@@ -70,7 +78,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         end = len(p) + len(r)
         ids[i, :end] = torch.cat([p, r])
         attn[i, :end] = 1
-        mask[i, len(p) - 1 : end - 1] = 1
+        mask[i, len(p) - 1 : end - 1] = 1 if s.loss_mask is None else from_wire(s.loss_mask).float()
         behav[i, len(p) - 1 : end - 1] = lp
         if len(r):
             rewards[i, end - 2] = s.reward

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TextIO
 
 from actors.offline.recorded import OfflineError, RecordedRun, excerpt, open_run, span
-from actors.recording import read_table
+from actors.runtime.recording import read_table
+from actors.runtime.versions import staleness
 
 # file -> (title, y label, [(metric, legend)])
 PLOTS = {
@@ -135,7 +136,7 @@ def _staleness(run: RecordedRun, out: TextIO) -> None:
     for s, b in run.batches.items():
         for gid in b["group_ids"]:
             for v in groups[gid]["policy_versions"] if gid in groups else ():
-                counts[(s - 1) - v] += 1  # step s trains with the weights of version s - 1
+                counts[staleness(s - 1, v)] += 1  # step s trains with version s - 1
     total = sum(counts.values())
     print(f"\n=== staleness of the {total} trained samples (versions behind the learner)",
           file=out)

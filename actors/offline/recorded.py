@@ -14,9 +14,10 @@ from typing import Any
 
 import msgspec
 
-from actors.recording import RECORD_DIR, decode_group, last_by, read_table
 from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology
-from messages.rollout import ScoredGroup
+from actors.runtime.recording import decode_group, last_by, read_table
+from actors.runtime.rundir import RECORD_DIR, TOPOLOGY
+from messages.rollout import SamplingParams, ScoredGroup
 
 
 class OfflineError(Exception):
@@ -47,6 +48,17 @@ class RecordedRun:
             self._groups = last_by(read_table(self.run_dir, "groups"), "group_id")
         return self._groups
 
+    def group(self, message: bytes) -> ScoredGroup:
+        """A recorded group as the learner gets it. Groups recorded before they carried their
+        sampling parameters get the run's sampler settings, which they were generated with."""
+        group = decode_group(message)
+        if group.sampling is not None:
+            return group
+        s = self.topology.sampler
+        return msgspec.structs.replace(group, sampling=SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+            stop=tuple(s.stop)))
+
     def batch_groups(self, step: int) -> list[ScoredGroup]:
         """Step ``step``'s batch exactly as the learner got it, in the recorded order."""
         if step not in self.batches:
@@ -57,7 +69,7 @@ class RecordedRun:
         if missing:
             raise OfflineError(f"step {step}: groups {missing} of its batch are not in the "
                                "recording (the run stopped before the replay buffer flushed them?)")
-        return [decode_group(rows[g]["message"]) for g in self.batches[step]["group_ids"]]
+        return [self.group(rows[g]["message"]) for g in self.batches[step]["group_ids"]]
 
 
 def span(steps: list[int]) -> str:
@@ -73,7 +85,7 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> RecordedRun:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise OfflineError(f"no run directory {run_dir}")
-    topo_file = run_dir / "topology.json"
+    topo_file = run_dir / TOPOLOGY
     if not topo_file.is_file():
         raise OfflineError(f"no {topo_file}: not the run directory of a job started with runner.py")
     if not (run_dir / RECORD_DIR / "batches").is_dir():

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from actors.learner.checkpoints import STATE_FILE, checkpoints, read_state
 from actors.offline.recorded import OfflineError, open_run, span
+from actors.runtime.rundir import STATE_FILE, checkpoints, read_state
 
 EXCLUDED_PREFIXES = ("timing_s/", "perf/", "replay/")
 # the order a step computes its quantities in: the first difference is the one to look at
@@ -205,7 +205,7 @@ def _dump(trainer, batch, trace: dict, dumps: list[tuple[int, int | None]], step
         one["token_ids"] = trace["input_ids"][row, 1:][at].clone()
         samples[f"{gid}:{j}"] = one
     if dump_dir is None:
-        tok = trainer.tokenizer
+        tok = trainer.policy.tokenizer
         for key, one in samples.items():
             print(f"\n--- dump of sample {key} (step {step}): one row per response token", file=out)
             print(f"{'t':>3} {'token':>10} {'mask':>4} {'keep':>4} {'adv':>9} {'behav_lp':>9} "

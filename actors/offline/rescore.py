@@ -21,8 +21,7 @@ from typing import TextIO
 import msgspec
 
 from actors.offline.recorded import OfflineError, excerpt, open_run
-from actors.recording import decode_group
-from messages.reward import ScoreItem
+from actors.scoring.items import ScoreItem
 
 CHANGED_EPS = 1e-9  # scores closer than this are the same score
 FLIPS_SHOWN = 20
@@ -93,8 +92,10 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
         todo = todo[:limit]
     samples: list[Rescored] = []
     items: list[ScoreItem] = []
-    for s, gid in todo:
-        group = decode_group(rows[gid]["message"])
+    groups = [(s, gid, run.group(rows[gid]["message"])) for s, gid in todo]
+    # the overlong penalty's L_max: the response budget the groups were sampled with
+    max_tokens = max((g.sampling.max_tokens for *_, g in groups if g.sampling), default=0)
+    for s, gid, group in groups:
         p = group.prompt
         for j, sample in enumerate(group.samples):
             items.append(ScoreItem(p.data_source, sample.text, p.ground_truth, p.extra_info,
@@ -106,7 +107,7 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
     reward = msgspec.structs.replace(run.topology.reward,
                                      functions=[RewardFunction(path=str(path), name=name)],
                                      timeout_s=timeout_s or run.topology.reward.timeout_s)
-    results = _score(reward, run.topology.sampler.max_tokens, items)
+    results = _score(reward, max_tokens, items)
     for r, res in zip(samples, results, strict=True):
         r.after, r.error = res.score, res.error
     _report(samples, f"{path.name}:{name}", threshold, out)
@@ -119,11 +120,11 @@ def _score(reward, max_tokens: int, items: list[ScoreItem]):
     from actors.scoring.scorer import Scoring
 
     async def main():
-        scoring = Scoring(reward, max_response_length=max_tokens)
+        scoring = Scoring(reward)
         try:
             out = []
             for i in range(0, len(items), 256):  # bounded: one chunk of calls in flight at once
-                out += await scoring.score(items[i:i + 256])
+                out += await scoring.score(items[i:i + 256], max_tokens)
             return out
         finally:
             await scoring.aclose()

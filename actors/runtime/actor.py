@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from actors.runtime.config import Topology
+from actors.runtime.rundir import traceback_file
 from actors.runtime.security import CurveKeys, HandshakeRefused, ZapHandler
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -125,8 +126,12 @@ async def _signals(scope: anyio.CancelScope) -> None:
 
 
 async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None,
-                      parent: int | None = None) -> None:
-    """Run ``body`` under the lifecycle: ready, heartbeats, stop on message or signal."""
+                      parent: int | None = None, *,
+                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Run ``body`` under the lifecycle: ready, heartbeats, stop on message or signal.
+
+    Started with ``await tg.start(serve_actor, ...)``, it returns once the body has bound or
+    connected its sockets and ``Ready`` is reported: the actor is serving from then on."""
     if control_address:
         ctx.control = make_socket(ctx.zmq, zmq.DEALER, connect=control_address,
                                   identity=ctx.name.encode(), curve=ctx.curve)
@@ -149,6 +154,7 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             ctx.status["state"] = "running"
             await ctx.report(Ready(actor=ctx.name, pid=os.getpid()))
             tg.start_soon(_heartbeats, ctx, ctx.topology.run.heartbeat_interval)
+            task_status.started()
     finally:
         if ctx.control is not None:
             ctx.control.close()
@@ -181,10 +187,10 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
         if refused is not None:  # says all there is to say: no traceback
             sys.stderr.write(f"error: [{ctx.name}] {refused}\n")
             return 1
-        logs = run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        where = traceback_file(run_dir, ctx.name)
+        where.parent.mkdir(parents=True, exist_ok=True)
         text = traceback.format_exc()
-        (logs / f"{ctx.name}.traceback").write_text(text)
+        where.write_text(text)
         sys.stderr.write(f"[{ctx.name}] died:\n{text}")
         return 1
     finally:

@@ -1,17 +1,17 @@
 """The sampler actor.
 
 Loop: ask the replay buffer for prompts (the answer waits for admission), apply the newest
-weights if the learner has published some, generate ``n`` completions per prompt in a worker
-thread, then hand the group to a scoring task (router -> reward workers) and go straight on
-to the next prompts. At most ``MAX_SCORING`` batches are being scored at once (backpressure).
-Weights arrive on their own task by long-poll, so generation never waits for the learner,
-except once at start: the first batch waits for the learner's current weights.
+weights if the learner has published some, generate ``n`` completions per prompt (a
+``Rollout`` over the engine), then hand the batch to a scoring task (router -> reward workers)
+and go straight on to the next prompts. At most ``MAX_SCORING`` batches are being scored at
+once (backpressure). Weights arrive on their own task by long-poll (the weights channel), so
+generation never waits for the learner, except for weights already published: the first batch
+waits for the learner's initial weights, and a batch of prompts issued at version ``v`` waits
+for the weights of ``v`` (they are already on the wire) rather than going stale.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import os
 import time
 from pathlib import Path
@@ -20,171 +20,120 @@ import anyio
 import torch
 import zmq
 
-from actors.runtime.actor import ActorContext, run_compute
-from actors.runtime.tensors import from_buffer, to_wire
-from actors.runtime.zmq_bridge import make_socket
-from actors.sampler.engine import Completion, HFEngine
+from actors.data.chat import ChatTokenizer
+from actors.runtime.actor import ActorContext
+from actors.runtime.weights import WeightsSubscriber
+from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from actors.sampler.engines.base import Engine
+from actors.sampler.engines.hf import HFEngine
+from actors.sampler.rollout import Generated, Rollout
+from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
-from messages.reward import RouterError, ScoreItem, ScoreReply, ScoreRequest, ToClient
-from messages.rollout import (
-    FromReplay,
-    GroupsDone,
-    Prompt,
-    PromptBatch,
-    PromptRequest,
-    Sample,
-    ScoredGroup,
-)
-from messages.weights import FromLearnerWeights, WeightsHeader, WeightsPoll
+from messages.rollout import FromReplay, GroupsDone, PromptBatch, PromptRequest, SamplingParams
 
 MAX_SCORING = 2  # generated batches waiting for rewards at once
+
+
+class Sampler:
+    """Prompts from the replay buffer, weights from the learner, groups back to the buffer."""
+
+    def __init__(self, ctx: ActorContext, engine: Engine, rollout: Rollout, replay: AsyncSocket,
+                 weights: WeightsSubscriber, scoring: ScoringClient) -> None:
+        self.ctx, self.engine, self.rollout = ctx, engine, rollout
+        self.replay, self.weights, self.scoring = replay, weights, scoring
+        self.codec: Codec[FromReplay] = Codec(FromReplay)
+        self.slots = anyio.Semaphore(MAX_SCORING)
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
+        self.groups = self.tokens = self.weight_loads = self.score_errors = 0
+        self.gen_s = 0.0
+
+    async def next_prompts(self) -> PromptBatch:
+        cfg = self.ctx.topology.sampler
+        while True:
+            await self.replay.send_multipart(
+                [encode(PromptRequest(cfg.prompts_per_request, self.incarnation))])
+            frames = await self.replay.recv_multipart()
+            try:
+                msg = self.codec.decode(frames[-1])
+            except DecodeError:
+                continue
+            if isinstance(msg, PromptBatch) and msg.prompts:
+                return msg
+
+    async def apply_weights(self, at_least: int) -> None:
+        """Load the newest received weights, after waiting for version ``at_least``."""
+        await self.weights.wait_for(at_least)
+        newest = self.weights.take()
+        if newest is not None:
+            await self.engine.load_weights(*newest)
+            self.weight_loads += 1
+
+    async def score_and_send(self, generated: list[Generated]) -> None:
+        try:
+            groups = await self.rollout.score(generated)
+            self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
+            await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
+            self.groups += len(groups)
+        finally:
+            self.slots.release()
+
+    def publish(self) -> None:
+        s = self.scoring.statistics()
+        self.ctx.status.update(
+            version=self.engine.version, groups=self.groups,
+            tokens_per_s=round(self.tokens / max(self.gen_s, 1e-9), 1),
+            weight_loads=self.weight_loads, score_errors=self.score_errors,
+            scoring=MAX_SCORING - self.slots.value, score_resent=s.resent, score_failed=s.failed,
+            score_late=s.late, rejected_frames=s.rejected)
+        for key, value in (("weights_error", self.weights.error),
+                           ("router_error", self.scoring.router_error)):
+            if value:
+                self.ctx.status[key] = value
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        await self.weights.wait_for(0)
+        while True:
+            batch = await self.next_prompts()
+            await self.apply_weights(batch.version)  # published before these were issued
+            generated = await self.rollout.generate(batch.prompts)
+            self.gen_s += generated[0].generate_seconds
+            self.tokens += sum(len(c.token_ids) for g in generated for c in g.completions)
+            self.publish()
+            await self.slots.acquire()
+            tg.start_soon(self.score_and_send, generated)
+
+
+def sampling_params(ctx: ActorContext) -> SamplingParams:
+    cfg = ctx.topology.sampler
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_tokens, stop=tuple(cfg.stop))
 
 
 async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     topo = ctx.topology
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
+    model = Path(topo.model.path)
     engine = await anyio.to_thread.run_sync(
-        HFEngine, Path(topo.model.path), cfg, topo.model.dtype, topo.run.seed * 1009 + ctx.index
-    )
-    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address, identity=ctx.name.encode(),
-                         curve=ctx.curve)
+        HFEngine, model, topo.model.dtype, topo.run.seed * 1009 + ctx.index)
+    tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
+    replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
+                         identity=ctx.name.encode(), curve=ctx.curve)
     router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address, curve=ctx.curve)
-    weights = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
-                          curve=ctx.curve)
-    replay_codec: Codec[FromReplay] = Codec(FromReplay)
-    router_codec: Codec[ToClient] = Codec(ToClient)
-    weights_codec: Codec[FromLearnerWeights] = Codec(FromLearnerWeights)
-
-    version = -1  # version of the weights in the engine; -1 until the learner's first arrive
-    newest: tuple[int, dict[str, torch.Tensor]] | None = None  # received, not yet applied
-    received = -1  # newest version received (applied or not)
-    got_weights = anyio.Event()  # replaced after each arrival: wakes a loop waiting for a version
-    replies: dict[int, tuple[anyio.Event, list[ScoreReply]]] = {}
-    request_ids = itertools.count()
-    scoring = anyio.Semaphore(MAX_SCORING)
-    stats = {"groups": 0, "tokens": 0, "gen_s": 0.0, "weight_loads": 0, "score_errors": 0}
-
-    async def receive_weights() -> None:
-        nonlocal newest, received, got_weights
-        have = -1
-        while True:
-            await weights.send_multipart([encode(WeightsPoll(have_version=have))])
-            frames = await weights.recv_multipart(copy=False)
-            try:
-                header = weights_codec.decode(frames[0].buffer)
-                if not isinstance(header, WeightsHeader) or len(frames) != len(header.tensors) + 1:
-                    raise DecodeError("weights header does not match its frames")
-                tensors = {m.name: from_buffer(m.dtype, m.shape, f.buffer)
-                           for m, f in zip(header.tensors, frames[1:], strict=True)}
-            except (DecodeError, ValueError) as exc:
-                ctx.status["weights_error"] = str(exc)[:200]
-                await anyio.sleep(1.0)
-                continue
-            newest, have = (header.version, tensors), header.version
-            received = have
-            got_weights.set()
-            got_weights = anyio.Event()
-
-    async def receive_scores() -> None:
-        while True:
-            frames = await router.recv_multipart()
-            try:
-                msg = router_codec.decode(frames[-1])
-            except DecodeError:
-                continue
-            if isinstance(msg, RouterError):
-                ctx.status["router_error"] = msg.error[:200]
-                continue
-            waiter = replies.pop(msg.request_id, None)
-            if waiter is not None:
-                waiter[1].append(msg)
-                waiter[0].set()
-
-    async def score_and_send(prompts: list[Prompt], prompt_ids: list[list[int]],
-                             groups: list[list[Completion]], greedy: list[Completion] | None,
-                             used_version: int, gen_s: float) -> None:
-        try:
-            started = time.monotonic()
-            items = [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                               len(c.response_ids), p.messages)
-                     for p, group in zip(prompts, groups, strict=True) for c in group]
-            if greedy is not None:  # remax baselines are scored after the samples
-                items += [ScoreItem(p.data_source, c.text, p.ground_truth, p.extra_info,
-                                    len(c.response_ids), p.messages)
-                          for p, c in zip(prompts, greedy, strict=True)]
-            rid = next(request_ids)
-            done = anyio.Event()
-            box: list[ScoreReply] = []
-            replies[rid] = (done, box)
-            await router.send_multipart([encode(ScoreRequest(request_id=rid, items=items))])
-            await done.wait()
-            score_s = time.monotonic() - started
-            results = iter(box[0].results)  # samples in order, then the greedy baselines
-            baselines = ([r.score for r in box[0].results[-len(prompts):]] if greedy is not None
-                         else [None] * len(prompts))
-            out = []
-            for p, ids, group, baseline in zip(prompts, prompt_ids, groups, baselines, strict=True):
-                samples = []
-                for c in group:
-                    r = next(results)
-                    stats["score_errors"] += bool(r.error)
-                    samples.append(Sample(
-                        response_ids=to_wire(c.response_ids), behaviour_logprobs=to_wire(c.logprobs),
-                        policy_version=used_version, text=c.text, finish_reason=c.finish_reason,
-                        reward=r.score, reward_error=r.error,
-                    ))
-                out.append(ScoredGroup(prompt=p, prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
-                                       samples=samples, sampler=ctx.name, generate_seconds=gen_s,
-                                       score_seconds=score_s, baseline_reward=baseline))
-            await replay.send_multipart([encode(GroupsDone(groups=out))])
-            stats["groups"] += len(out)
-        finally:
-            scoring.release()
-
-    async def generate_loop(tg) -> None:
-        nonlocal newest, version
-        incarnation = f"{os.getpid()}-{time.time_ns()}"
-        while received < 0:
-            await got_weights.wait()
-        while True:
-            await replay.send_multipart([encode(PromptRequest(cfg.prompts_per_request, incarnation))])
-            frames = await replay.recv_multipart()
-            try:
-                msg = replay_codec.decode(frames[-1])
-            except DecodeError:
-                continue
-            if not isinstance(msg, PromptBatch) or not msg.prompts:
-                continue
-            while received < msg.version:  # published before these prompts were issued
-                await got_weights.wait()
-            if newest is not None:
-                (new_version, tensors), newest = newest, None
-                await anyio.to_thread.run_sync(engine.load_weights, tensors)
-                version = new_version
-                stats["weight_loads"] += 1
-            prompts = msg.prompts
-            ids = [engine.prompt_ids([{"role": m.role, "content": m.content} for m in p.messages])
-                   for p in prompts]
-            started = time.monotonic()
-            groups = await run_compute(engine.generate, ids, topo.algorithm.n, abort=engine.abort)
-            greedy = None
-            if topo.algorithm.adv_estimator == "remax":
-                greedy = [g[0] for g in await run_compute(
-                    functools.partial(engine.generate, greedy=True), ids, 1, abort=engine.abort)]
-            gen_s = time.monotonic() - started
-            stats["gen_s"] += gen_s
-            stats["tokens"] += sum(len(c.response_ids) for g in groups for c in g)
-            ctx.status.update(version=version, groups=stats["groups"],
-                              tokens_per_s=round(stats["tokens"] / max(stats["gen_s"], 1e-9), 1),
-                              weight_loads=stats["weight_loads"], score_errors=stats["score_errors"],
-                              scoring=MAX_SCORING - scoring.value)
-            await scoring.acquire()
-            tg.start_soon(score_and_send, prompts, ids, groups, greedy, version, gen_s)
-
+    weights_sock = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
+                               curve=ctx.curve)
+    weights = WeightsSubscriber(weights_sock)
+    scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
+    rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
+                      greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name)
+    sampler = Sampler(ctx, engine, rollout, replay, weights, scoring)
     task_status.started()
-    with replay, router, weights:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(receive_weights)
-            tg.start_soon(receive_scores)
-            tg.start_soon(generate_loop, tg)
+    with replay, router, weights_sock:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(weights.serve)
+                tg.start_soon(scoring.serve)
+                tg.start_soon(sampler.run, tg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.aclose()

@@ -18,9 +18,11 @@ from typing import Any
 
 import anyio
 
+from actors.data.chat import chat_text
 from actors.runtime.config import RewardFunction
-from actors.scoring.protocol import Outcome
-from messages.reward import ScoreItem
+from actors.sandbox.protocol import Outcome
+from actors.scoring.items import ScoreItem
+from messages.rollout import ChatMessage
 
 
 class RewardModel:
@@ -55,11 +57,10 @@ class RewardModel:
 
     def text(self, item: ScoreItem) -> str:
         """What the model reads for one item."""
-        messages = [{"role": m.role, "content": m.content} for m in item.prompt]
         if self._tokenizer.chat_template:
-            messages.append({"role": "assistant", "content": item.solution_str})
-            return str(self._tokenizer.apply_chat_template(messages, tokenize=False))
-        return "\n".join([m["content"] for m in messages] + [item.solution_str])
+            return chat_text(self._tokenizer,
+                             [*item.prompt, ChatMessage("assistant", item.solution_str)])
+        return "\n".join([m.content for m in item.prompt] + [item.solution_str])
 
     def score_sync(self, items: list[ScoreItem]) -> list[float]:
         """Scores of ``items`` in order, ``batch_size`` at a time (blocking)."""

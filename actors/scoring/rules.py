@@ -12,12 +12,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from actors.tasks import arithmetic_score, repeat_letter_score
-
 _SOLUTION_CLIP_CHARS = 300  # verl: the final answer is near the end; long regex scans are slow
 _STRICT = re.compile("#### (\\-?[0-9\\.\\,]+)")
 _FLEXIBLE = re.compile("(\\-?[0-9\\.\\,]+)")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_INT = re.compile(r"-?\d+")
 
 
 def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
@@ -81,6 +80,24 @@ def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: floa
     linearly to ``-factor`` at ``max_length`` (and below it past that)."""
     expected = max_length - buffer_len
     return min(-(length - expected) / buffer_len * factor, 0.0)
+
+
+# the built-in tasks' scorers (actors/data/tasks.py makes their prompts)
+def arithmetic_score(data_source: str, solution_str: str, ground_truth: str,
+                     extra_info: dict[str, Any] | None = None) -> float:
+    """1.0 when the sum appears and every number in the reply is an operand or the sum."""
+    numbers = [int(x) for x in _INT.findall(solution_str)]
+    allowed = {int(ground_truth)}
+    if extra_info:
+        allowed |= {int(extra_info[k]) for k in ("a", "b") if k in extra_info}
+    return float(int(ground_truth) in numbers and all(x in allowed for x in numbers))
+
+
+def repeat_letter_score(data_source: str, solution_str: str, ground_truth: str,
+                        extra_info: dict[str, Any] | None = None) -> float:
+    """Fraction of the reply's non-space characters that are the asked letter."""
+    chars = [c for c in solution_str if not c.isspace()]
+    return sum(c == ground_truth for c in chars) / len(chars) if chars else 0.0
 
 
 Rule = Callable[..., float]

@@ -17,11 +17,12 @@ from pathlib import Path
 import anyio
 
 from actors.runtime.config import RewardConfig, RewardFunction
-from actors.scoring.pool import ChildPool
-from actors.scoring.protocol import FunctionSpec, Outcome, make_call, run_call
+from actors.sandbox.pool import ChildPool
+from actors.sandbox.protocol import Call, FunctionSpec, Outcome, run_call
+from actors.scoring.items import ScoreItem, verl_arguments
 from actors.scoring.reward_model import RewardModel
-from actors.scoring.rules import BUILTINS, DATA_SOURCES, IN_CHILD, overlong_penalty
-from messages.reward import ScoreItem, ScoreResult
+from actors.scoring.rules import BUILTINS, DATA_SOURCES, IN_CHILD, PRELOAD, overlong_penalty
+from messages.reward import ScoreResult
 
 
 @dataclass(frozen=True)
@@ -49,23 +50,28 @@ class _Component:
     model: RewardModel | None = None  # set for reward_model, which scores instead of spec
 
 
+def builtin_spec(name: str, **fields) -> FunctionSpec:
+    """The sandbox's handle on built-in rule ``name`` (actors/scoring/rules.py)."""
+    return FunctionSpec(module="actors.scoring.rules", name=name,
+                        preload=PRELOAD.get(name, ()), **fields)
+
+
 def _label(fn: RewardFunction) -> str:
     return fn.builtin or f"{Path(fn.path).stem}.{fn.name}"
 
 
 class Scoring:
-    """Scores items as ``cfg`` says; ``max_response_length`` is the overlong penalty's L_max
-    when ``cfg.max_response_length`` is 0 (the sampler's ``max_tokens``)."""
+    """Scores items as ``cfg`` says."""
 
-    def __init__(self, cfg: RewardConfig, max_response_length: int, threads: int = 1) -> None:
+    def __init__(self, cfg: RewardConfig, threads: int = 1) -> None:
         self.cfg = cfg
-        self.max_length = cfg.max_response_length or max_response_length
         child_specs: list[FunctionSpec] = []
         self._components: list[_Component] = []
         labels: set[str] = set()
         for i, fn in enumerate(cfg.functions):
-            spec = FunctionSpec(builtin=fn.builtin, path=str(Path(fn.path).resolve()) if fn.path else "",
-                                name=fn.name, batch=fn.batch, kwargs=dict(fn.kwargs))
+            spec = (builtin_spec(fn.builtin, kwargs=dict(fn.kwargs)) if fn.builtin else
+                    FunctionSpec(path=str(Path(fn.path).resolve()), name=fn.name, batch=fn.batch,
+                                 kwargs=dict(fn.kwargs)))
             in_child = not fn.builtin or fn.builtin in IN_CHILD
             label = _label(fn) if _label(fn) not in labels else f"{_label(fn)}#{i}"
             labels.add(label)
@@ -81,9 +87,9 @@ class Scoring:
         if not cfg.functions:
             for name in sorted(IN_CHILD):
                 self._by_source_child[name] = len(child_specs)
-                child_specs.append(FunctionSpec(builtin=name))
+                child_specs.append(builtin_spec(name))
         self.pool = ChildPool(child_specs, size=cfg.processes, timeout_s=cfg.timeout_s,
-                              memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s)
+                              memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="reward")
         self._items = self._errors = 0
 
     def statistics(self) -> ScoringStatistics:
@@ -100,8 +106,10 @@ class Scoring:
     async def aclose(self) -> None:
         await self.pool.aclose()
 
-    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        """One result per item, in order."""
+    async def score(self, items: list[ScoreItem],
+                    max_response_length: int = 0) -> list[ScoreResult]:
+        """One result per item, in order. ``max_response_length`` is the overlong penalty's
+        L_max when ``reward.max_response_length`` is 0 (the request's: the sampler's budget)."""
         if self._components:
             per_function = [[Outcome()] * len(items) for _ in self._components]
 
@@ -117,11 +125,12 @@ class Scoring:
                        for i in range(len(items))]
         else:
             results = [ScoreResult(o.score, o.error, o.extra) for o in await self._by_source(items)]
+        max_length = self.cfg.max_response_length or max_response_length
         for item, result in zip(items, results, strict=True):
             if result.error:
                 result.score, result.extra = 0.0, {}
-            elif self.cfg.overlong_buffer_len and item.response_length:
-                penalty = overlong_penalty(item.response_length, self.max_length,
+            elif self.cfg.overlong_buffer_len and item.response_length and max_length:
+                penalty = overlong_penalty(item.response_length, max_length,
                                            self.cfg.overlong_buffer_len,
                                            self.cfg.overlong_penalty_factor)
                 result.score += penalty
@@ -151,14 +160,17 @@ class Scoring:
         if not items:
             return []
         if child_index < 0:
-            return await anyio.to_thread.run_sync(run_call, BUILTINS[spec.builtin], spec,
-                                                  make_call(-1, items))
+            return await anyio.to_thread.run_sync(
+                run_call, BUILTINS[spec.name], spec,
+                Call(-1, verl_arguments(items, batch=False), len(items)))
         if spec.batch:
-            return await self.pool.call(child_index, items)
+            return await self.pool.call(Call(child_index, verl_arguments(items, batch=True),
+                                             len(items)))
         outcomes = [Outcome()] * len(items)
 
         async def one(i: int) -> None:
-            (outcomes[i],) = await self.pool.call(child_index, items[i:i + 1])
+            (outcomes[i],) = await self.pool.call(
+                Call(child_index, verl_arguments(items[i:i + 1], batch=False), 1))
 
         async with anyio.create_task_group() as tg:
             for i in range(len(items)):
@@ -178,7 +190,7 @@ class Scoring:
                 groups.setdefault(name, []).append(i)
 
         async def group(name: str, indices: list[int]) -> None:
-            scored = await self._run(FunctionSpec(builtin=name), self._by_source_child.get(name, -1),
+            scored = await self._run(builtin_spec(name), self._by_source_child.get(name, -1),
                                      [items[i] for i in indices])
             for i, outcome in zip(indices, scored, strict=True):
                 outcomes[i] = outcome

@@ -17,14 +17,15 @@ Tables (who writes them, when they are flushed):
 - ``fates`` (replay buffer, same flushes): what happened to each group — ``trained`` at
   ``step`` (``position`` in that batch, ``served`` = how many times it has now been served; with
   ``replay.reuse > 1`` a group has one such row per serve, its first with ``served = 1``),
-  ``dropped`` with a ``reason`` (``stale``, ``filtered``: all rewards equal), or ``retired``
+  ``dropped`` with a ``reason`` (``stale``, ``filtered``: all rewards equal, ``score_failed``:
+  no reward worker answered), or ``retired``
   (reason ``stale``: a trained group that went stale before its last serve).
 - ``batches`` and ``metrics`` (learner: rows appended by the thread that took the step, flushed
   in the background while the next batch is fetched, before each checkpoint and at exit): the
   group ids of each step's batch, and the step's metrics.
 
 The replay buffer's three tables are its write-ahead log: a resumed run rebuilds the buffer from
-them (``actors/replay_resume.py``, which says why any kill leaves them consistent).
+them (``actors/replay/resume.py``, which says why any kill leaves them consistent).
 
 Readers take the last record of a key when a resumed run wrote it again (steps after the
 checkpoint it resumed from are trained again).
@@ -44,9 +45,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from actors.runtime.rundir import RECORD_DIR
 from messages.rollout import ScoredGroup
 
-RECORD_DIR = "record"
 INCARNATION = f"{time.time_ns():020d}"  # this process's parts sort after any earlier process's
 
 _str, _i64, _f64 = pa.string(), pa.int64(), pa.float64()

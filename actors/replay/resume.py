@@ -1,5 +1,7 @@
 """Crash-proof resume of the replay buffer: the recording is its write-ahead log.
 
+``read_recording`` reads what the buffer must become; ``ReplayState.restore`` applies it.
+
 When a job is started again in a run directory that holds a recording (``learner.resume`` on),
 the replay buffer rebuilds its state from ``record/{prompts,groups,fates}`` and the step ``S``
 of the latest checkpoint (``checkpoints/step_S/trainer_state.json``; ``S = 0`` without one,
@@ -57,40 +59,31 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from actors.learner.checkpoints import latest_checkpoint, read_state
-from actors.recording import decode_group, parts, read_table
+from actors.runtime.recording import decode_group, parts, read_table
+from actors.runtime.rundir import checkpoint_position
 from messages.rollout import ScoredGroup
-
-if TYPE_CHECKING:
-    from actors.replay import ReplayState
-
-def checkpoint_position(run_dir: Path) -> tuple[int, int]:
-    """``(step, version)`` of the run directory's latest checkpoint (the one the learner
-    resumes from), ``(0, 0)`` without one."""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        return 0, 0
-    state = read_state(ckpt)
-    return int(state["step"]), int(state.get("version", state["step"]))
 
 
 @dataclass(frozen=True)
-class Restored:
-    """What a rebuild found: the checkpoint it rewound to and the state it left."""
+class Recovered:
+    """What the replay buffer was, as of checkpoint step ``step``, read from its recording."""
 
     step: int  # the checkpoint's step S; the next batch served is for step S + 1
     version: int
-    issued: int
+    issued: int  # prompt ids 0..issued-1 were issued
+    next_rows: dict[str, int]  # dataset -> the row after the last one drawn
     trained: int
-    dropped: int
-    held: int
-    requeued: int
+    reused: int
+    retired: int
+    dropped: collections.Counter[str]  # reasons of the accepted groups dropped
+    held: list[ScoredGroup]  # in the order they are served again
+    reusable: list[tuple[ScoredGroup, int]]  # (group, serves so far), next serve first
+    requeued: list[tuple[str, int, int]]  # (dataset, row, prompt id) of prompts to issue again
     redone: int  # groups trained at steps > S, held again to be trained at the same steps
     missing_steps: tuple[int, ...]  # lineage steps <= S with no recorded batch (should be none)
 
@@ -113,14 +106,11 @@ def _groups_by_id(run_dir: Path, wanted: set[int]) -> dict[int, ScoredGroup]:
     return out
 
 
-def restore(state: ReplayState, run_dir: Path, step: int | None = None,
-            version: int | None = None) -> Restored | None:
-    """Rebuild ``state`` (a fresh ``ReplayState``) from the recording in ``run_dir``.
-
-    ``step``/``version`` default to the latest checkpoint's. Returns None, leaving ``state``
-    untouched, when nothing was recorded (a fresh run, or one with ``run.record = false``).
-    Appends nothing to ``state.records``: every row it reads is already on disk.
-    """
+def read_recording(run_dir: Path, reuse: int = 1, step: int | None = None,
+                   version: int | None = None) -> Recovered | None:
+    """The replay buffer's state as of checkpoint ``step`` (default: the latest checkpoint's),
+    read from the recording in ``run_dir``; None when nothing was recorded (a fresh run, or one
+    with ``run.record = false``). ``reuse`` is ``replay.reuse`` (serves a group may get)."""
     prompts = read_table(run_dir, "prompts", columns=["prompt_id", "row", "dataset"]).to_pylist()
     if not prompts:
         return None
@@ -152,7 +142,6 @@ def restore(state: ReplayState, run_dir: Path, step: int | None = None,
         for pos, gid in sorted(lineage[s][1]):
             serves.setdefault(gid, []).append((s, pos))
 
-    reuse = getattr(state, "reuse", 1)
     trained = reused = n_retired = 0
     reusable: list[tuple[tuple[int, int], int, int]] = []  # (last serve, group id, serves)
     redo: list[tuple[tuple[int, int], int]] = []  # (first serve, group id) of lost steps only
@@ -178,18 +167,11 @@ def restore(state: ReplayState, run_dir: Path, step: int | None = None,
     next_rows: dict[str, int] = {}
     for dataset, row in where.values():
         next_rows[dataset] = max(next_rows.get(dataset, 0), row + 1)
-    state.version = version
-    state.issued = max(where) + 1
-    state.next_row = state.task.index_after(next_rows)
-    state.trained = trained
-    state.dropped = collections.Counter(r for gid, r in dropped.items() if gid not in trained_ids)
-    state.held = collections.deque(groups[gid] for gid in held_ids)
-    state.requeued = collections.deque(state.task.prompt_at(*where[pid], prompt_id=pid)
-                                       for pid in sorted(where) if pid not in accepted_set)
-    state.at_samplers = {}
-    state.served, state.reused, state.retired = trained + reused, reused, n_retired
-    state.reusable = collections.deque((groups[gid], n) for _, gid, n in reusable)
-    return Restored(
-        step=step, version=version, issued=state.issued, trained=trained,
-        dropped=sum(state.dropped.values()), held=len(state.held), requeued=len(state.requeued),
+    return Recovered(
+        step=step, version=version, issued=max(where) + 1, next_rows=next_rows,
+        trained=trained, reused=reused, retired=n_retired,
+        dropped=collections.Counter(r for gid, r in dropped.items() if gid not in trained_ids),
+        held=[groups[gid] for gid in held_ids],
+        reusable=[(groups[gid], n) for _, gid, n in reusable],
+        requeued=[(*where[pid], pid) for pid in sorted(where) if pid not in accepted_set],
         redone=len(redo), missing_steps=tuple(s for s in range(1, step + 1) if s not in lineage))

@@ -1,4 +1,4 @@
-"""A scoring child process: ``python -m actors.scoring.child``, driven over stdin/stdout.
+"""A sandboxed child process: ``python -m actors.sandbox.child``, driven over stdin/stdout.
 
 It limits itself (RLIMIT_AS for memory, RLIMIT_CPU re-armed before every call), loads the
 functions named in the ``Setup`` frame, answers ``Ready``, then serves one ``Call`` at a time
@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import msgspec
 
-from actors.scoring.protocol import (
+from actors.sandbox.protocol import (
     HEADER,
     MAX_FRAME,
     Call,
@@ -39,13 +39,15 @@ from actors.scoring.protocol import (
 
 
 def load(spec: FunctionSpec, index: int) -> Callable[..., Any]:
-    if spec.builtin:
-        from actors.scoring.rules import BUILTINS, PRELOAD
-        for dependency in PRELOAD.get(spec.builtin, ()):
-            importlib.import_module(dependency)
-        return BUILTINS[spec.builtin]
+    for dependency in spec.preload:
+        importlib.import_module(dependency)
+    if spec.module:
+        fn = getattr(importlib.import_module(spec.module), spec.name, None)
+        if not callable(fn):
+            raise AttributeError(f"module {spec.module} has no function {spec.name!r}")
+        return fn
     path = Path(spec.path)
-    module_name = f"_reward_function_{index}"
+    module_name = f"_user_function_{index}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
         raise ImportError(f"cannot load {path} as a Python module")
@@ -113,23 +115,23 @@ def main() -> None:
             errors.append("")
         except (Exception, SystemExit) as exc:
             functions.append(None)
-            errors.append(f"loading {spec.path or spec.builtin}:{spec.name} failed: {describe(exc)}")
+            errors.append(f"loading {spec.label} failed: {describe(exc)}")
     send(Ready(errors))
     while (body := _read_frame(proto_in)) is not None:
         call = decoder.decode(body)
         assert isinstance(call, Call)
         fn, spec = functions[call.function], setup.functions[call.function]
         if fn is None:
-            send(Outcomes([Outcome(error=errors[call.function])] * len(call.solution_strs)))
+            send(Outcomes([Outcome(error=errors[call.function])] * call.items))
             continue
         if setup.cpu_s:
             _arm_cpu_limit(setup.cpu_s)
         try:
             outcomes = run_call(fn, spec, call)
         except MemoryError as exc:  # raised while building outcomes: the call's memory is gone now
-            outcomes = [Outcome(error=describe(exc))] * len(call.solution_strs)
+            outcomes = [Outcome(error=describe(exc))] * call.items
         if setup.memory_mb:
-            hint = f" (over reward.memory_mb = {setup.memory_mb})"
+            hint = f" (over {setup.limits_key}.memory_mb = {setup.memory_mb})"
             outcomes = [Outcome(o.score, o.error + hint, o.extra) if o.error.startswith("MemoryError")
                         else o for o in outcomes]
         send(Outcomes(outcomes))

@@ -1,24 +1,17 @@
-"""The typed topology: ``topology.toml`` decoded into msgspec Structs, unknown keys rejected.
+"""The typed topology: every section of ``topology.toml`` as a msgspec Struct.
 
-Every field has a one-line docstring below it. ``load_topology(path, overrides)`` applies
-verl-style dotted overrides (``learner.total_steps=3``) before validation, so an error always
-names the full key path (``learner.total_stepz``) whichever way the value came in.
+Unknown keys are rejected when a topology is decoded (``actors.runtime.config.load``), and every
+field has a one-line docstring below it. The checks that need more than one field live in
+``actors.runtime.config.checks``.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import tomllib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-import zmq
 
-Restart = Literal["never", "on-failure"]
+from actors.registry import BY_NAME, Restart
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -31,7 +24,8 @@ class ActorCommon(_Section, frozen=True):
     threads: int = 1
     """torch intra-op threads for this actor's compute (its share of the cores)."""
     restart: Restart = "never"
-    """What the runner does when one of these processes dies: stop the job, or restart it."""
+    """What the runner does when one of these processes dies: stop the job, or restart it
+    (each kind's default is its row in ``actors/registry.py``)."""
     max_restarts: int = 3
     """Restarts allowed per process before the job is stopped."""
 
@@ -236,7 +230,14 @@ class SamplerConfig(ActorCommon, frozen=True):
     """Maximum response tokens."""
     stop: list[str] = []
     """Extra stop strings (EOS always stops)."""
-    restart: Restart = "on-failure"
+    score_timeout_s: float = 0.0
+    """Seconds a group's scoring request may go unanswered before it is sent again (0: the
+    router's request_timeout plus reward.timeout_s plus 10 s, so the router's own failover to
+    another worker comes first)."""
+    score_attempts: int = 3
+    """Sends of a scoring request before its group is given up: recorded and dropped as
+    ``score_failed``, never waited on forever."""
+    restart: Restart = BY_NAME["sampler"].restart
     """Samplers hold no state worth keeping, so they restart by default."""
 
 
@@ -285,7 +286,7 @@ class RewardFunction(_Section, frozen=True):
 class RewardConfig(ActorCommon, frozen=True):
     capacity: int = 4
     """Requests one reward worker takes at once."""
-    restart: Restart = "on-failure"
+    restart: Restart = BY_NAME["reward"].restart
     """Reward workers are stateless, so they restart by default."""
     functions: list[RewardFunction] = []
     """Scoring functions, combined by weight (``[[reward.functions]]``). None: each item is
@@ -385,284 +386,5 @@ class Topology(_Section, frozen=True):
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 
 
-ACTOR_KINDS = ("replay", "router", "reward", "learner", "sampler")
-
-
 class ConfigError(ValueError):
     """A topology that cannot be used; the message names the offending key path."""
-
-
-def _parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
-    key, raw = text.split("=", 1)
-    path = key.strip().split(".")
-    if not all(path):
-        raise ConfigError(f"override {text!r} has an empty key part")
-    try:  # a TOML value: 3, 1e-5, true, "text", [1, 2]; anything else is a bare string
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return path, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set each ``a.b.c=value`` in the raw TOML dict (before validation)."""
-    for text in overrides:
-        path, value = _parse_override(text)
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a table")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _check(topology: Topology) -> None:
-    def need(ok: bool, key: str, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {why}")
-
-    for kind in ACTOR_KINDS:
-        section: ActorCommon = getattr(topology, kind)
-        need(section.count >= 0, f"{kind}.count", "must be >= 0")
-        need(section.threads >= 1, f"{kind}.threads", "must be >= 1")
-    for kind in ("replay", "router", "learner"):
-        need(getattr(topology, kind).count == 1, f"{kind}.count", "must be 1 (one owner)")
-    need(topology.sampler.count >= 1, "sampler.count", "must be >= 1")
-    a = topology.algorithm
-    need(a.n >= 1, "algorithm.n", "must be >= 1")
-    need(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
-    need(a.correction.is_cap > 0, "algorithm.correction.is_cap", "must be > 0")
-    for i, rule in enumerate(a.correction.rejection):
-        need(rule.low is not None or rule.high is not None, f"algorithm.correction.rejection[{i}]",
-             "needs a low or a high bound")
-        need(rule.low is None or rule.high is None or rule.low <= rule.high,
-             f"algorithm.correction.rejection[{i}]", "needs low <= high")
-        need(not (rule.statistic == "geo_mean" and rule.level == "token"),
-             f"algorithm.correction.rejection[{i}].level", "geo_mean is a sequence statistic")
-    need(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)")
-    need(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
-    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
-    need(0 <= a.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
-    need(0 <= a.lam <= 1, "algorithm.lam", "must be in [0, 1]")
-    need(a.entropy_coeff >= 0, "algorithm.entropy_coeff", "must be >= 0")
-    need(a.kl_ctrl.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1")
-    need(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
-    need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
-         or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
-    s = topology.sampler
-    need(s.temperature > 0, "sampler.temperature", "must be > 0")
-    need(0 < s.top_p <= 1, "sampler.top_p", "must be in (0, 1]")
-    need(s.top_k >= 0, "sampler.top_k", "must be >= 0")
-    need(s.max_tokens >= 1, "sampler.max_tokens", "must be >= 1")
-    need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
-    L = topology.learner
-    need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
-    need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
-    need(L.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
-    need(L.lr > 0, "learner.lr", "must be > 0")
-    need(L.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
-    need(1 <= L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
-         f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
-    need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
-    need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
-    need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
-    need(L.save_every >= 1, "learner.save_every", "must be >= 1")
-    need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
-    # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
-    # of the learner's checkpoint, which only holds when both start from it
-    for kind in ("replay", "learner"):
-        need(getattr(topology, kind).restart == "never", f"{kind}.restart",
-             "must be \"never\": restarted alone it would not match the other's state; when it "
-             "dies the job stops, and starting it again with the same run.dir resumes exactly")
-    need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
-         f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
-    R = topology.reward
-    need(R.capacity >= 1, "reward.capacity", "must be >= 1")
-    for i, fn in enumerate(R.functions):
-        key = f"reward.functions[{i}]"
-        if fn.builtin == "reward_model":
-            need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
-            problem = _reward_model_problem(Path(fn.path))
-            need(problem is None, f"{key}.path", str(problem))
-            need(fn.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
-            need(fn.max_length >= 1, f"{key}.max_length", "must be >= 1")
-            need(math.isfinite(fn.reward_mean), f"{key}.reward_mean", "must be finite")
-            need(math.isfinite(fn.reward_std) and fn.reward_std > 0, f"{key}.reward_std",
-                 "must be > 0")
-            need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
-            continue
-        need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
-        need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
-             f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
-        need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
-        need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
-        need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
-        need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
-    need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
-         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
-    need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
-    need(R.processes >= 1, "reward.processes", "must be >= 1")
-    need(R.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
-    need(R.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
-    need(R.max_response_length >= 0, "reward.max_response_length", "must be >= 0")
-    max_length = R.max_response_length or s.max_tokens
-    need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
-         f"must be <= the response length limit ({max_length})")
-    need(topology.task.size >= 1, "task.size", "must be >= 1")
-    T = topology.task
-    need(T.name in BUILTIN_TASKS, "task.name", f"{T.name!r} is not one of {', '.join(BUILTIN_TASKS)}")
-    need(T.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0: no limit)")
-    _check_datasets(T.datasets, need)
-    F = a.filter_groups
-    need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
-         "needs algorithm.n >= 2 (a group of one always has equal rewards)")
-    need(F.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
-         "must be >= 0 (0: no limit)")
-    reuse = topology.replay.reuse
-    need(reuse >= 1, "replay.reuse", "must be >= 1 (1: each group is served once)")
-    need(reuse <= a.max_staleness + 1, "replay.reuse",
-         f"a group can be served at most once per policy version while it is fresh, so at most "
-         f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
-    sec = topology.security
-    need(not sec.curve or zmq.has("curve"), "security.curve",
-         "this libzmq was built without CURVE support (zmq.has('curve') is False)")
-    need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
-         "needs security.curve = true")
-    need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
-         "must be a 40-character Z85 public key")
-
-
-def jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """The rows of a jsonl file, one JSON object per non-blank line; a line that is not one is
-    a ``ConfigError`` naming the file and the line."""
-    import json
-
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}: line {n} is not JSON: {exc}") from None
-                if not isinstance(row, dict):
-                    raise ConfigError(f"{path}: line {n} is not a JSON object")
-                yield row
-
-
-def _dataset_columns(path: Path) -> set[str]:
-    """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]
-
-        return set(pq.read_schema(path).names)
-    return set(next(jsonl_rows(path), {}))
-
-
-def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
-    names: dict[str, int] = {}
-    for i, d in enumerate(datasets):
-        key = f"task.datasets[{i}]"
-        need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
-        need(math.isfinite(d.weight) and d.weight > 0, f"{key}.weight", "must be > 0")
-        name = d.name or d.builtin or Path(d.path).stem
-        need(name not in names, f"{key}.name",
-             f"{name!r} is already the name of task.datasets[{names.get(name)}]; name one")
-        names[name] = i
-        if d.builtin:
-            need(d.builtin in BUILTIN_TASKS, f"{key}.builtin",
-                 f"{d.builtin!r} is not one of {', '.join(BUILTIN_TASKS)}")
-            continue
-        path = Path(d.path)
-        need(path.suffix in DATASET_SUFFIXES, f"{key}.path",
-             f"{d.path!r} is neither .parquet nor .jsonl")
-        need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
-        try:
-            columns = _dataset_columns(path)
-        except ConfigError as exc:
-            raise ConfigError(f"{key}.path: {exc}") from None
-        need(bool(columns), f"{key}.path", f"{d.path!r} holds no rows")
-        shown = ", ".join(sorted(columns))
-        for field, column in (("prompt_key", d.prompt_key), ("answer_key", d.answer_key)):
-            need(column.split(".")[0] in columns, f"{key}.{field}",
-                 f"no column {column.split('.')[0]!r} in {d.path!r} (columns: {shown})")
-        need(bool(d.data_source) or "data_source" in columns, f"{key}.data_source",
-             f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
-
-
-def _reward_model_problem(path: Path) -> str | None:
-    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
-    its config.json, so the check needs no torch), or None."""
-    config = path / "config.json"
-    if not config.is_file():
-        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return f"{config} is not readable JSON: {exc}"
-    architectures = data.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
-                "not a ...ForSequenceClassification reward model")
-    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
-    if labels != 1:
-        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
-    return None
-
-
-def _key_path_message(msg: str) -> str:
-    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown keys get their own name)."""
-    where = ""
-    if " - at `$." in msg:
-        msg, where = msg.rsplit(" - at `$.", 1)
-        where = where.rstrip("`")
-    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", msg)
-    if unknown:
-        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return f"{key}: unknown key"
-    return f"{where}: {msg}" if where else msg
-
-
-def decode_topology(data: dict[str, Any]) -> Topology:
-    """Validate a raw dict into a Topology; errors name the full key path."""
-    try:
-        topology = msgspec.convert(data, Topology)
-    except msgspec.ValidationError as exc:
-        # msgspec reports "... - at `$.learner.total_stepz`"; restate it as a key path
-        raise ConfigError(_key_path_message(str(exc))) from None
-    _check(topology)
-    return _absolute_paths(topology)
-
-
-def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files, dataset files and key paths are named relative to where the job is
-    started; the actors run elsewhere (and read the resolved topology), so the paths are made
-    absolute here."""
-    R, T, sec = topology.reward, topology.task, topology.security
-    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
-    datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
-    return msgspec.structs.replace(
-        topology, reward=msgspec.structs.replace(R, functions=functions),
-        task=msgspec.structs.replace(T, datasets=datasets),
-        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
-                                         authorized_keys=_absolute(sec.authorized_keys)))
-
-
-def _absolute(path: str) -> str:
-    return str(Path(path).resolve()) if path else path
-
-
-def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
-    """Read a topology TOML file, apply dotted overrides, validate."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"topology file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return decode_topology(apply_overrides(data, list(overrides)))

@@ -1,4 +1,4 @@
-"""A pool of scoring child processes, driven from the event loop without blocking it.
+"""A pool of sandboxed child processes, driven from the event loop without blocking it.
 
 Each ``call`` takes one idle child (or starts one, up to ``size``), sends it one ``Call`` and
 awaits the reply under the per-call timeout. A child that times out is killed; one that died
@@ -21,9 +21,10 @@ import msgspec
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from actors.scoring.protocol import (
+from actors.sandbox.protocol import (
     HEADER,
     MAX_FRAME,
+    Call,
     FromChild,
     FunctionSpec,
     Outcome,
@@ -31,11 +32,9 @@ from actors.scoring.protocol import (
     Ready,
     Setup,
     frame,
-    make_call,
 )
-from messages.reward import ScoreItem
 
-_ROOT = Path(__file__).resolve().parents[2]  # so ``-m actors.scoring.child`` imports this tree
+_ROOT = Path(__file__).resolve().parents[2]  # so ``-m actors.sandbox.child`` imports this tree
 _DECODER = msgspec.msgpack.Decoder(FromChild)
 
 
@@ -55,7 +54,7 @@ class PoolStatistics:
     """Calls whose child died under them."""
 
 
-def _death(returncode: int | None, cpu_s: int, memory_mb: int) -> str:
+def _death(returncode: int | None, setup: Setup) -> str:
     if returncode is None:
         return "child process closed its pipe"
     if returncode >= 0:
@@ -64,8 +63,9 @@ def _death(returncode: int | None, cpu_s: int, memory_mb: int) -> str:
         name = signal.Signals(-returncode).name
     except ValueError:
         name = f"signal {-returncode}"
-    hint = {"SIGXCPU": f" (over reward.cpu_s = {cpu_s})",
-            "SIGKILL": f" (the OOM killer? reward.memory_mb = {memory_mb})"}.get(name, "")
+    key = setup.limits_key
+    hint = {"SIGXCPU": f" (over {key}.cpu_s = {setup.cpu_s})",
+            "SIGKILL": f" (the OOM killer? {key}.memory_mb = {setup.memory_mb})"}.get(name, "")
     return f"child process killed by {name}{hint}"
 
 
@@ -94,11 +94,13 @@ class ChildPool:
     ``functions``. Children start on first use and are replaced after a timeout or a crash."""
 
     def __init__(self, functions: list[FunctionSpec], *, size: int, timeout_s: float,
-                 memory_mb: int, cpu_s: int, start_timeout_s: float = 60.0) -> None:
+                 memory_mb: int, cpu_s: int, start_timeout_s: float = 60.0,
+                 limits_key: str = "reward") -> None:
         self.functions = functions
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self._setup = Setup(functions, memory_mb=memory_mb, cpu_s=cpu_s)
+        # limits_key: the config section whose limits these are (errors name its keys)
+        self._setup = Setup(functions, memory_mb=memory_mb, cpu_s=cpu_s, limits_key=limits_key)
         self._slots = anyio.Semaphore(size)
         self._idle: list[_Child] = []  # alive and not serving a call
         self._alive: dict[int, _Child] = {}  # every child not yet reaped, by pid
@@ -111,10 +113,11 @@ class ChildPool:
     def pids(self) -> list[int]:
         return list(self._alive)
 
-    async def call(self, function: int, items: list[ScoreItem]) -> list[Outcome]:
-        """One outcome per item from ``functions[function]`` (called once per item, or once
-        for all when it is a batch function); never raises for anything the child does."""
-        n = len(items)
+    async def call(self, call: Call) -> list[Outcome]:
+        """``call.items`` outcomes from ``functions[call.function]`` (called once per argument
+        set, or once for all when it is a batch function); never raises for anything the child
+        does."""
+        n = call.items
         async with self._slots:
             try:
                 child = await self._take()
@@ -124,19 +127,20 @@ class ChildPool:
             healthy = False
             try:
                 with anyio.move_on_after(self.timeout_s):
-                    reply = await child.request(make_call(function, items))
+                    reply = await child.request(call)
                     if not isinstance(reply, Outcomes) or len(reply.outcomes) != n:
                         return [Outcome(error="child answered out of protocol; replaced")] * n
                     healthy = True
                     return reply.outcomes
                 self._timeouts += 1
                 return [Outcome(error=f"timed out after {self.timeout_s:g} s "
-                                      "(reward.timeout_s); child killed and replaced")] * n
+                                      f"({self._setup.limits_key}.timeout_s); child killed and "
+                                      "replaced")] * n
             except ChildDied:
                 self._crashes += 1
                 returncode = await self._reap(child)
-                return [Outcome(error=f"{_death(returncode, self._setup.cpu_s, self._setup.memory_mb)}"
-                                      " while scoring; replaced")] * n
+                return [Outcome(error=f"{_death(returncode, self._setup)} while "
+                                      "running; replaced")] * n
             finally:
                 if healthy:
                     self._idle.append(child)
@@ -165,7 +169,7 @@ class ChildPool:
                "MKL_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
         # own session: a Ctrl-C in the terminal is the worker's to handle, and it kills us
-        process = await anyio.open_process([sys.executable, "-m", "actors.scoring.child"],
+        process = await anyio.open_process([sys.executable, "-m", "actors.sandbox.child"],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                            stderr=None, env=env, start_new_session=True)
         child = _Child(process)
@@ -176,12 +180,11 @@ class ChildPool:
                 ready = await child.request(self._setup)
         except TimeoutError:
             await self._kill(child)
-            raise ChildDied(f"child did not load the reward functions within "
+            raise ChildDied(f"child did not load its functions within "
                             f"{self.start_timeout_s:g} s") from None
         except ChildDied:
             returncode = await self._reap(child)
-            raise ChildDied(f"child failed to start: "
-                            f"{_death(returncode, self._setup.cpu_s, self._setup.memory_mb)}") from None
+            raise ChildDied(f"child failed to start: {_death(returncode, self._setup)}") from None
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._kill(child)

@@ -1,22 +1,18 @@
-"""Built-in tasks: a deterministic prompt generator and the rule scorer that checks its answers.
+"""Built-in tasks: deterministic prompt generators whose answers a rule scorer checks.
 
 A task is named in ``topology.toml`` (``task.name``), or mixed with dataset files
-(``[[task.datasets]]``, ``actors/datasets.py``). Its prompts carry ``data_source`` so the
-reward worker finds the matching scorer; scorers follow verl's
-``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature.
+(``[[task.datasets]]``, ``actors/data/datasets.py``). Its prompts carry ``data_source`` so the
+reward worker finds the matching scorer (``actors/scoring/rules.py``, verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature).
 """
 
 from __future__ import annotations
 
 import random
-import re
-from collections.abc import Callable
 from typing import Any
 
-from actors.runtime.config import TaskConfig
+from actors.runtime.config.schema import TaskConfig
 from messages.rollout import ChatMessage, Prompt
-
-_INT = re.compile(r"-?\d+")
 
 
 class Task:
@@ -24,7 +20,7 @@ class Task:
 
     Prompts are drawn in order: draw ``index`` takes row ``row`` of dataset ``dataset``
     (``locate``). A single task is its own one dataset, so ``row == index``; a mixture of
-    datasets (``actors/datasets.py``) spreads the draws over its datasets by weight. The replay
+    datasets (``actors/data/datasets.py``) spreads the draws over its datasets by weight. The replay
     buffer records ``(prompt_id, row, dataset)`` of every prompt it issues; ``prompt_at`` rebuilds
     a recorded prompt and ``index_after`` turns recorded positions back into the next draw.
     """
@@ -90,16 +86,6 @@ class Arithmetic(Task):
         return f"{a} + {b}", str(a + b), {"a": a, "b": b}
 
 
-def arithmetic_score(data_source: str, solution_str: str, ground_truth: str,
-                     extra_info: dict[str, Any] | None = None) -> float:
-    """1.0 when the sum appears and every number in the reply is an operand or the sum."""
-    numbers = [int(x) for x in _INT.findall(solution_str)]
-    allowed = {int(ground_truth)}
-    if extra_info:
-        allowed |= {int(extra_info[k]) for k in ("a", "b") if k in extra_info}
-    return float(int(ground_truth) in numbers and all(x in allowed for x in numbers))
-
-
 class RepeatLetter(Task):
     """``say X``: the reply should consist of the letter X. A tiny random model learns it in seconds."""
 
@@ -111,27 +97,4 @@ class RepeatLetter(Task):
         return f"say {letter}", letter, {}
 
 
-def repeat_letter_score(data_source: str, solution_str: str, ground_truth: str,
-                        extra_info: dict[str, Any] | None = None) -> float:
-    """Fraction of the reply's non-space characters that are the asked letter."""
-    chars = [c for c in solution_str if not c.isspace()]
-    return sum(c == ground_truth for c in chars) / len(chars) if chars else 0.0
-
-
 TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "repeat_letter": RepeatLetter}
-
-Scorer = Callable[[str, str, str, dict[str, Any] | None], float]
-SCORERS: dict[str, Scorer] = {"arithmetic": arithmetic_score, "repeat_letter": repeat_letter_score}
-
-
-def make_task(config: TaskConfig, seed: int) -> Task:
-    """The built-in ``config.name``, or the mixture of ``config.datasets`` when any are set."""
-    if config.datasets:
-        from actors.datasets import make_mixture  # it builds on Task
-
-        return make_mixture(config, seed)
-    try:
-        return TASKS[config.name](config, seed)
-    except KeyError:
-        raise ValueError(f"task.name = {config.name!r} is not a built-in task; "
-                         f"choose one of {sorted(TASKS)}") from None

@@ -1,4 +1,4 @@
-"""Prompts from dataset files, several sources mixed by weight, and prompt length in tokens.
+"""Prompts from dataset files, and several sources mixed by weight.
 
 ``[[task.datasets]]`` entries name a parquet or jsonl file in verl's row layout (``prompt`` = a
 list of chat messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``; other
@@ -18,14 +18,14 @@ from __future__ import annotations
 import bisect
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from actors.runtime.config import ConfigError, DatasetConfig, TaskConfig, jsonl_rows
-from actors.tasks import TASKS, Task
+from actors.data.files import DataFileError, jsonl_rows
+from actors.data.tasks import TASKS, Task
+from actors.runtime.config.schema import DatasetConfig, TaskConfig
 from messages.rollout import ChatMessage, Prompt
 
 _MASK = (1 << 64) - 1
@@ -79,7 +79,7 @@ class FileDataset(Task):
             self.table = None
             try:
                 self.lines = list(jsonl_rows(path))
-            except ConfigError as exc:
+            except DataFileError as exc:
                 raise ValueError(f"{key}.path: {exc}") from None
             self.size = len(self.lines)
         if self.size == 0:
@@ -195,21 +195,3 @@ def make_mixture(config: TaskConfig, seed: int) -> Mixture:
             source = FileDataset(d, seed, f"task.datasets[{i}]")
         sources.append(source)
     return Mixture(sources, [d.weight for d in config.datasets], seed)
-
-
-def prompt_token_counter(model_path: str) -> Callable[[Prompt], int]:
-    """Tokens of a prompt as the sampler feeds it: the model's chat template with the
-    generation prompt (what verl's ``data.max_prompt_length`` filter counts)."""
-    from transformers import AutoTokenizer
-
-    from actors.model_store import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path))
-
-    def count(prompt: Prompt) -> int:
-        out = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in prompt.messages],
-            add_generation_prompt=True, tokenize=True, return_dict=False)
-        return len(out["input_ids"] if isinstance(out, dict) else out)
-
-    return count

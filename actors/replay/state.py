@@ -1,4 +1,4 @@
-"""The replay buffer: the one owner of what data is in the system.
+"""The replay buffer's state: the one owner of what data is in the system (no I/O here).
 
 It issues prompts under admission control, holds scored groups, drops groups that have gone
 stale, serves training batches, and keeps the counters that prove nothing accepted is lost:
@@ -21,6 +21,9 @@ the same rule is counted in serves: a group in flight is worth ``k`` serves and 
 its serves left, so ``(η + v + 1)·B − (served + serves left + k·in_flight)`` serves' worth of
 prompts may be issued (``k = 1`` is the rule above).
 
+A group the sampler could not get scored (``ScoredGroup.score_error``: no reward worker answered
+after ``sampler.score_attempts`` sends) is recorded and dropped as ``score_failed``.
+
 Dynamic sampling (DAPO, ``algorithm.filter_groups``): a group whose rewards are all equal is
 dropped as ``filtered`` when it arrives; it leaves in_flight, so admission lets a replacement
 prompt in. Prompts longer than ``task.max_prompt_length`` tokens are skipped when drawn and
@@ -32,34 +35,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import anyio
-import zmq
-
-from actors.datasets import prompt_token_counter
-from actors.recording import Recorder, group_row
-from actors.replay_resume import restore
-from actors.runtime.actor import ActorContext
-from actors.runtime.zmq_bridge import make_socket
-from actors.tasks import Task, make_task
-from messages.codec import Codec, DecodeError, encode
-from messages.control import ErrorReply
-from messages.rollout import (
-    BatchRequest,
-    GroupsDone,
-    Prompt,
-    PromptBatch,
-    PromptRequest,
-    ScoredGroup,
-    ToReplay,
-    TrainBatch,
-    VersionUpdate,
-)
-
-
-def group_version(group: ScoredGroup) -> int:
-    """The oldest policy version among a group's samples (what staleness is measured on)."""
-    return min((s.policy_version for s in group.samples), default=0)
+from actors.data.tasks import Task
+from actors.replay.resume import Recovered, read_recording
+from actors.runtime.recording import group_row
+from actors.runtime.versions import group_version, staleness
+from messages.rollout import Prompt, ScoredGroup
 
 
 @dataclass
@@ -97,9 +79,8 @@ class ReplayState:
     held: collections.deque[ScoredGroup] = field(default_factory=collections.deque)
     at_samplers: dict[int, tuple[bytes, Prompt]] = field(default_factory=dict)
     requeued: collections.deque[Prompt] = field(default_factory=collections.deque)
-    staleness_hist: collections.Counter[int] = field(default_factory=collections.Counter)
     # rows for the run's recording (table, row), appended as things happen; the actor moves them
-    # to its Recorder and flushes before it serves a batch (see actors/recording.py)
+    # to its Recorder and flushes before it serves a batch (see actors/runtime/recording.py)
     records: list[tuple[str, dict]] = field(default_factory=list)
     record: bool = True  # run.record; off: groups rows are not even built (nothing is written)
 
@@ -158,6 +139,9 @@ class ReplayState:
             return False
         if self.record:  # the groups row is the recording's one costly row: built only when kept
             self.records.append(("groups", group_row(group)))
+        if group.score_error:  # no reward worker answered: its rewards are not rewards
+            self._drop(group, "score_failed")
+            return True
         if self.filter_groups and len({s.reward for s in group.samples}) <= 1:
             self._drop(group, "filtered")
             self.step_filtered += 1
@@ -184,7 +168,7 @@ class ReplayState:
         keep: collections.deque[ScoredGroup] = collections.deque()
         n = 0
         for g in self.held:
-            if self.version - group_version(g) > self.max_staleness:
+            if staleness(self.version, group_version(g)) > self.max_staleness:
                 self._drop(g, "stale")
                 n += 1
             else:
@@ -192,7 +176,7 @@ class ReplayState:
         self.held = keep
         fresh: collections.deque[tuple[ScoredGroup, int]] = collections.deque()
         for g, served in self.reusable:
-            if self.version - group_version(g) > self.max_staleness:
+            if staleness(self.version, group_version(g)) > self.max_staleness:
                 self.retired += 1
                 self.records.append(("fates", {
                     "group_id": g.prompt.prompt_id, "fate": "retired", "reason": "stale",
@@ -221,13 +205,11 @@ class ReplayState:
             self.served += 1
             if served < self.reuse:
                 self.reusable.append((g, served))
-            ages.append(self.version - group_version(g))
+            ages.append(staleness(self.version, group_version(g)))
             serves.append(served)
             self.records.append(("fates", {
                 "group_id": g.prompt.prompt_id, "fate": "trained", "reason": "", "step": step,
                 "position": position, "served": served, "version": self.version}))
-            for s in g.samples:
-                self.staleness_hist[self.version - s.policy_version] += 1
         self.batch_stats = {
             "step_filtered": float(self.step_filtered),
             "step_filtered_prompts": float(self.step_filtered_prompts),
@@ -249,6 +231,7 @@ class ReplayState:
             "dropped": sum(self.dropped.values()),
             "dropped_stale": self.dropped["stale"],
             "dropped_filtered": self.dropped["filtered"],
+            "dropped_score_failed": self.dropped["score_failed"],
             "in_flight": self.in_flight,
             "held": len(self.held),
             "at_samplers": len(self.at_samplers) + len(self.requeued),
@@ -260,103 +243,24 @@ class ReplayState:
             "filtered_prompts": self.filtered_prompts,
         }
 
-
-async def replay_actor(ctx: ActorContext, *, task_status) -> None:
-    """Serve prompts to samplers and batches to the learner over one ROUTER socket."""
-    topo = ctx.topology
-    filter_groups = topo.algorithm.filter_groups
-    state = ReplayState(
-        task=make_task(topo.task, topo.run.seed),
-        groups_per_step=topo.learner.groups_per_step,
-        max_staleness=topo.algorithm.max_staleness,
-        capacity=topo.replay.capacity,
-        record=topo.run.record,
-        reuse=topo.replay.reuse,
-        filter_groups=filter_groups.enable,
-        max_filtered=filter_groups.max_num_gen_batches * topo.learner.groups_per_step,
-        max_prompt_length=topo.task.max_prompt_length,
-        # the tokenizer (not the model) is loaded, and only when prompts are length-filtered
-        prompt_length=(prompt_token_counter(topo.model.path) if topo.task.max_prompt_length
-                       else None),
-    )
-    codec: Codec[ToReplay] = Codec(ToReplay)
-    sock = make_socket(ctx.zmq, zmq.ROUTER, bind=topo.replay.address, curve=ctx.curve)
-    sock.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sampler reclaims its name
-    # waiting requests: one per peer at most, since each peer waits for its answer
-    prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-    batch_waiter: tuple[bytes, BatchRequest] | None = None
-    incarnations: dict[bytes, str] = {}
-    if topo.learner.resume:  # continue the recorded run from the learner's latest checkpoint
-        restored = restore(state, ctx.run_dir)
-        if restored is not None:
-            ctx.status.update(resumed_step=restored.step, redone=restored.redone)
-    # the table order is the write-ahead order a resume relies on: a flush writes prompts, then
-    # the groups of those prompts, then the fates of those groups (see actors/replay_resume.py)
-    recorder = Recorder(ctx.run_dir, ["prompts", "groups", "fates"], enabled=topo.run.record)
-
-    flushing = anyio.Lock()  # one flush at a time, so the tables' parts keep the WAL order
-
-    async def record(tables: tuple[str, ...] | None = None) -> None:
-        """Hand the state's rows to the recorder and write ``tables`` (default all) in a worker
-        thread, in the WAL order. ``("prompts", "groups")`` is written ahead, when groups come
-        in, so the flush a batch waits for is mostly its fates."""
-        if not recorder.enabled:
-            state.records.clear()
-            return
-        async with flushing:
-            for table, row in state.records:
-                recorder.append(table, row)
-            state.records.clear()
-            await anyio.to_thread.run_sync(recorder.flush, tables)
-
-    async def serve_waiting() -> None:
-        nonlocal batch_waiter
-        if batch_waiter is not None:
-            peer, req = batch_waiter
-            groups = state.take_batch(req.num_groups, step=req.step + 1)
-            if groups is not None:
-                batch_waiter = None
-                await record()  # what this batch consumed is on disk before the learner gets it
-                msg = TrainBatch(step=req.step, groups=groups, counters=state.counters(),
-                                 stats=state.batch_stats)
-                await sock.send_multipart([peer, encode(msg)])
-        for peer in list(prompt_waiters):
-            prompts = state.issue(peer, prompt_waiters[peer])
-            if not prompts:
-                break  # admission closed: later waiters would get nothing either
-            del prompt_waiters[peer]
-            await sock.send_multipart([peer, encode(PromptBatch(prompts=prompts, version=state.version))])
-
-    task_status.started()
-    with sock:
-        try:
-            async with anyio.create_task_group() as tg:
-                while True:
-                    peer, *frames = await sock.recv_multipart()
-                    try:
-                        msg = codec.decode(frames[-1]) if frames else codec.decode(b"")
-                    except DecodeError as exc:
-                        await sock.send_multipart([peer, encode(ErrorReply(error=f"replay: {exc}"))])
-                        continue
-                    match msg:
-                        case PromptRequest(max_prompts=k, incarnation=inc):
-                            if incarnations.get(peer, inc) != inc:
-                                state.requeue_from(peer)
-                            incarnations[peer] = inc
-                            prompt_waiters[peer] = max(1, k)
-                        case GroupsDone(groups=groups):
-                            for g in groups:
-                                state.accept(g)
-                            if recorder.enabled and not flushing.locked():
-                                tg.start_soon(record, ("prompts", "groups"))
-                        case BatchRequest() as req:
-                            state.version = max(state.version, req.version)
-                            batch_waiter = (peer, req)
-                        case VersionUpdate(version=v):
-                            state.version = max(state.version, v)
-                    await serve_waiting()
-                    ctx.status.update(state.counters(), version=state.version,
-                                      rejected_frames=codec.rejected)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await record()  # what was accepted since the last batch survives a stop
+    def restore(self, run_dir: Path, step: int | None = None,
+                version: int | None = None) -> Recovered | None:
+        """Become the buffer recorded in ``run_dir`` as of checkpoint ``step`` (default: the
+        latest checkpoint's), as ``actors/replay/resume.py`` explains; call it on a fresh state.
+        Returns what was recovered, or None (leaving the state as it is) when nothing was
+        recorded. Appends nothing to ``records``: every row it read is already on disk."""
+        found = read_recording(run_dir, self.reuse, step, version)
+        if found is None:
+            return None
+        self.version = found.version
+        self.issued = found.issued
+        self.next_row = self.task.index_after(found.next_rows)
+        self.trained, self.reused, self.retired = found.trained, found.reused, found.retired
+        self.served = found.trained + found.reused
+        self.dropped = collections.Counter(found.dropped)
+        self.held = collections.deque(found.held)
+        self.reusable = collections.deque(found.reusable)
+        self.requeued = collections.deque(self.task.prompt_at(dataset, row, prompt_id=pid)
+                                          for dataset, row, pid in found.requeued)
+        self.at_samplers = {}
+        return found

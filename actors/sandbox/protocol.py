@@ -1,10 +1,12 @@
-"""What crosses the pipe between the reward worker and a scoring child: msgspec, length-framed.
+"""What crosses the pipe between an actor and a sandboxed child: msgspec, length-framed.
 
-Worker -> child: one ``Setup`` on start, then ``Call``s, one at a time. Child -> worker: one
-``Ready`` after loading every function, then one ``Outcomes`` per ``Call``. User return values
-are turned into ``Outcome``s inside the child (``run_call``, ``to_outcome``), so nothing but
-numbers and strings ever leaves it. ``run_call`` is also how the worker calls its in-thread
-rule scorers, so both paths follow one calling convention.
+Actor -> child: one ``Setup`` on start, then ``Call``s, one at a time. Child -> actor: one
+``Ready`` after loading every function, then one ``Outcomes`` per ``Call``. A call carries the
+keyword arguments of each invocation (the caller decides their names: verl's
+``compute_score`` ones for rewards); return values are turned into ``Outcome``s inside the
+child (``run_call``, ``to_outcome``), so nothing but numbers and strings ever leaves it.
+``run_call`` is also how a reward worker calls its in-thread rule scorers, so both paths follow
+one calling convention.
 """
 
 from __future__ import annotations
@@ -18,21 +20,25 @@ from typing import Any
 
 import msgspec
 
-from messages.reward import ScoreItem
-
 HEADER = struct.Struct("<I")  # frame length, then the msgpack body
 MAX_FRAME = 256 * 1024 * 1024
 ERROR_CHARS = 500  # errors travel with every sample: keep them short
 
 
 class FunctionSpec(msgspec.Struct, frozen=True):
-    """One function a child can call: a built-in by name, or ``name`` in the file ``path``."""
+    """One function a child can call: ``name`` in the Python file ``path`` or in the importable
+    ``module`` (built-ins)."""
 
-    builtin: str = ""
     path: str = ""
+    module: str = ""
     name: str = "compute_score"
-    batch: bool = False
-    kwargs: dict[str, Any] = {}
+    batch: bool = False  # called once with lists for a whole call, returning a list
+    kwargs: dict[str, Any] = {}  # appended to every invocation's keyword arguments
+    preload: tuple[str, ...] = ()  # modules imported when the child starts (not on the clock)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path or self.module}:{self.name}"
 
 
 class Setup(msgspec.Struct, tag=True):
@@ -41,21 +47,17 @@ class Setup(msgspec.Struct, tag=True):
     functions: list[FunctionSpec]
     memory_mb: int = 0  # RLIMIT_AS in MiB (0: none)
     cpu_s: int = 0  # RLIMIT_CPU per call in seconds (0: none)
+    limits_key: str = "reward"  # the config section of the limits, named in errors
 
 
 class Call(msgspec.Struct, tag=True):
-    """Worker -> child: call ``functions[function]`` on these items (one item unless batch)."""
+    """Actor -> child: call ``functions[function]`` once per ``arguments`` entry (its keyword
+    arguments); a batch function is called once, with ``arguments[0]``, and returns a list of
+    ``items`` values. Either way the answer has ``items`` outcomes."""
 
     function: int
-    data_sources: list[str]
-    solution_strs: list[str]
-    ground_truths: list[str]
-    extra_infos: list[dict[str, Any]]
-
-
-def make_call(function: int, items: list[ScoreItem]) -> Call:
-    return Call(function, [i.data_source for i in items], [i.solution_str for i in items],
-                [i.ground_truth for i in items], [dict(i.extra_info) for i in items])
+    arguments: list[dict[str, Any]]
+    items: int
 
 
 class Outcome(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -126,14 +128,13 @@ def _resolve(value: Any) -> Any:
 
 
 def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Outcome]:
-    """Call ``fn`` the way verl does (keyword arguments, ``kwargs`` appended): once per item,
-    or once with lists when ``spec.batch``. Exceptions and bad values become error outcomes."""
-    n = len(call.solution_strs)
+    """Call ``fn`` with keyword arguments (``spec.kwargs`` appended): once per entry of
+    ``call.arguments``, or once when ``spec.batch``. Exceptions and bad values become error
+    outcomes."""
+    n = call.items
     if spec.batch:
         try:
-            values = _resolve(fn(data_sources=call.data_sources, solution_strs=call.solution_strs,
-                                 ground_truths=call.ground_truths, extra_infos=call.extra_infos,
-                                 **spec.kwargs))
+            values = _resolve(fn(**call.arguments[0], **spec.kwargs))
         except (Exception, SystemExit) as exc:
             return [Outcome(error=describe(exc))] * n
         if not isinstance(values, list | tuple) or len(values) != n:
@@ -141,12 +142,9 @@ def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Out
             return [Outcome(error=f"batch function returned {got} for {n} items")] * n
         return [to_outcome(v) for v in values]
     outcomes = []
-    for i in range(n):
+    for arguments in call.arguments:
         try:
-            value = _resolve(fn(data_source=call.data_sources[i], solution_str=call.solution_strs[i],
-                                ground_truth=call.ground_truths[i], extra_info=call.extra_infos[i],
-                                **spec.kwargs))
-            outcomes.append(to_outcome(value))
+            outcomes.append(to_outcome(_resolve(fn(**arguments, **spec.kwargs))))
         except (Exception, SystemExit) as exc:
             outcomes.append(Outcome(error=describe(exc)))
     return outcomes

@@ -1,0 +1,43 @@
+"""Every kind of actor, in one table: what runs it, how many there may be, how it is started.
+
+The runner starts the kinds in this order (the replay buffer and the router bind the sockets
+the others connect to; the learner publishes the first weights the samplers wait for), the
+config check enforces the counts, ``python -m actors.main`` imports ``body`` lazily (so the
+router and the replay buffer never import torch) and ``runner.py attach`` accepts the
+attachable kinds. Adding an actor kind is one row here plus its config section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Restart = Literal["never", "on-failure"]
+
+
+@dataclass(frozen=True)
+class ActorKind:
+    name: str
+    """The kind's name: its ``topology.toml`` section and its processes' ``NAME-INDEX``."""
+    body: str
+    """``module:function`` of the actor body, imported only in the actor's own process."""
+    min_count: int
+    """Fewest processes a job may start (0: the job runs without one, e.g. rewards attached)."""
+    max_count: int | None
+    """Most processes (1: the kind owns state no second process may share)."""
+    restart: Restart
+    """The default of ``KIND.restart``: stateless kinds restart after a failure."""
+    attachable: bool = False
+    """``runner.py attach KIND`` can add one to a running job."""
+
+
+KINDS: tuple[ActorKind, ...] = (
+    ActorKind("replay", "actors.replay.actor:replay_actor", 1, 1, "never"),
+    ActorKind("router", "actors.router.actor:router_actor", 1, 1, "never"),
+    ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never"),
+    ActorKind("reward", "actors.reward:reward_actor", 0, None, "on-failure", attachable=True),
+    ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure"),
+)
+BY_NAME: dict[str, ActorKind] = {k.name: k for k in KINDS}
+NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)
+ATTACHABLE: tuple[str, ...] = tuple(k.name for k in KINDS if k.attachable)

@@ -1,0 +1,1 @@
+"""The replay buffer: admission, held groups, batches, the recording, crash resume."""

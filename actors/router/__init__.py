@@ -1,0 +1,1 @@
+"""The router: forwards envelopes to pools of workers (``state`` decides, ``actor`` serves)."""

@@ -1,0 +1,44 @@
+"""The typed topology: ``topology.toml`` decoded into msgspec Structs, unknown keys rejected.
+
+``schema`` holds the Structs (every field with a one-line docstring), ``checks`` the rules
+across fields, ``load`` the TOML reading and dotted overrides. The names below are the public
+ones; import them from here.
+"""
+
+from actors.runtime.config.load import (
+    apply_overrides,
+    decode_topology,
+    load_topology,
+)
+from actors.runtime.config.schema import (
+    BUILTIN_SCORERS,
+    BUILTIN_TASKS,
+    ActorCommon,
+    AlgorithmConfig,
+    ConfigError,
+    CorrectionConfig,
+    DatasetConfig,
+    FilterGroups,
+    KLControl,
+    LearnerConfig,
+    LoraConfig,
+    ModelConfig,
+    RejectionRule,
+    ReplayConfig,
+    RewardConfig,
+    RewardFunction,
+    RouterConfig,
+    RunConfig,
+    SamplerConfig,
+    SecurityConfig,
+    TaskConfig,
+    Topology,
+)
+
+__all__ = [
+    "BUILTIN_SCORERS", "BUILTIN_TASKS", "ActorCommon", "AlgorithmConfig", "ConfigError",
+    "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
+    "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
+    "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
+    "TaskConfig", "Topology", "apply_overrides", "decode_topology", "load_topology",
+]

@@ -1,0 +1,207 @@
+"""Checks of a decoded topology that the types alone cannot express (ranges, combinations,
+files that must exist). Each failure is a ``ConfigError`` that names the full key path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from actors.data.files import DataFileError, jsonl_rows
+from actors.registry import KINDS
+from actors.runtime.config.schema import (
+    BUILTIN_SCORERS,
+    BUILTIN_TASKS,
+    DATASET_SUFFIXES,
+    ActorCommon,
+    ConfigError,
+    DatasetConfig,
+    Topology,
+)
+
+
+def check(topology: Topology) -> None:
+    """Raise ``ConfigError`` (naming the key path) for what the types alone do not rule out."""
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    for kind in KINDS:
+        section: ActorCommon = getattr(topology, kind.name)
+        need(section.threads >= 1, f"{kind.name}.threads", "must be >= 1")
+        if kind.max_count == 1:
+            need(section.count == 1, f"{kind.name}.count", "must be 1 (one owner)")
+        else:
+            need(section.count >= kind.min_count, f"{kind.name}.count",
+                 f"must be >= {kind.min_count}")
+    a = topology.algorithm
+    need(a.n >= 1, "algorithm.n", "must be >= 1")
+    need(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
+    need(a.correction.is_cap > 0, "algorithm.correction.is_cap", "must be > 0")
+    for i, rule in enumerate(a.correction.rejection):
+        need(rule.low is not None or rule.high is not None, f"algorithm.correction.rejection[{i}]",
+             "needs a low or a high bound")
+        need(rule.low is None or rule.high is None or rule.low <= rule.high,
+             f"algorithm.correction.rejection[{i}]", "needs low <= high")
+        need(not (rule.statistic == "geo_mean" and rule.level == "token"),
+             f"algorithm.correction.rejection[{i}].level", "geo_mean is a sequence statistic")
+    need(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)")
+    need(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
+    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
+    need(0 <= a.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
+    need(0 <= a.lam <= 1, "algorithm.lam", "must be in [0, 1]")
+    need(a.entropy_coeff >= 0, "algorithm.entropy_coeff", "must be >= 0")
+    need(a.kl_ctrl.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1")
+    need(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
+    need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
+         or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
+    s = topology.sampler
+    need(s.temperature > 0, "sampler.temperature", "must be > 0")
+    need(0 < s.top_p <= 1, "sampler.top_p", "must be in (0, 1]")
+    need(s.top_k >= 0, "sampler.top_k", "must be >= 0")
+    need(s.max_tokens >= 1, "sampler.max_tokens", "must be >= 1")
+    need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
+    need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
+    need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
+    L = topology.learner
+    need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
+    need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
+    need(L.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
+    need(L.lr > 0, "learner.lr", "must be > 0")
+    need(L.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
+    need(1 <= L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
+         f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
+    need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
+    need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
+    need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
+    need(L.save_every >= 1, "learner.save_every", "must be >= 1")
+    need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
+    # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
+    # of the learner's checkpoint, which only holds when both start from it
+    for name in ("replay", "learner"):
+        need(getattr(topology, name).restart == "never", f"{name}.restart",
+             "must be \"never\": restarted alone it would not match the other's state; when it "
+             "dies the job stops, and starting it again with the same run.dir resumes exactly")
+    need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
+         f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
+    R = topology.reward
+    need(R.capacity >= 1, "reward.capacity", "must be >= 1")
+    for i, fn in enumerate(R.functions):
+        key = f"reward.functions[{i}]"
+        if fn.builtin == "reward_model":
+            need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
+            problem = _reward_model_problem(Path(fn.path))
+            need(problem is None, f"{key}.path", str(problem))
+            need(fn.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
+            need(fn.max_length >= 1, f"{key}.max_length", "must be >= 1")
+            need(math.isfinite(fn.reward_mean), f"{key}.reward_mean", "must be finite")
+            need(math.isfinite(fn.reward_std) and fn.reward_std > 0, f"{key}.reward_std",
+                 "must be > 0")
+            need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
+            continue
+        need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
+        need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
+             f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
+        need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
+        need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
+        need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
+        need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
+    need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
+         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+    need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
+    need(R.processes >= 1, "reward.processes", "must be >= 1")
+    need(R.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
+    need(R.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
+    need(R.max_response_length >= 0, "reward.max_response_length", "must be >= 0")
+    max_length = R.max_response_length or s.max_tokens
+    need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
+         f"must be <= the response length limit ({max_length})")
+    need(topology.task.size >= 1, "task.size", "must be >= 1")
+    T = topology.task
+    need(T.name in BUILTIN_TASKS, "task.name", f"{T.name!r} is not one of {', '.join(BUILTIN_TASKS)}")
+    need(T.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0: no limit)")
+    _check_datasets(T.datasets, need)
+    F = a.filter_groups
+    need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
+         "needs algorithm.n >= 2 (a group of one always has equal rewards)")
+    need(F.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
+         "must be >= 0 (0: no limit)")
+    reuse = topology.replay.reuse
+    need(reuse >= 1, "replay.reuse", "must be >= 1 (1: each group is served once)")
+    need(reuse <= a.max_staleness + 1, "replay.reuse",
+         f"a group can be served at most once per policy version while it is fresh, so at most "
+         f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
+    sec = topology.security
+    need(not sec.curve or zmq.has("curve"), "security.curve",
+         "this libzmq was built without CURVE support (zmq.has('curve') is False)")
+    need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
+         "needs security.curve = true")
+    need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
+         "must be a 40-character Z85 public key")
+
+
+def _dataset_columns(path: Path) -> set[str]:
+    """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        return set(pq.read_schema(path).names)
+    try:
+        return set(next(jsonl_rows(path), {}))
+    except DataFileError as exc:  # a line that is not a JSON object
+        raise ConfigError(str(exc)) from None
+
+
+def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
+    names: dict[str, int] = {}
+    for i, d in enumerate(datasets):
+        key = f"task.datasets[{i}]"
+        need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
+        need(math.isfinite(d.weight) and d.weight > 0, f"{key}.weight", "must be > 0")
+        name = d.name or d.builtin or Path(d.path).stem
+        need(name not in names, f"{key}.name",
+             f"{name!r} is already the name of task.datasets[{names.get(name)}]; name one")
+        names[name] = i
+        if d.builtin:
+            need(d.builtin in BUILTIN_TASKS, f"{key}.builtin",
+                 f"{d.builtin!r} is not one of {', '.join(BUILTIN_TASKS)}")
+            continue
+        path = Path(d.path)
+        need(path.suffix in DATASET_SUFFIXES, f"{key}.path",
+             f"{d.path!r} is neither .parquet nor .jsonl")
+        need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
+        try:
+            columns = _dataset_columns(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}.path: {exc}") from None
+        need(bool(columns), f"{key}.path", f"{d.path!r} holds no rows")
+        shown = ", ".join(sorted(columns))
+        for field, column in (("prompt_key", d.prompt_key), ("answer_key", d.answer_key)):
+            need(column.split(".")[0] in columns, f"{key}.{field}",
+                 f"no column {column.split('.')[0]!r} in {d.path!r} (columns: {shown})")
+        need(bool(d.data_source) or "data_source" in columns, f"{key}.data_source",
+             f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
+
+
+def _reward_model_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
+    its config.json, so the check needs no torch), or None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} is not readable JSON: {exc}"
+    architectures = data.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
+                "not a ...ForSequenceClassification reward model")
+    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
+    if labels != 1:
+        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
+    return None

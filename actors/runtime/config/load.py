@@ -1,0 +1,111 @@
+"""Loading a topology: TOML file, verl-style dotted overrides, validation, absolute paths.
+
+``load_topology(path, overrides)`` applies the overrides (``learner.total_steps=3``) to the raw
+TOML before validation, so an error always names the full key path (``learner.total_stepz``)
+whichever way the value came in.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.runtime.config.checks import check
+from actors.runtime.config.schema import ConfigError, Topology
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    try:  # a TOML value: 3, 1e-5, true, "text", [1, 2]; anything else is a bare string
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each ``a.b.c=value`` in the raw TOML dict (before validation)."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a table")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+
+def _key_path_message(msg: str) -> str:
+    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown keys get their own name)."""
+    where = ""
+    if " - at `$." in msg:
+        msg, where = msg.rsplit(" - at `$.", 1)
+        where = where.rstrip("`")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", msg)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return f"{key}: unknown key"
+    return f"{where}: {msg}" if where else msg
+
+
+def decode_topology(data: dict[str, Any]) -> Topology:
+    """Validate a raw dict into a Topology; errors name the full key path."""
+    try:
+        topology = msgspec.convert(data, Topology)
+    except msgspec.ValidationError as exc:
+        # msgspec reports "... - at `$.learner.total_stepz`"; restate it as a key path
+        raise ConfigError(_key_path_message(str(exc))) from None
+    check(topology)
+    return _derived(_absolute_paths(topology))
+
+
+def _derived(topology: Topology) -> Topology:
+    """Defaults that follow from other keys, filled in so each actor reads its own section."""
+    s = topology.sampler
+    if s.score_timeout_s == 0:
+        timeout = topology.router.request_timeout + topology.reward.timeout_s + 10.0
+        s = msgspec.structs.replace(s, score_timeout_s=timeout)
+    return msgspec.structs.replace(topology, sampler=s)
+
+
+def _absolute_paths(topology: Topology) -> Topology:
+    """Reward function files, dataset files and key paths are named relative to where the job is
+    started; the actors run elsewhere (and read the resolved topology), so the paths are made
+    absolute here."""
+    R, T, sec = topology.reward, topology.task, topology.security
+    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
+    datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
+    return msgspec.structs.replace(
+        topology, reward=msgspec.structs.replace(R, functions=functions),
+        task=msgspec.structs.replace(T, datasets=datasets),
+        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
+                                         authorized_keys=_absolute(sec.authorized_keys)))
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve()) if path else path
+
+
+def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
+    """Read a topology TOML file, apply dotted overrides, validate."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"topology file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return decode_topology(apply_overrides(data, list(overrides)))

@@ -1,0 +1,347 @@
+"""The supervisor: resolve a topology, start one process per actor, watch them, stop them.
+
+``run_job`` fills in the run directory, the model directory and every ``auto`` address, writes
+the result to ``RUN_DIR/topology.json`` (every actor reads it), starts the actors in the
+registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
+the job started once every actor is ready, prints one line per learner step and a live status
+table, records every actor's status per step in ``status.jsonl``, reports an actor that dies
+with its traceback (restarting it when its ``restart`` policy says so), and on Ctrl-C, a failure
+or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
+reaps them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import trio
+import zmq
+
+from actors.registry import NAMES
+from actors.runtime.config import ConfigError, Topology
+from actors.runtime.metrics import ConsoleSink
+from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
+from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
+from actors.runtime.zmq_bridge import make_socket
+from messages.codec import Codec, DecodeError, encode
+from messages.control import Finished, Heartbeat, Ready, StepReport, Stop, ToRunner
+
+STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's final checkpoint)
+TERM_GRACE_S = 10.0
+ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
+
+
+def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
+    """Fill in the run directory, the model directory and every ``auto`` address."""
+    from actors.model_store import resolve_model_path
+
+    run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
+    sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
+    Path(sockets).mkdir(parents=True, exist_ok=True)
+
+    def addr(value: str, name: str) -> str:
+        return f"ipc://{sockets}/{name}" if value == "auto" else value
+
+    model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
+    resolved = msgspec.structs.replace(
+        topology,
+        run=msgspec.structs.replace(topology.run, dir=str(run_dir), socket_dir=sockets),
+        model=msgspec.structs.replace(topology.model, path=model),
+        replay=msgspec.structs.replace(topology.replay, address=addr(topology.replay.address, "replay")),
+        router=msgspec.structs.replace(
+            topology.router, address=addr(topology.router.address, "router"),
+            worker_address=addr(topology.router.worker_address, "router-workers")),
+        learner=msgspec.structs.replace(
+            topology.learner, weights_address=addr(topology.learner.weights_address, "weights")),
+        control_address=addr(topology.control_address, "control"),
+    )
+    return resolved, run_dir
+
+
+@dataclasses.dataclass
+class Proc:
+    kind: str
+    index: int
+    process: trio.Process | None = None
+    restarts: int = 0
+    ready: bool = False
+    finished: bool = False
+    last_seen: float = 0.0
+    status: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+
+def _shown(value: object) -> str:
+    """A status value on the console; a record (the router's per-worker figures) in one token."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in value.items())
+    return str(value)
+
+
+def format_status(procs: dict[str, Proc], started: float) -> str:
+    lines = [f"--- status at {time.monotonic() - started:6.0f}s ---"]
+    for p in procs.values():
+        pid = p.process.pid if p.process else "-"
+        shown = {k: v for k, v in p.status.items() if k not in ("uptime_s",)}
+        state = shown.pop("state", "starting" if not p.ready else "running")
+        detail = " ".join(f"{k}={_shown(v)}" for k, v in shown.items())
+        lines.append(f"  {p.name:<10} pid={pid:<7} {state:<9} {detail}")
+    return "\n".join(lines)
+
+
+class Job:
+    def __init__(self, topology: Topology, run_dir: Path) -> None:
+        self.topo = topology
+        self.run_dir = run_dir
+        self.procs = {
+            p.name: p
+            for kind in NAMES  # the registry's order is the start order
+            for p in (Proc(kind, i) for i in range(getattr(topology, kind).count))
+        }
+        self.all_ready = trio.Event()  # every actor reported Ready once
+        self.step = 0  # the learner's last reported step
+        self.console = ConsoleSink(topology.learner.total_steps, topology.algorithm.max_staleness)
+        self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
+        self.done = trio.Event()
+        self.stopping = False
+        self.started = time.monotonic()
+        self.zmq = zmq.Context()
+        curve = job_keys(topology)
+        self.zap = None if curve is None else ZapHandler(
+            self.zmq, {curve.public}, topology.security.authorized_keys,
+            log=lambda text: print(f"!!! runner: {text}", flush=True))
+        self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address, curve=curve)
+        self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
+
+    def end(self, outcome: str) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.done.set()
+
+    async def spawn(self, p: Proc) -> None:
+        cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
+        p.ready, p.status, p.last_seen = False, {}, time.monotonic()
+        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT)
+
+    async def supervise(self, p: Proc) -> None:
+        """Wait for a process to exit; restart it or end the job, per its restart policy."""
+        while True:
+            assert p.process is not None
+            rc = await p.process.wait()
+            if self.stopping:
+                return
+            if rc == 0 and p.finished:
+                if p.kind == "learner":
+                    self.end("finished")
+                return
+            tb_file = traceback_file(self.run_dir, p.name)
+            if tb_file.is_file():
+                tb = tb_file.read_text()
+            elif rc < 0:
+                tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
+            else:
+                tb = "(no traceback: it stopped without being asked to)"
+            print(f"!!! actor {p.name} (pid {p.process.pid}) exited with status {rc}\n{tb}",
+                  flush=True)
+            cfg = getattr(self.topo, p.kind)
+            restart = cfg.restart == "on-failure" and p.restarts < cfg.max_restarts
+            self.record_status("exited", actor=p.name, returncode=rc, restart=restart)
+            if restart:
+                p.restarts += 1
+                tb_file.unlink(missing_ok=True)
+                print(f"!!! restarting {p.name} ({p.restarts}/{cfg.max_restarts})", flush=True)
+                await self.spawn(p)
+                continue
+            self.end(f"failed: actor {p.name} exited with status {rc}")
+            return
+
+    async def listen(self) -> None:
+        codec: Codec[ToRunner] = Codec(ToRunner)
+        while True:
+            ident, *frames = await self.control.recv_multipart()
+            p = self.procs.get(ident.decode(errors="replace"))
+            try:
+                msg = codec.decode(frames[-1] if frames else b"")
+            except DecodeError:
+                continue
+            if p is None:
+                continue
+            p.last_seen = time.monotonic()
+            match msg:
+                case Ready():
+                    p.ready = True
+                    if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()):
+                        self.all_ready.set()
+                        print(f"=== job started: all {len(self.procs)} actors ready after "
+                              f"{time.monotonic() - self.started:.1f}s", flush=True)
+                        self.record_status("started")
+                case Heartbeat(status=status):
+                    p.status = status
+                case StepReport() as report:
+                    self.step = report.step
+                    self.console.write(report.step, report.metrics)
+                    self.record_status("step")
+                case Finished(detail=detail):
+                    p.finished = True
+                    print(f"=== {p.name} finished: {detail}", flush=True)
+
+    def record_status(self, event: str, **fields: object) -> None:
+        """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
+        actor's last reported status (the router's per-worker in flight, done, failed and
+        latency percentiles among them), whether it is ready and how often it restarted."""
+        line = {"event": event, "step": self.step, "time": time.time(), **fields,
+                **{p.name: {"ready": p.ready, "restarts": p.restarts, **p.status}
+                   for p in self.procs.values()}}
+        with (self.run_dir / STATUS).open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    async def watch(self) -> None:
+        """Print the status table and treat an actor silent past the timeout as dead."""
+        interval = self.topo.run.status_interval
+        last_print = time.monotonic()
+        while True:
+            await trio.sleep(1.0)
+            now = time.monotonic()
+            for p in self.procs.values():
+                silent = now - p.last_seen
+                if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
+                    print(f"!!! {p.name} silent for {silent:.0f}s: killing it", flush=True)
+                    p.process.kill()
+            if interval > 0 and now - last_print >= interval:
+                last_print = now
+                print(format_status(self.procs, self.started), flush=True)
+
+    async def signals(self) -> None:
+        """First Ctrl-C: orderly stop (final checkpoint). A second one: kill every actor now."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            async for _ in received:
+                if self.outcome is None:
+                    print("=== interrupted: stopping every actor (final checkpoint first; "
+                          "Ctrl-C again to kill)", flush=True)
+                    self.end("interrupted")
+                    continue
+                print("=== interrupted again: killing every actor", flush=True)
+                for p in self.procs.values():
+                    if p.process is not None and p.process.returncode is None:
+                        p.process.kill()
+
+    async def shutdown(self) -> None:
+        """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
+        self.stopping = True
+        live = [(p, p.process) for p in self.procs.values()
+                if p.process is not None and p.process.returncode is None]
+        for p, _ in live:
+            try:
+                self.control.send_multipart_nowait([p.name.encode(), encode(Stop(reason=self.outcome or ""))])
+            except zmq.ZMQError:
+                pass
+        for grace, action in ((STOP_GRACE_S, "terminate"), (TERM_GRACE_S, "kill"), (None, None)):
+            with trio.move_on_after(grace if grace is not None else 30):
+                for _, process in live:
+                    await process.wait()
+            live = [(p, process) for p, process in live if process.returncode is None]
+            if not live or action is None:
+                break
+            print(f"=== {', '.join(p.name for p, _ in live)} did not stop: {action}", flush=True)
+            for _, process in live:
+                getattr(process, action)()
+
+    async def run(self) -> int:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self.signals)  # stays on through shutdown
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.listen)
+                    for p in self.procs.values():
+                        await self.spawn(p)
+                        nursery.start_soon(self.supervise, p)
+                    nursery.start_soon(self.watch)
+                    await self.done.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.shutdown()
+                self.control.close()
+                if self.zap is not None:
+                    self.zap.close()
+                self.zmq.destroy(linger=0)
+                outer.cancel_scope.cancel()
+        self.record_status("stopped", outcome=self.outcome,
+                           returncodes={p.name: p.process.returncode if p.process else None
+                                        for p in self.procs.values()})
+        print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
+        if self.outcome == "finished":
+            return 0
+        if self.outcome == "interrupted":
+            print(f"    resume with: python runner.py TOPOLOGY run.dir={self.run_dir}", flush=True)
+            return 130
+        return 1
+
+
+def run_job(topology: Topology) -> int:
+    """Resolve ``topology``, take the run directory, start and supervise the job; its exit
+    status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
+    own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
+    topology, run_dir = resolve(topology)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    try:
+        # released by the kernel when this process dies, however it dies (kill -9 included)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"error: another runner is using {run_dir}", file=sys.stderr)
+        return 2
+    try:
+        _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        try:
+            topology = prepare_job_keys(topology, run_dir)
+        except ConfigError as exc:
+            print(f"error: bad topology: {exc}", file=sys.stderr)
+            return 2
+        (run_dir / LOGS).mkdir(exist_ok=True)
+        for stale in (run_dir / LOGS).glob("*.traceback"):
+            stale.unlink()
+        resolved = run_dir / TOPOLOGY  # actors read it: replace it whole, never half-written
+        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
+        os.replace(tmp, resolved)
+        print(f"=== run directory: {run_dir}", flush=True)
+        print(f"=== model: {topology.model.path}", flush=True)
+        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+        return anyio.run(Job(topology, run_dir).run, backend="trio")
+    finally:
+        if own_sockets:
+            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
+        lock.close()
+
+
+def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
+    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
+
+    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
+    """
+    try:
+        previous = Path(msgspec.json.decode((run_dir / TOPOLOGY).read_bytes())
+                        ["run"]["socket_dir"])
+    except (OSError, msgspec.DecodeError, KeyError, TypeError):
+        return
+    if (previous == current or previous.parent != Path("/tmp")
+            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
+        return
+    if all(entry.is_socket() for entry in previous.iterdir()):
+        shutil.rmtree(previous, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""Shared by the tests that run whole jobs: ``runner.py`` as a user runs it, on the tiny model,
+and readers of what a job records (``metrics.jsonl``, ``status.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
+        "run.heartbeat_interval=0.5"]
+FAST = ["run.status_interval=1", "run.heartbeat_interval=0.5"]
+ACTORS = ("replay-0", "router-0", "learner-0", "reward-0", "sampler-0")
+
+
+def command(model: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "runner.py", "topology.toml", f"model.path={model}",
+            f"run.dir={run_dir}", *TINY, *overrides]
+
+
+def start_job(model: Path, run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    with log.open("w") as out:  # a file, not a pipe: the status tables never block the runner
+        return subprocess.Popen(command(model, run_dir, *FAST, *overrides), cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The whole lines of a jsonl file a job is appending to (a line being written is left out)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]  # after the last newline: partial
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return jsonl(run_dir / "metrics.jsonl")
+
+
+def status_lines(run_dir: Path) -> list[dict]:
+    """The runner's record of the job (``status.jsonl``): one line per event."""
+    return jsonl(run_dir / "status.jsonl")
+
+
+def actor_pids(run_dir: Path) -> list[int]:
+    """Live processes started for this run (their command line names the run directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"actors.main" in cmdline and str(run_dir).encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def pids_of(run_dir: Path, kind: str) -> list[int]:
+    out = []
+    for pid in actor_pids(run_dir):
+        try:
+            if kind.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(metrics(run_dir)) < steps:
+        assert proc.poll() is None, f"job ended early with {proc.returncode}"
+        assert time.monotonic() < deadline, f"no {steps} steps within {timeout}s"
+        time.sleep(0.2)
+
+
+def balanced(row: dict) -> bool:
+    return row["replay/issued"] == row["replay/trained"] + row["replay/dropped"] + row["replay/in_flight"]
