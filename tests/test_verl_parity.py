@@ -7,8 +7,11 @@ rejection option and ``rollout_corr/`` metric of ours is run next to verl's func
 empty, one-token and multi-turn rows; log-ratios of ±25), in float64 and again in float32 for
 the kernels that compute in float32 when given float32 (all of them). A difference beyond
 1e-6 relative (``|ours - verl| <= 1e-6 * max(1, |verl|)``; 1e-5 in float32) fails, except the
-deliberate differences below. Skipped when verl 0.9.1 cannot be imported; install it with
-``pip install --no-deps verl==0.9.1`` and the ``verl-parity`` extra of pyproject.toml.
+deliberate differences below. Per-token outputs are compared on the response tokens (ours are
+0 elsewhere, verl's not always), metrics key by key for every key verl returns. Skipped when
+verl 0.9.1 cannot be imported; install it with ``pip install --no-deps verl==0.9.1`` and the
+``verl-parity`` extra of pyproject.toml. ``pytest -s`` prints how many values were compared
+and the largest difference seen.
 
 Deliberate differences (each also in the docstring of the kernel concerned):
 
@@ -21,7 +24,8 @@ Deliberate differences (each also in the docstring of the kernel concerned):
    such group is compared.
 3. SAPO honours ``loss_agg_mode``; verl always uses seq-mean-token-mean. Compared with that.
 4. An empty mask (no response token in the batch) gives NaN / 0.0 metrics and a zero loss
-   here; verl raises (masked_var, compute_is_metrics) or returns NaN. Not compared.
+   here, and whitening a single response token gives 0; verl raises (masked_var,
+   compute_is_metrics) or returns NaN. Not compared.
 5. ``rollout_is_eff_sample_size`` when every IS weight is 0 (IcePop rejecting all): 0 here,
    ZeroDivisionError in verl. Not reached by the batches below.
 6. verl's ``vanilla`` always applies the dual clip ``clip_ratio_c`` (default 3.0); ours

@@ -31,7 +31,8 @@ class Verl:
 def load_verl() -> Verl | str:
     """verl's two algorithm modules, or the reason they cannot be imported."""
     if importlib.util.find_spec("verl") is None:
-        return "verl is not installed (pip install -e '.[verl-parity]', see pyproject.toml)"
+        return ("verl is not installed (pip install --no-deps verl==0.9.1, plus the verl-parity "
+                "extra of pyproject.toml)")
     if importlib.util.find_spec("ray") is None:
         # verl/__init__.py imports verl.protocol, which imports ray (a 79 MB distributed
         # runtime) for ``ray.ObjectRef`` annotations and remote futures. Nothing the parity
