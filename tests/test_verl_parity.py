@@ -40,7 +40,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from kernels.advantages import compute_advantages
 from kernels.aggregate import AGG_MODES, aggregate
@@ -63,6 +62,7 @@ if isinstance(VERL, str):
     pytest.skip(f"verl parity not checked: {VERL}", allow_module_level=True)
 CA = VERL.core_algos
 RC = VERL.rollout_corr
+OmegaConf = pytest.importorskip("omegaconf").OmegaConf  # a verl dependency: present with verl
 
 SEEDS = (0, 1, 2)
 DTYPES = (torch.float64, torch.float32)
