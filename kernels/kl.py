@@ -12,7 +12,8 @@ from kernels.kl_control import AdaptiveKLController, FixedKLController
 
 __all__ = ["KL_KINDS", "AdaptiveKLController", "FixedKLController", "kl_estimate"]
 
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+_BASE_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_KINDS = _BASE_KINDS + tuple(f"{kind}+" for kind in _BASE_KINDS)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -26,9 +27,17 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     - ``k3`` / ``low_var_kl``: ``exp(-d) + d - 1`` (unbiased, never negative). ``-d`` is clamped
       to ±20 before the exponential and the result to ±10, as in verl, so one wild token cannot
       blow up the loss.
+    - ``{kind}+`` (verl's straight-through variants, e.g. ``k3+``): the value of ``kind`` with
+      the gradient of ``k2``. k1 and k3 estimate the KL without bias, but their gradients do
+      not estimate the KL's gradient; k2's does (for samples from pi).
 
-    Returns ``(B, T)``; masking and aggregation are the caller's.
+    Returns ``(B, T)``; masking and aggregation are the caller's. Checked against verl 0.9.1's
+    ``kl_penalty`` (value and gradient) by ``tests/test_verl_parity.py``.
     """
+    if kind.endswith("+") and kind in KL_KINDS:
+        forward = kl_estimate(logprobs, ref_logprobs, kind[:-1])
+        backward = 0.5 * (logprobs - ref_logprobs).square()
+        return backward - backward.detach() + forward.detach()
     d = logprobs - ref_logprobs  # (B, T)
     if kind in ("k1", "kl"):
         return d

@@ -11,11 +11,19 @@ from kernels.aggregate import AGG_MODES, aggregate
 from kernels.policy_losses import (
     DEFAULT_AGG_MODES,
     POLICY_LOSSES,
+    bypass_mode_loss,
     cispo_loss,
+    clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    dro_loss,
+    geo_mean_loss,
     gspo_loss,
+    kl_cov_loss,
     policy_loss,
     ppo_clip_loss,
     reinforce_loss,
+    sapo_loss,
 )
 from kernels.ratios import LOG_RATIO_BOUND
 from kernels.value_loss import value_loss
@@ -26,10 +34,18 @@ __all__ = [
     "LOG_RATIO_BOUND",
     "POLICY_LOSSES",
     "aggregate",
+    "bypass_mode_loss",
     "cispo_loss",
+    "clip_cov_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "dro_loss",
+    "geo_mean_loss",
     "gspo_loss",
+    "kl_cov_loss",
     "policy_loss",
     "ppo_clip_loss",
     "reinforce_loss",
+    "sapo_loss",
     "value_loss",
 ]

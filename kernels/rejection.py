@@ -5,16 +5,18 @@ pi_old disagree, rejection removes the token (or its whole sequence) from the lo
 its mask to 0. Every statistic is a function of the per-token log-ratio
 ``log rho = clamp(lp_old - lp_behav, ±20)`` over the response tokens:
 
-- ``ratio``: ``rho_t`` at token level; the sequence ratio ``exp(sum_t log rho_t)`` at
-  sequence level.
-- ``geo_mean`` (sequence level only): the geometric mean ``exp(mean_t log rho_t)``, which does
-  not drift with length as the product does.
 - ``k1 = -log rho``, ``k2 = (log rho)**2 / 2``, ``k3 = rho - 1 - log rho``: Schulman's
   estimators of KL(mu || pi_old) for tokens sampled from mu (verl's ``token_k*``; ``k3`` is
-  the ``rollout_corr/k3_kl`` of ``mismatch_metrics``). k1 has either sign, k2 and k3 are >= 0.
-  At sequence level each is the mean over the sequence's masked tokens (verl ``seq_mean_k*``).
+  the ``rollout_corr/k3_kl`` of ``kernels.offpolicy``). k1 has either sign, k2 and k3 are
+  >= 0. At sequence level each is reduced over the sequence's masked tokens by ``reduce``:
+  ``mean`` (verl ``seq_mean_k*``), ``sum`` (``seq_sum_k*``) or ``max`` (``seq_max_k*``).
+- ``ratio``: ``rho_t`` at token level; the sequence ratio ``exp(sum_t log rho_t)`` at
+  sequence level. ``geo_mean`` (sequence level only): the geometric mean
+  ``exp(mean_t log rho_t)``, which does not drift with length as the product does. Their
+  bounds are ratios, compared in log space.
 
-A rule keeps what lies in ``[low, high]``; a statistic that is NaN is rejected.
+A rule keeps what lies in ``[low, high]``; a statistic that is NaN is rejected. The metrics
+(``kernels.rejection_metrics``) are verl's ``rollout_corr/rollout_rs_*``.
 """
 
 from __future__ import annotations
@@ -26,23 +28,27 @@ import torch
 
 from kernels.masked import masked_mean, masked_sum
 from kernels.ratios import masked_log_ratio
+from kernels.rejection_metrics import rule_metrics
 
 RS_STATISTICS = ("ratio", "geo_mean", "k1", "k2", "k3")
 RS_LEVELS = ("token", "sequence")
+RS_REDUCTIONS = ("mean", "sum", "max")
 
 
 @dataclass(frozen=True)
 class RejectionRule:
     """Keep tokens (``level="token"``) or whole sequences (``"sequence"``) whose ``statistic``
     lies in ``[low, high]``; ``None`` leaves that side open. See the module docstring for the
-    statistics. Bounds of ``ratio`` and ``geo_mean`` are ratios (so ``low >= 0``); bounds of
-    ``k1``/``k2``/``k3`` are values of the KL statistic itself.
+    statistics and ``reduce``. Bounds of ``ratio`` and ``geo_mean`` are ratios (so
+    ``low >= 0``); bounds of ``k1``/``k2``/``k3`` are values of the KL statistic itself.
     """
 
     statistic: str
     level: str
     low: float | None = None
     high: float | None = None
+    reduce: str = "mean"
+    """Sequence level, k1/k2/k3: how token statistics become the sequence's (mean, sum, max)."""
 
     def __post_init__(self) -> None:
         if self.statistic not in RS_STATISTICS:
@@ -51,6 +57,16 @@ class RejectionRule:
             )
         if self.level not in RS_LEVELS:
             raise ValueError(f"unknown rejection level {self.level!r}; expected one of {RS_LEVELS}")
+        if self.reduce not in RS_REDUCTIONS:
+            raise ValueError(
+                f"unknown rejection reduce {self.reduce!r}; expected one of {RS_REDUCTIONS}"
+            )
+        if self.reduce != "mean" and (self.level != "sequence" or self.statistic in ("ratio",
+                                                                                   "geo_mean")):
+            raise ValueError(
+                f"reduce={self.reduce!r} applies to k1/k2/k3 at sequence level, not "
+                f"{self.statistic} at {self.level} level"
+            )
         if self.statistic == "geo_mean" and self.level != "sequence":
             raise ValueError(f"geo_mean is a sequence statistic, got level {self.level!r}")
         if self.low is None and self.high is None:
@@ -68,8 +84,14 @@ class RejectionRule:
 
     @property
     def name(self) -> str:
-        """``{statistic}_{level}``, the stem of this rule's metric names."""
-        return f"{self.statistic}_{self.level}"
+        """The stem of this rule's metric names: verl's option name for a KL rule
+        (``token_k3``, ``seq_sum_k2``, ...), else ``ratio_token``, ``ratio_sequence`` or
+        ``geo_mean_sequence``."""
+        if self.statistic in ("ratio", "geo_mean"):
+            return f"{self.statistic}_{self.level}"
+        if self.level == "token":
+            return f"token_{self.statistic}"
+        return f"seq_{self.reduce}_{self.statistic}"
 
 
 def rejection_mask(
@@ -84,16 +106,14 @@ def rejection_mask(
     or drops all tokens of its sequence). The result has ``mask``'s dtype and never adds a
     token that ``mask`` lacks. Nothing here carries a gradient.
 
-    Metrics, Python floats under verl's ``rollout_corr/`` prefix (0.0 on an empty mask):
+    Metrics are verl's, Python floats (every one 0.0 on an empty mask, where verl raises):
 
-    - ``rollout_corr/rs_masked_frac_token``: fraction of the masked tokens that were removed.
-    - ``rollout_corr/rs_masked_frac_seq``: fraction of the sequences with at least one masked
-      token that lost at least one token (for sequence rules alone: sequences dropped).
-    - per rule, ``rollout_corr/{statistic}_{level}_frac_low`` and ``..._frac_high``: the
-      fraction of masked tokens (token rules) or of sequences (sequence rules) whose statistic
-      lies below ``low`` / above ``high``.
+    - ``rollout_corr/rollout_rs_masked_fraction``: fraction of the masked tokens removed.
+    - ``rollout_corr/rollout_rs_seq_masked_fraction``: fraction of the rows that lost at least
+      one token, over every row of the batch (rows without a response token count, as 0).
+    - per rule, ``rollout_corr/rollout_rs_{rule.name}_*``: see ``rule_metrics``.
 
-    Two rules with the same statistic and level would share metric names: that is an error.
+    Two rules with the same name would share metric names: that is an error.
     """
     if old_logprobs.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
         raise ValueError(
@@ -109,28 +129,27 @@ def rejection_mask(
             raise ValueError(f"two rejection rules for {name}; merge their bounds")
     with torch.no_grad():
         valid = mask.bool()  # (B, T)
-        seqs = valid.any(-1)  # (B,) rows with at least one response token
         log_rho = masked_log_ratio(old_logprobs, behaviour_logprobs, mask)  # (B, T)
         keep = valid.clone()  # (B, T)
-        fractions = []
+        metrics: dict[str, float] = {}
         for rule in rules:
             stat, low, high = _statistic(rule, log_rho, mask)  # (B, T) or (B,)
             rule_keep = (stat >= low) & (stat <= high)
-            below, above = (stat < low).float(), (stat > high).float()
-            if rule.level == "token":
-                keep &= rule_keep
-                fractions += [masked_mean(below, mask), masked_mean(above, mask)]
-            else:
-                keep &= rule_keep[:, None]
-                fractions += [masked_mean(below, seqs), masked_mean(above, seqs)]
+            token_keep = rule_keep if rule.level == "token" else rule_keep[:, None].expand_as(valid)
+            keep &= token_keep
+            floor = 0.0 if rule.statistic in ("k2", "k3") and low == -math.inf else low
+            metrics.update(rule_metrics(rule.name, stat, token_keep, mask, low=low, high=high,
+                                        floor=floor))
         removed = valid & ~keep  # (B, T)
-        frac_token = masked_mean(removed.float(), mask)
-        frac_seq = masked_mean(removed.any(-1).float(), seqs)
-        values = torch.stack([frac_token, frac_seq, *fractions]).tolist()  # one device sync
-    keys = ["rollout_corr/rs_masked_frac_token", "rollout_corr/rs_masked_frac_seq"]
-    for name in names:
-        keys += [f"rollout_corr/{name}_frac_low", f"rollout_corr/{name}_frac_high"]
-    return keep.to(mask.dtype), dict(zip(keys, values, strict=True))
+        if valid.any():
+            metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(
+                removed.to(log_rho.dtype), mask).item()
+            metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (
+                removed.any(-1).to(log_rho.dtype).mean().item())
+        else:
+            metrics["rollout_corr/rollout_rs_masked_fraction"] = 0.0
+            metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = 0.0
+    return keep.to(mask.dtype), metrics
 
 
 def _statistic(
@@ -159,27 +178,30 @@ def _statistic(
         per_token = torch.expm1(log_rho) - log_rho
     if rule.level == "token":
         return per_token, low, high
+    if rule.reduce == "sum":
+        return masked_sum(per_token, mask, dim=-1), low, high
+    if rule.reduce == "max":
+        most = torch.where(mask.bool(), per_token, torch.full_like(per_token, -math.inf)).amax(-1)
+        return torch.where(torch.isinf(most) & (most < 0), torch.zeros_like(most), most), low, high
     return masked_mean(per_token, mask, dim=-1), low, high
 
 
 def parse_rs_preset(options: str, thresholds: str | float) -> list[RejectionRule]:
-    """Rules from verl's ``rollout_rs`` / ``rollout_rs_threshold`` strings.
+    """Rules from verl's ``rollout_rs`` / ``rollout_rs_threshold`` strings, as verl reads them.
 
-    ``options`` is a comma-separated list; ``thresholds`` gives one entry per option, or one
-    shared by all. Supported options and their rules:
+    ``options`` is a comma-separated list (repeats dropped, as verl does); ``thresholds`` gives
+    one entry per option, or one shared by all. Options:
 
-    - ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``: ratio bounds ``"low_high"`` on the token
-      ratio, the sequence ratio and the geometric mean respectively; a single number ``u``
-      means ``[1/u, u]``. E.g. ``seq_sum_k1`` with ``"0.5_2.0"``, ``seq_mean_k1`` with
-      ``"0.999_1.001"``.
-    - ``token_k2``, ``token_k3``, ``seq_mean_k2``, ``seq_mean_k3``: an upper bound on the KL
-      statistic (e.g. ``seq_mean_k3`` with ``0.01``).
-
-    verl applies k1 bounds to ``exp(k1) = 1/rho``; read as ratio bounds, as its documentation
-    states, they agree whenever ``low = 1/high`` (every preset above). verl's ``seq_sum_k2/k3``
-    and ``seq_max_k2/k3`` have no rule here and are rejected.
+    - ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``: the k1 statistic (``-log rho``; summed or
+      averaged over the sequence) kept in ``[log lower, log upper]`` for a threshold
+      ``"lower_upper"``; a single number ``u`` means ``lower = 1/u``. verl's documentation
+      calls these ratio bounds, but its code bounds ``exp(k1) = 1/rho``; this follows the
+      code, and the two agree whenever ``lower = 1/upper`` (every verl preset, e.g.
+      ``seq_sum_k1`` with ``"0.5_2.0"``).
+    - ``token_k2|k3``, ``seq_sum_k2|k3``, ``seq_mean_k2|k3``, ``seq_max_k2|k3``: an upper
+      bound on the KL statistic (e.g. ``seq_mean_k3`` with ``0.01``).
     """
-    names = [part.strip() for part in options.split(",") if part.strip()]
+    names = list(dict.fromkeys(part.strip() for part in options.split(",") if part.strip()))
     if not names:
         raise ValueError(f"rollout_rs options must name at least one option, got {options!r}")
     if isinstance(thresholds, str):
@@ -195,41 +217,46 @@ def parse_rs_preset(options: str, thresholds: str | float) -> list[RejectionRule
     return [_preset_rule(name, spec) for name, spec in zip(names, specs, strict=True)]
 
 
-_K1_PRESETS = {
-    "token_k1": ("ratio", "token"),
-    "seq_sum_k1": ("ratio", "sequence"),
-    "seq_mean_k1": ("geo_mean", "sequence"),
-}
-_KL_PRESETS = {
-    "token_k2": ("k2", "token"),
-    "token_k3": ("k3", "token"),
-    "seq_mean_k2": ("k2", "sequence"),
-    "seq_mean_k3": ("k3", "sequence"),
+_PRESETS = {
+    "token_k1": ("k1", "token", "mean"),
+    "token_k2": ("k2", "token", "mean"),
+    "token_k3": ("k3", "token", "mean"),
+    "seq_sum_k1": ("k1", "sequence", "sum"),
+    "seq_sum_k2": ("k2", "sequence", "sum"),
+    "seq_sum_k3": ("k3", "sequence", "sum"),
+    "seq_mean_k1": ("k1", "sequence", "mean"),
+    "seq_mean_k2": ("k2", "sequence", "mean"),
+    "seq_mean_k3": ("k3", "sequence", "mean"),
+    "seq_max_k2": ("k2", "sequence", "max"),
+    "seq_max_k3": ("k3", "sequence", "max"),
 }
 
 
 def _preset_rule(name: str, spec: str) -> RejectionRule:
-    if name in _K1_PRESETS:
+    if name not in _PRESETS:
+        raise ValueError(f"unsupported rollout_rs option {name!r}; expected one of "
+                         f"{sorted(_PRESETS)}")
+    statistic, level, reduce = _PRESETS[name]
+    if statistic == "k1":
         low_text, sep, high_text = spec.partition("_")
         try:
             high = float(high_text if sep else low_text)
-            low = float(low_text) if sep else None
-        except ValueError:
+            low = float(low_text) if sep else 1.0 / high
+        except (ValueError, ZeroDivisionError):
             raise ValueError(
-                f"bad threshold {spec!r} for {name}; expected 'low_high' or a number"
+                f"bad threshold {spec!r} for {name}; expected 'low_high' or a number > 0"
             ) from None
-        if not high > 0 or (low is not None and not low > 0):
+        if not (high > 0 and low > 0):
             raise ValueError(f"thresholds of {name} must be > 0, got {spec!r}")
-        statistic, level = _K1_PRESETS[name]
-        return RejectionRule(statistic, level, 1.0 / high if low is None else low, high)
-    if name in _KL_PRESETS:
-        try:
-            high = float(spec)
-        except ValueError:
-            raise ValueError(f"bad threshold {spec!r} for {name}; expected one number") from None
-        if not high > 0:
-            raise ValueError(f"threshold of {name} must be > 0, got {spec!r}")
-        statistic, level = _KL_PRESETS[name]
-        return RejectionRule(statistic, level, None, high)
-    supported = sorted([*_K1_PRESETS, *_KL_PRESETS])
-    raise ValueError(f"unsupported rollout_rs option {name!r}; expected one of {supported}")
+        if low > high:
+            raise ValueError(f"thresholds of {name} must have lower <= upper, got {spec!r}")
+        return RejectionRule(statistic, level, math.log(low), math.log(high), reduce)
+    if "_" in spec:
+        raise ValueError(f"threshold of {name} is a single upper bound, got {spec!r}")
+    try:
+        high = float(spec)
+    except ValueError:
+        raise ValueError(f"bad threshold {spec!r} for {name}; expected one number") from None
+    if not high > 0:
+        raise ValueError(f"threshold of {name} must be > 0, got {spec!r}")
+    return RejectionRule(statistic, level, None, high, reduce)

@@ -6,6 +6,7 @@ import torch
 
 from kernels.aggregate import aggregate
 from kernels.masked import masked_mean
+from kernels.precision import at_least_float32
 
 
 def value_loss(
@@ -41,7 +42,9 @@ def value_loss(
     v = torch.where(keep, values, torch.zeros_like(values))  # (B, T), no gradient to padding
     old = torch.where(keep, old_values.detach(), torch.zeros_like(v))  # (B, T)
     target = torch.where(keep, returns.detach(), torch.zeros_like(v))  # (B, T)
-    v_clipped = old + (v - old).clamp(-cliprange_value, cliprange_value)  # (B, T)
+    # clamp(v, old ± c) rather than old + clamp(v - old, ±c): the latter is not bit-equal to v
+    # when nothing is clipped, and vf_clipfrac would count such tokens (verl clamps v).
+    v_clipped = torch.maximum(torch.minimum(v, old + cliprange_value), old - cliprange_value)
     loss_unclipped = (v - target).square()  # (B, T)
     loss_clipped = (v_clipped - target).square()  # (B, T)
     per_token = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
@@ -55,8 +58,9 @@ def value_loss(
     )
     with torch.no_grad():
         metrics = {
-            "critic/vf_loss": 0.5 * masked_mean(per_token.float(), mask),
-            "critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-            "critic/vpred_mean": masked_mean(v.float(), mask),
+            "critic/vf_loss": 0.5 * masked_mean(at_least_float32(per_token), mask),
+            "critic/vf_clipfrac": masked_mean(at_least_float32(loss_clipped > loss_unclipped),
+                                              mask),
+            "critic/vpred_mean": masked_mean(at_least_float32(v), mask),
         }
     return loss, metrics

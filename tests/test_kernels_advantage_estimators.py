@@ -41,6 +41,9 @@ def test_every_estimator_zero_outside_mask_and_finite(name):
     rewards = _outcome()
     values = torch.randn(MASK.shape, generator=torch.Generator().manual_seed(0))
     values[~MASK.bool()] = math.nan  # garbage in padding must not leak
+    old_logprobs = -torch.rand(MASK.shape, generator=torch.Generator().manual_seed(1))
+    old_logprobs[~MASK.bool()] = math.nan
+    sum_pi_squared = old_logprobs.exp().square() + 0.01
     adv, ret = compute_advantages(
         name,
         rewards,
@@ -50,6 +53,8 @@ def test_every_estimator_zero_outside_mask_and_finite(name):
         gamma=0.9,
         lam=0.8,
         reward_baselines=torch.tensor([0.5, 0.5, 1.0, 1.0]),
+        old_logprobs=old_logprobs,
+        sum_pi_squared=sum_pi_squared,
     )
     for t in (adv, ret):
         assert t.dtype == torch.float32 and t.shape == MASK.shape and not t.requires_grad
@@ -229,3 +234,94 @@ def test_bad_inputs():
         compute_advantages("gae", rewards, MASK, group_size=2, lam=-0.1, values=rewards)
     with pytest.raises(ValueError, match=r"values shape \(4, 4\)"):
         compute_advantages("gae", rewards, MASK, group_size=2, values=rewards[:, :4])
+
+
+def test_constant_groups_get_exact_zeros_in_float32():
+    # six rewards of 0.3: float32 r - mean is ~3e-8, and GRPO divided it by a std of ~3e-8
+    mask = torch.ones(12, 2)
+    scores = [0.3] * 6 + [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    for name in ("grpo", "dr_grpo", "rloo", "opo", "gpg"):
+        adv, _ = compute_advantages(name, _outcome(scores, mask), mask, group_size=6)
+        assert torch.all(adv[:6] == 0), name
+        assert torch.all(adv[6:] != 0), name
+
+
+def test_float64_rewards_stay_float64():
+    adv, ret = compute_advantages("grpo", _outcome().double(), MASK, group_size=2)
+    assert adv.dtype == ret.dtype == torch.float64
+
+
+def test_gpg_scales_centred_rewards_by_the_share_of_rewarded_samples():
+    scores = [1.0, 0.0, 0.0, 0.0, 2.0, 0.0]  # 2 of 6 samples rewarded: alpha = 3
+    mask = torch.ones(6, 2)
+    adv, _ = compute_advantages("gpg", _outcome(scores, mask), mask, group_size=3)
+    expected = [3 * (1 - 1 / 3), 3 * (-1 / 3), 3 * (-1 / 3), 3 * (-2 / 3), 3 * (4 / 3), -2.0]
+    assert _per_sequence(adv, mask) == pytest.approx(expected)
+    halved, _ = compute_advantages("gpg", _outcome(scores, mask), mask, group_size=3, f_norm=2.0)
+    assert _per_sequence(halved, mask) == pytest.approx([e / 2 for e in expected])
+    single, _ = compute_advantages("gpg", _outcome(scores, mask), mask, group_size=1)
+    assert _per_sequence(single, mask) == pytest.approx([3 * s for s in scores])
+
+
+def test_gdpo_normalises_each_component_then_whitens_the_weighted_sum():
+    mask = torch.ones(4, 2)
+    fmt = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    acc = torch.tensor([0.0, 10.0, 5.0, 3.0])
+    adv, ret = compute_advantages("gdpo", _outcome([0.0] * 4, mask), mask, group_size=2,
+                                  reward_components=torch.stack([fmt, acc]),
+                                  reward_weights=[1.0, 0.5])
+    grpo = compute_advantages("grpo", _outcome(fmt.tolist(), mask), mask, group_size=2)[0]
+    grpo_acc = compute_advantages("grpo", _outcome(acc.tolist(), mask), mask, group_size=2)[0]
+    torch.testing.assert_close(adv, masked_whiten(grpo + 0.5 * grpo_acc, mask))
+    assert torch.equal(adv, ret)
+    # without components: GRPO of the total reward, whitened
+    plain, _ = compute_advantages("gdpo", _outcome(), MASK, group_size=2)
+    grpo_total, _ = compute_advantages("grpo", _outcome(), MASK, group_size=2)
+    torch.testing.assert_close(plain[MASK.bool()], masked_whiten(grpo_total, MASK)[MASK.bool()])
+    with pytest.raises(ValueError, match="2 reward components but 1 weights"):
+        compute_advantages("gdpo", _outcome([0.0] * 4, mask), mask, group_size=2,
+                           reward_components=torch.stack([fmt, acc]), reward_weights=[1.0])
+
+
+def _otb_inputs():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]])
+    rewards = torch.zeros(4, 4)  # each score on the row's last response token
+    rewards[0, 2], rewards[2, 3], rewards[3, 3] = 1.0, 2.0, 1.0
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]] * 4))
+    spsq = torch.full((4, 4), 0.5)  # w_t = 1 - 2 * 0.5 + 0.5 = 0.5 on every token
+    return rewards, mask, old, spsq
+
+
+def test_optimal_token_baseline_hand_case():
+    rewards, mask, old, spsq = _otb_inputs()
+    adv, ret = compute_advantages("optimal_token_baseline", rewards, mask, group_size=2,
+                                  old_logprobs=old, sum_pi_squared=spsq, handle_zero_tail=False)
+    # group 1 (rows 0, 1): returns 1 / 0 on every token; W = 0.5 * (t + 1) on both rows
+    # at t = 0, 1 the baseline is (1 * W + 0 * W) / (2 W + 1e-8) = 0.5; at t = 2 only row 0
+    # has a token, baseline 1 * W / W = 1
+    torch.testing.assert_close(adv[0], torch.tensor([0.5, 0.5, 0.0, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(adv[1], torch.tensor([-0.5, -0.5, 0.0, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret[0], torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    # zero tail: row 0 is the only longest of its group (3 > 2): baseline 0 from column 2 on
+    tail, _ = compute_advantages("optimal_token_baseline", rewards, mask, group_size=2,
+                                 old_logprobs=old, sum_pi_squared=spsq)
+    assert tail[0, 2].item() == pytest.approx(1.0)
+    single, _ = compute_advantages("optimal_token_baseline", rewards, mask, group_size=1,
+                                   old_logprobs=old, sum_pi_squared=spsq)
+    assert torch.equal(single, ret)  # a group of one has no baseline
+    with pytest.raises(ValueError, match="old_logprobs"):
+        compute_advantages("optimal_token_baseline", rewards, mask, group_size=2)
+
+
+def test_tir_optimal_token_baseline_aligns_the_kth_response_token():
+    rewards, mask, old, spsq = _otb_inputs()
+    adv, _ = compute_advantages("tir_optimal_token_baseline", rewards, mask, group_size=2,
+                                old_logprobs=old, sum_pi_squared=spsq, handle_zero_tail=False)
+    # group 2: row 2 has a tool token at column 1, so its 2nd response token (column 2) is
+    # compared with row 3's 2nd (column 1); returns 2 and 1, W equal: baseline 1.5 everywhere
+    # both rows have a k-th token, row 3's 4th token alone: baseline 1
+    torch.testing.assert_close(adv[2], torch.tensor([0.5, 0.0, 0.5, 0.5]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(adv[3], torch.tensor([-0.5, -0.5, -0.5, 0.0]), atol=1e-6, rtol=0)
+    column, _ = compute_advantages("optimal_token_baseline", rewards, mask, group_size=2,
+                                   old_logprobs=old, sum_pi_squared=spsq, handle_zero_tail=False)
+    assert column[3, 1].item() == pytest.approx(0.0, abs=1e-6)  # alone at column 1: baseline 1

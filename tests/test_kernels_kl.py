@@ -35,3 +35,13 @@ def test_k3_clamps():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="'k4'"):
         kl_estimate(LP, REF, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "abs", "k3", "low_var_kl", "k2", "kl", "mse"])
+def test_straight_through_variants_take_k2_gradient(kind):
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    value = kl_estimate(lp, ref, kind + "+")
+    torch.testing.assert_close(value, kl_estimate(lp, ref, kind))
+    value.sum().backward()
+    torch.testing.assert_close(lp.grad, (lp - ref).detach())  # d/dlp of (lp - ref)^2 / 2

@@ -13,6 +13,13 @@ from kernels.losses import (
 )
 
 METRIC_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+OPTIONS = {"dro": {"dro_beta": 0.1}}  # options without a default
+# Losses that take no importance weights (bypass_mode computes its own).
+UNWEIGHTED = {"bypass_mode"}
+# Losses whose token selection is made per call (as in verl, per micro-batch), so micro-batch
+# losses do not add up to the batch's: clip_cov drops a random budget of tokens, kl_cov
+# penalises the top share of tokens by covariance.
+PER_CALL_SELECTION = {"clip_cov", "kl_cov"}
 
 
 def _case(seed=0, b=3, t=5):
@@ -28,13 +35,16 @@ def _call(name, lp, old, adv, mask, **kw):
     kw.setdefault("clip_low", 0.2)
     kw.setdefault("clip_high", 0.2)
     kw.setdefault("loss_agg_mode", "token-mean")
-    return policy_loss(name, lp, old, adv, mask, **kw)
+    return policy_loss(name, lp, old, adv, mask, **OPTIONS.get(name, {}), **kw)
 
 
 def test_registry_and_default_modes():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "reinforce", "gpg", "cispo"}
+    assert set(POLICY_LOSSES) == {
+        "vanilla", "gspo", "reinforce", "gpg", "cispo", "sapo", "geo_mean", "clip_cov",
+        "kl_cov", "dppo_tv", "dppo_kl", "dro", "bypass_mode",
+    }
     assert set(DEFAULT_AGG_MODES) == set(POLICY_LOSSES)
-    assert DEFAULT_AGG_MODES["gspo"] == "seq-mean-token-mean"
+    assert DEFAULT_AGG_MODES["gspo"] == DEFAULT_AGG_MODES["sapo"] == "seq-mean-token-mean"
     assert POLICY_LOSSES["gpg"] is POLICY_LOSSES["reinforce"]
 
 
@@ -50,9 +60,14 @@ def test_vanilla_is_ppo_clip_loss():
 def test_same_metric_keys_detached_scalars(name):
     lp, old, adv, mask = _case()
     _, metrics = _call(name, lp, old, adv, mask)
-    assert set(metrics) == METRIC_KEYS
-    assert all(not v.requires_grad and v.dim() == 0 for v in metrics.values())
-    kl = ((old - lp.detach())[mask.bool()]).mean().item()
+    if name == "bypass_mode":  # plus the rollout_corr/ family, as Python floats
+        assert {k for k in metrics if not k.startswith("rollout_corr/")} == METRIC_KEYS
+    else:
+        assert set(metrics) == METRIC_KEYS
+    assert all(not v.requires_grad and v.dim() == 0 for k, v in metrics.items()
+               if k.startswith("actor/"))
+    diff = (old - lp.detach())[mask.bool()]
+    kl = (diff.abs() if name == "kl_cov" else diff).mean().item()  # kl_cov reports |kl| (verl)
     assert metrics["actor/ppo_kl"].item() == pytest.approx(kl, abs=1e-6)
 
 
@@ -149,7 +164,7 @@ def test_masked_tokens_carry_no_gradient_and_garbage_does_not_leak(name):
     old[mask == 0] = math.nan
     adv = adv.clone()
     adv[mask == 0] = math.inf
-    weights = torch.rand(mask.shape)
+    weights = None if name in UNWEIGHTED else torch.rand(mask.shape)
     loss, metrics = _call(
         name, lp_in, old, adv, mask, weights=weights, dual_clip=3.0 if name == "vanilla" else None
     )
@@ -157,10 +172,10 @@ def test_masked_tokens_carry_no_gradient_and_garbage_does_not_leak(name):
     assert torch.isfinite(loss)
     assert torch.all(lp_in.grad[mask == 0] == 0)
     assert torch.all(lp_in.grad[mask == 1] != 0)
-    assert all(torch.isfinite(v) for v in metrics.values())
+    assert all(math.isfinite(float(v)) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - UNWEIGHTED))
 def test_weights_are_detached_and_scale_the_loss(name):
     lp, old, adv, mask = _case(seed=4)
     weights = torch.full(mask.shape, 2.0, requires_grad=True)
@@ -171,7 +186,7 @@ def test_weights_are_detached_and_scale_the_loss(name):
     assert weights.grad is None
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - PER_CALL_SELECTION))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_add_up_to_the_batch(name, mode):
     lp, old, adv, mask = _case(seed=5)
@@ -240,3 +255,113 @@ def test_value_loss_aggregation_and_errors():
         value_loss(values, values, zeros, mask, cliprange_value=0)
     with pytest.raises(ValueError, match=r"returns shape \(2,\)"):
         value_loss(values, values, zeros[0], mask)
+
+
+# losses from verl 0.9.1 added in issue 13 (tests/test_verl_parity.py compares them with verl) --
+
+
+def test_sapo_gate_is_ppo_at_ratio_one_and_fades_away_from_it():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, m = _call("sapo", lp, lp.detach(), adv, torch.ones(1, 2))
+    # gate(1) = sigmoid(0) * 4 / tau = 2 / tau; tau = 1 for A > 0, 1.05 for A < 0
+    assert loss.item() == pytest.approx((-2.0 + 2.0 / 1.05) / 2, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv / 2)  # slope 1 at r = 1: PPO's gradient
+    far = torch.full((1, 2), 3.0, requires_grad=True)  # ratio e^3
+    _call("sapo", far, torch.zeros(1, 2), adv, torch.ones(1, 2))[0].backward()
+    assert far.grad.abs().max() < 0.1
+    with pytest.raises(ValueError, match="tau_pos > 0"):
+        _call("sapo", lp, lp.detach(), adv, torch.ones(1, 2), tau_pos=0.0)
+
+
+def test_geo_mean_clips_one_side_by_the_advantage_sign():
+    old = torch.zeros(2, 2)
+    lp = torch.tensor([[0.1, 0.5], [-0.5, 0.1]], requires_grad=True)
+    adv = torch.tensor([[2.0], [-1.0]]).expand(2, 2)
+    loss, m = _call("geo_mean", lp, old, adv, torch.ones(2, 2), clip_low=0.4, clip_high=0.4)
+    # row 0 (A > 0): [0.1, min(0.5, 0.4)] -> exp(0.25); row 1 (A < 0): [max(-0.5, -0.4), 0.1]
+    expected = (-2.0 * math.exp(0.25) + math.exp(-0.15)) / 2
+    assert loss.item() == pytest.approx(expected)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(1 / 4)
+    assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(1 / 4)
+    loss.backward()
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[1, 0].item() == 0.0  # clipped tokens
+
+
+def test_dro_gradient_pulls_back_towards_old():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]])
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, _ = policy_loss("dro", lp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
+                          loss_agg_mode="token-mean", dro_beta=0.4)
+    loss.backward()
+    # d/dlp -(A lp - beta/2 (lp - old)^2) = -A + beta (lp - old), halved by token-mean
+    torch.testing.assert_close(lp.grad, torch.tensor([[(-1 + 0.4 * 0.5) / 2, -0.5]]))
+    with pytest.raises(ValueError, match="dro_beta > 0"):
+        policy_loss("dro", lp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
+                    loss_agg_mode="token-mean")
+
+
+def test_dppo_drops_tokens_whose_probability_moved_too_far():
+    old = torch.log(torch.tensor([[0.2, 0.2, 0.9]]))
+    lp = torch.log(torch.tensor([[0.3, 0.6, 0.5]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, m = _call("dppo_tv", lp, old, adv, torch.ones(1, 3), clip_low=0.2, clip_high=0.2)
+    # p - p_old: +0.1 (kept), +0.4 (> 0.2 with A > 0: dropped), -0.4 (< -0.2 with A < 0: dropped)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(2 / 3)
+    loss.backward()
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 2].item() == 0.0
+    assert lp.grad[0, 0].item() == pytest.approx(-1.5 / 3)  # -A * sg(r) / 3, r = 1.5
+
+
+def test_clip_cov_drops_a_budget_of_high_covariance_tokens():
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(8, 16, generator=gen)
+    adv = 4 * torch.randn(8, 16, generator=gen)
+    mask = torch.ones(8, 16)
+    kw = dict(clip_cov_ratio=0.02, clip_cov_lb=0.1, clip_cov_ub=10.0)
+    a, m = _call("clip_cov", lp, lp, adv, mask, generator=torch.Generator().manual_seed(1), **kw)
+    b, _ = _call("clip_cov", lp, lp, adv, mask, generator=torch.Generator().manual_seed(1), **kw)
+    assert a.item() == b.item()
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(2 / 128)  # int(0.02 * 128) = 2
+    plain, _ = _call("vanilla", lp, lp, adv, mask)
+    assert a.item() != plain.item()
+
+
+def test_kl_cov_penalises_the_largest_covariance_tokens():
+    lp = torch.tensor([[-1.0, -2.0, -3.0, -4.0]], requires_grad=True)
+    old = lp.detach() - 0.5
+    adv = torch.tensor([[2.0, 0.0, 0.0, -2.0]])
+    # covariance (A - 0) * (lp + 2.5): 3, 0, 0, 3 -> ratio 0.5 picks two tokens: 0 and 3
+    loss, m = _call("kl_cov", lp, old, adv, torch.ones(1, 4), kl_cov_ratio=0.5, ppo_kl_coef=1.0)
+    surrogate = (-adv * math.exp(0.5)).sum().item()
+    assert loss.item() == pytest.approx((surrogate + 2 * 0.5) / 4)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    assert m["actor/ppo_kl"].item() == pytest.approx(0.5)  # |kl|, as verl reports it
+
+
+def test_bypass_mode_is_ppo_or_reinforce_on_behaviour_logprobs():
+    lp, behav, adv, mask = _case(seed=6)
+    got, m = _call("bypass_mode", lp, behav, adv, mask, dual_clip=3.0)
+    want, _ = ppo_clip_loss(lp, behav, adv, mask, dual_clip=3.0)
+    assert got.item() == want.item()
+    assert "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
+    got, m = _call("bypass_mode", lp, behav, adv, mask, loss_type="reinforce", rollout_is="token",
+                   rollout_is_threshold=1.01)
+    w = torch.exp(lp.detach() - behav).clamp(max=1.01) * mask
+    want, _ = policy_loss("reinforce", lp, behav, adv, mask, clip_low=0.2, clip_high=0.2,
+                          weights=w, loss_agg_mode="token-mean")
+    assert got.item() == pytest.approx(want.item())
+    assert m["rollout_corr/rollout_is_max"] <= 1.01
+    with pytest.raises(ValueError, match="weights=None"):
+        _call("bypass_mode", lp, behav, adv, mask, weights=torch.ones(mask.shape))
+    with pytest.raises(ValueError, match="'ppo'"):
+        _call("bypass_mode", lp, behav, adv, mask, loss_type="ppo")
+
+
+def test_token_sum_has_no_normaliser():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate(loss, mask, "token-sum").item() == 7.0
+    assert aggregate(loss, mask, "token-sum", token_count=100).item() == 7.0

@@ -2,12 +2,14 @@
 
 One module per estimator family; ``ADVANTAGE_ESTIMATORS`` maps each verl name to a function
 ``(token_level_rewards (N, T), response_mask (N, T), AdvantageParams) -> (advantages,
-returns)``. Group-scalar estimators (grpo, dr_grpo, rloo, opo, grpo_passk,
+returns)``. Group-scalar estimators (grpo, dr_grpo, rloo, opo, grpo_passk, gpg, gdpo,
 reinforce_plus_plus_baseline) score each sequence by its total reward over its response tokens
-and broadcast one advantage over those tokens; reinforce_plus_plus, remax and gae work per
-token. The whitening of reinforce_plus_plus(_baseline) and gae is verl's ``masked_whiten``
-(``kernels.masked``): mean and Bessel-corrected variance pooled over all response tokens of
-the batch, ``(x - mean) / sqrt(var + 1e-8)``.
+and broadcast one advantage over those tokens; reinforce_plus_plus, remax, gae and the optimal
+token baselines work per token. The whitening of reinforce_plus_plus(_baseline), gdpo and gae
+is verl's ``masked_whiten`` (``kernels.masked``): mean and Bessel-corrected variance pooled
+over all response tokens of the batch, ``(x - mean) / sqrt(var + 1e-8)``.
+
+Every estimator is checked against verl 0.9.1 by ``tests/test_verl_parity.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import torch
 
 from kernels.advantages._common import AdvantageParams
 from kernels.advantages.gae import gae
+from kernels.advantages.gdpo import gdpo
+from kernels.advantages.gpg import gpg
 from kernels.advantages.grpo import dr_grpo, grpo, grpo_advantages
 from kernels.advantages.opo import opo
+from kernels.advantages.optimal_token_baseline import (
+    optimal_token_baseline,
+    tir_optimal_token_baseline,
+)
 from kernels.advantages.passk import grpo_passk
 from kernels.advantages.reinforce_plus_plus import (
     reinforce_plus_plus,
@@ -44,6 +52,10 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "gae": gae,
     "opo": opo,
     "grpo_passk": grpo_passk,
+    "gpg": gpg,
+    "optimal_token_baseline": optimal_token_baseline,
+    "tir_optimal_token_baseline": tir_optimal_token_baseline,
+    "gdpo": gdpo,
 }
 
 
@@ -58,16 +70,33 @@ def compute_advantages(
     lam: float = 1.0,
     reward_baselines: torch.Tensor | None = None,
     norm_adv_by_std: bool = True,
-    eps: float = 1e-6,
+    eps: float | None = None,
+    f_norm: float = 1.0,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: tuple[float, ...] | list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns, float32 ``(N, T)`` and 0 outside ``response_mask``, no gradient.
+    """Advantages and returns ``(N, T)``, 0 outside ``response_mask``, no gradient; float32
+    (float64 when the rewards are float64).
 
     ``token_level_rewards (N, T)`` holds the scalar reward on each sequence's last response
     token (and any per-token terms, e.g. ``-beta * kl``); ``response_mask (N, T)`` is 1 on the
     tokens the model generated. Rows come group by group, ``group_size`` consecutive rows per
-    prompt. ``values (N, T)`` are needed by ``gae``, ``reward_baselines (N,)`` by ``remax``;
-    ``gamma`` discounts reinforce_plus_plus, remax and gae, ``lam`` is GAE's lambda;
-    ``norm_adv_by_std`` applies to grpo and grpo_passk; ``eps`` is added to group stds.
+    prompt. Per estimator:
+
+    - ``gae`` needs ``values (N, T)``; ``remax`` needs ``reward_baselines (N,)``.
+    - ``gamma`` discounts reinforce_plus_plus, remax and gae; ``lam`` is GAE's lambda.
+    - ``norm_adv_by_std`` applies to grpo, grpo_passk and gdpo; ``eps`` is added to their
+      group stds (default 1e-6) or to the optimal token baselines' denominator (default 1e-8).
+    - ``gpg`` divides by ``f_norm`` (verl default 1.0).
+    - ``optimal_token_baseline`` / ``tir_optimal_token_baseline`` need ``old_logprobs`` and
+      ``sum_pi_squared`` ``(N, T)`` (the sum over the vocabulary of pi_old**2 at each token),
+      optionally ``is_weights (N, T)`` (rollout IS weights) and ``handle_zero_tail``.
+    - ``gdpo`` takes ``reward_components (K, N)`` and ``reward_weights`` (K floats); without
+      them it uses the one total reward.
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     if fn is None:
@@ -89,8 +118,10 @@ def compute_advantages(
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must be in [0, 1], got {lam}")
-    if not eps >= 0.0:
+    if eps is not None and not eps >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if not f_norm > 0.0:
+        raise ValueError(f"f_norm must be > 0, got {f_norm}")
     params = AdvantageParams(
         group_size=group_size,
         values=values,
@@ -99,6 +130,13 @@ def compute_advantages(
         reward_baselines=reward_baselines,
         norm_adv_by_std=norm_adv_by_std,
         eps=eps,
+        f_norm=f_norm,
+        old_logprobs=None if old_logprobs is None else old_logprobs.detach(),
+        sum_pi_squared=None if sum_pi_squared is None else sum_pi_squared.detach(),
+        is_weights=None if is_weights is None else is_weights.detach(),
+        handle_zero_tail=handle_zero_tail,
+        reward_components=reward_components,
+        reward_weights=None if reward_weights is None else tuple(reward_weights),
     )
     with torch.no_grad():
         return fn(token_level_rewards.detach(), response_mask, params)

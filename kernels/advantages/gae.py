@@ -7,6 +7,7 @@ import torch
 from kernels.advantages._common import AdvantageParams, on_mask
 from kernels.advantages.returns import discounted_cumsum, next_masked
 from kernels.masked import masked_whiten
+from kernels.precision import at_least_float32
 
 
 def gae(
@@ -27,8 +28,8 @@ def gae(
         raise ValueError(
             f"values shape {tuple(values.shape)} != response_mask shape {tuple(response_mask.shape)}"
         )
-    v = on_mask(values.detach().float(), response_mask)  # (N, T)
-    r = on_mask(token_level_rewards.float(), response_mask)  # (N, T)
+    v = on_mask(at_least_float32(values.detach()), response_mask)  # (N, T)
+    r = on_mask(at_least_float32(token_level_rewards), response_mask)  # (N, T)
     delta = r + params.gamma * next_masked(v, response_mask) - v  # (N, T)
     adv = discounted_cumsum(delta, response_mask, params.gamma * params.lam)  # (N, T)
     returns = on_mask(adv + v, response_mask)  # (N, T)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.advantages._common import AdvantageParams, sequence_scores, to_tokens
+from kernels.advantages._common import (
+    AdvantageParams,
+    constant_groups,
+    sequence_scores,
+    to_tokens,
+)
+from kernels.precision import at_least_float32
+
+GRPO_EPS = 1e-6  # verl's ``epsilon`` of compute_grpo_outcome_advantage
 
 
 def grpo_advantages(
@@ -16,15 +24,19 @@ def grpo_advantages(
     group_size: int,
     *,
     norm_by_std: bool = True,
-    eps: float = 1e-6,
+    eps: float = GRPO_EPS,
 ) -> torch.Tensor:
     """GRPO advantages ``(r - mean_g) / (std_g + eps)`` for rewards ``(G*n,)``, returned ``(G*n,)``.
 
     ``std_g`` is the unbiased standard deviation (``torch.std``), as in verl. A group of one has
     no spread to normalise by, so it gets mean 0 and std 1 (verl's convention): its advantage
-    is ``r / (1 + eps)``, i.e. the reward itself up to ``eps``. A group whose rewards are all
-    equal gets zeros. With ``norm_by_std=False`` the result is Dr.GRPO's ``r - mean_g``.
-    The result is float32.
+    is ``r / (1 + eps)``, i.e. the reward itself up to ``eps``. With ``norm_by_std=False`` the
+    result is Dr.GRPO's ``r - mean_g``. The result is float32 (float64 for float64 rewards).
+
+    A group of two or more whose rewards are all equal gets exactly 0. This is a deliberate
+    difference from verl: verl computes ``r - mean`` and ``std`` in the rewards' dtype, and for
+    a reward that float32 cannot represent (six rewards of 0.3) both are ~1e-8, so every sample
+    gets ``1e-8 / (1e-8 + 1e-6)``, about +0.029. In float64 verl's value is below 1e-10.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (G*n,), got shape {tuple(rewards.shape)}")
@@ -34,7 +46,7 @@ def grpo_advantages(
         raise ValueError(
             f"rewards has {rewards.numel()} entries, not a multiple of group_size {group_size}"
         )
-    scores = rewards.float().view(-1, group_size)  # (G, n)
+    scores = at_least_float32(rewards).view(-1, group_size)  # (G, n)
     if group_size == 1:
         mean = torch.zeros_like(scores)  # (G, 1)
         std = torch.ones_like(scores)  # (G, 1)
@@ -44,6 +56,8 @@ def grpo_advantages(
     adv = scores - mean  # (G, n)
     if norm_by_std:
         adv = adv / (std + eps)
+    if group_size > 1:
+        adv = torch.where(constant_groups(scores), torch.zeros_like(adv), adv)
     return adv.reshape(-1)  # (G*n,)
 
 
@@ -56,7 +70,8 @@ def grpo(
     """
     scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
     adv = grpo_advantages(
-        scores, params.group_size, norm_by_std=params.norm_adv_by_std, eps=params.eps
+        scores, params.group_size, norm_by_std=params.norm_adv_by_std,
+        eps=params.eps_or(GRPO_EPS),
     )  # (N,)
     adv = to_tokens(adv, response_mask)  # (N, T)
     return adv, adv

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.advantages._common import AdvantageParams, grouped, sequence_scores, to_tokens
+from kernels.advantages.grpo import GRPO_EPS
 
 
 def grpo_passk(
@@ -23,7 +24,7 @@ def grpo_passk(
     top2 = scores.topk(2, dim=-1).values  # (G, 2)
     gap = top2[:, 0] - top2[:, 1]  # (G,)
     if params.norm_adv_by_std:
-        gap = gap / (scores.std(-1) + params.eps)
+        gap = gap / (scores.std(-1) + params.eps_or(GRPO_EPS))
     best = scores.argmax(-1)  # (G,) first index of the maximum
     adv = torch.zeros_like(scores).scatter(1, best[:, None], gap[:, None])  # (G, n)
     adv = to_tokens(adv.reshape(-1), response_mask)  # (N, T)

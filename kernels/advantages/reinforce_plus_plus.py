@@ -6,6 +6,7 @@ import torch
 
 from kernels.advantages._common import (
     AdvantageParams,
+    centred,
     grouped,
     on_mask,
     sequence_scores,
@@ -13,6 +14,7 @@ from kernels.advantages._common import (
 )
 from kernels.advantages.returns import discounted_cumsum
 from kernels.masked import masked_whiten
+from kernels.precision import at_least_float32
 
 
 def reinforce_plus_plus(
@@ -25,11 +27,11 @@ def reinforce_plus_plus(
     The advantages are ``G`` whitened with verl's ``masked_whiten``: mean and unbiased variance
     pooled over every response token of the batch. Returns are ``G``.
 
-    verl resets the sum at every position outside the mask, which in a multi-turn response
-    also cuts it at tool tokens; here those tokens are skipped (see ``returns``), which is the
-    same for right-padded single-turn responses.
+    Positions outside the mask (tool tokens inside a multi-turn response, padding) are skipped:
+    the running return is carried through them unchanged and a reward placed there is
+    dropped, as verl 0.9.1 does (see ``returns``).
     """
-    returns = discounted_cumsum(token_level_rewards.float(), response_mask, params.gamma)
+    returns = discounted_cumsum(at_least_float32(token_level_rewards), response_mask, params.gamma)
     adv = on_mask(masked_whiten(returns, response_mask), response_mask)  # (N, T)
     return adv, returns
 
@@ -39,11 +41,10 @@ def reinforce_plus_plus_baseline(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl ``reinforce_plus_plus_baseline``: ``r - mean_g`` on every response token, then
     whitened over the batch's response tokens (so longer sequences weigh more in the
-    statistics). A group of one has mean 0. Returns equal the advantages (verl).
+    statistics). A group of one has mean 0; a group whose rewards are all equal is centred to
+    exactly 0 (see ``grpo_advantages``). Returns equal the advantages (verl).
     """
     scores = grouped(sequence_scores(token_level_rewards, response_mask), params.group_size)
-    if params.group_size > 1:
-        scores = scores - scores.mean(-1, keepdim=True)  # (G, n)
-    centred = to_tokens(scores.reshape(-1), response_mask)  # (N, T)
-    adv = on_mask(masked_whiten(centred, response_mask), response_mask)  # (N, T)
+    tokens = to_tokens(centred(scores).reshape(-1), response_mask)  # (N, T)
+    adv = on_mask(masked_whiten(tokens, response_mask), response_mask)  # (N, T)
     return adv, adv

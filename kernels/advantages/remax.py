@@ -6,6 +6,7 @@ import torch
 
 from kernels.advantages._common import AdvantageParams, to_tokens
 from kernels.advantages.returns import discounted_cumsum
+from kernels.precision import at_least_float32
 
 
 def remax(
@@ -26,6 +27,6 @@ def remax(
         raise ValueError(
             f"reward_baselines shape {tuple(baselines.shape)} != ({response_mask.shape[0]},)"
         )
-    returns = discounted_cumsum(token_level_rewards.float(), response_mask, params.gamma)
+    returns = discounted_cumsum(at_least_float32(token_level_rewards), response_mask, params.gamma)
     adv = returns - to_tokens(baselines, response_mask)  # (N, T), 0 outside the mask
     return adv, returns

@@ -6,6 +6,10 @@ importance ``weights``, and returns the aggregated scalar loss with detached sca
 under verl's names (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
 ``actor/ppo_kl``; the same keys for every loss). Aggregation follows ``kernels.aggregate``:
 pass the mini-batch's ``token_count`` / ``seq_count`` when accumulating micro-batches.
+
+Every loss is checked against verl 0.9.1's (value, gradient and metrics) by
+``tests/test_verl_parity.py``; options particular to one loss (``tau_pos``, ``clip_cov_ratio``,
+``dro_beta``, ...) are keyword arguments of its function, with verl's names and defaults.
 """
 
 from __future__ import annotations
@@ -16,19 +20,34 @@ from collections.abc import Callable
 import torch
 
 from kernels.policy_losses._common import check_shapes
+from kernels.policy_losses.bypass import bypass_mode_loss
 from kernels.policy_losses.cispo import cispo_loss
+from kernels.policy_losses.clip_cov import clip_cov_loss
+from kernels.policy_losses.dppo import dppo_kl_loss, dppo_tv_loss
+from kernels.policy_losses.dro import dro_loss
+from kernels.policy_losses.geo_mean import geo_mean_loss
 from kernels.policy_losses.gspo import gspo_loss
+from kernels.policy_losses.kl_cov import kl_cov_loss
 from kernels.policy_losses.reinforce import reinforce_loss
+from kernels.policy_losses.sapo import sapo_loss
 from kernels.policy_losses.vanilla import ppo_clip_loss
 
 __all__ = [
     "DEFAULT_AGG_MODES",
     "POLICY_LOSSES",
+    "bypass_mode_loss",
     "cispo_loss",
+    "clip_cov_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
+    "dro_loss",
+    "geo_mean_loss",
     "gspo_loss",
+    "kl_cov_loss",
     "policy_loss",
     "ppo_clip_loss",
     "reinforce_loss",
+    "sapo_loss",
 ]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -39,15 +58,33 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "reinforce": reinforce_loss,
     "gpg": reinforce_loss,
     "cispo": cispo_loss,
+    "sapo": sapo_loss,
+    "geo_mean": geo_mean_loss,
+    "clip_cov": clip_cov_loss,
+    "kl_cov": kl_cov_loss,
+    "dppo_tv": dppo_tv_loss,
+    "dppo_kl": dppo_kl_loss,
+    "dro": dro_loss,
+    "bypass_mode": bypass_mode_loss,
 }
 
-# The aggregation each loss is usually run with (ALGORITHMS.md); the caller still chooses.
+# The aggregation each loss is usually run with (ALGORITHMS.md, verl); the caller still
+# chooses. verl forces seq-mean-token-mean on sapo; geo_mean ignores the mode (a mean over
+# sequences).
 DEFAULT_AGG_MODES: dict[str, str] = {
     "vanilla": "token-mean",
     "gspo": "seq-mean-token-mean",
     "reinforce": "token-mean",
     "gpg": "token-mean",
     "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
+    "geo_mean": "token-mean",
+    "clip_cov": "token-mean",
+    "kl_cov": "token-mean",
+    "dppo_tv": "token-mean",
+    "dppo_kl": "token-mean",
+    "dro": "token-mean",
+    "bypass_mode": "token-mean",
 }
 
 
@@ -68,13 +105,15 @@ def policy_loss(
     norm_constant: float | None = None,
     **kw,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss ``name`` of ``POLICY_LOSSES`` (``vanilla``, ``gspo``, ``reinforce``/``gpg``,
-    ``cispo``) and its metrics.
+    """The loss ``name`` of ``POLICY_LOSSES`` and its metrics.
 
-    ``clip_low``/``clip_high`` are the caller's (GSPO's usual ranges are ~1e-4, PPO's 0.2);
-    ``reinforce`` ignores them. ``dual_clip`` applies to ``vanilla`` only, the others ignore
-    it as verl does. ``kw`` holds options particular to one loss, checked against its
-    signature; none of the current losses takes any.
+    ``clip_low``/``clip_high`` are the caller's (verl ``clip_ratio_low/high``; GSPO's usual
+    ranges are ~1e-4, PPO's 0.2, GMPO's 0.4; DPPO reads them as divergence thresholds); losses
+    without a clip ignore them. ``dual_clip`` is verl's ``clip_ratio_c``: the dual clip of
+    ``vanilla`` (and ``bypass_mode`` with ``ppo_clip``), the ratio cap of ``dppo_*``; the
+    others ignore it as verl does. ``kw`` holds options particular to one loss (``tau_pos``,
+    ``clip_cov_ratio``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``, ``loss_type``,
+    ``rollout_is``, ...), checked against its signature.
     """
     fn = POLICY_LOSSES.get(name)
     if fn is None:

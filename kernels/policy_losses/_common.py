@@ -6,6 +6,7 @@ import torch
 
 from kernels.aggregate import aggregate
 from kernels.masked import masked_mean
+from kernels.precision import at_least_float32
 
 
 def check_clip(name: str, clip_low: float, clip_high: float, *, max_low: float = 1.0) -> None:
@@ -45,21 +46,41 @@ def pg_metrics(
     mask: torch.Tensor,
     clipped: torch.Tensor | None,
     log_ratio: torch.Tensor,
+    *,
+    clipped_lower: torch.Tensor | None = None,
+    ppo_kl: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """verl's actor metrics as detached scalar tensors, each a token mean over ``mask``.
 
-    ``clipped`` is the per-token clip indicator (None: the loss never clips). ``log_ratio`` is
-    ``logprobs - old_logprobs``; ``actor/ppo_kl`` is the mean of its negation. The dual clip
-    exists only in ``vanilla``, so ``actor/pg_clipfrac_lower`` is 0 here.
+    ``clipped`` is the per-token clip indicator (None: the loss never clips), ``clipped_lower``
+    the indicator behind ``actor/pg_clipfrac_lower`` (None: 0). ``log_ratio`` is
+    ``logprobs - old_logprobs``; ``actor/ppo_kl`` is the mean of its negation unless
+    ``ppo_kl`` (a per-token tensor to average instead) is given.
     """
     with torch.no_grad():
         zero = torch.zeros((), device=per_token.device)
+
+        def frac(flags: torch.Tensor | None) -> torch.Tensor:
+            return zero if flags is None else masked_mean(at_least_float32(flags), mask)
+
+        kl = -log_ratio if ppo_kl is None else ppo_kl
         return {
-            "actor/pg_loss": masked_mean(per_token.detach().float(), mask),
-            "actor/pg_clipfrac": zero if clipped is None else masked_mean(clipped.float(), mask),
-            "actor/pg_clipfrac_lower": zero,
-            "actor/ppo_kl": masked_mean(-log_ratio.detach().float(), mask),
+            "actor/pg_loss": masked_mean(at_least_float32(per_token.detach()), mask),
+            "actor/pg_clipfrac": frac(clipped),
+            "actor/pg_clipfrac_lower": frac(clipped_lower),
+            "actor/ppo_kl": masked_mean(at_least_float32(kl.detach()), mask),
         }
+
+
+def masked_inputs(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lp, lp_old)`` with 0 outside ``mask`` (``torch.where``: garbage there gets neither a
+    value nor a gradient); ``lp_old`` detached."""
+    keep = mask.bool()
+    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))
+    old = torch.where(keep, old_logprobs.detach(), torch.zeros_like(lp))
+    return lp, old
 
 
 def weighted_loss(

@@ -38,7 +38,7 @@ def cispo_loss(
     check_clip("cispo", clip_low, clip_high)
     keep = mask.bool()  # (B, T)
     lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # (B, T)
-    log_ratio = masked_log_ratio(lp.detach(), old_logprobs.detach(), mask)  # (B, T)
+    log_ratio = masked_log_ratio(lp.detach(), old_logprobs.detach(), mask)  # (B, T), detached
     ratio = torch.exp(log_ratio)  # (B, T), detached
     low, high = 1.0 - clip_low, 1.0 + clip_high
     per_token = -ratio.clamp(low, high) * advantages * lp  # (B, T)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.masked import masked_mean
-from kernels.policy_losses._common import check_clip, pg_metrics, weighted_loss
+from kernels.policy_losses._common import check_clip, masked_inputs, pg_metrics, weighted_loss
 
 # verl clamps the combined log-ratio from above at 10 before exp (e^10 ~ 2.2e4, far past any
 # clip range); tokens above it get no gradient, as clipped tokens would not.
@@ -37,18 +37,15 @@ def gspo_loss(
     1 + clip_high))``; clipping is all-or-nothing per sequence. GSPO's ranges are tiny
     (paper: 3e-4 / 4e-4, the defaults here) because ``s_i`` is a per-token average.
 
-    ALGORITHMS.md aggregates GSPO with ``seq-mean-token-mean`` (the default here); verl forces
-    that mode, this function honours ``loss_agg_mode``. ``dual_clip`` is accepted for a
-    uniform signature and ignored, as in verl. ``weights`` (detached) multiply the per-token
+    GSPO's paper aggregates with ``seq-mean-token-mean`` (the default here); like verl 0.9.1
+    this function honours ``loss_agg_mode``. ``dual_clip`` is accepted for a uniform signature
+    and ignored, as in verl. ``weights`` (detached) multiply the per-token
     loss. Metrics as ``ppo_clip_loss``; ``actor/ppo_kl`` is the token mean of
     ``lp_old - lp``.
     """
     del dual_clip  # GSPO has no dual clip (verl ignores clip_ratio_c here too)
     check_clip("gspo", clip_low, clip_high)
-    keep = mask.bool()  # (B, T)
-    # Garbage outside the mask gets neither a value nor a gradient.
-    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # (B, T)
-    old = torch.where(keep, old_logprobs.detach(), torch.zeros_like(lp))  # (B, T)
+    lp, old = masked_inputs(logprobs, old_logprobs, mask)  # (B, T) each
     log_ratio = lp - old  # (B, T)
     seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1)  # (B,) log s_i
     log_s = (seq_log_ratio[:, None] + lp - lp.detach()).clamp(max=GSPO_LOG_RATIO_MAX)  # (B, T)

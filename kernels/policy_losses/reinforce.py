@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.policy_losses._common import pg_metrics, weighted_loss
+from kernels.policy_losses._common import masked_inputs, pg_metrics, weighted_loss
 
 
 def reinforce_loss(
@@ -32,9 +32,7 @@ def reinforce_loss(
     the scale of ``lp``); ``actor/pg_loss`` reports it as is, ``actor/pg_clipfrac`` is 0.
     """
     del clip_low, clip_high, dual_clip  # no ratio to clip
-    keep = mask.bool()  # (B, T)
-    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # (B, T)
-    old = torch.where(keep, old_logprobs.detach(), torch.zeros_like(lp))  # (B, T)
+    lp, old = masked_inputs(logprobs, old_logprobs, mask)  # (B, T) each
     per_token = -advantages * lp  # (B, T)
     loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count, seq_count,
                                   norm_constant)

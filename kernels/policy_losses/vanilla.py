@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernels.masked import masked_mean
-from kernels.policy_losses._common import weighted_loss
+from kernels.policy_losses._common import masked_inputs, weighted_loss
+from kernels.precision import at_least_float32
 from kernels.ratios import LOG_RATIO_BOUND
 
 
@@ -52,10 +53,7 @@ def ppo_clip_loss(
             f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
             f"clip_high={clip_high}"
         )
-    keep = mask.bool()  # (B, T)
-    # Garbage outside the mask (NaN padding) gets neither a value nor a gradient.
-    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))  # (B, T)
-    old = torch.where(keep, old_logprobs, torch.zeros_like(old_logprobs))  # (B, T)
+    lp, old = masked_inputs(logprobs, old_logprobs, mask)  # (B, T) each
     log_ratio = (lp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     loss_unclipped = -advantages * ratio  # (B, T)
@@ -73,9 +71,9 @@ def ppo_clip_loss(
                                     norm_constant)
     with torch.no_grad():
         metrics = {
-            "actor/pg_loss": masked_mean(per_token.float(), mask),
-            "actor/pg_clipfrac": masked_mean(clipped.float(), mask),
-            "actor/pg_clipfrac_lower": masked_mean(dual_active.float(), mask),
-            "actor/ppo_kl": masked_mean(-log_ratio.float(), mask),
+            "actor/pg_loss": masked_mean(at_least_float32(per_token), mask),
+            "actor/pg_clipfrac": masked_mean(at_least_float32(clipped), mask),
+            "actor/pg_clipfrac_lower": masked_mean(at_least_float32(dual_active), mask),
+            "actor/ppo_kl": masked_mean(-at_least_float32(log_ratio), mask),
         }
     return loss, metrics
