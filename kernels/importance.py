@@ -20,9 +20,10 @@ import torch
 
 from kernels.is_metrics import IS_METRIC_NAMES, is_weight_metrics
 from kernels.masked import masked_mean, masked_sum
-from kernels.offpolicy import METRIC_NAMES, mismatch_metrics, offpolicy_metrics
+from kernels.offpolicy import METRIC_NAMES, mismatch_metrics, offpolicy_metrics, weight_metrics
 from kernels.ratios import LOG_RATIO_BOUND, masked_log_ratio
 from kernels.rejection import RejectionRule, parse_rs_preset, rejection_mask
+from kernels.rollout_options import parse_is_threshold
 from kernels.staleness import staleness_histogram
 
 __all__ = [
@@ -39,34 +40,10 @@ __all__ = [
     "rejection_mask",
     "staleness_histogram",
     "truncated_is_weights",
+    "weight_metrics",
 ]
 
 IS_LEVELS = ("token", "sequence")
-
-
-def parse_is_threshold(spec: str | float) -> tuple[float, float | None]:
-    """verl's ``rollout_is_threshold`` as ``(upper, lower)``.
-
-    A number (or a string holding one) is a TIS cap: ``(cap, None)``. ``"lower_upper"``
-    (e.g. ``"0.5_5.0"``) is an IcePop band. Bounds must be > 0 and ``lower <= upper``.
-    """
-    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
-        raise ValueError(f"rollout_is_threshold must be a number or 'lower_upper', got {spec!r}")
-    lower = None
-    try:
-        if isinstance(spec, str) and "_" in spec:
-            lower_text, upper_text = spec.strip().split("_", 1)
-            lower, upper = float(lower_text), float(upper_text)
-        else:
-            upper = float(spec)
-    except ValueError:
-        raise ValueError(f"bad rollout_is_threshold {spec!r}; expected a number or "
-                         "'lower_upper'") from None
-    if not upper > 0 or (lower is not None and not lower > 0):
-        raise ValueError(f"rollout_is_threshold bounds must be > 0, got {spec!r}")
-    if lower is not None and lower > upper:
-        raise ValueError(f"rollout_is_threshold lower bound above upper: {spec!r}")
-    return upper, lower
 
 
 def truncated_is_weights(

@@ -26,6 +26,12 @@ Choosing a path, first match wins:
 3. ``impl="auto"``: ``"triton"`` for CUDA tensors when the ``triton`` package is installed,
    otherwise ``"chunked"``.
 
+``with_sum_pi_squared`` adds a third per-row output, ``sum_v softmax(logits / T)[v]**2`` (verl's
+``sum_pi_squared``, the input of the optimal-token-baseline estimators), computed in the same
+pass over the logits on every path (one more row reduction; in the Triton kernel an online
+accumulator beside the softmax sum). It carries no gradient: verl computes it in the no-grad
+pass that recomputes the old log-probs, which is where the learner asks for it.
+
 ``tests/test_kernels_lm_head.py`` compares every path with ``"naive"`` and reports the largest
 and mean differences; ``bench/bench_logprobs.py`` measures time and peak memory.
 """
@@ -52,17 +58,20 @@ def lm_head_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
     impl: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Log-probability of each target token under ``softmax(hidden @ weight.T / temperature)``.
 
     ``hidden`` is ``(N, H)`` (flatten ``(B, T, H)`` first), ``weight`` the LM head ``(V, H)`` in
     the same float dtype and on the same device (no bias: the default model's tied head has
     none), ``targets`` the ``(N,)`` long token ids, each in ``[0, V)`` (padding positions still
-    need a valid id; mask them out afterwards). Returns ``logprobs`` ``(N,)`` float32, or
-    ``(logprobs, entropy)`` when ``with_entropy``. Both outputs carry gradients to ``hidden``
-    and ``weight`` on every path; an entropy that no loss uses costs nothing in the backward
-    pass (``.detach()`` it to be explicit). ``chunk_size`` rows are processed at a time on the
+    need a valid id; mask them out afterwards). Returns ``logprobs`` ``(N,)`` float32 alone, or
+    a tuple of it followed by ``entropy`` (when ``with_entropy``) and ``sum_pi_squared`` (when
+    ``with_sum_pi_squared``; ``sum_v p(v)**2`` per row), each ``(N,)`` float32. ``logprobs``
+    and ``entropy`` carry gradients to ``hidden`` and ``weight`` on every path; an entropy that
+    no loss uses costs nothing in the backward pass (``.detach()`` it to be explicit).
+    ``sum_pi_squared`` is detached on every path. ``chunk_size`` rows are processed at a time on the
     chunked path and in the Triton backward pass; the naive path ignores it. ``impl`` picks the
     path; see the module docstring for how it combines with ``FLOWRL_LOGPROB_IMPL``.
     """
@@ -72,14 +81,17 @@ def lm_head_logprobs(
         logits = (hidden @ weight.T).float() / temperature  # (N, V)
         logp = torch.log_softmax(logits, dim=-1)  # (N, V)
         logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N,)
-        if not with_entropy:
-            return logprobs
-        return logprobs, -(logp.exp() * logp).sum(-1)
-    backend = _triton_backend() if path == "triton" else _CHUNKED
-    logprobs, entropy = _LMHeadLogprobs.apply(
-        hidden, weight, targets, float(temperature), int(chunk_size), with_entropy, backend
-    )
-    return (logprobs, entropy) if with_entropy else logprobs
+        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None  # (N,)
+        sum_pi_squared = logp.detach().exp().square().sum(-1) if with_sum_pi_squared else None
+    else:
+        backend = _triton_backend() if path == "triton" else _CHUNKED
+        logprobs, entropy, sum_pi_squared = _LMHeadLogprobs.apply(
+            hidden, weight, targets, float(temperature), int(chunk_size), with_entropy,
+            with_sum_pi_squared, backend
+        )
+    extras = [t for t, wanted in ((entropy, with_entropy), (sum_pi_squared, with_sum_pi_squared))
+              if wanted]
+    return (logprobs, *extras) if extras else logprobs
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -146,12 +158,15 @@ class _ChunkedBackend:
     """Plain torch per chunk: the same two entry points as ``kernels.triton_logprobs``."""
 
     @staticmethod
-    def lm_head_rows(hidden, weight, targets, temperature, with_entropy, chunk_size):
+    def lm_head_rows(hidden, weight, targets, temperature, with_entropy, chunk_size,
+                     with_sum_pi_squared=False):
         # hidden (N, H), weight (V, H), targets (N,)
         n = hidden.shape[0]
         logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        sum_pi_sq = torch.empty(n if with_sum_pi_squared else 0, dtype=torch.float32,
+                                device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = (hidden[start:end] @ weight.T).float()  # (k, V), a fresh tensor we may overwrite
@@ -160,10 +175,15 @@ class _ChunkedBackend:
             lse[start:end] = row_lse
             picked = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)  # (k,)
             logprob[start:end] = picked - row_lse
+            if not (with_entropy or with_sum_pi_squared):
+                continue
+            logp = z.sub_(row_lse.unsqueeze(-1))  # (k, V)
+            p = torch.exp(logp)  # (k, V)
+            if with_sum_pi_squared:
+                sum_pi_sq[start:end] = p.square().sum(-1)
             if with_entropy:
-                logp = z.sub_(row_lse.unsqueeze(-1))  # (k, V)
-                entropy[start:end] = -(torch.exp(logp).mul_(logp)).sum(-1)
-        return logprob, lse, entropy
+                entropy[start:end] = -(p.mul_(logp)).sum(-1)
+        return logprob, lse, entropy, sum_pi_sq
 
     @staticmethod
     def dlogits(hidden, weight, targets, lse, entropy, grad_logprob, grad_entropy, temperature):
@@ -193,8 +213,10 @@ class _TritonBackend:
     def __init__(self, module: ModuleType) -> None:
         self.module = module  # looked up per call, so a reloaded module takes effect
 
-    def lm_head_rows(self, hidden, weight, targets, temperature, with_entropy, chunk_size):
-        return self.module.lm_head_rows(hidden, weight, targets, temperature, with_entropy)
+    def lm_head_rows(self, hidden, weight, targets, temperature, with_entropy, chunk_size,
+                     with_sum_pi_squared=False):
+        return self.module.lm_head_rows(hidden, weight, targets, temperature, with_entropy,
+                                        with_sum_pi_squared)
 
     def dlogits(self, *args):
         return self.module.dlogits(*args)
@@ -212,29 +234,33 @@ def _triton_backend() -> _TritonBackend:
 
 
 class _LMHeadLogprobs(torch.autograd.Function):
-    """Row-chunked log-probs and entropy; saves only inputs and per-row scalars for backward."""
+    """Row-chunked log-probs and entropy (and sum_pi_squared, without a gradient); saves only
+    inputs and per-row scalars for backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, backend):
-        logprob, lse, entropy = backend.lm_head_rows(
-            hidden, weight, targets, temperature, with_entropy, chunk_size
-        )  # (N,) each; entropy is empty without with_entropy
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy,
+                with_sum_pi_squared, backend):
+        logprob, lse, entropy, sum_pi_sq = backend.lm_head_rows(
+            hidden, weight, targets, temperature, with_entropy, chunk_size, with_sum_pi_squared
+        )  # (N,) each; entropy and sum_pi_sq are empty unless asked for
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.backend = backend
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
+        ctx.mark_non_differentiable(sum_pi_sq)
         ctx.set_materialize_grads(False)  # an unused output arrives as None and costs nothing
-        return logprob, entropy
+        return logprob, entropy, sum_pi_sq
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, grad_sum_pi_sq):
+        del grad_sum_pi_sq  # non-differentiable output
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         n = hidden.shape[0]
         grad_hidden = grad_weight = None
         if need_hidden:
@@ -265,6 +291,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if need_weight else None,
+            None,
             None,
             None,
             None,

@@ -2,8 +2,8 @@
 
 mu is the sampler's policy (its log-probs come back with each trajectory), pi_old the learner's
 policy at the start of the step, recomputed on the same tokens. ``offpolicy_metrics`` is verl
-0.9.1's ``compute_offpolicy_metrics``, key for key; ``mismatch_metrics`` adds statistics of the
-importance weights under this project's older names.
+0.9.1's ``compute_offpolicy_metrics``, key for key; ``weight_metrics`` gives statistics of the
+importance weights under this project's older names, ``mismatch_metrics`` both.
 """
 
 from __future__ import annotations
@@ -100,13 +100,13 @@ def offpolicy_metrics(
     return dict(zip(OFFPOLICY_METRIC_NAMES, values, strict=True))
 
 
-def mismatch_metrics(
+def weight_metrics(
     old_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     mask: torch.Tensor,
     weights: torch.Tensor,
 ) -> dict[str, float]:
-    """``offpolicy_metrics`` plus statistics of the loss ``weights`` ``(B, T)``, Python floats.
+    """Statistics of the loss ``weights`` ``(B, T)`` over ``mask``, Python floats.
 
     - ``rollout_corr/is_weight_mean|std|min|max``: of ``weights`` over the masked tokens (std
       is the population std).
@@ -115,11 +115,14 @@ def mismatch_metrics(
     - ``rollout_corr/ess``: normalised effective sample size ``1 / mean(w_hat**2)`` with
       ``w_hat = w / mean(w)``, i.e. ``mean(w)**2 / mean(w**2)``, in (0, 1]; 1 means uniform.
 
-    verl reports the weights under other names (``rollout_is_*``, see
-    ``kernels.is_metrics``). An empty mask gives NaN for every metric.
+    These are this project's names (the runner's console line and ``runner.py inspect`` read
+    them): statistics of the weights the loss applies, after normalising and on the tokens
+    rejection kept. verl reports the weights before normalising, on every response token,
+    under other names (``rollout_is_*``, see ``kernels.is_metrics``). An empty mask gives NaN
+    for every metric.
     """
     if not mask.bool().any():
-        return dict.fromkeys(METRIC_NAMES, math.nan)
+        return dict.fromkeys(WEIGHT_METRIC_NAMES, math.nan)
     with torch.no_grad():
         keep = mask.bool()  # (B, T)
         w = at_least_float32(weights)
@@ -133,5 +136,15 @@ def mismatch_metrics(
         rho_max = torch.where(keep, rho, -inf.to(rho.dtype)).max().to(w.dtype)
         ess = torch.where(w_sq_mean > 0, w_mean.square() / w_sq_mean, torch.zeros_like(w_mean))
         values = torch.stack([w_mean, w_std, w_min, w_max, rho_max, ess]).tolist()
-    return {**dict(zip(WEIGHT_METRIC_NAMES, values, strict=True)),
+    return dict(zip(WEIGHT_METRIC_NAMES, values, strict=True))
+
+
+def mismatch_metrics(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+) -> dict[str, float]:
+    """``weight_metrics`` and ``offpolicy_metrics`` on the same ``mask``, Python floats."""
+    return {**weight_metrics(old_logprobs, behaviour_logprobs, mask, weights),
             **offpolicy_metrics(old_logprobs, behaviour_logprobs, mask)}

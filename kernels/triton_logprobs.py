@@ -7,7 +7,9 @@ writes any ``(N, V)`` tensor:
 - ``_lm_head_fwd_kernel`` walks the vocabulary in tiles of ``BLOCK_V`` columns with an online
   softmax. Per row it keeps the running max ``m``, ``s = sum exp(z - m)`` and, for the entropy,
   ``b = sum exp(z - m) * (z - m)``; at the end ``lse = m + log s`` and ``entropy = log s - b / s``
-  (no cancellation between two large numbers, unlike ``lse - E_p[z]``).
+  (no cancellation between two large numbers, unlike ``lse - E_p[z]``). For verl's
+  ``sum_pi_squared`` it also keeps ``q = sum exp(2 (z - m))`` (rescaled by ``alpha**2`` when
+  ``m`` moves), and ``sum_v p(v)**2 = q / s**2``.
 - ``_dlogits_kernel`` recomputes one ``(BLOCK_N, BLOCK_V)`` tile of logits and writes the
   gradient with respect to them, ``(g_lp * (onehot - p) - g_ent * p * (log p + H)) / T``, in the
   inputs' dtype. The backward pass in ``kernels/lm_head_logprobs.py`` calls it one row chunk at
@@ -77,6 +79,7 @@ def _lm_head_fwd_kernel(
     logprob_ptr,
     lse_ptr,
     ent_ptr,
+    sq_ptr,
     n_rows,
     vocab,
     hidden,
@@ -86,6 +89,7 @@ def _lm_head_fwd_kernel(
     stride_wh,
     inv_temp,
     WITH_ENTROPY: tl.constexpr,
+    WITH_SUM_PI_SQ: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -99,6 +103,7 @@ def _lm_head_fwd_kernel(
     m = tl.full((BLOCK_N,), -1e30, dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m)
     b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m) * (z - m)
+    q = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(2 (z - m))
     picked = tl.zeros((BLOCK_N,), dtype=tl.float32)  # z[target]
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -115,6 +120,8 @@ def _lm_head_fwd_kernel(
         if WITH_ENTROPY:
             shifted = tl.where(col_mask[None, :], z - m_new[:, None], 0.0)
             b = alpha * (b + s * (m - m_new)) + tl.sum(e * shifted, axis=1)
+        if WITH_SUM_PI_SQ:
+            q = q * alpha * alpha + tl.sum(e * e, axis=1)
         s = s * alpha + tl.sum(e, axis=1)
         m = m_new
         picked += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -124,6 +131,8 @@ def _lm_head_fwd_kernel(
     tl.store(logprob_ptr + rows, picked - lse, mask=row_mask)
     if WITH_ENTROPY:
         tl.store(ent_ptr + rows, log_s - b / s, mask=row_mask)
+    if WITH_SUM_PI_SQ:
+        tl.store(sq_ptr + rows, q / (s * s), mask=row_mask)
 
 
 @triton.jit
@@ -223,11 +232,14 @@ def lm_head_rows(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row ``(logprob, logsumexp, entropy)``, each ``(N,)`` float32, without ``(N, V)`` logits.
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``(logprob, logsumexp, entropy, sum_pi_squared)``, each ``(N,)`` float32, without
+    ``(N, V)`` logits.
 
-    ``entropy`` is an empty tensor when ``with_entropy`` is false. Arguments are assumed valid
-    (``kernels.lm_head_logprobs`` checks them).
+    ``entropy`` (``sum_pi_squared``) is an empty tensor when ``with_entropy``
+    (``with_sum_pi_squared``) is false. Arguments are assumed valid (``kernels.lm_head_logprobs``
+    checks them).
     """
     _check_device(hidden)
     n, hid = hidden.shape
@@ -236,21 +248,23 @@ def lm_head_rows(
     logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+    sum_pi_sq = torch.empty(n if with_sum_pi_squared else 0, dtype=torch.float32,
+                            device=hidden.device)
     if n == 0:  # no response tokens in the batch; an empty grid is not launchable
-        return logprob, lse, entropy
+        return logprob, lse, entropy, sum_pi_sq
     grid = (triton.cdiv(n, _BLOCK_N),)
     _lm_head_fwd_kernel[grid](
-        hidden, weight, targets, logprob, lse, entropy,
+        hidden, weight, targets, logprob, lse, entropy, sum_pi_sq,
         n, vocab, hid,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         1.0 / temperature,
-        WITH_ENTROPY=with_entropy,
+        WITH_ENTROPY=with_entropy, WITH_SUM_PI_SQ=with_sum_pi_squared,
         BLOCK_N=_BLOCK_N, BLOCK_V=_BLOCK_V, BLOCK_H=_BLOCK_H,
         INPUT_PRECISION=_input_precision(hidden.dtype),
         UPCAST=_upcast(hidden.dtype),
         num_warps=_NUM_WARPS,
     )  # fmt: skip
-    return logprob, lse, entropy
+    return logprob, lse, entropy, sum_pi_sq
 
 
 def dlogits(

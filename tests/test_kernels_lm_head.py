@@ -235,6 +235,68 @@ def test_no_tokens(request, impl):
     assert weight.grad is None or not weight.grad.any()
 
 
+SUM_PI_SQUARED_CASES = [
+    # (impl, dtype, temperature, with_entropy, chunk_size)
+    ("chunked", FP32, 0.7, True, CHUNK),
+    ("chunked", FP32, 1.3, False, 1),
+    ("chunked", BF16, 1.0, True, CHUNK),
+    ("triton", FP32, 0.7, True, CHUNK),
+    ("triton", FP32, 1.3, False, CHUNK),
+    ("triton", BF16, 1.0, True, CHUNK),
+]
+
+
+@pytest.mark.parametrize(
+    ("impl", "dtype", "temperature", "with_entropy", "chunk_size"),
+    SUM_PI_SQUARED_CASES,
+    ids=[f"{c[0]}-{str(c[1])[6:]}-T{c[2]}-{'ent' if c[3] else 'noent'}-k{c[4]}"
+         for c in SUM_PI_SQUARED_CASES],
+)
+def test_sum_pi_squared_matches_float64(request, impl, dtype, temperature, with_entropy,
+                                        chunk_size):
+    """verl's sum_pi_squared, sum_v p(v)**2 per row, on every path: against the float64 answer
+    for the same inputs, with the other outputs unchanged and no gradient on it."""
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    hidden, weight, targets, up_lp, _ = _inputs(dtype, device)
+    hidden.requires_grad_()
+    kw = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    out = lm_head_logprobs(hidden, weight, targets, with_sum_pi_squared=True, impl=impl, **kw)
+    plain = lm_head_logprobs(hidden, weight, targets, impl=impl, **kw)
+    assert len(out) == (3 if with_entropy else 2)
+    plain = plain if with_entropy else (plain,)
+    for a, b in zip(out[:-1], plain, strict=True):
+        assert torch.equal(a, b)  # asking for it changes nothing else
+    sq = out[-1]
+    assert sq.dtype == torch.float32 and sq.shape == (N,) and not sq.requires_grad
+    (out[0] * up_lp).sum().backward()  # the log-probs still carry their gradient
+    assert hidden.grad is not None
+    exact = torch.softmax(hidden.detach().double() @ weight.double().T / temperature, -1)
+    exact = exact.square().sum(-1)
+    tol = 1e-5 if dtype == FP32 or impl == "triton" else 0.02  # bf16 logits on naive/chunked
+    worst, _ = _report(f"{impl} {dtype} sum_pi_squared", sq, exact)
+    assert worst <= tol, worst
+    naive = lm_head_logprobs(hidden, weight, targets, with_sum_pi_squared=True, impl="naive",
+                             temperature=temperature)[-1]
+    assert not naive.requires_grad
+    worst, _ = _report(f"{impl} {dtype} sum_pi_squared vs naive", sq, naive)
+    assert worst <= (1e-5 if dtype == FP32 else 0.02), worst
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked", "triton"])
+def test_sum_pi_squared_hand_case(request, impl):
+    # softmax [1/4, 3/4] (see test_hand_case): 1/16 + 9/16 = 0.625
+    device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
+    hidden = torch.ones(2, 1, device=device)  # (N=2, H=1)
+    weight = torch.tensor([[0.0], [2 * math.log(3.0)]], device=device)  # (V=2, H=1)
+    lp, sq = lm_head_logprobs(hidden, weight, torch.tensor([1, 0], device=device),
+                              temperature=2.0, with_sum_pi_squared=True, impl=impl)
+    torch.testing.assert_close(sq.cpu(), torch.full((2,), 0.625))
+    empty = lm_head_logprobs(torch.zeros(0, 1, device=device), weight,
+                             torch.zeros(0, dtype=torch.long, device=device),
+                             with_entropy=True, with_sum_pi_squared=True, impl=impl)
+    assert [t.shape for t in empty] == [(0,), (0,), (0,)]
+
+
 def test_no_grad_matches_naive():
     hidden, weight, targets, _, _ = _inputs(FP32)
     with torch.no_grad():
