@@ -38,7 +38,7 @@ def rollout_correction(
     mask: torch.Tensor,
     *,
     rollout_is: str | None = None,
-    rollout_is_threshold: str | float = 2.0,
+    rollout_is_threshold: str | float | tuple[float, float] = 2.0,
     rollout_is_batch_normalize: bool = False,
     rollout_rs: str | Sequence[RejectionRule] | None = None,
     rollout_rs_threshold: str | float | None = None,
@@ -48,8 +48,8 @@ def rollout_correction(
     Options carry verl's ``algorithm.rollout_correction`` names and defaults:
 
     - ``rollout_is``: ``"token"``, ``"sequence"`` or None (no weights).
-    - ``rollout_is_threshold``: a cap (truncated IS) or ``"lower_upper"`` (IcePop: weights
-      outside the band are 0); see ``parse_is_threshold``.
+    - ``rollout_is_threshold``: a cap (truncated IS), or ``"lower_upper"`` or a pair
+      ``(lower, upper)`` (IcePop: weights outside the band are 0); see ``parse_is_threshold``.
     - ``rollout_is_batch_normalize``: rescale the weights to mean 1.
     - ``rollout_rs``: verl's comma-separated options (``"token_k1,seq_max_k3"``, see
       ``parse_rs_preset``) with ``rollout_rs_threshold``, or a list of ``RejectionRule``

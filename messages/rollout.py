@@ -56,6 +56,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # (None in recordings made before tokens carried their own: every token is policy_version)
     loss_mask: Tensor | None = None  # (R,) int8, 1 on the model's own tokens, 0 on tool or
     # environment tokens (None in older recordings: all 1)
+    reward_extra: dict[str, float] = {}  # the scorer's numeric extras (``ScoreResult.extra``:
+    # a compute_score dict's other keys, each function's score); gdpo's reward components
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

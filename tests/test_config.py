@@ -1,5 +1,6 @@
 """Topology parsing: every TOML file in the repo loads; bad keys and values name their full path."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,80 @@ def test_dotted_overrides_are_typed():
     ("algorithm.filter_groups.metric=loss", "algorithm.filter_groups.metric: Invalid enum value 'loss'"),
     ("task.max_prompt_length=-5", "task.max_prompt_length: must be >= 0"),
     ("task.name=chess", "task.name: 'chess' is not one of"),
+    # issue 13's names: verl's validation, with the key path
+    ("algorithm.policy_loss=dro", "algorithm.dro_beta: dro needs dro_beta > 0"),
+    ("algorithm.policy_loss=bypass_mode",
+     "algorithm.policy_loss: bypass_mode takes the behaviour log-probs"),
+    ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys: gdpo needs the reward components"),
+    (["algorithm.policy_loss=sapo", "algorithm.tau_neg=0"], "algorithm.tau_neg: must be > 0"),
+    (["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0"],
+     "algorithm.clip_cov_ratio: must be in (0, 1]"),
+    (["algorithm.policy_loss=kl_cov", "algorithm.ppo_kl_coef=-1"],
+     "algorithm.ppo_kl_coef: must be >= 0"),
+    ("algorithm.policy_loss=nosuch", "algorithm.policy_loss: Invalid enum value 'nosuch'"),
+    ("algorithm.loss_agg_mode=token-max", "algorithm.loss_agg_mode: Invalid enum value"),
+    ("algorithm.kl_loss_type=k4+", "algorithm.kl_loss_type: Invalid enum value"),
+    ("algorithm.clip_ratio_low=1.5", "algorithm.clip_ratio_low: must be < 1 with policy_loss"),
+    ("algorithm.correction.is_low=0", "algorithm.correction.is_low: must be in (0, is_cap = 2.0]"),
+    (["algorithm.correction.is_low=0.5", "algorithm.correction.is_level=none"],
+     "algorithm.correction.is_low: an IcePop band needs IS weights"),
+    ("algorithm.correction.rollout_rs=token_k1",
+     "algorithm.correction.rollout_rs_threshold: rollout_rs needs its thresholds"),
+    ("algorithm.correction.rollout_rs_threshold=2.0",
+     "algorithm.correction.rollout_rs_threshold: is set but rollout_rs is empty"),
+    (["algorithm.correction.rollout_rs=seq_max_k1", "algorithm.correction.rollout_rs_threshold=2.0"],
+     "algorithm.correction.rollout_rs: unsupported rollout_rs option 'seq_max_k1'"),
+    (["algorithm.correction.rollout_rs=token_k1",
+      "algorithm.correction.rollout_rs_threshold='2.0_0.5'"],
+     "algorithm.correction.rollout_rs: thresholds of token_k1 must have lower <= upper"),
+    (["algorithm.correction.rollout_rs=token_k2",
+      "algorithm.correction.rollout_rs_threshold='0.5_1'"],
+     "algorithm.correction.rollout_rs: threshold of token_k2 is a single upper bound"),
+    ("algorithm.correction.rejection=[{statistic='k3', level='token', high=1.0, reduce='sum'}]",
+     "algorithm.correction.rejection[0]: reduce='sum' applies to k1/k2/k3 at sequence level"),
+    ("algorithm.correction.rejection=[{statistic='k3', high=1.0, reduce='median'}]",
+     "algorithm.correction.rejection[0].reduce: Invalid enum value 'median'"),
+    (["algorithm.correction.rejection=[{statistic='k3', high=1.0}]",
+      "algorithm.correction.rollout_rs=seq_mean_k3", "algorithm.correction.rollout_rs_threshold=0.5"],
+     "algorithm.correction.rollout_rs: seq_mean_k3 is already a rule of "
+     "algorithm.correction.rejection[0]"),
+    (["algorithm.correction.mode=bypass", "algorithm.correction.rejection=[{statistic='k3', high=1.0}]"],
+     "algorithm.correction.rejection: in bypass mode there is no π_old"),
+    (["algorithm.correction.mode=bypass", "algorithm.adv_estimator=tir_optimal_token_baseline"],
+     "algorithm.adv_estimator: tir_optimal_token_baseline needs π_old's forward pass"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['a', 'b']",
+      "algorithm.gdpo_reward_weights=[1.0]"],
+     "algorithm.gdpo_reward_weights: needs one weight per key (2)"),
 ])
 def test_bad_values_name_the_key(override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        decode_topology(apply_overrides({}, [override]))
+    overrides = [override] if isinstance(override, str) else override
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        decode_topology(apply_overrides({}, overrides))
+
+
+def test_every_new_name_of_issue_13_loads():
+    """Each name verl 0.9.1 has that issue 13 listed, selected the way README shows."""
+    t = decode_topology(apply_overrides({}, [
+        "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
+        "algorithm.gdpo_reward_weights=[0.5, 1.0]", "algorithm.policy_loss=dro",
+        "algorithm.dro_beta=0.1", "algorithm.kl_loss_type=low_var_kl+",
+        "algorithm.loss_agg_mode=token-sum", "algorithm.correction.is_low=0.5",
+        "algorithm.correction.rollout_rs=seq_sum_k2,seq_max_k3,token_k1",
+        "algorithm.correction.rollout_rs_threshold='2.0,1.0,0.5_2.0'",
+        "algorithm.correction.rejection=[{statistic='k3', level='sequence', high=1.0, reduce='sum'}]"]))
+    a = t.algorithm
+    assert a.gdpo_reward_keys == ["format", "acc"] and a.dro_beta == 0.1
+    assert a.correction.rejection[0].reduce == "sum" and a.correction.is_low == 0.5
+    for name in ("gpg", "optimal_token_baseline", "tir_optimal_token_baseline"):
+        assert decode_topology(apply_overrides({}, [f"algorithm.adv_estimator={name}"]))
+    for name in ("sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl"):
+        assert decode_topology(apply_overrides({}, [f"algorithm.policy_loss={name}"]))
+    t = decode_topology(apply_overrides({}, ["algorithm.correction.mode=bypass",
+                                             "algorithm.policy_loss=bypass_mode",
+                                             "algorithm.correction.loss_type=reinforce",
+                                             "algorithm.correction.rollout_rs=seq_max_k2",
+                                             "algorithm.correction.rollout_rs_threshold=0.5"]))
+    assert t.algorithm.correction.loss_type == "reinforce"
 
 
 def test_group_filtering_needs_groups_of_two():

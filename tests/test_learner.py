@@ -35,7 +35,11 @@ def make_trainer(model: Path, run_dir: Path, *overrides: str) -> Trainer:
 
 def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.0,
                 version: int = 0) -> list[ScoredGroup]:
-    """Two groups of four random responses; behaviour log-probs are the model's own (+ offset)."""
+    """Two groups of four random responses; behaviour log-probs are the model's own (+ offset).
+
+    Every sample of three tokens or more has a tool token in the middle (``loss_mask`` 0), and
+    carries two reward components in ``reward_extra`` (``format``, ``acc``) for gdpo.
+    """
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for g in range(2):
@@ -45,8 +49,14 @@ def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.
         samples = []
         for i in range(4):
             resp = torch.randint(3, 30, (2 + (i + g) % 5,), generator=gen, dtype=torch.int32)
+            loss_mask = torch.ones(len(resp), dtype=torch.int8)
+            if len(resp) >= 3:
+                loss_mask[len(resp) // 2] = 0  # a tool token inside the response
+            reward = float((i + g) % 3 == 0)
             samples.append(Sample(to_wire(resp), to_wire(torch.zeros(len(resp))), version,
-                                  "", "stop" if i % 2 else "length", reward=float((i + g) % 3 == 0)))
+                                  "", "stop" if i % 2 else "length", reward=reward,
+                                  loss_mask=to_wire(loss_mask),
+                                  reward_extra={"format": float(i % 2), "acc": reward}))
         prompt = Prompt(g, [ChatMessage("user", "x")], "repeat_letter", "a")
         groups.append(ScoredGroup(prompt, to_wire(prompt_ids), samples, "s", baseline_reward=0.5,
                                   sampling=SAMPLING))
@@ -56,11 +66,13 @@ def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.
         lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
     out, row = [], 0
     for g in groups:
+        prompt_len = g.prompt_ids.shape[0]
         samples = []
         for s in g.samples:
-            m = batch.response_mask[row].bool()
-            samples.append(Sample(s.response_ids, to_wire(lp[row][m] + behaviour_offset),
-                                  s.policy_version, s.text, s.finish_reason, s.reward))
+            span = slice(prompt_len - 1, prompt_len - 1 + s.response_ids.shape[0])
+            samples.append(Sample(s.response_ids, to_wire(lp[row, span] + behaviour_offset),
+                                  s.policy_version, s.text, s.finish_reason, s.reward,
+                                  loss_mask=s.loss_mask, reward_extra=s.reward_extra))
             row += 1
         out.append(ScoredGroup(g.prompt, g.prompt_ids, samples, g.sampler,
                                baseline_reward=g.baseline_reward, sampling=g.sampling))
@@ -96,12 +108,25 @@ def captured_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batch_size_does_not_change_the_gradient(tiny, tmp_path, mode):
+MICRO_BATCH_CASES = {
+    "token-mean": ["algorithm.loss_agg_mode=token-mean"],
+    "seq-mean-token-mean": ["algorithm.loss_agg_mode=seq-mean-token-mean"],
+    "seq-mean-token-sum": ["algorithm.loss_agg_mode=seq-mean-token-sum"],
+    "token-sum": ["algorithm.loss_agg_mode=token-sum"],
+    "geo_mean": ["algorithm.policy_loss=geo_mean"],  # divides by the mini-batch's rows
+    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "bypass_mode": ["algorithm.correction.mode=bypass", "algorithm.policy_loss=bypass_mode",
+                    "algorithm.correction.loss_type=reinforce",
+                    "algorithm.correction.rollout_rs=token_k3", "algorithm.correction.rollout_rs_threshold=1.0"],
+}
+
+
+@pytest.mark.parametrize("case", list(MICRO_BATCH_CASES))
+def test_micro_batch_size_does_not_change_the_gradient(tiny, tmp_path, case):
     """Losses aggregate over the whole mini-batch, so accumulation over micro-batches is exact."""
-    agg = f"algorithm.loss_agg_mode={mode}"
-    a = make_trainer(tiny, tmp_path / "a", "learner.micro_batch_size=8", "learner.max_grad_norm=1e9", agg)
-    b = make_trainer(tiny, tmp_path / "b", "learner.micro_batch_size=3", "learner.max_grad_norm=1e9", agg)
+    opts = MICRO_BATCH_CASES[case]
+    a = make_trainer(tiny, tmp_path / "a", "learner.micro_batch_size=8", "learner.max_grad_norm=1e9", *opts)
+    b = make_trainer(tiny, tmp_path / "b", "learner.micro_batch_size=3", "learner.max_grad_norm=1e9", *opts)
     ga, gb = captured_gradients(a), captured_gradients(b)
     groups = make_groups(a, behaviour_offset=-0.3)
     a.train_step(groups)
@@ -138,11 +163,81 @@ OPTIONS = {
     "cosine_warmup": ["learner.lr_scheduler=cosine", "learner.warmup_steps=1"],
     "grad_ckpt": ["learner.gradient_checkpointing=true"],
     "lora": ["learner.lora.rank=4", "algorithm.use_kl_loss=true"],
+    # issue 13: every name verl 0.9.1 has beyond the above
+    "gpg": ["algorithm.adv_estimator=gpg", "algorithm.policy_loss=gpg"],
+    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
+                                   "algorithm.correction.is_level=sequence"],
+    "gdpo": ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
+             "algorithm.gdpo_reward_weights=[0.5, 1.0]"],
+    # on-policy these losses have PPO's gradient: a second epoch makes the step off-policy
+    "sapo": ["algorithm.policy_loss=sapo", "algorithm.loss_agg_mode=seq-mean-token-mean",
+             "algorithm.tau_pos=1.0", "algorithm.tau_neg=1.05", "learner.ppo_epochs=2"],
+    "geo_mean": ["algorithm.policy_loss=geo_mean", "algorithm.clip_ratio_low=0.4",
+                 "algorithm.clip_ratio_high=0.4", "learner.micro_batch_size=3"],
+    "clip_cov": ["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0.2",
+                 "algorithm.clip_cov_lb=-10.0", "algorithm.clip_cov_ub=10.0",
+                 "learner.ppo_epochs=2"],
+    "kl_cov": ["algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.2",
+               "algorithm.ppo_kl_coef=0.1", "learner.ppo_epochs=2"],
+    "dppo_tv": ["algorithm.policy_loss=dppo_tv", "algorithm.clip_ratio_low=0.01",
+                "algorithm.clip_ratio_high=0.01", "learner.ppo_epochs=2"],
+    "dppo_kl": ["algorithm.policy_loss=dppo_kl", "algorithm.clip_ratio_c=0",
+                "algorithm.clip_ratio_low=0.001", "algorithm.clip_ratio_high=0.001",
+                "learner.ppo_epochs=2"],
+    "dro": ["algorithm.policy_loss=dro", "algorithm.dro_beta=0.1", "learner.ppo_epochs=2"],
+    "bypass_mode_ppo_clip": ["algorithm.correction.mode=bypass", "algorithm.policy_loss=bypass_mode",
+                             "algorithm.correction.rollout_rs=token_k1,seq_max_k3",
+                             "algorithm.correction.rollout_rs_threshold='0.1_10.0,5.0'"],
+    "bypass_mode_reinforce": ["algorithm.correction.mode=bypass",
+                              "algorithm.policy_loss=bypass_mode",
+                              "algorithm.correction.loss_type=reinforce",
+                              "algorithm.correction.is_level=sequence",
+                              "algorithm.correction.normalize_weights=true"],
+    "kl_plus": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_type=k3+",
+                "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl+"],
+    "token_sum": ["algorithm.loss_agg_mode=token-sum", "learner.lr=1e-4"],
+    "rejection_seq_sum_max": ["algorithm.correction.rejection=[{statistic='k2', level='sequence', high=5.0, reduce='sum'}, {statistic='k3', level='sequence', high=5.0, reduce='max'}]"],
+    "rollout_rs_strings": ["algorithm.correction.rollout_rs=seq_sum_k2,seq_max_k2,seq_sum_k3,seq_max_k3",
+                           "algorithm.correction.rollout_rs_threshold=5.0"],
+    "icepop": ["algorithm.correction.is_low=0.5", "algorithm.correction.is_cap=2.0"],
+    "icepop_sequence_rejection": ["algorithm.correction.is_level=sequence",
+                                  "algorithm.correction.is_low=0.1",
+                                  "algorithm.correction.is_cap=10.0",
+                                  "algorithm.correction.rejection=[{statistic='k3', level='token', high=0.5}]"],
 }
 
 
+# Proof that an option reaches the step: a metric only it produces, or else a gradient that
+# differs from the default algorithm's on the same batch with the same [learner] settings.
+REACHES = {
+    "gdpo": "gdpo/format/mean",
+    "bypass_mode_ppo_clip": "rollout_corr/rollout_rs_token_k1_mean",
+    "kl_plus": "actor/kl_loss",
+    "rejection_seq_sum_max": "rollout_corr/rollout_rs_seq_max_k3_mean",
+    "rollout_rs_strings": "rollout_corr/rollout_rs_seq_sum_k3_mean",
+    "icepop": "rollout_corr/rollout_is_oob_ratio",
+    "icepop_sequence_rejection": "rollout_corr/rollout_rs_token_k3_mean",
+}
+NEW_NAMES = list(OPTIONS)[list(OPTIONS).index("gpg"):]
+
+
+@pytest.fixture(scope="module")
+def default_step(tiny, tmp_path_factory):
+    """The metrics of the default algorithm's step with the given [learner] overrides."""
+    done: dict[tuple[str, ...], dict[str, float]] = {}
+
+    def run(*learner: str) -> dict[str, float]:
+        if learner not in done:
+            t = make_trainer(tiny, tmp_path_factory.mktemp("default"), *learner)
+            done[learner] = t.train_step(make_groups(t, behaviour_offset=-0.1))
+        return done[learner]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_every_option_takes_a_finite_step(tiny, tmp_path, name):
+def test_every_option_takes_a_finite_step(tiny, tmp_path, name, default_step):
     t = make_trainer(tiny, tmp_path, *OPTIONS[name])
     before = params(t)
     m = t.train_step(make_groups(t, behaviour_offset=-0.1))
@@ -152,8 +247,13 @@ def test_every_option_takes_a_finite_step(tiny, tmp_path, name):
     moved = max(float((before[k] - v).abs().max()) for k, v in params(t).items())
     assert moved > 0, "the step did not change the policy"
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "rollout_corr/is_weight_mean",
-                "staleness/mean"):
+                "rollout_corr/kl", "rollout_corr/k3_kl", "staleness/mean"):
         assert key in m
+    if name in REACHES:
+        assert REACHES[name] in m
+    elif name in NEW_NAMES:
+        reference = default_step(*(o for o in OPTIONS[name] if o.startswith("learner.")))
+        assert m["actor/grad_norm"] != reference["actor/grad_norm"], "the option changed nothing"
 
 
 def test_lora_snapshot_is_the_merged_base_model(tiny, tmp_path):
@@ -228,3 +328,24 @@ def test_a_stop_never_leaves_half_a_step(tiny, tmp_path):
     t.policy.optimizer.step = step_then_stop
     t.train_step(groups)
     assert t.policy.step == 1 and t.policy.scheduler.last_epoch == 2 and t.policy.kl_ctrl.value != beta
+
+
+def test_gdpo_reads_its_components_from_the_scorers_extras(tiny, tmp_path):
+    """gdpo's components come from Sample.reward_extra; a failed sample scores 0 on each, and a
+    key missing from a scored sample stops the step with the key's name."""
+    from actors.learner.batch import reward_components
+
+    t = make_trainer(tiny, tmp_path, "algorithm.adv_estimator=gdpo",
+                     "algorithm.gdpo_reward_keys=['format', 'acc']")
+    groups = make_groups(t)
+    groups[0].samples[0].reward_extra = {}
+    groups[0].samples[0].reward_error = "timeout"
+    got = reward_components(groups, ["format", "acc"])
+    assert got.shape == (2, 8) and got[0, 0] == 0 and got[1, 0] == 0
+    assert got[0].tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    m = t.train_step(groups)
+    assert m["gdpo/format/mean"] == pytest.approx(0.5) and m["gdpo/format/std"] == pytest.approx(0.5)
+    groups[1].samples[2].reward_extra = {"format": 1.0}
+    with pytest.raises(ValueError, match="gdpo reward key 'acc' is not in the scorer's result of "
+                                         "prompt 1 sample 2"):
+        reward_components(groups, ["format", "acc"])

@@ -109,3 +109,28 @@ async def test_cancelling_a_generation_stops_it_at_the_next_token(tiny_model):
     with anyio.move_on_after(0.05) as scope:
         await engine.generate([GenerateRequest(ids, params, 64)])
     assert scope.cancelled_caught and engine.abort.is_set()
+
+
+@pytest.mark.anyio
+async def test_a_group_carries_the_scorers_extras(tiny_model):
+    """Each sample keeps its ScoreResult.extra (gdpo's reward components) in reward_extra."""
+    from actors.sampler.engines.base import Generation
+    from actors.sampler.rollout import Generated, Rollout
+    from messages.reward import ScoreReply, ScoreResult
+
+    class Scoring:  # answers every request at once
+        attempts, timeout_s = 1, 1.0
+
+        async def score(self, request):
+            return ScoreReply([ScoreResult(1.0, extra={"format": 1.0, "acc": 0.0}),
+                               ScoreResult(0.0, "boom")])
+
+    ids = torch.tensor([5, 6], dtype=torch.int32)
+    gen = Generation(ids, torch.zeros(2), torch.zeros(2, dtype=torch.int32),
+                     torch.ones(2, dtype=torch.int8), "stop", 0)
+    rollout = Rollout(None, ChatTokenizer(tiny_model), Scoring(), params=SamplingParams(), n=2,
+                      greedy_baseline=False, sampler="s")
+    group = await rollout.score_group(Generated(Prompt(0, [], "x", "y"), [1, 2], [gen, gen], None,
+                                                0.0))
+    assert [s.reward_extra for s in group.samples] == [{"format": 1.0, "acc": 0.0}, {}]
+    assert group.samples[1].reward_error == "boom"

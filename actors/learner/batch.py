@@ -92,3 +92,24 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
         baseline_rewards=baselines, group_size=n,
     )
+
+
+def reward_components(groups: list[ScoredGroup], keys: list[str]) -> torch.Tensor:
+    """gdpo's reward components (K, N), rows in batch order: ``Sample.reward_extra[key]`` for
+    each of the K keys (verl ``algorithm.gdpo_reward_keys``). A sample whose scoring failed
+    scores 0 on every component, as on its reward; any other sample must carry every key."""
+    out = torch.zeros(len(keys), sum(len(g.samples) for g in groups))
+    row = 0
+    for g in groups:
+        for j, s in enumerate(g.samples):
+            for k, key in enumerate(keys):
+                if key in s.reward_extra:
+                    out[k, row] = s.reward_extra[key]
+                elif not s.reward_error:
+                    raise ValueError(
+                        f"gdpo reward key {key!r} is not in the scorer's result of prompt "
+                        f"{g.prompt.prompt_id} sample {j} (its keys: {sorted(s.reward_extra)}); "
+                        "algorithm.gdpo_reward_keys must name keys that every compute_score "
+                        "result holds")
+            row += 1
+    return out

@@ -11,20 +11,18 @@ import torch
 
 from actors.learner.batch import RolloutBatch
 from actors.runtime.config import AlgorithmConfig
-from kernels.importance import (
-    RejectionRule,
-    normalize_weights,
-    rejection_mask,
-    truncated_is_weights,
-)
 from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs
 from kernels.losses import aggregate, policy_loss, value_loss
+from kernels.rollout_corr import rollout_correction
+from kernels.rollout_options import RejectionRule, parse_rs_preset
 
 
 def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
-                      with_entropy: bool = False):
-    """Log-probs (N, W-1) of the response tokens, 0 elsewhere; with entropies when asked.
+                      with_entropy: bool = False, with_sum_pi_squared: bool = False):
+    """Log-probs (N, W-1) of the response tokens, 0 elsewhere; alone, or followed by the
+    entropies and verl's ``sum_pi_squared`` (sum over the vocabulary of π², no gradient) when
+    asked, each (N, W-1).
 
     Hidden states are gathered at response positions before the LM head (the prompt is most of
     each sequence here), and ``kernels.lm_head_logprobs`` walks them in chunks so no float32
@@ -38,14 +36,15 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
     out = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
-                           temperature=temperature, with_entropy=with_entropy)  # (R,) each
+                           temperature=temperature, with_entropy=with_entropy,
+                           with_sum_pi_squared=with_sum_pi_squared)  # (R,) each
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
         return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
-    if not with_entropy:
+    if isinstance(out, torch.Tensor):
         return scatter(out)
-    return scatter(out[0]), scatter(out[1])
+    return tuple(scatter(t) for t in out)
 
 
 @dataclass
@@ -57,23 +56,58 @@ class Correction:
     metrics: dict[str, float]
 
 
+def rejection_rules(algo: AlgorithmConfig) -> list[RejectionRule]:
+    """Every rejection rule of ``algorithm.correction``: ``rejection``, then ``rollout_rs``'s
+    (validated when the topology was loaded)."""
+    c = algo.correction
+    rules = [RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce) for r in c.rejection]
+    if c.rollout_rs:
+        rules += parse_rs_preset(c.rollout_rs, c.rollout_rs_threshold)
+    return rules
+
+
+def correction_options(algo: AlgorithmConfig) -> dict:
+    """``algorithm.correction`` as the options of ``kernels.rollout_corr.rollout_correction``
+    (and of the ``bypass_mode`` loss), verl's ``algorithm.rollout_correction`` names."""
+    c = algo.correction
+    return dict(rollout_is=None if c.is_level == "none" else c.is_level,
+                rollout_is_threshold=c.is_cap if c.is_low is None else (c.is_low, c.is_cap),
+                rollout_is_batch_normalize=c.normalize_weights,
+                rollout_rs=rejection_rules(algo) or None)
+
+
 def correction(algo: AlgorithmConfig, old: torch.Tensor, behav: torch.Tensor,
                mask: torch.Tensor) -> Correction:
-    """Truncated IS weights π_old/μ and rejection masks from proximal and behaviour log-probs."""
-    c = algo.correction
-    metrics: dict[str, float] = {}
-    keep = mask
-    if c.rejection:
-        rules = [RejectionRule(r.statistic, r.level, r.low, r.high) for r in c.rejection]
-        keep, rs_metrics = rejection_mask(old, behav, mask, rules)
-        metrics.update(rs_metrics)
-    weights = None
-    if c.mode == "decoupled" and c.is_level != "none":
-        weights, is_metrics = truncated_is_weights(old, behav, keep, cap=c.is_cap, level=c.is_level)
-        metrics.update(is_metrics)
-        if c.normalize_weights:
-            weights = normalize_weights(weights, keep, level=c.is_level)
-    return Correction(weights, keep, metrics)
+    """The correction of π_old against μ from proximal and behaviour log-probs (N, W-1): verl's
+    pipeline, ``kernels.rollout_corr.rollout_correction``, which computes the IS weights, the
+    rejection and the ``rollout_corr/`` metrics each on the original response ``mask`` (so
+    sequence-level weights count every response token of a sequence, rejected or not); the
+    loss uses ``keep`` as its mask and ``weights`` as per-token weights.
+
+    In bypass mode there is no π_old: nothing is weighted or rejected here (the ``bypass_mode``
+    loss corrects π_θ against μ itself).
+    """
+    if algo.correction.mode == "bypass":
+        return Correction(None, mask, {})
+    out = rollout_correction(old, behav, mask, **correction_options(algo))
+    return Correction(out.weights, out.keep, out.metrics)
+
+
+def loss_options(algo: AlgorithmConfig) -> dict:
+    """The options of ``algorithm.policy_loss`` that only it takes (verl's names)."""
+    match algo.policy_loss:
+        case "sapo":
+            return dict(tau_pos=algo.tau_pos, tau_neg=algo.tau_neg)
+        case "clip_cov":
+            return dict(clip_cov_ratio=algo.clip_cov_ratio, clip_cov_lb=algo.clip_cov_lb,
+                        clip_cov_ub=algo.clip_cov_ub)
+        case "kl_cov":
+            return dict(kl_cov_ratio=algo.kl_cov_ratio, ppo_kl_coef=algo.ppo_kl_coef)
+        case "dro":
+            return dict(dro_beta=algo.dro_beta)
+        case "bypass_mode":
+            return dict(loss_type=algo.correction.loss_type, **correction_options(algo))
+    return {}
 
 
 def micro_batch_loss(
@@ -96,9 +130,11 @@ def micro_batch_loss(
     loss, raw = policy_loss(
         algo.policy_loss, lp, old, advantages, mask, clip_low=algo.clip_ratio_low,
         clip_high=algo.clip_ratio_high, dual_clip=algo.clip_ratio_c or None, weights=corr.weights,
-        loss_agg_mode=algo.loss_agg_mode, **counts,
+        loss_agg_mode=algo.loss_agg_mode, **counts, **loss_options(algo),
     )
-    metrics = {k: float(v) for k, v in raw.items()}
+    # bypass_mode returns rollout_corr/ metrics of this micro-batch; the trainer reports them
+    # once per step, over the whole batch
+    metrics = {k: float(v) for k, v in raw.items() if not k.startswith("rollout_corr/")}
     metrics["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
     if algo.entropy_coeff > 0:
         loss = loss - algo.entropy_coeff * aggregate(entropy, mask, algo.loss_agg_mode, **counts)

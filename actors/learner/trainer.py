@@ -12,7 +12,17 @@ Off-policy correction (``algorithm.correction``):
   step, each token weighted by ``min(π_old/μ, is_cap)``. With one epoch over one mini-batch and
   nothing needed batch-wide, ``π_old`` equals each micro-batch's own forward (the weights have
   not moved yet), so that forward is the recompute; otherwise a no-grad pass computes it first.
-- ``bypass``: the sampler's behaviour log-probs are the PPO old log-probs.
+- ``bypass``: the sampler's behaviour log-probs are the PPO old log-probs. With the
+  ``bypass_mode`` loss, the loss weights and rejects against μ itself (verl's bypass mode).
+
+The correction (IS weights, rejection, ``rollout_corr/`` metrics) is verl's pipeline,
+``kernels.rollout_corr.rollout_correction``, on the original response mask. The step's
+``rollout_corr/`` metrics compare μ with π_old (decoupled) or, in bypass mode, with the policy of
+the first epoch's forward passes.
+
+The optimal token baselines need π_old's ``sum_pi_squared`` (the sum over the vocabulary of π²
+per token), computed in the same no-grad pass as the proximal log-probs; gdpo reads its reward
+components from each sample's ``reward_extra`` (the scorer's result dict).
 
 Log-probs are computed at the temperature the batch was sampled with (``ScoredGroup.sampling``),
 and ``seq-mean-token-sum-norm`` divides by its ``max_tokens``: the learner reads how a batch was
@@ -29,20 +39,24 @@ from typing import Literal
 
 import torch
 
-from actors.learner.batch import build_batch
+from actors.learner.batch import RolloutBatch, build_batch, reward_components
 from actors.learner.objective import (
     Correction,
     correction,
+    correction_options,
     critic_loss,
     micro_batch_loss,
+    rejection_rules,
     response_logprobs,
 )
 from actors.learner.policy import Policy
 from actors.runtime.config import Topology
+from actors.runtime.config.schema import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
-from kernels.importance import mismatch_metrics, staleness_histogram
+from kernels.importance import staleness_histogram, weight_metrics
 from kernels.kl import kl_estimate
+from kernels.rollout_corr import rollout_correction
 from messages.rollout import SamplingParams, ScoredGroup
 
 
@@ -115,13 +129,16 @@ class Trainer:
         batch = build_batch(groups, self.policy.pad_id).to(self.policy.device)
         N, mask = batch.size, batch.response_mask
         c = algo.correction
+        otb = algo.adv_estimator in OPTIMAL_TOKEN_BASELINES  # needs π_old before advantages
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
-                      and not c.rejection and not c.normalize_weights and not algo.use_kl_in_reward)
+                      and not rejection_rules(algo) and not c.normalize_weights
+                      and not algo.use_kl_in_reward and not otb)
         need_old = c.mode == "decoupled" and not inline_old
         need_ref = algo.use_kl_loss or algo.use_kl_in_reward
 
         # batch-wide quantities, computed with the weights of the start of the step
         old = batch.behaviour_logprobs.clone() if c.mode == "bypass" else torch.zeros_like(mask)
+        sum_pi_sq = torch.zeros_like(mask) if otb else None
         ref = torch.zeros_like(mask) if need_ref else None
         values = torch.zeros_like(mask) if self.policy.critic is not None else None
         with torch.no_grad():
@@ -129,7 +146,10 @@ class Trainer:
                 self._check_abort()
                 mb = batch.rows(s)
                 w = mb.response_mask.shape[1]
-                if need_old:
+                if sum_pi_sq is not None:
+                    old[s, :w], sum_pi_sq[s, :w] = response_logprobs(
+                        self.policy.model, mb, temp, with_sum_pi_squared=True)
+                elif need_old:
                     old[s, :w] = response_logprobs(self.policy.model, mb, temp)
                 if need_ref:
                     ref[s, :w] = self.policy.reference_logprobs(mb, temp)
@@ -145,11 +165,20 @@ class Trainer:
             seq_kl = float((kl.sum(1) / mask.sum(1).clamp_min(1)).mean())
             metrics.update({"actor/reward_kl_penalty": seq_kl, "actor/reward_kl_penalty_coeff":
                             self.policy.kl_ctrl.value})
+        batch_corr = correction(algo, old, batch.behaviour_logprobs, mask) if need_old else None
+        inputs = {}  # what the chosen estimator needs beyond the rewards
+        if otb:
+            inputs = dict(old_logprobs=old, sum_pi_squared=sum_pi_sq,
+                          is_weights=batch_corr.weights if batch_corr is not None else None)
+        elif algo.adv_estimator == "gdpo":
+            components = reward_components(groups, algo.gdpo_reward_keys).to(mask.device)
+            inputs = dict(reward_components=components,
+                          reward_weights=algo.gdpo_reward_weights or None)
+            metrics.update(_gdpo_metrics(algo.gdpo_reward_keys, components))
         advantages, returns = compute_advantages(
             algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
-            norm_adv_by_std=algo.norm_adv_by_std_in_grpo)
-        batch_corr = correction(algo, old, batch.behaviour_logprobs, mask) if need_old else None
+            norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
 
         # optimizer updates: mini-batches hold whole groups
         groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
@@ -159,8 +188,8 @@ class Trainer:
         sums: dict[str, float] = {}
         tokens_seen = 0.0
         grad_norms, critic_sums = [], {}
-        old_seen = torch.zeros_like(mask)  # the proximal log-probs used, for the metrics
-        current = torch.zeros_like(mask) if trace is not None else None
+        old_seen = torch.zeros_like(mask)  # the PPO old log-probs used
+        current = torch.zeros_like(mask)  # π_θ in the first epoch's forward passes
         for epoch in range(cfg.ppo_epochs):
             for lo, hi in bounds:
                 keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
@@ -179,7 +208,7 @@ class Trainer:
                         corr = (correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
                                 if batch_corr is None else _rows(batch_corr, s, w))
                     old_seen[s, :w] = old_mb
-                    if current is not None and epoch == 0:
+                    if epoch == 0:
                         current[s, :w] = lp.detach()
                     loss, m = micro_batch_loss(
                         algo, lp, entropy, mb, advantages[s, :w], old_mb, corr,
@@ -214,10 +243,9 @@ class Trainer:
             self.policy.kl_ctrl.update(seq_kl, N)
 
         metrics.update({k: v / max(tokens_seen, 1.0) for k, v in {**sums, **critic_sums}.items()})
-        final = correction(algo, old_seen, batch.behaviour_logprobs, mask)
+        probe, final, weights = self._final_correction(batch, old_seen, current)
         metrics.update(final.metrics)
-        weights = final.weights if final.weights is not None else final.keep
-        metrics.update(mismatch_metrics(old_seen, batch.behaviour_logprobs, final.keep, weights))
+        metrics.update(weight_metrics(probe, batch.behaviour_logprobs, final.keep, weights))
         metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]
@@ -238,11 +266,36 @@ class Trainer:
             metrics["critic/values/mean"] = float(values[mask.bool()].mean())
             metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())
         if trace is not None:
-            assert current is not None  # filled in the first epoch whenever a trace is asked
             trace.update(input_ids=batch.input_ids, mask=mask, keep=final.keep,
                          advantages=advantages, behaviour_logprobs=batch.behaviour_logprobs,
                          old_logprobs=old_seen, current_logprobs=current, is_weights=weights)
         return metrics
+
+    def _final_correction(self, batch: RolloutBatch, old_seen: torch.Tensor,
+                          current: torch.Tensor):
+        """The step's correction over the whole batch, whose metrics are the step's
+        ``rollout_corr/``: μ against π_old (decoupled) or against π_θ of the first epoch's
+        forward passes (bypass, where the loss compares with π_θ). Returns the log-probs μ was
+        compared with, ``kernels.rollout_corr.RolloutCorrection``, and the weights the loss
+        applied (the kept mask where it applied none)."""
+        algo = self.algo
+        bypass = algo.correction.mode == "bypass"
+        probe = current if bypass else old_seen
+        out = rollout_correction(probe, batch.behaviour_logprobs, batch.response_mask,
+                                 **correction_options(algo))
+        applied = not bypass or (algo.policy_loss == "bypass_mode"
+                                 and algo.correction.loss_type == "reinforce")
+        return probe, out, out.weights if applied and out.weights is not None else out.keep
+
+
+def _gdpo_metrics(keys: list[str], components: torch.Tensor) -> dict[str, float]:
+    """verl's ``gdpo/{key}/mean|std|max|min`` of each reward component (K, N), std population."""
+    out = {}
+    for key, values in zip(keys, components, strict=True):
+        out.update({f"gdpo/{key}/mean": float(values.mean()),
+                    f"gdpo/{key}/std": float(values.std(correction=0)),
+                    f"gdpo/{key}/max": float(values.max()), f"gdpo/{key}/min": float(values.min())})
+    return out
 
 
 def _rows(corr: Correction, s: slice, width: int) -> Correction:

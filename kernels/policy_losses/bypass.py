@@ -30,7 +30,7 @@ def bypass_mode_loss(
     norm_constant: float | None = None,
     loss_type: str = "ppo_clip",
     rollout_is: str | None = None,
-    rollout_is_threshold: str | float = 2.0,
+    rollout_is_threshold: str | float | tuple[float, float] = 2.0,
     rollout_is_batch_normalize: bool = False,
     rollout_rs: str | Sequence[RejectionRule] | None = None,
     rollout_rs_threshold: str | float | None = None,

@@ -16,11 +16,14 @@ from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
     DATASET_SUFFIXES,
+    OPTIMAL_TOKEN_BASELINES,
     ActorCommon,
+    AlgorithmConfig,
     ConfigError,
     DatasetConfig,
     Topology,
 )
+from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
 
 def check(topology: Topology) -> None:
@@ -40,15 +43,11 @@ def check(topology: Topology) -> None:
     a = topology.algorithm
     need(a.n >= 1, "algorithm.n", "must be >= 1")
     need(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
-    need(a.correction.is_cap > 0, "algorithm.correction.is_cap", "must be > 0")
-    for i, rule in enumerate(a.correction.rejection):
-        need(rule.low is not None or rule.high is not None, f"algorithm.correction.rejection[{i}]",
-             "needs a low or a high bound")
-        need(rule.low is None or rule.high is None or rule.low <= rule.high,
-             f"algorithm.correction.rejection[{i}]", "needs low <= high")
-        need(not (rule.statistic == "geo_mean" and rule.level == "token"),
-             f"algorithm.correction.rejection[{i}].level", "geo_mean is a sequence statistic")
-    need(0 <= a.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)")
+    _check_correction(a, need)
+    _check_losses(a, need)
+    need(a.clip_ratio_low >= 0, "algorithm.clip_ratio_low", "must be >= 0")
+    need(a.clip_ratio_low < 1 or a.policy_loss in ("geo_mean", "dppo_tv", "dppo_kl"),
+         "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss!r}")
     need(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
     need(0 <= a.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
@@ -142,6 +141,77 @@ def check(topology: Topology) -> None:
          "needs security.curve = true")
     need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
          "must be a 40-character Z85 public key")
+
+
+def _check_correction(a: AlgorithmConfig, need: Any) -> None:
+    c = a.correction
+    key = "algorithm.correction"
+    need(math.isfinite(c.is_cap) and c.is_cap > 0, f"{key}.is_cap", "must be > 0")
+    need(c.is_low is None or 0 < c.is_low <= c.is_cap, f"{key}.is_low",
+         f"must be in (0, is_cap = {c.is_cap}]")
+    need(c.is_low is None or c.is_level != "none", f"{key}.is_low",
+         "an IcePop band needs IS weights: set is_level to token or sequence")
+    names: dict[str, str] = {}
+    for i, r in enumerate(c.rejection):
+        try:
+            rule = rollout_options.RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce)
+        except ValueError as exc:
+            raise ConfigError(f"{key}.rejection[{i}]: {exc}") from None
+        need(rule.name not in names, f"{key}.rejection[{i}]",
+             f"a second rule for {rule.name} (after {names.get(rule.name)}); merge their bounds")
+        names[rule.name] = f"{key}.rejection[{i}]"
+    need(bool(c.rollout_rs) or c.rollout_rs_threshold == "", f"{key}.rollout_rs_threshold",
+         "is set but rollout_rs is empty")
+    if c.rollout_rs:
+        need(c.rollout_rs_threshold != "", f"{key}.rollout_rs_threshold",
+             "rollout_rs needs its thresholds (verl has no default)")
+        try:
+            presets = rollout_options.parse_rs_preset(c.rollout_rs, c.rollout_rs_threshold)
+        except ValueError as exc:
+            raise ConfigError(f"{key}.rollout_rs: {exc}") from None
+        for rule in presets:
+            need(rule.name not in names, f"{key}.rollout_rs",
+                 f"{rule.name} is already a rule of {names.get(rule.name)}")
+            names[rule.name] = f"{key}.rollout_rs"
+    if c.mode == "bypass":
+        need(a.policy_loss == "bypass_mode" or not names, f"{key}.rejection",
+             "in bypass mode there is no π_old to compare μ with: rejection acts only with "
+             "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
+        need(a.adv_estimator not in OPTIMAL_TOKEN_BASELINES, "algorithm.adv_estimator",
+             f"{a.adv_estimator} needs π_old's forward pass (sum_pi_squared), which bypass mode "
+             "skips (verl: the same); use correction.mode = \"decoupled\"")
+    need(a.policy_loss != "bypass_mode" or c.mode == "bypass", "algorithm.policy_loss",
+         "bypass_mode takes the behaviour log-probs as the old log-probs: set "
+         "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = true)")
+
+
+def _check_losses(a: AlgorithmConfig, need: Any) -> None:
+    """The options of the estimators and losses chosen (the others are not read)."""
+    if a.adv_estimator == "gdpo":
+        need(bool(a.gdpo_reward_keys), "algorithm.gdpo_reward_keys",
+             "gdpo needs the reward components: keys of the scorer's result dict, e.g. "
+             "[\"format_reward\", \"accuracy_reward\"]")
+        need(len(set(a.gdpo_reward_keys)) == len(a.gdpo_reward_keys),
+             "algorithm.gdpo_reward_keys", "has a key twice")
+        need(not a.gdpo_reward_weights or len(a.gdpo_reward_weights) == len(a.gdpo_reward_keys),
+             "algorithm.gdpo_reward_weights",
+             f"needs one weight per key ({len(a.gdpo_reward_keys)}), or none (all 1.0)")
+        need(all(math.isfinite(w) for w in a.gdpo_reward_weights),
+             "algorithm.gdpo_reward_weights", "must be finite")
+    match a.policy_loss:
+        case "sapo":
+            need(a.tau_pos > 0, "algorithm.tau_pos", "must be > 0")
+            need(a.tau_neg > 0, "algorithm.tau_neg", "must be > 0")
+        case "clip_cov":
+            need(0 < a.clip_cov_ratio <= 1, "algorithm.clip_cov_ratio", "must be in (0, 1]")
+            need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_ub",
+                 f"must be > clip_cov_lb = {a.clip_cov_lb}")
+        case "kl_cov":
+            need(0 < a.kl_cov_ratio <= 1, "algorithm.kl_cov_ratio", "must be in (0, 1]")
+            need(a.ppo_kl_coef >= 0, "algorithm.ppo_kl_coef", "must be >= 0")
+        case "dro":
+            need(a.dro_beta is not None and a.dro_beta > 0, "algorithm.dro_beta",
+                 "dro needs dro_beta > 0 (verl has no default)")
 
 
 def _dataset_columns(path: Path) -> set[str]:
