@@ -33,6 +33,11 @@ Deliberate differences (each also in the docstring of the kernel concerned):
 7. GMPO (``geo_mean``) divides by ``seq_count`` when given (the mini-batch's row count, so
    micro-batch losses add up to the mini-batch's); verl ignores its global batch info and
    always takes the micro-batch's row mean. Compared without ``seq_count``.
+
+Not a difference, by choice (issue 13): verl's k1 rejection thresholds (``token_k1``,
+``seq_sum_k1``, ``seq_mean_k1`` with ``"lower_upper"``) bound ``exp(k1) = 1/rho`` in its code,
+while its documentation calls them ratio bounds. Ours follow the code (``parse_rs_preset``) and
+are compared with it, asymmetric bands such as ``"0.8_1.5"`` included.
 """
 
 from __future__ import annotations
