@@ -173,7 +173,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if kind == 1:
         raise RuntimeError("the judge is down")
     if kind == 2:
-        hoard = []
+        hoard = [bytearray(1 << 30)]  # past reward.memory_mb at once: no race with the timeout
         while True:
             hoard.append(bytearray(64 << 20))
     return repeat_letter_score(data_source, solution_str, ground_truth, extra_info)
