@@ -123,24 +123,25 @@ class ChildPool:
                 child = await self._take()
             except ChildDied as exc:
                 self._crashes += 1
-                return [Outcome(error=str(exc))] * n
+                return [Outcome(error=str(exc), failure="crash")] * n
             healthy = False
             try:
                 with anyio.move_on_after(self.timeout_s):
                     reply = await child.request(call)
                     if not isinstance(reply, Outcomes) or len(reply.outcomes) != n:
-                        return [Outcome(error="child answered out of protocol; replaced")] * n
+                        return [Outcome(error="child answered out of protocol; replaced",
+                                        failure="crash")] * n
                     healthy = True
                     return reply.outcomes
                 self._timeouts += 1
                 return [Outcome(error=f"timed out after {self.timeout_s:g} s "
                                       f"({self._setup.limits_key}.timeout_s); child killed and "
-                                      "replaced")] * n
+                                      "replaced", failure="timeout")] * n
             except ChildDied:
                 self._crashes += 1
                 returncode = await self._reap(child)
                 return [Outcome(error=f"{_death(returncode, self._setup)} while "
-                                      "running; replaced")] * n
+                                      "running; replaced", failure="crash")] * n
             finally:
                 if healthy:
                     self._idle.append(child)
