@@ -53,7 +53,8 @@ class EnvHost:
                  FunctionSpec(module=TOOLS_MODULE, name="env_step", returns="step"),
                  FunctionSpec(module=TOOLS_MODULE, name="env_close", returns="text")]
         self.lanes = [ChildPool(specs, size=1, timeout_s=cfg.tool_timeout_s,
-                                memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent")
+                                memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent",
+                              timeout_key="tool_timeout_s")
                       for _ in range(cfg.processes)]
         self._open = [0] * len(self.lanes)  # episodes open per lane
         self._ids = itertools.count()

@@ -242,8 +242,12 @@ class AgentLoop:
                 if alone:
                     break
                 last = turn == self.cfg.max_turns - 1
-                answers = await (self._tools(text) if env is None else
-                                 self._step(env, t, text))
+                if env is None:
+                    if last:  # a call made in the last turn is not run
+                        break
+                    answers = await self._tools(text)
+                else:  # the last action is still stepped: its reward counts
+                    answers = await self._step(env, t, text)
                 if not answers or last:
                     break
                 finish = self._observe(t, answers, int(g.token_ids[-1]), budget)

@@ -93,7 +93,8 @@ class ToolBox:
             self._describe.append({"path": tool.path, "module": module, "name": function,
                                    "tool": name})
         self.pool = ChildPool(specs, size=cfg.processes, timeout_s=cfg.tool_timeout_s,
-                              memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent")
+                              memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent",
+                              timeout_key="tool_timeout_s")
         self.schemas: list[dict[str, Any]] = []
         self._calls = self._errors = 0
 
