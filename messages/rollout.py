@@ -43,7 +43,9 @@ class Turn(msgspec.Struct, array_like=True, gc=False, frozen=True, omit_defaults
 
     An ``assistant`` span is the model's own tokens (loss mask 1); a ``tool`` span is the
     rendered result of one tool call and a ``user`` span an environment's observation (loss mask
-    0 on both, template tokens around the result included). Spans tile the response in order.
+    0 on both, template tokens around the result included). Spans tile the response in order;
+    an environment's last observation (the episode is done) and a failed reset are ``user``
+    spans with no tokens (``start == end``): recorded, never shown to the model.
     """
 
     role: str  # "assistant", "tool" or "user"

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
+from actors.learner.turns import agent_metrics
 from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.tensors import to_wire
 from actors.sampler.agent.loop import AgentLoop
 from actors.sampler.agent.parsers import Hermes, Xml
 from actors.sampler.agent.render import Renderer, cut_middle
@@ -31,11 +33,11 @@ from actors.sandbox.tools import calculator, schema_of
 from actors.scoring.items import items_of
 from actors.scoring.rules import calculator_score
 from messages.reward import Response, ScoreRequest
-from messages.rollout import ChatMessage, Prompt, SamplingParams
+from messages.rollout import ChatMessage, Prompt, Sample, SamplingParams, ScoredGroup
 from tests.tiny_model import build_tiny_model
 
-WORDS = ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", "*", "/", "_", "<lookup>",
-         "</lookup>")
+WORDS = ("<tool_call>", "</tool_call>", "{", "}", '"', ":", ",", "*", "/", "_", "(", ")",
+         "<lookup>", "</lookup>")
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
 EOS = "<|im_end|>"
 
@@ -323,7 +325,10 @@ async def test_max_turns_leaves_the_last_call_unrun(tok):
 BAD_CALLS = {
     "json": ("<tool_call>{oops}</tool_call>", "parse", "the tool call is not valid JSON"),
     "unknown": ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "unknown_tool",
-                "unknown tool 'nope'; the tools are calculator, lookup"),
+                "unknown tool 'nope'; the tools are calculator, lookup, python"),
+    "program_fails": ('<tool_call>{"name": "python", "arguments": {"code": "print(x)"}}'
+                      "</tool_call>", "raised",
+                      "RuntimeError: exit status 1: NameError: name 'x' is not defined"),
     "arguments": ('<tool_call>{"name": "lookup", "arguments": {"q": "x"}}</tool_call>',
                   "arguments", "lookup: missing argument(s) query"),
     "raises": ('<tool_call>{"name": "lookup", "arguments": {"query": "raise"}}</tool_call>',
@@ -340,8 +345,8 @@ BAD_CALLS = {
 @pytest.mark.anyio
 async def test_every_kind_of_failure_is_an_answer_the_model_reads(tok, tools_file):
     cfg = agent_config("agent.tools=[{builtin='calculator'}, "
-                       f"{{path='{tools_file}', name='lookup'}}]", "agent.tool_timeout_s=1",
-                       "agent.processes=2")
+                       f"{{path='{tools_file}', name='lookup'}}, {{builtin='python'}}]",
+                       "agent.tool_timeout_s=1", "agent.processes=2")
     bad = {p: call for p, (call, _, _) in BAD_CALLS.items()}
 
     def script(context: str) -> str:
@@ -363,13 +368,19 @@ async def test_every_kind_of_failure_is_an_answer_the_model_reads(tok, tools_fil
         assert g.turns[2].content == "sorry" and g.finish_reason == "stop"
     stats = loop.statistics()
     assert (stats["tool_calls"], stats["tool_errors"], stats["tool_timeouts"],
-            stats["tool_crashes"]) == (7, 7, 1, 1)
+            stats["tool_crashes"]) == (8, 8, 1, 1)
     # a tool's value that is not a string comes back as JSON
     cfg = agent_config(f"agent.tools=[{{path='{tools_file}', name='lookup', kwargs={{limit=9}}}}]")
     call = '<tool_call>{"name": "lookup", "arguments": {"query": "cat"}}</tool_call>'
     _, _, ((g,),) = await run_loop(tok, ScriptedEngine(
         tok, lambda c: "ok" + EOS if "tool\n" in c else call), cfg, [prompt()], n=1)
     assert json.loads(g.turns[1].content) == {"word": "cat", "limit": 9}
+    # a program that runs: what it printed (in its own interpreter, through the child)
+    cfg = agent_config("agent.tools=[{builtin='python'}]")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    _, _, ((g,),) = await run_loop(tok, ScriptedEngine(
+        tok, lambda c: "ok" + EOS if "tool\n" in c else call), cfg, [prompt()], n=1)
+    assert (g.turns[1].content, g.turns[1].error) == ("42\n", "")
 
 
 @pytest.mark.anyio
@@ -411,11 +422,12 @@ async def test_environment_episodes(tok, tools_file):
                prompt("raise", "x")]
     loop, _, out = await run_loop(tok, ScriptedEngine(tok, script), cfg, prompts, n=1)
     (plain,), (talk,), (broken,), (raising,) = out
-    assert [t.role for t in plain.turns] == ["assistant", "user", "assistant"]
-    assert [t.reward for t in plain.turns] == [2.0, None, 2.0] and plain.env_reward == 4.0
-    assert plain.turns[1].content == "n is 1"
+    assert [t.role for t in plain.turns] == ["assistant", "user", "assistant", "user"]
+    assert [t.reward for t in plain.turns] == [2.0, None, 2.0, None] and plain.env_reward == 4.0
+    assert plain.turns[1].content == "n is 1" and plain.turns[3].content == "n is 2"
+    assert plain.turns[3].start == plain.turns[3].end == len(plain.token_ids)  # never read
     # a first observation comes after an empty model turn, as tokens the model did not write
-    assert [t.role for t in talk.turns] == ["user", "assistant", "user", "assistant"]
+    assert [t.role for t in talk.turns] == ["user"] + ["assistant", "user"] * 2
     assert talk.turns[0].start == 0 and talk.turns[0].content == "count with me"
     assert talk.loss_mask[:talk.turns[0].end].tolist() == [0] * talk.turns[0].end
     # a reset that fails: recorded, and the model answers once without its environment
@@ -423,9 +435,16 @@ async def test_environment_episodes(tok, tools_file):
     assert broken.turns[0].error == "RuntimeError: no reset today" and broken.env_reward == 0.0
     # a step that raises is an answer; the episode goes on
     assert raising.turns[1].error == "ValueError: bad action" and raising.turns[1].failure == "raised"
-    assert [t.role for t in raising.turns] == ["assistant", "user"] * 2 + ["assistant"]
+    assert [t.role for t in raising.turns] == ["assistant", "user"] * 3
     assert raising.env_reward == 4.0  # two steps of "1 1" after the failed one
     assert loop.statistics() == {"env_steps": 7, "env_errors": 1}
+    # the learner's metrics count every step (the last one too) and no reset
+    samples = [Sample(to_wire(g.token_ids), to_wire(g.logprobs), g.version, "", g.finish_reason,
+                      turns=g.turns) for (g,) in out]
+    m = agent_metrics([ScoredGroup(prompts[0], to_wire(torch.tensor([1], dtype=torch.int32)),
+                                   samples, "s")])
+    assert (m["agent/tool_calls"], m["agent/tool_errors"]) == (7.0, 1.0)
+    assert m["agent/num_turns/max"] == 3.0 and m["agent/tool_call_share"] == 0.75
     assert not loop.env_reward_only
     assert agent_config(*base, "agent.env.reward=replace").env.reward == "replace"
 
@@ -466,7 +485,6 @@ async def test_a_tool_that_does_not_load_stops_the_sampler_at_start(tok, tmp_pat
 
 
 def test_old_samples_decode_without_turns():
-    from messages.rollout import Sample
     from tests.helpers import multi_turn_group, sample_tensor
 
     old = msgspec.msgpack.encode([sample_tensor(), sample_tensor("float32", (0.0, 0.0, 0.0)), 1,
@@ -489,9 +507,11 @@ def test_the_hf_engine_ends_at_a_stop_string_when_padding_is_eos(model):
     assert engine._length(torch.tensor(ids), ("zz",)) == (len(ids), "length")
 
 
-def test_python_tool_runs_in_a_fresh_namespace():
+def test_python_tool_runs_a_new_interpreter_each_call():
     from actors.sandbox.tools import python
 
-    assert python("x = 3\nprint(x * 2)\nx + 1") == "6\n4\n"
-    with pytest.raises(NameError):
+    assert python("x = 3\nprint(x * 2)") == "6\n"
+    with pytest.raises(RuntimeError, match="^exit status 1: NameError: name 'x' is not defined$"):
         python("print(x)")
+    with pytest.raises(TimeoutError, match="more than 0.5 s"):
+        python("while True: pass", timeout_s=0.5)

@@ -7,9 +7,10 @@ numbers and flags that come back in ``Outcome``s.
 
 - ``calculator(expression)``: exact arithmetic on integers and decimals (``+ - * / // % **``,
   parentheses), evaluated from the parsed expression tree, never by ``eval``.
-- ``python(code)``: runs ``code`` with ``exec`` in a fresh namespace and returns what it printed
-  (and the value of a last bare expression). Only the child's limits contain it: it can read
-  files and open sockets the sampler's user can.
+- ``python(code)``: runs ``code`` in a new interpreter (``python -I -c``, its own process, in an
+  empty temporary directory, under the child's limits) and returns what it printed; a program
+  that fails is an error with the last line of its traceback. Only those limits contain it: it can
+  read files and open sockets the sampler's user can.
 - ``describe(path, module, name)``: the tool's JSON schema (OpenAI function format) from its
   signature, type hints and docstring.
 - ``env_reset`` / ``env_step`` / ``env_close``: one environment object per episode, kept in
@@ -20,15 +21,17 @@ numbers and flags that come back in ``Outcome``s.
 from __future__ import annotations
 
 import ast
-import contextlib
+import ctypes
 import importlib
 import importlib.util
 import inspect
-import io
 import json
 import operator
 import re
+import signal
+import subprocess
 import sys
+import tempfile
 import types
 import typing
 from fractions import Fraction
@@ -95,24 +98,30 @@ def calculator(expression: str) -> str:
     return decimal if abs(value) < 1e15 else repr(float(value))
 
 
-def python(code: str) -> str:
-    """Run Python code and return what it prints (and the value of a last bare expression).
+def _die_with_parent() -> None:
+    """In the program's process: the kernel kills it when its child process dies (the worker
+    kills that child at the call's timeout), so no program outlives its call."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def python(code: str, timeout_s: float = 60.0) -> str:
+    """Run a Python program and return what it printed.
 
     Args:
-        code: the program; each call starts from a fresh namespace.
+        code: the program; each call runs in a new interpreter, so nothing carries over.
     """
-    tree = ast.parse(code, mode="exec")
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    assert last is None or isinstance(last, ast.Expr)
-    namespace: dict[str, Any] = {"__name__": "__main__"}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(tree, "<tool>", "exec"), namespace)
-        if last is not None:
-            value = eval(compile(ast.Expression(last.value), "<tool>", "eval"), namespace)
-            if value is not None:
-                print(repr(value))
-    return out.getvalue()
+    with tempfile.TemporaryDirectory(prefix="flowrl-python-") as cwd:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, text=True,
+                                  capture_output=True, stdin=subprocess.DEVNULL,
+                                  timeout=timeout_s, preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the program ran for more than {timeout_s:g} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()  # a traceback's last line says what failed
+        raise RuntimeError(f"exit status {done.returncode}: {lines[-1] if lines else ''}")
+    return done.stdout
 
 
 BUILTIN_TOOLS = ("calculator", "python")  # functions of this module, by the tool's name

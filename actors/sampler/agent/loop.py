@@ -216,7 +216,6 @@ class AgentLoop:
                       budget: int) -> AgentGeneration:
         t = Transcript()
         env = self.env.episode() if self.env is not None else None
-        env_reward = 0.0 if env is not None else None
         finish = "stop"
         alone = False  # the environment failed to reset: the model answers without it
         try:
@@ -250,13 +249,14 @@ class AgentLoop:
                     answers = await self._step(env, t, text)
                 if not answers or last:
                     break
-                finish = self._observe(t, answers, int(g.token_ids[-1]), budget)
+                ended = int(g.token_ids[-1]) if len(g.token_ids) else -1
+                finish = self._observe(t, answers, ended, budget)
         finally:
             if env is not None:
                 with anyio.CancelScope(shield=True):
                     await env.close()
-        if env is not None and env_reward is not None:
-            env_reward = sum(x.reward or 0.0 for x in t.turns if x.role == "assistant")
+        env_reward = None if env is None else sum(
+            x.reward or 0.0 for x in t.turns if x.role == "assistant")
         return t.generation(finish, self.engine.version, env_reward)
 
     def _observe(self, t: Transcript, answers: list[tuple[str, Turn]], last_token: int,
@@ -293,14 +293,12 @@ class AgentLoop:
         """The environment's answer to the turn (none when the episode is done)."""
         step = await env.step(text)
         t.turns[-1] = replace(t.turns[-1], reward=step.reward)
-        if step.done:
-            if step.error:  # recorded, with no tokens: the episode ended on it
-                t.turns.append(Turn("user", len(t.ids), len(t.ids), content=step.text,
-                                    error=step.error, failure=step.failure,
-                                    latency_s=step.latency_s))
+        answer = Turn("user", len(t.ids), len(t.ids), content=step.text, error=step.error,
+                      failure=step.failure, latency_s=step.latency_s)
+        if step.done:  # recorded with no tokens: the model never reads the last observation
+            t.turns.append(answer)
             return []
-        return [(step.text, Turn("user", 0, 0, error=step.error, failure=step.failure,
-                                 latency_s=step.latency_s))]
+        return [(step.text, answer)]
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
