@@ -20,8 +20,8 @@ BUILTIN_TOOLS = ("calculator", "python")
 
 class AgentTool(_Section, frozen=True):
     builtin: str = ""
-    """A built-in tool: ``calculator`` (exact arithmetic on an expression) or ``python`` (runs
-    code in a fresh namespace, returns what it printed); set this or ``path``."""
+    """A built-in tool: ``calculator`` (exact arithmetic on an expression) or ``python`` (runs a
+    program in a new interpreter, returns what it printed); set this or ``path``."""
     path: str = ""
     """A Python file (relative to where the runner is started) holding the tool function; its
     signature, type hints and docstring make the JSON schema the model is shown."""
