@@ -515,3 +515,44 @@ def test_python_tool_runs_a_new_interpreter_each_call():
         python("print(x)")
     with pytest.raises(TimeoutError, match="more than 0.5 s"):
         python("while True: pass", timeout_s=0.5)
+
+
+@pytest.mark.anyio
+async def test_environment_rewards_replace_or_add_to_the_scorers(tok):
+    from types import SimpleNamespace
+
+    from actors.sampler.agent.loop import AgentGeneration
+    from actors.sampler.rollout import Generated, Rollout
+    from messages.reward import ScoreReply, ScoreResult
+    from messages.rollout import Turn
+
+    ids = torch.tensor([5, 6, 7], dtype=torch.int32)
+    gen = AgentGeneration(ids, torch.zeros(3), torch.zeros(3, dtype=torch.int32),
+                          torch.tensor([1, 0, 1], dtype=torch.int8), "stop", 0,
+                          turns=[Turn("assistant", 0, 1, reward=2.5), Turn("user", 1, 2),
+                                 Turn("assistant", 2, 3)], env_reward=2.5)
+    done = Generated(prompt(), [1, 2], [gen, gen], None, 0.1)
+
+    class Scoring:
+        attempts, timeout_s = 1, 1.0
+
+        def __init__(self, results):
+            self.results, self.requests = results, []
+
+        async def score(self, request):
+            self.requests.append(request)
+            return ScoreReply(self.results)
+
+    def rollout(scoring, replace_only: bool) -> Rollout:
+        agent = SimpleNamespace(env_reward_only=replace_only)
+        return Rollout(None, tok, scoring, params=SamplingParams(), n=2, greedy_baseline=False,
+                       sampler="s", agent=agent)
+
+    unused = Scoring([])
+    group = await rollout(unused, True).score_group(done)  # replace: no scoring request at all
+    assert [s.reward for s in group.samples] == [2.5, 2.5] and not unused.requests
+    assert group.samples[0].turns == gen.turns and group.samples[0].loss_mask is not None
+    scoring = Scoring([ScoreResult(1.0), ScoreResult(0.0, error="boom")])
+    group = await rollout(scoring, False).score_group(done)  # add: the scorer's plus the env's
+    assert [s.reward for s in group.samples] == [3.5, 0.0]  # a failed scoring stays 0
+    assert scoring.requests[0].responses[0].turns == gen.turns
