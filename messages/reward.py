@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.rollout import ChatMessage
+from messages.rollout import ChatMessage, Turn
 
 
 class Response(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -17,6 +17,8 @@ class Response(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
     solution_str: str  # verl ``compute_score``'s solution_str: the decoded response
     length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
+    turns: list[Turn] = []  # a multi-turn response's spans (scorers get them in
+    # ``extra_info["turns"]``); empty for one model turn
 
 
 class ScoreRequest(msgspec.Struct, tag=True, gc=False):

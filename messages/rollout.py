@@ -38,6 +38,30 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, omi
     stop: tuple[str, ...] = ()  # stop strings besides EOS
 
 
+class Turn(msgspec.Struct, array_like=True, gc=False, frozen=True, omit_defaults=True):
+    """One span of a multi-turn response: tokens ``[start, end)`` of ``Sample.response_ids``.
+
+    An ``assistant`` span is the model's own tokens (loss mask 1); a ``tool`` span is the
+    rendered result of one tool call and a ``user`` span an environment's observation (loss mask
+    0 on both, template tokens around the result included). Spans tile the response in order;
+    an environment's last observation (the episode is done) and a failed reset are ``user``
+    spans with no tokens (``start == end``): recorded, never shown to the model.
+    """
+
+    role: str  # "assistant", "tool" or "user"
+    start: int
+    end: int
+    content: str = ""  # assistant: the decoded tokens; tool / user: the text the tool or the
+    # environment returned (after the middle cut), as it was rendered into the span's tokens
+    name: str = ""  # tool: the tool called ("" when the call named none that parses)
+    arguments: str = ""  # tool: the call's arguments as JSON (the raw call text if unparsable)
+    error: str = ""  # tool / user: non-empty when the call or step failed (the model read it)
+    failure: str = ""  # the kind of failure: parse, unknown_tool, arguments, raised, timeout,
+    # crash (empty when it succeeded)
+    latency_s: float = 0.0  # tool / user: seconds the call or step took
+    reward: float | None = None  # assistant: the environment's reward for this turn's action
+
+
 class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One completion of a prompt with everything the learner needs to train on it.
 
@@ -58,6 +82,7 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # environment tokens (None in older recordings: all 1)
     reward_extra: dict[str, float] = {}  # the scorer's numeric extras (``ScoreResult.extra``:
     # a compute_score dict's other keys, each function's score); gdpo's reward components
+    turns: list[Turn] = []  # a multi-turn response's spans in order (empty: one model turn)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import zmq
 
 from actors.runtime.actor import ActorContext
@@ -48,6 +49,7 @@ from messages.rollout import (
     ScoredGroup,
     ToReplay,
     TrainBatch,
+    Turn,
     VersionUpdate,
 )
 from messages.routing import (
@@ -90,6 +92,21 @@ def sample_group():
                                                stop=("\n\n",)))
 
 
+def multi_turn_group() -> ScoredGroup:
+    """A group whose sample called a tool: a model turn, the tool's answer (loss mask 0), and
+    the model's last turn."""
+    turns = [Turn("assistant", 0, 2, "<tool_call>"), Turn("tool", 2, 4, "3", name="calculator",
+                                                          arguments='{"expression": "1+2"}',
+                                                          latency_s=0.01),
+             Turn("assistant", 4, 5, "3")]
+    sample = Sample(sample_tensor(values=(1, 2, 3, 4, 5)),
+                    sample_tensor("float32", (-0.5, -1.0, 0.0, 0.0, -0.1)), policy_version=4,
+                    text="<tool_call>3 3", finish_reason="stop", reward=1.0,
+                    token_versions=sample_tensor("int32", (4, 4, 4, 4, 5)),
+                    loss_mask=sample_tensor("int8", (1, 1, 0, 0, 1)), turns=turns)
+    return msgspec.structs.replace(sample_group(), samples=[sample])
+
+
 def score_request(*solutions: str, data_source: str = "arithmetic", ground_truth: str = "3",
                   **fields) -> ScoreRequest:
     """One group's request: the prompt's fields once, one ``Response`` per solution."""
@@ -117,6 +134,7 @@ CASES = [
     (ToActor, Stop("because")),
     (ToReplay, PromptRequest(4, "pid-1")),
     (ToReplay, GroupsDone([sample_group()])),
+    (ToReplay, GroupsDone([multi_turn_group()])),
     (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
     (ToReplay, VersionUpdate(3)),
     (FromReplay, PromptBatch([sample_group().prompt], version=2)),
@@ -133,6 +151,8 @@ CASES = [
     (ToClient, RouterError("y")),
     (ToRewardWorker, score_request("1 + 2 = 3", "4", extra_info={"a": 1, "b": 2},
                                    prompt=[ChatMessage("user", "1 + 2")], max_response_length=32)),
+    (ToRewardWorker, ScoreRequest("calculator", "3", [Response(
+        "<tool_call>3 3", 5, multi_turn_group().samples[0].turns)])),
     (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0})])),
     (ToLearnerWeights, WeightsPoll(-1)),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
@@ -143,7 +163,8 @@ CASES = [
     (ToChild, Call(0, [{"data_source": "d", "solution_str": "s", "ground_truth": "g",
                         "extra_info": {"k": 1}}], 1)),
     (FromChild, ChildReady(["", "SyntaxError: x"])),
-    (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0})])),
+    (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0}),
+                          Outcome(text="42"), Outcome(error="timed out", failure="timeout")])),
 ]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,25 +11,9 @@ from actors.data.chat import chat_ids
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.tensors import to_wire
-from messages.rollout import ChatMessage, Prompt, Sample, SamplingParams, ScoredGroup
-from tests.tiny_model import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-SAMPLING = SamplingParams(temperature=1.0, max_tokens=6)  # what the groups were sampled with
-
-
-def make_trainer(model: Path, run_dir: Path, *overrides: str) -> Trainer:
-    topo = decode_topology(apply_overrides({}, [f"model.path={model}", "learner.lr=1e-2",
-                                                "algorithm.n=4", "learner.groups_per_step=2",
-                                                "sampler.max_tokens=6", *overrides]))
-    return Trainer(topo, run_dir)
+from messages.rollout import ChatMessage, Prompt, Sample, ScoredGroup
+from tests.learner_cases import OPTIONS, SAMPLING, make_trainer
 
 
 def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.0,
@@ -83,8 +66,8 @@ def params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.policy.snapshot()}
 
 
-def test_is_weights_are_one_when_behaviour_is_the_policy(tiny, tmp_path):
-    t = make_trainer(tiny, tmp_path)
+def test_is_weights_are_one_when_behaviour_is_the_policy(tiny_model, tmp_path):
+    t = make_trainer(tiny_model, tmp_path)
     m = t.train_step(make_groups(t))
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["rollout_corr/ess"] == pytest.approx(1.0, abs=1e-5)
@@ -122,11 +105,11 @@ MICRO_BATCH_CASES = {
 
 
 @pytest.mark.parametrize("case", list(MICRO_BATCH_CASES))
-def test_micro_batch_size_does_not_change_the_gradient(tiny, tmp_path, case):
+def test_micro_batch_size_does_not_change_the_gradient(tiny_model, tmp_path, case):
     """Losses aggregate over the whole mini-batch, so accumulation over micro-batches is exact."""
     opts = MICRO_BATCH_CASES[case]
-    a = make_trainer(tiny, tmp_path / "a", "learner.micro_batch_size=8", "learner.max_grad_norm=1e9", *opts)
-    b = make_trainer(tiny, tmp_path / "b", "learner.micro_batch_size=3", "learner.max_grad_norm=1e9", *opts)
+    a = make_trainer(tiny_model, tmp_path / "a", "learner.micro_batch_size=8", "learner.max_grad_norm=1e9", *opts)
+    b = make_trainer(tiny_model, tmp_path / "b", "learner.micro_batch_size=3", "learner.max_grad_norm=1e9", *opts)
     ga, gb = captured_gradients(a), captured_gradients(b)
     groups = make_groups(a, behaviour_offset=-0.3)
     a.train_step(groups)
@@ -136,80 +119,6 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny, tmp_path, case):
     assert scale > 1e-4 and worst < 1e-5 * scale, (worst, scale)
 
 
-OPTIONS = {
-    "grpo": [],
-    "dr_grpo": ["algorithm.adv_estimator=dr_grpo"],
-    "rloo": ["algorithm.adv_estimator=rloo"],
-    "reinforce_pp": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.9"],
-    "reinforce_pp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
-    "remax": ["algorithm.adv_estimator=remax"],
-    "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.9"],
-    "opo": ["algorithm.adv_estimator=opo"],
-    "passk": ["algorithm.adv_estimator=grpo_passk"],
-    "gspo": ["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean",
-             "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004"],
-    "reinforce": ["algorithm.policy_loss=reinforce"],
-    "cispo": ["algorithm.policy_loss=cispo", "algorithm.clip_ratio_high=4.0"],
-    "dapo_clip_higher": ["algorithm.clip_ratio_high=0.28", "algorithm.clip_ratio_c=0"],
-    "seq_sum_norm": ["algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
-    "seq_token_sum": ["algorithm.loss_agg_mode=seq-mean-token-sum"],
-    "kl_loss": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_type=k3"],
-    "kl_in_reward_adaptive": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"],
-    "entropy": ["algorithm.entropy_coeff=0.01"],
-    "bypass": ["algorithm.correction.mode=bypass"],
-    "seq_is": ["algorithm.correction.is_level=sequence", "algorithm.correction.normalize_weights=true"],
-    "rejection": ["algorithm.correction.rejection=[{statistic='geo_mean', level='sequence', low=0.5, high=2.0}, {statistic='k3', level='token', high=0.5}]"],
-    "epochs_minibatches": ["learner.ppo_epochs=2", "learner.ppo_mini_batches=2"],
-    "cosine_warmup": ["learner.lr_scheduler=cosine", "learner.warmup_steps=1"],
-    "grad_ckpt": ["learner.gradient_checkpointing=true"],
-    "lora": ["learner.lora.rank=4", "algorithm.use_kl_loss=true"],
-    # issue 13: every name verl 0.9.1 has beyond the above
-    "gpg": ["algorithm.adv_estimator=gpg", "algorithm.policy_loss=gpg"],
-    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
-    "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",
-                                   "algorithm.correction.is_level=sequence"],
-    "gdpo": ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
-             "algorithm.gdpo_reward_weights=[0.5, 1.0]"],
-    # on-policy these losses have PPO's gradient: a second epoch makes the step off-policy
-    "sapo": ["algorithm.policy_loss=sapo", "algorithm.loss_agg_mode=seq-mean-token-mean",
-             "algorithm.tau_pos=1.0", "algorithm.tau_neg=1.05", "learner.ppo_epochs=2"],
-    "geo_mean": ["algorithm.policy_loss=geo_mean", "algorithm.clip_ratio_low=0.4",
-                 "algorithm.clip_ratio_high=0.4", "learner.micro_batch_size=3"],
-    "clip_cov": ["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0.2",
-                 "algorithm.clip_cov_lb=-10.0", "algorithm.clip_cov_ub=10.0",
-                 "learner.ppo_epochs=2"],
-    "kl_cov": ["algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.2",
-               "algorithm.ppo_kl_coef=0.1", "learner.ppo_epochs=2"],
-    "dppo_tv": ["algorithm.policy_loss=dppo_tv", "algorithm.clip_ratio_low=0.01",
-                "algorithm.clip_ratio_high=0.01", "learner.ppo_epochs=2"],
-    "dppo_kl": ["algorithm.policy_loss=dppo_kl", "algorithm.clip_ratio_c=0",
-                "algorithm.clip_ratio_low=0.001", "algorithm.clip_ratio_high=0.001",
-                "learner.ppo_epochs=2"],
-    "dro": ["algorithm.policy_loss=dro", "algorithm.dro_beta=0.1", "learner.ppo_epochs=2"],
-    "bypass_mode_ppo_clip": ["algorithm.correction.mode=bypass", "algorithm.policy_loss=bypass_mode",
-                             "algorithm.correction.rollout_rs=token_k1,seq_max_k3",
-                             "algorithm.correction.rollout_rs_threshold='0.1_10.0,5.0'"],
-    "bypass_mode_reinforce": ["algorithm.correction.mode=bypass",
-                              "algorithm.policy_loss=bypass_mode",
-                              "algorithm.correction.loss_type=reinforce",
-                              "algorithm.correction.is_level=sequence",
-                              "algorithm.correction.normalize_weights=true"],
-    "kl_plus": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_type=k3+",
-                "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl+"],
-    "token_sum": ["algorithm.loss_agg_mode=token-sum", "learner.lr=1e-4"],
-    "rejection_seq_sum_max": ["algorithm.correction.rejection=[{statistic='k2', level='sequence', high=5.0, reduce='sum'}, {statistic='k3', level='sequence', high=5.0, reduce='max'}]"],
-    "rollout_rs_strings": ["algorithm.correction.rollout_rs=seq_sum_k2,seq_max_k2,seq_sum_k3,seq_max_k3",
-                           "algorithm.correction.rollout_rs_threshold=5.0"],
-    "icepop": ["algorithm.correction.is_low=0.5", "algorithm.correction.is_cap=2.0"],
-    "icepop_sequence_rejection": ["algorithm.correction.is_level=sequence",
-                                  "algorithm.correction.is_low=0.1",
-                                  "algorithm.correction.is_cap=10.0",
-                                  "algorithm.correction.rejection=[{statistic='k3', level='token', high=0.5}]"],
-}
-
-
-# Proof that an option reaches the step: a metric only it produces, or else a gradient that
-# differs from the default algorithm's on the same batch with the same [learner] settings.
 REACHES = {
     "gdpo": "gdpo/format/mean",
     "bypass_mode_ppo_clip": "rollout_corr/rollout_rs_token_k1_mean",
@@ -223,13 +132,13 @@ NEW_NAMES = list(OPTIONS)[list(OPTIONS).index("gpg"):]
 
 
 @pytest.fixture(scope="module")
-def default_step(tiny, tmp_path_factory):
+def default_step(tiny_model, tmp_path_factory):
     """The metrics of the default algorithm's step with the given [learner] overrides."""
     done: dict[tuple[str, ...], dict[str, float]] = {}
 
     def run(*learner: str) -> dict[str, float]:
         if learner not in done:
-            t = make_trainer(tiny, tmp_path_factory.mktemp("default"), *learner)
+            t = make_trainer(tiny_model, tmp_path_factory.mktemp("default"), *learner)
             done[learner] = t.train_step(make_groups(t, behaviour_offset=-0.1))
         return done[learner]
 
@@ -237,8 +146,8 @@ def default_step(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_every_option_takes_a_finite_step(tiny, tmp_path, name, default_step):
-    t = make_trainer(tiny, tmp_path, *OPTIONS[name])
+def test_every_option_takes_a_finite_step(tiny_model, tmp_path, name, default_step):
+    t = make_trainer(tiny_model, tmp_path, *OPTIONS[name])
     before = params(t)
     m = t.train_step(make_groups(t, behaviour_offset=-0.1))
     bad = {k: v for k, v in m.items() if not math.isfinite(v)}
@@ -256,12 +165,12 @@ def test_every_option_takes_a_finite_step(tiny, tmp_path, name, default_step):
         assert m["actor/grad_norm"] != reference["actor/grad_norm"], "the option changed nothing"
 
 
-def test_lora_snapshot_is_the_merged_base_model(tiny, tmp_path):
-    t = make_trainer(tiny, tmp_path, "learner.lora.rank=4")
+def test_lora_snapshot_is_the_merged_base_model(tiny_model, tmp_path):
+    t = make_trainer(tiny_model, tmp_path, "learner.lora.rank=4")
     t.train_step(make_groups(t))
     snap = dict(t.policy.snapshot())
     from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(tiny)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert set(snap) == {n for n, _ in base.named_parameters()}
     x = torch.randint(3, 30, (1, 7))
     with torch.no_grad():
@@ -277,11 +186,11 @@ def test_lora_snapshot_is_the_merged_base_model(tiny, tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["algorithm.adv_estimator=gae"], ["learner.lora.rank=4"]],
                          ids=["full", "gae", "lora"])
-def test_checkpoint_resume_restores_weights_and_step(tiny, tmp_path, extra):
-    t = make_trainer(tiny, tmp_path, *extra)
+def test_checkpoint_resume_restores_weights_and_step(tiny_model, tmp_path, extra):
+    t = make_trainer(tiny_model, tmp_path, *extra)
     t.train_step(make_groups(t))
     t.policy.save_checkpoint()
-    r = make_trainer(tiny, tmp_path, *extra)
+    r = make_trainer(tiny_model, tmp_path, *extra)
     assert r.policy.step == 1 and r.policy.resumed_from is not None
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-6
@@ -297,12 +206,12 @@ def test_checkpoint_resume_restores_weights_and_step(tiny, tmp_path, extra):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
-def test_a_stop_never_leaves_half_a_step(tiny, tmp_path):
+def test_a_stop_never_leaves_half_a_step(tiny_model, tmp_path):
     """An abandoned step changes no state (β of the adaptive KL controller included); once it
     has taken an optimizer update it finishes: a stop's checkpoint is a whole step's state."""
     from actors.learner.trainer import Aborted
 
-    t = make_trainer(tiny, tmp_path, "learner.ppo_mini_batches=2", "algorithm.use_kl_in_reward=true",
+    t = make_trainer(tiny_model, tmp_path, "learner.ppo_mini_batches=2", "algorithm.use_kl_in_reward=true",
                      "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10")
     groups = make_groups(t)
     beta = t.policy.kl_ctrl.value
@@ -330,12 +239,12 @@ def test_a_stop_never_leaves_half_a_step(tiny, tmp_path):
     assert t.policy.step == 1 and t.policy.scheduler.last_epoch == 2 and t.policy.kl_ctrl.value != beta
 
 
-def test_gdpo_reads_its_components_from_the_scorers_extras(tiny, tmp_path):
+def test_gdpo_reads_its_components_from_the_scorers_extras(tiny_model, tmp_path):
     """gdpo's components come from Sample.reward_extra; a failed sample scores 0 on each, and a
     key missing from a scored sample stops the step with the key's name."""
     from actors.learner.batch import reward_components
 
-    t = make_trainer(tiny, tmp_path, "algorithm.adv_estimator=gdpo",
+    t = make_trainer(tiny_model, tmp_path, "algorithm.adv_estimator=gdpo",
                      "algorithm.gdpo_reward_keys=['format', 'acc']")
     groups = make_groups(t)
     groups[0].samples[0].reward_extra = {}

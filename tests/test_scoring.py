@@ -364,7 +364,7 @@ async def test_the_sandbox_serves_any_caller_and_names_its_limits(user_file):
             [Outcome(1.0), Outcome(0.0)]
         (outcome,) = await pool.call(Call(1, [{**args, "solution_str": "hang"}], 1))
         assert outcome == Outcome(error="timed out after 0.5 s (tools.timeout_s); child killed "
-                                        "and replaced")
+                                        "and replaced", failure="timeout")
         assert (await pool.call(Call(1, [args], 1))) == [Outcome(1.0)]
         stats = pool.statistics()
         assert (stats.timeouts, stats.crashes, stats.started, stats.children) == (1, 0, 2, 1)

@@ -27,28 +27,33 @@ CHAT_TEMPLATE = (
 VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """The character tokenizer; ``words`` become single (not special) tokens after the rest,
+    e.g. the tags of a tool-call format, so a random model can write them by chance."""
     tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
+    if words:
+        tok.add_tokens(list(words))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
                                    bos_token=None, unk_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def tiny_config(hidden: int = 64, layers: int = 2, **extra) -> LlamaConfig:
-    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=hidden, intermediate_size=2 * hidden,
+def tiny_config(hidden: int = 64, layers: int = 2, words: int = 0, **extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=len(VOCAB) + words, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, pad_token_id=0,
                        eos_token_id=VOCAB["<|im_end|>"], bos_token_id=None, **extra)
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    fast = tiny_tokenizer()
+def build_tiny_model(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+                     words: tuple[str, ...] = ()) -> Path:
+    fast = tiny_tokenizer(words)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(hidden, layers, tie_word_embeddings=True))
+    model = LlamaForCausalLM(tiny_config(hidden, layers, len(words), tie_word_embeddings=True))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     fast.save_pretrained(path)

@@ -18,11 +18,14 @@ def as_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def chat_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: Sequence[ChatMessage],
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template, ending with the generation
-    prompt (the assistant's turn opened): what the model continues from."""
+    prompt (the assistant's turn opened): what the model continues from. ``tools`` (JSON
+    schemas) go to the template, for templates that render them."""
+    extra = {"tools": tools} if tools else {}
     out = tokenizer.apply_chat_template(as_dicts(messages), add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+                                        tokenize=True, return_dict=False, **extra)
     return list(out["input_ids"] if isinstance(out, dict) else out)
 
 
@@ -43,8 +46,9 @@ class ChatTokenizer:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
 
-    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return chat_ids(self.tokenizer, messages)
+    def prompt_ids(self, messages: Sequence[ChatMessage],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return chat_ids(self.tokenizer, messages, tools)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of generated tokens, special tokens (EOS) left out."""

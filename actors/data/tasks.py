@@ -97,4 +97,33 @@ class RepeatLetter(Task):
         return f"say {letter}", letter, {}
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "repeat_letter": RepeatLetter}
+class Calculator(Task):
+    """Multi-digit arithmetic that a small model cannot do in its head, for the calculator tool.
+
+    Row ``i`` is one of ``a * b`` (a 3-4 digit number times a 2-3 digit one), ``a + b + c``
+    (4-5 digit numbers) or ``a * b - c``, scored on the number in the model's last turn
+    (``actors/scoring/rules.py``, ``calculator``). Pair it with ``[[agent.tools]] builtin =
+    "calculator"``; without the tool it measures how often the model gets it right alone.
+    """
+
+    name = "calculator"
+    system_prompt = ("You can use a calculator tool. Use it to compute the answer, then reply "
+                     "with the final result as a number.")
+
+    def row(self, index: int) -> tuple[str, str, dict[str, Any]]:
+        rng = random.Random(self.seed * 1_000_033 + index)
+        form = rng.randrange(3)
+        if form == 0:
+            a, b = rng.randint(100, 9999), rng.randint(12, 999)
+            expression, value = f"{a} * {b}", a * b
+        elif form == 1:
+            a, b, c = (rng.randint(1000, 99999) for _ in range(3))
+            expression, value = f"{a} + {b} + {c}", a + b + c
+        else:
+            a, b, c = rng.randint(100, 999), rng.randint(12, 99), rng.randint(100, 9999)
+            expression, value = f"{a} * {b} - {c}", a * b - c
+        return f"What is {expression}?", str(value), {"expression": expression}
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "repeat_letter": RepeatLetter,
+                                 "calculator": Calculator}

@@ -6,7 +6,8 @@ columns aligned with next-token prediction: column ``t`` scores token ``t + 1``,
 ``response_mask[i, t] = 1`` exactly where token ``t + 1`` of row ``i`` is a response token the model
 generated itself (a sample's ``loss_mask`` zeroes tool and environment tokens there, so every
 loss, aggregation, KL term, entropy and correction statistic leaves them out). The scalar
-reward sits on the last response token.
+reward sits on the last token the model generated itself: a multi-turn response may end with
+tool tokens (its budget ran out in a tool's answer), and a reward there would count for nothing.
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         end = len(p) + len(r)
         ids[i, :end] = torch.cat([p, r])
         attn[i, :end] = 1
-        mask[i, len(p) - 1 : end - 1] = 1 if s.loss_mask is None else from_wire(s.loss_mask).float()
+        own = torch.ones(len(r)) if s.loss_mask is None else from_wire(s.loss_mask).float()
+        mask[i, len(p) - 1 : end - 1] = own
         behav[i, len(p) - 1 : end - 1] = lp
-        if len(r):
-            rewards[i, end - 2] = s.reward
+        at = own.nonzero()
+        if len(at):  # the last token the model generated itself (tool tokens may follow it)
+            rewards[i, len(p) - 1 + int(at[-1])] = s.reward
     baselines = None
     if any(b is not None for *_, b in rows):
         baselines = torch.tensor([b if b is not None else 0.0 for *_, b in rows])

@@ -50,6 +50,7 @@ from actors.learner.objective import (
     response_logprobs,
 )
 from actors.learner.policy import Policy
+from actors.learner.turns import agent_metrics
 from actors.runtime.config import Topology
 from actors.runtime.config.schema import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
@@ -262,6 +263,7 @@ class Trainer:
             "timing_s/step": elapsed,
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
         })
+        metrics.update(agent_metrics(groups))  # multi-turn batches only
         if values is not None:
             metrics["critic/values/mean"] = float(values[mask.bool()].mean())
             metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())

@@ -18,6 +18,7 @@ from typing import TextIO
 from actors.offline.recorded import OfflineError, RecordedRun, excerpt, open_run, span
 from actors.runtime.recording import read_table
 from actors.runtime.versions import staleness
+from messages.rollout import Turn
 
 # file -> (title, y label, [(metric, legend)])
 PLOTS = {
@@ -101,6 +102,17 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
                              if errors else "")),
     ]
     last = m[-1] if m else {}
+    if "agent/num_turns/mean" in last:  # a multi-turn run
+        calls = series("agent/tool_calls")
+        rows.append(("multi-turn", f"turns per sample {last['agent/num_turns/mean']:.2f} "
+                                   f"(max {last['agent/num_turns/max']:.0f}) in the last step; "
+                                   f"tool calls {sum(calls):.0f}, failed "
+                                   f"{sum(series('agent/tool_errors')):.0f}, timed out "
+                                   f"{sum(series('agent/tool_timeouts')):.0f} over all steps"))
+        share = series("agent/tool_call_share")
+        rows.append(("samples calling a tool", f"first {share[0]:.3f}, last {share[-1]:.3f}; "
+                                               f"tool tokens {last['agent/tool_token_share']:.1%} "
+                                               "of the last step's responses"))
     for key in ("actor/entropy", "rollout_corr/kl", "rollout_corr/is_weight_mean",
                 "staleness/mean"):
         if key in last:
@@ -128,6 +140,30 @@ def _samples(run: RecordedRun, step: int, top: int, out: TextIO) -> None:
             note = f"  error: {excerpt(err, 50)}" if err else ""
             print(f"  {r:7.3f}  group {gid}:{j}  {n:3d} tok  truth {excerpt(truth, 12)!r}  "
                   f"{excerpt(text)!r}{note}", file=out)
+            turns = run.group(groups[gid]["message"]).samples[j].turns
+            for line in transcript(turns):
+                print(f"             {line}", file=out)
+
+
+def transcript(turns: list[Turn]) -> list[str]:
+    """A multi-turn sample, one line per turn: the model's text, each tool call with its
+    arguments and what it answered (or its error), an environment's observations and rewards."""
+    lines = []
+    for t in turns:
+        where = f"{t.start}:{t.end}"
+        if t.role == "assistant":
+            reward = f"  (reward {t.reward:g})" if t.reward is not None else ""
+            lines.append(f"[model {where:>7}] {excerpt(t.content, 60)!r}{reward}")
+        elif t.role == "tool":
+            answer = f"ERROR {t.failure}: {excerpt(t.error, 40)}" if t.error else \
+                repr(excerpt(t.content, 40))
+            lines.append(f"[tool  {where:>7}] {t.name or '?'}({excerpt(t.arguments, 30)}) -> "
+                         f"{answer}  {t.latency_s:.3f} s")
+        else:
+            answer = f"ERROR {t.failure}: {excerpt(t.error, 40)}" if t.error else \
+                repr(excerpt(t.content, 50))
+            lines.append(f"[env   {where:>7}] {answer}  {t.latency_s:.3f} s")
+    return lines
 
 
 def _staleness(run: RecordedRun, out: TextIO) -> None:

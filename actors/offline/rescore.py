@@ -21,7 +21,7 @@ from typing import TextIO
 import msgspec
 
 from actors.offline.recorded import OfflineError, excerpt, open_run
-from actors.scoring.items import ScoreItem
+from actors.scoring.items import ScoreItem, with_turns
 
 CHANGED_EPS = 1e-9  # scores closer than this are the same score
 FLIPS_SHOWN = 20
@@ -98,7 +98,8 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
     for s, gid, group in groups:
         p = group.prompt
         for j, sample in enumerate(group.samples):
-            items.append(ScoreItem(p.data_source, sample.text, p.ground_truth, p.extra_info,
+            items.append(ScoreItem(p.data_source, sample.text, p.ground_truth,
+                                   with_turns(p.extra_info, sample.turns),
                                    sample.response_ids.shape[0]))
             samples.append(Rescored(s, gid, j, sample.reward, sample.reward, "", sample.text,
                                     p.ground_truth))

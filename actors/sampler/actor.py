@@ -24,6 +24,7 @@ from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from actors.sampler.agent.loop import AgentLoop
 from actors.sampler.engines.base import Engine
 from actors.sampler.engines.hf import HFEngine
 from actors.sampler.rollout import Generated, Rollout
@@ -85,6 +86,8 @@ class Sampler:
             weight_loads=self.weight_loads, score_errors=self.score_errors,
             scoring=MAX_SCORING - self.slots.value, score_resent=s.resent, score_failed=s.failed,
             score_late=s.late, rejected_frames=s.rejected)
+        if self.rollout.agent is not None:
+            self.ctx.status.update(self.rollout.agent.statistics())
         for key, value in (("weights_error", self.weights.error),
                            ("router_error", self.scoring.router_error)):
             if value:
@@ -124,8 +127,12 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                                curve=ctx.curve)
     weights = WeightsSubscriber(weights_sock)
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
+    agent = AgentLoop(engine, tokenizer, topo.agent) if topo.agent.enabled else None
+    if agent is not None:
+        await agent.start()  # the tools' schemas, built in a child
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
-                      greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name)
+                      greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,
+                      agent=agent)
     sampler = Sampler(ctx, engine, rollout, replay, weights, scoring)
     task_status.started()
     with replay, router, weights_sock:
@@ -136,4 +143,6 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 tg.start_soon(sampler.run, tg)
         finally:
             with anyio.CancelScope(shield=True):
+                if agent is not None:
+                    await agent.aclose()
                 await engine.aclose()

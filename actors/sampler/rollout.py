@@ -5,12 +5,15 @@ token ids and returns token ids, which are decoded only for scoring and the reco
 group is scored by one request through the router (the prompt's fields once, its ``n``
 responses); a group no reward worker answered in time is still handed on, marked with a
 ``score_error``, so the replay buffer records and drops it instead of anyone waiting on it.
+With ``[agent]`` configured, completions are multi-turn (``actors/sampler/agent``): the
+scorer gets the whole transcript as ``solution_str`` and the turns in ``extra_info``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -19,8 +22,24 @@ from actors.data.chat import ChatTokenizer
 from actors.runtime.tensors import to_wire
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sampler.scoring_client import ScoringClient
-from messages.reward import Response, ScoreRequest, ScoreResult
-from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup
+from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
+from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
+
+if TYPE_CHECKING:
+    from actors.sampler.agent.loop import AgentLoop
+
+
+def turns_of(c: Generation) -> list[Turn]:
+    """A multi-turn completion's turns (``AgentGeneration``); none for a single turn."""
+    return list(getattr(c, "turns", ()))
+
+
+def with_env_reward(result: ScoreResult, c: Generation) -> float:
+    """The sample's reward: the scorer's, plus the sum of its environment's step rewards when
+    it has one (``agent.env.reward``: ``add``, or ``replace``, when the scorer's is 0 by fiat);
+    a failed scoring stays 0.0."""
+    env = getattr(c, "env_reward", None)
+    return result.score if env is None or result.error else result.score + env
 
 
 @dataclass
@@ -38,24 +57,32 @@ class Rollout:
     """Generates and scores groups of ``n`` completions with ``params``."""
 
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, scoring: ScoringClient, *,
-                 params: SamplingParams, n: int, greedy_baseline: bool, sampler: str) -> None:
+                 params: SamplingParams, n: int, greedy_baseline: bool, sampler: str,
+                 agent: AgentLoop | None = None) -> None:
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
         self.params, self.n = params, n
         self.greedy_baseline = greedy_baseline  # remax: one greedy completion per prompt too
         self.sampler = sampler  # the sampler's name, recorded with each group
+        self.agent = agent  # multi-turn rollouts with tools or an environment ([agent])
+
+    async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
+                        params: SamplingParams, n: int) -> list[list[Generation]]:
+        if self.agent is not None:
+            return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
+        return await self.engine.generate([GenerateRequest(i, params, n) for i in ids])
 
     async def generate(self, prompts: list[Prompt]) -> list[Generated]:
         """``n`` completions of each prompt (and its greedy one for remax), in one engine call
-        per setting: a batch engine runs them as one batch."""
-        ids = [self.tokenizer.prompt_ids(p.messages) for p in prompts]
+        per setting: a batch engine runs them as one batch (multi-turn: ``AgentLoop``)."""
+        ids = [self.agent.prompt_ids(p) if self.agent is not None
+               else self.tokenizer.prompt_ids(p.messages) for p in prompts]
         started = time.monotonic()
-        groups = await self.engine.generate([GenerateRequest(i, self.params, self.n) for i in ids])
+        groups = await self._generate(prompts, ids, self.params, self.n)
         greedy: list[Generation | None] = [None] * len(prompts)
         if self.greedy_baseline:
             params = SamplingParams(temperature=0.0, max_tokens=self.params.max_tokens,
                                     stop=self.params.stop)
-            greedy = [g[0] for g in await self.engine.generate(
-                [GenerateRequest(i, params, 1) for i in ids])]
+            greedy = [g[0] for g in await self._generate(prompts, ids, params, 1)]
         seconds = time.monotonic() - started
         return [Generated(p, i, g, b, seconds)
                 for p, i, g, b in zip(prompts, ids, groups, greedy, strict=True)]
@@ -74,28 +101,37 @@ class Rollout:
 
     async def score_group(self, g: Generated) -> ScoredGroup:
         started = time.monotonic()
+        # multi-turn: the whole transcript (tool output included) is verl's solution_str
         texts = [self.tokenizer.decode(c.token_ids.tolist()) for c in g.completions]
-        responses = [Response(t, len(c.token_ids)) for t, c in zip(texts, g.completions, strict=True)]
+        responses = [Response(t, len(c.token_ids), turns_of(c))
+                     for t, c in zip(texts, g.completions, strict=True)]
         if g.greedy is not None:  # scored after the samples: its result is the last one
             responses.append(Response(self.tokenizer.decode(g.greedy.token_ids.tolist()),
-                                      len(g.greedy.token_ids)))
+                                      len(g.greedy.token_ids), turns_of(g.greedy)))
         p = g.prompt
-        reply = await self.scoring.score(ScoreRequest(
-            data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
-            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens))
+        if self.agent is not None and self.agent.env_reward_only:
+            reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
+        else:
+            reply = await self.scoring.score(ScoreRequest(
+                data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
+                extra_info=p.extra_info, prompt=p.messages,
+                max_response_length=self.params.max_tokens))
         error = "" if reply is not None else (
             f"no reward worker answered after {self.scoring.attempts} sends "
             f"{self.scoring.timeout_s:g} s apart")
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
+        rewards = [with_env_reward(r, c) for r, c in
+                   zip(results, [*g.completions, *([g.greedy] if g.greedy else [])], strict=True)]
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
-                          reward=r.score, reward_error=r.error,
+                          reward=reward, reward_error=r.error,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
-                          reward_extra=r.extra)
-                   for c, text, r in zip(g.completions, texts, results[:len(texts)], strict=True)]
+                          reward_extra=r.extra, turns=turns_of(c))
+                   for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
+                                                 rewards, strict=True)]
         return ScoredGroup(
             prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,
             score_seconds=time.monotonic() - started,
-            baseline_reward=results[-1].score if g.greedy is not None else None,
+            baseline_reward=rewards[-1] if g.greedy is not None else None,
             sampling=self.params, score_error=error)

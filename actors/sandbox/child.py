@@ -129,11 +129,11 @@ def main() -> None:
         try:
             outcomes = run_call(fn, spec, call)
         except MemoryError as exc:  # raised while building outcomes: the call's memory is gone now
-            outcomes = [Outcome(error=describe(exc))] * call.items
+            outcomes = [Outcome(error=describe(exc), failure="raised")] * call.items
         if setup.memory_mb:
             hint = f" (over {setup.limits_key}.memory_mb = {setup.memory_mb})"
-            outcomes = [Outcome(o.score, o.error + hint, o.extra) if o.error.startswith("MemoryError")
-                        else o for o in outcomes]
+            outcomes = [msgspec.structs.replace(o, error=o.error + hint)
+                        if o.error.startswith("MemoryError") else o for o in outcomes]
         send(Outcomes(outcomes))
 
 

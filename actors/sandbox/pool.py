@@ -95,12 +95,13 @@ class ChildPool:
 
     def __init__(self, functions: list[FunctionSpec], *, size: int, timeout_s: float,
                  memory_mb: int, cpu_s: int, start_timeout_s: float = 60.0,
-                 limits_key: str = "reward") -> None:
+                 limits_key: str = "reward", timeout_key: str = "timeout_s") -> None:
         self.functions = functions
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         # limits_key: the config section whose limits these are (errors name its keys)
         self._setup = Setup(functions, memory_mb=memory_mb, cpu_s=cpu_s, limits_key=limits_key)
+        self._timeout_key = f"{limits_key}.{timeout_key}"  # named in timeout errors
         self._slots = anyio.Semaphore(size)
         self._idle: list[_Child] = []  # alive and not serving a call
         self._alive: dict[int, _Child] = {}  # every child not yet reaped, by pid
@@ -123,24 +124,25 @@ class ChildPool:
                 child = await self._take()
             except ChildDied as exc:
                 self._crashes += 1
-                return [Outcome(error=str(exc))] * n
+                return [Outcome(error=str(exc), failure="crash")] * n
             healthy = False
             try:
                 with anyio.move_on_after(self.timeout_s):
                     reply = await child.request(call)
                     if not isinstance(reply, Outcomes) or len(reply.outcomes) != n:
-                        return [Outcome(error="child answered out of protocol; replaced")] * n
+                        return [Outcome(error="child answered out of protocol; replaced",
+                                        failure="crash")] * n
                     healthy = True
                     return reply.outcomes
                 self._timeouts += 1
                 return [Outcome(error=f"timed out after {self.timeout_s:g} s "
-                                      f"({self._setup.limits_key}.timeout_s); child killed and "
-                                      "replaced")] * n
+                                      f"({self._timeout_key}); child killed and "
+                                      "replaced", failure="timeout")] * n
             except ChildDied:
                 self._crashes += 1
                 returncode = await self._reap(child)
                 return [Outcome(error=f"{_death(returncode, self._setup)} while "
-                                      "running; replaced")] * n
+                                      "running; replaced", failure="crash")] * n
             finally:
                 if healthy:
                     self._idle.append(child)

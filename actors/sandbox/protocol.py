@@ -3,8 +3,11 @@
 Actor -> child: one ``Setup`` on start, then ``Call``s, one at a time. Child -> actor: one
 ``Ready`` after loading every function, then one ``Outcomes`` per ``Call``. A call carries the
 keyword arguments of each invocation (the caller decides their names: verl's
-``compute_score`` ones for rewards); return values are turned into ``Outcome``s inside the
-child (``run_call``, ``to_outcome``), so nothing but numbers and strings ever leaves it.
+``compute_score`` ones for rewards, a tool's own parameters for tools); return values are
+turned into ``Outcome``s inside the child (``run_call``), so nothing but numbers and strings
+ever leaves it. What a return value means is the function's ``returns``: a score (verl's
+conventions, ``to_outcome``), a text (a tool's result, ``to_text_outcome``) or an environment
+step (``to_step_outcome``).
 ``run_call`` is also how a reward worker calls its in-thread rule scorers, so both paths follow
 one calling convention.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
 import struct
 from collections.abc import Callable
@@ -35,6 +39,8 @@ class FunctionSpec(msgspec.Struct, frozen=True):
     batch: bool = False  # called once with lists for a whole call, returning a list
     kwargs: dict[str, Any] = {}  # appended to every invocation's keyword arguments
     preload: tuple[str, ...] = ()  # modules imported when the child starts (not on the clock)
+    returns: str = "score"  # "score" (a reward), "text" (a tool's result) or "step" (an
+    # environment's (observation, reward, done)): how the child reads the return value
 
     @property
     def label(self) -> str:
@@ -63,9 +69,12 @@ class Call(msgspec.Struct, tag=True):
 class Outcome(msgspec.Struct, array_like=True, omit_defaults=True):
     """One item's value from one function: a finite score, or 0.0 and what went wrong."""
 
-    score: float = 0.0
+    score: float = 0.0  # a reward; an environment step's reward
     error: str = ""
-    extra: dict[str, float] = {}
+    extra: dict[str, float] = {}  # a reward's numeric extras; a step's ``done`` (1.0 or 0.0)
+    text: str = ""  # a tool's result; an environment's observation
+    failure: str = ""  # with an error: "raised" (an exception or a bad value), "timeout" or
+    # "crash" (the child was killed or died), "" when the function loaded badly
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -106,6 +115,46 @@ def to_outcome(value: Any) -> Outcome:
     return Outcome(error=f"returned {type(value).__name__}, not a number")
 
 
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if _is_numpy_number(value):
+        value = value.item()
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def to_text_outcome(value: Any) -> Outcome:
+    """A tool's return value as the text the model reads: a string as is, ``None`` as nothing,
+    anything JSON can hold as JSON, anything else as ``str()``."""
+    return Outcome(text=_text(value))
+
+
+def to_step_outcome(value: Any) -> Outcome:
+    """An environment step's ``(observation, reward, done)`` (gymnasium's ``(observation,
+    reward, terminated, truncated, info)`` too): the observation as text, the reward as the
+    score, ``done`` in ``extra``."""
+    if not isinstance(value, tuple | list) or len(value) not in (3, 5):
+        return Outcome(error=f"step returned {type(value).__name__}, not (observation, reward, "
+                             "done)", failure="raised")
+    observation, reward = value[0], value[1]
+    done = bool(value[2]) or (len(value) == 5 and bool(value[3]))
+    scored = to_outcome(0.0 if reward is None else reward)
+    if scored.error:
+        return Outcome(error=f"step reward: {scored.error}", failure="raised")
+    return Outcome(scored.score, extra={"done": float(done)}, text=_text(observation))
+
+
+CONVERTERS: dict[str, Callable[[Any], Outcome]] = {
+    "score": to_outcome, "text": to_text_outcome, "step": to_step_outcome}
+
+
 def _is_numpy_number(value: Any) -> bool:
     # numpy scalars and 0-d tensors without importing numpy or torch here
     return hasattr(value, "item") and getattr(value, "shape", None) == () and \
@@ -132,19 +181,28 @@ def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Out
     ``call.arguments``, or once when ``spec.batch``. Exceptions and bad values become error
     outcomes."""
     n = call.items
+    convert = CONVERTERS[spec.returns]
     if spec.batch:
         try:
             values = _resolve(fn(**call.arguments[0], **spec.kwargs))
         except (Exception, SystemExit) as exc:
-            return [Outcome(error=describe(exc))] * n
+            return [Outcome(error=describe(exc), failure="raised")] * n
         if not isinstance(values, list | tuple) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
-            return [Outcome(error=f"batch function returned {got} for {n} items")] * n
-        return [to_outcome(v) for v in values]
+            return [Outcome(error=f"batch function returned {got} for {n} items",
+                            failure="raised")] * n
+        return [_raised(convert(v)) for v in values]
     outcomes = []
     for arguments in call.arguments:
         try:
-            outcomes.append(to_outcome(_resolve(fn(**arguments, **spec.kwargs))))
+            outcomes.append(_raised(convert(_resolve(fn(**arguments, **spec.kwargs)))))
         except (Exception, SystemExit) as exc:
-            outcomes.append(Outcome(error=describe(exc)))
+            outcomes.append(Outcome(error=describe(exc), failure="raised"))
     return outcomes
+
+
+def _raised(outcome: Outcome) -> Outcome:
+    """A bad return value is the function's fault, like an exception."""
+    if outcome.error and not outcome.failure:
+        outcome.failure = "raised"
+    return outcome

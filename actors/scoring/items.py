@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from messages.reward import ScoreRequest
-from messages.rollout import ChatMessage
+from messages.rollout import ChatMessage, Turn
 
 
 class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -17,15 +17,41 @@ class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
     data_source: str
     solution_str: str
     ground_truth: str
-    extra_info: dict[str, str | int | float] = {}
+    extra_info: dict[str, Any] = {}  # the prompt's, plus a multi-turn sample's ``turns`` and
+    # ``num_turns`` (``with_turns``)
     response_length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
     prompt: list[ChatMessage] = []  # the prompt's messages, for scorers that read it (reward models)
 
 
+def turn_dict(turn: Turn) -> dict[str, Any]:
+    """A turn as a scorer reads it: ``role`` and ``content``, and for a tool's turn the call's
+    ``name``, ``arguments`` (JSON text) and ``error`` ("" when it succeeded); an environment's
+    reward on the model's turn it rewarded."""
+    out: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.role == "tool":
+        out.update(name=turn.name, arguments=turn.arguments, error=turn.error)
+    elif turn.role == "user" and turn.error:
+        out["error"] = turn.error
+    if turn.reward is not None:
+        out["reward"] = turn.reward
+    return out
+
+
+def with_turns(extra_info: dict[str, Any], turns: list[Turn]) -> dict[str, Any]:
+    """``extra_info`` of one response: a multi-turn one adds its ``turns`` (``turn_dict``, in
+    order) and ``num_turns`` (the model's turns); a single-turn one is the prompt's as is."""
+    if not turns:
+        return extra_info
+    return {**extra_info, "turns": [turn_dict(t) for t in turns],
+            "num_turns": sum(t.role == "assistant" for t in turns)}
+
+
 def items_of(request: ScoreRequest) -> list[ScoreItem]:
-    """The items of a group's request: its responses, each with the prompt's fields."""
+    """The items of a group's request: its responses, each with the prompt's fields (and its
+    own turns, for a multi-turn response)."""
     return [ScoreItem(request.data_source, r.solution_str, request.ground_truth,
-                      request.extra_info, r.length, request.prompt) for r in request.responses]
+                      with_turns(request.extra_info, r.turns), r.length, request.prompt)
+            for r in request.responses]
 
 
 def verl_arguments(items: list[ScoreItem], batch: bool) -> list[dict[str, Any]]:

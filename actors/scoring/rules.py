@@ -100,10 +100,34 @@ def repeat_letter_score(data_source: str, solution_str: str, ground_truth: str,
     return sum(c == ground_truth for c in chars) / len(chars) if chars else 0.0
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_turn(solution_str: str, extra_info: dict[str, Any] | None) -> str:
+    """The text of the model's last turn: from ``extra_info["turns"]`` of a multi-turn sample
+    (the transcript in ``solution_str`` also holds the tools' output), else the whole reply."""
+    turns = (extra_info or {}).get("turns") or []
+    own = [t.get("content", "") for t in turns if t.get("role") == "assistant"]
+    return own[-1] if own else solution_str
+
+
+def calculator_score(data_source: str, solution_str: str, ground_truth: str,
+                     extra_info: dict[str, Any] | None = None, *, call_score: float = 0.0) -> float:
+    """1.0 when the last number of the model's last turn is the ground truth (``12,345`` reads
+    as 12345); plus ``call_score`` (a format shaping term, default 0) when the sample made a
+    tool call that succeeded."""
+    numbers = _NUMBER.findall(final_turn(solution_str, extra_info))
+    correct = bool(numbers) and numbers[-1].replace(",", "") == ground_truth.strip()
+    turns = (extra_info or {}).get("turns") or []
+    called = any(t.get("role") == "tool" and not t.get("error") for t in turns)
+    return float(correct) + (float(call_score) if called else 0.0)
+
+
 Rule = Callable[..., float]
 BUILTINS: dict[str, Rule] = {
     "gsm8k": gsm8k, "math": math, "exact_match": exact_match, "answer_tag": answer_tag,
     "arithmetic": arithmetic_score, "repeat_letter": repeat_letter_score,
+    "calculator": calculator_score,
 }
 IN_CHILD = frozenset({"math"})  # built-ins that must not run on the worker's threads
 PRELOAD = {"math": ("math_verify.metric", "math_verify.parser")}  # imported when a child starts,

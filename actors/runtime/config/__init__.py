@@ -5,6 +5,7 @@ across fields, ``load`` the TOML reading and dotted overrides. The names below a
 ones; import them from here.
 """
 
+from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig, AgentEnv, AgentTool
 from actors.runtime.config.load import (
     apply_overrides,
     decode_topology,
@@ -36,7 +37,8 @@ from actors.runtime.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_SCORERS", "BUILTIN_TASKS", "ActorCommon", "AlgorithmConfig", "ConfigError",
+    "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ActorCommon", "AgentConfig", "AgentEnv",
+    "AgentTool", "AlgorithmConfig", "ConfigError",
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",

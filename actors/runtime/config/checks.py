@@ -12,6 +12,7 @@ import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
 from actors.registry import KINDS
+from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
@@ -134,6 +135,7 @@ def check(topology: Topology) -> None:
     need(reuse <= a.max_staleness + 1, "replay.reuse",
          f"a group can be served at most once per policy version while it is fresh, so at most "
          f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
+    _check_agent(topology.agent, need)
     sec = topology.security
     need(not sec.curve or zmq.has("curve"), "security.curve",
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
@@ -212,6 +214,43 @@ def _check_losses(a: AlgorithmConfig, need: Any) -> None:
         case "dro":
             need(a.dro_beta is not None and a.dro_beta > 0, "algorithm.dro_beta",
                  "dro needs dro_beta > 0 (verl has no default)")
+
+
+def _check_agent(A: AgentConfig, need: Any) -> None:
+    need(A.max_turns >= 1, "agent.max_turns", "must be >= 1")
+    need(A.max_tool_response_tokens >= 1, "agent.max_tool_response_tokens", "must be >= 1")
+    need(A.tool_timeout_s > 0, "agent.tool_timeout_s", "must be > 0")
+    need(A.processes >= 1, "agent.processes", "must be >= 1")
+    need(A.memory_mb == 0 or A.memory_mb >= 128, "agent.memory_mb",
+         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+    need(A.cpu_s >= 0, "agent.cpu_s", "must be >= 0")
+    need(not (A.tools and A.env.path), "agent.env.path",
+         "an environment replaces tools: set agent.tools or agent.env, not both")
+    names: dict[str, int] = {}
+    for i, tool in enumerate(A.tools):
+        key = f"agent.tools[{i}]"
+        need(bool(tool.builtin) != bool(tool.path), key, "set either builtin or path (one of them)")
+        if tool.builtin:
+            need(tool.builtin in BUILTIN_TOOLS, f"{key}.builtin",
+                 f"{tool.builtin!r} is not one of {', '.join(BUILTIN_TOOLS)}")
+            need(not tool.name or tool.name.isidentifier(), f"{key}.name",
+                 f"{tool.name!r} is not a Python name")
+        else:
+            need(Path(tool.path).is_file(), f"{key}.path", f"no file {tool.path!r}")
+            need(tool.name.isidentifier(), f"{key}.name",
+                 "must name the tool's function in path" if not tool.name
+                 else f"{tool.name!r} is not a Python name")
+        name = tool.name or tool.builtin
+        need(name not in names, f"{key}.name",
+             f"{name!r} is already the name of agent.tools[{names.get(name)}]")
+        names[name] = i
+    if A.env.path:
+        need(Path(A.env.path).is_file(), "agent.env.path", f"no file {A.env.path!r}")
+        need(A.env.name.isidentifier(), "agent.env.name",
+             "must name the environment's class in path" if not A.env.name
+             else f"{A.env.name!r} is not a Python name")
+    else:
+        need(not A.env.name, "agent.env.name", "needs agent.env.path")
 
 
 def _dataset_columns(path: Path) -> set[str]:

@@ -82,14 +82,18 @@ def _derived(topology: Topology) -> Topology:
 
 
 def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files, dataset files and key paths are named relative to where the job is
-    started; the actors run elsewhere (and read the resolved topology), so the paths are made
-    absolute here."""
+    """Reward function files, dataset files, tool and environment files and key paths are named
+    relative to where the job is started; the actors run elsewhere (and read the resolved
+    topology), so the paths are made absolute here."""
     R, T, sec = topology.reward, topology.task, topology.security
     functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
     datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
+    A = topology.agent
+    agent = msgspec.structs.replace(
+        A, tools=[msgspec.structs.replace(t, path=_absolute(t.path)) for t in A.tools],
+        env=msgspec.structs.replace(A.env, path=_absolute(A.env.path)))
     return msgspec.structs.replace(
-        topology, reward=msgspec.structs.replace(R, functions=functions),
+        topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions),
         task=msgspec.structs.replace(T, datasets=datasets),
         security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
                                          authorized_keys=_absolute(sec.authorized_keys)))

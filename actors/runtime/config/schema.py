@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from actors.registry import BY_NAME, Restart
+from actors.runtime.config.agent import AgentConfig
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -54,7 +55,7 @@ class ModelConfig(_Section, frozen=True):
     """Parameter dtype for sampling and training (float32 is the fast choice on CPUs)."""
 
 
-BUILTIN_TASKS = ("arithmetic", "repeat_letter")
+BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
 DATASET_SUFFIXES = (".parquet", ".jsonl")
 
 
@@ -64,8 +65,8 @@ class DatasetConfig(_Section, frozen=True):
     row layout: ``prompt`` (list of chat messages), ``data_source``,
     ``reward_model.ground_truth``, ``extra_info``. Set this or ``builtin``."""
     builtin: str = ""
-    """A built-in task instead of a file (``arithmetic``, ``repeat_letter``; task.size,
-    task.max_operand and task.system_prompt apply)."""
+    """A built-in task instead of a file (``arithmetic``, ``repeat_letter``, ``calculator``;
+    task.size, task.max_operand and task.system_prompt apply)."""
     weight: float = 1.0
     """Share of the prompts drawn from this dataset (weights are normalised over the list)."""
     name: str = ""
@@ -86,7 +87,8 @@ class DatasetConfig(_Section, frozen=True):
 
 class TaskConfig(_Section, frozen=True):
     name: str = "arithmetic"
-    """Built-in task (``arithmetic``, ``repeat_letter``); not used when ``datasets`` is set."""
+    """Built-in task (``arithmetic``, ``repeat_letter``, ``calculator``: multi-digit arithmetic
+    for the calculator tool); not used when ``datasets`` is set."""
     datasets: list[DatasetConfig] = []
     """Prompt sources mixed by weight (``[[task.datasets]]``): the source of the i-th prompt
     drawn is a function of run.seed and i alone, so a run's data order is reproducible."""
@@ -306,13 +308,13 @@ class RouterConfig(ActorCommon, frozen=True):
 
 
 BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
-                   "reward_model")
+                   "calculator", "reward_model")
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: str = ""
     """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
-    reward_model); set this or ``path`` (reward_model: both)."""
+    calculator, reward_model); set this or ``path`` (reward_model: both)."""
     path: str = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
     function, which runs in a child process; for ``reward_model``, the local Hugging Face
@@ -437,6 +439,7 @@ class Topology(_Section, frozen=True):
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerConfig = LearnerConfig()
     security: SecurityConfig = SecurityConfig()
+    agent: AgentConfig = AgentConfig()
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 

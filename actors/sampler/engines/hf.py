@@ -97,17 +97,23 @@ class HFEngine:
         return groups
 
     def _length(self, seq: torch.Tensor, stop: tuple[str, ...]) -> tuple[int, str]:
-        """Tokens the model generated: up to and including the first EOS, or a stop string."""
+        """Tokens the model generated: up to and including the first EOS, or up to the end of
+        the first stop string (the padding after it may be EOS tokens the model never
+        sampled, when the pad token is EOS)."""
         eos = (seq == self.tokenizer.eos_token_id).nonzero()
-        if len(eos):
-            return int(eos[0]) + 1, "stop"
+        end = int(eos[0]) + 1 if len(eos) else len(seq)
         if stop:
-            text = self.tokenizer.decode(seq, skip_special_tokens=True)
-            if any(s in text for s in stop):
-                # generate stopped on a stop string: everything it produced belongs to the sample
-                pads = (seq == self.tokenizer.pad_token_id).nonzero()
-                return (int(pads[0]) if len(pads) else len(seq)), "stop"
-        return len(seq), "length"
+            def stopped(k: int) -> bool:
+                text = self.tokenizer.decode(seq[:k], skip_special_tokens=True)
+                return any(s in text for s in stop)
+
+            if stopped(end):  # the shortest prefix holding a stop string (it only grows)
+                lo, hi = 1, end
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if stopped(mid) else (mid + 1, hi)
+                return lo, "stop"
+        return end, "stop" if len(eos) else "length"
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         async with self.lock:

@@ -1,0 +1,77 @@
+"""The ``[agent]`` section of the topology: multi-turn rollouts with tools or an environment.
+
+Its own module so the topology's schema stays one screenful per concern; ``schema.Topology``
+holds it as ``agent``. Every field has a one-line docstring below it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+BUILTIN_TOOLS = ("calculator", "python")
+
+
+class AgentTool(_Section, frozen=True):
+    builtin: str = ""
+    """A built-in tool: ``calculator`` (exact arithmetic on an expression) or ``python`` (runs a
+    program in a new interpreter, returns what it printed); set this or ``path``."""
+    path: str = ""
+    """A Python file (relative to where the runner is started) holding the tool function; its
+    signature, type hints and docstring make the JSON schema the model is shown."""
+    name: str = ""
+    """The function in ``path``, and the name the model calls the tool by."""
+    kwargs: dict[str, str | int | float | bool] = {}
+    """Keyword arguments added to every call (not shown to the model)."""
+
+
+class AgentEnv(_Section, frozen=True):
+    path: str = ""
+    """A Python file holding the environment class: ``reset(prompt) -> observation`` and
+    ``step(action) -> (observation, reward, done)``; one object per sample, in a sandboxed child."""
+    name: str = ""
+    """The class in ``path``."""
+    kwargs: dict[str, str | int | float | bool] = {}
+    """Keyword arguments of the class's constructor."""
+    reward: Literal["add", "replace"] = "add"
+    """add: a sample's reward is the scorer's plus the sum of the environment's step rewards;
+    replace: that sum alone (no scoring request is sent)."""
+
+
+class AgentConfig(_Section, frozen=True):
+    tools: list[AgentTool] = []
+    """Tools the model may call (``[[agent.tools]]``). With tools or an environment, rollouts
+    are multi-turn (``actors/sampler/agent/``)."""
+    env: AgentEnv = AgentEnv()
+    """An environment instead of tools (``[agent.env]``)."""
+    max_turns: int = 4
+    """The model's turns per sample; a tool call made in the last one is not run."""
+    max_tool_response_tokens: int = 256
+    """Longer tool output (or environment observation) is cut in the middle to this many tokens."""
+    tool_timeout_s: float = 10.0
+    """Seconds per tool call or environment step, in a sandboxed child; past them the child is
+    killed and the model reads a timeout error."""
+    parser: Literal["hermes", "xml"] = "hermes"
+    """How the model calls tools: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>``) or ``xml`` (``<NAME>text</NAME>``, the text as the tool's first parameter:
+    Search-R1's format)."""
+    stop_at_call: bool = True
+    """End the model's turn where its first tool call closes (the tokens that end a turn are
+    then added as tool tokens); false: the turn runs to EOS and every call in it is run."""
+    processes: int = 4
+    """Sandboxed child processes for tools (or environments) per sampler."""
+    memory_mb: int = 2048
+    """Address-space limit (RLIMIT_AS) of each tool child in MiB (0: none)."""
+    cpu_s: int = 30
+    """CPU seconds one tool call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Tools or an environment are configured: rollouts are multi-turn."""
+        return bool(self.tools or self.env.path)

@@ -1,0 +1,109 @@
+"""A user's environment class, one object per episode, in sandboxed children.
+
+``[agent.env]`` names a class with ``reset(prompt) -> observation`` and ``step(action) ->
+(observation, reward, done)`` (gymnasium's five-tuple works too). Each episode's object lives
+in one child (``actors.sandbox.tools.env_*``), so every call of an episode goes to that child:
+the host keeps ``agent.processes`` lanes, each a pool of one child, and gives a new episode the
+lane with the fewest episodes open. ``prompt`` is a dict of the prompt's fields (``messages``
+as role/content dicts, ``data_source``, ``ground_truth``, ``extra_info``).
+
+A step that raises is an error observation the model reads, and the episode goes on; a step
+that hangs past ``agent.tool_timeout_s`` or crashes its child ends the episode (the child, and
+every object in it, is replaced), as does a reset that fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+from actors.data.chat import as_dicts
+from actors.runtime.config import AgentConfig
+from actors.sandbox.pool import ChildPool
+from actors.sandbox.protocol import Call, FunctionSpec
+from messages.rollout import Prompt
+
+TOOLS_MODULE = "actors.sandbox.tools"
+RESET, STEP, CLOSE = 0, 1, 2  # function indices in every lane
+
+
+@dataclass(frozen=True)
+class StepResult:
+    text: str
+    """The observation (or ``Error: ...``): what the model reads next."""
+    reward: float = 0.0
+    done: bool = False
+    error: str = ""
+    failure: str = ""
+    """raised, timeout or crash ("" when the step succeeded)."""
+    latency_s: float = 0.0
+
+
+class EnvHost:
+    """Lanes of one child each, holding episodes' environment objects."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        env = cfg.env
+        kwargs = {"env_path": env.path, "env_module": "", "env_name": env.name,
+                  "env_kwargs": dict(env.kwargs)}
+        specs = [FunctionSpec(module=TOOLS_MODULE, name="env_reset", kwargs=kwargs,
+                              returns="text"),
+                 FunctionSpec(module=TOOLS_MODULE, name="env_step", returns="step"),
+                 FunctionSpec(module=TOOLS_MODULE, name="env_close", returns="text")]
+        self.lanes = [ChildPool(specs, size=1, timeout_s=cfg.tool_timeout_s,
+                                memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent",
+                              timeout_key="tool_timeout_s")
+                      for _ in range(cfg.processes)]
+        self._open = [0] * len(self.lanes)  # episodes open per lane
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid()}-{time.time_ns()}"
+        self.steps = self.errors = 0
+
+    def episode(self) -> Episode:
+        lane = min(range(len(self.lanes)), key=self._open.__getitem__)
+        self._open[lane] += 1
+        return Episode(self, lane, f"{self._prefix}-{next(self._ids)}")
+
+    async def aclose(self) -> None:
+        for lane in self.lanes:
+            await lane.aclose()
+
+
+class Episode:
+    """One sample's environment object: ``reset``, ``step``s, then ``close``."""
+
+    def __init__(self, host: EnvHost, lane: int, instance: str) -> None:
+        self.host, self.lane, self.instance = host, lane, instance
+        self.pool = host.lanes[lane]
+        self.closed = False
+
+    async def reset(self, prompt: Prompt) -> StepResult:
+        row = {"messages": as_dicts(prompt.messages), "data_source": prompt.data_source,
+               "ground_truth": prompt.ground_truth, "extra_info": dict(prompt.extra_info)}
+        started = time.monotonic()
+        (o,) = await self.pool.call(Call(RESET, [{"instance": self.instance, "prompt": row}], 1))
+        if o.error:
+            return StepResult(f"Error: {o.error}", done=True, error=o.error,
+                              failure=o.failure or "raised", latency_s=time.monotonic() - started)
+        return StepResult(o.text, latency_s=time.monotonic() - started)
+
+    async def step(self, action: str) -> StepResult:
+        self.host.steps += 1
+        started = time.monotonic()
+        (o,) = await self.pool.call(Call(STEP, [{"instance": self.instance, "action": action}], 1))
+        latency = time.monotonic() - started
+        if o.error:
+            self.host.errors += 1
+            # a killed or dead child took the object with it: the episode cannot go on
+            return StepResult(f"Error: {o.error}", done=o.failure in ("timeout", "crash"),
+                              error=o.error, failure=o.failure or "raised", latency_s=latency)
+        return StepResult(o.text, o.score, bool(o.extra.get("done")), latency_s=latency)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.host._open[self.lane] -= 1
+        await self.pool.call(Call(CLOSE, [{"instance": self.instance}], 1))
