@@ -48,6 +48,12 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (the budget ran out)
     version: int  # the oldest version it was generated with (that of its first token, or the
     # engine's version when it started, for an empty completion)
+    seed: int = -1  # the sampling seed that regenerates it exactly (-1: not reproducible alone)
+
+
+class Rejected(Exception):
+    """The engine refuses a request for good (a prompt too long for the model's context):
+    sending it again would fail again, so the prompt is dropped with this reason."""
 
 
 class Engine(Protocol):
@@ -59,7 +65,8 @@ class Engine(Protocol):
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The ``n`` completions of every request, in request order. Cancelling the call ends
-        generation early; nothing is returned then."""
+        generation early; nothing is returned then. Raises ``Rejected`` for a request the
+        engine will never accept."""
         ...
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
