@@ -56,6 +56,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # (None in recordings made before tokens carried their own: every token is policy_version)
     loss_mask: Tensor | None = None  # (R,) int8, 1 on the model's own tokens, 0 on tool or
     # environment tokens (None in older recordings: all 1)
+    seed: int = -1  # the engine's sampling seed of this completion: the same prompt, sampling
+    # parameters, weights and seed regenerate it exactly (-1: the engine has no per-sample seed)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -71,6 +73,10 @@ class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     sampling: SamplingParams | None = None  # how it was generated (None in older recordings)
     score_error: str = ""  # non-empty: the group could not be scored (no reward worker answered
     # in time); the replay buffer records it and drops it, it is never trained on
+    generate_error: str = ""  # non-empty: the engine refused the prompt for good (too long for
+    # the context); the group has no samples and the replay buffer drops it as ``rejected``
+    weight_sync_s: float = 0.0  # seconds the sampler's engine spent swapping weights since the
+    # previous group this sampler sent (each swap counted in exactly one group)
 
 
 class PromptRequest(msgspec.Struct, tag=True, gc=False):

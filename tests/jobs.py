@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
+TINY = ["sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
         "run.heartbeat_interval=0.5"]
 FAST = ["run.status_interval=1", "run.heartbeat_interval=0.5"]
 ACTORS = ("replay-0", "router-0", "learner-0", "reward-0", "sampler-0")

@@ -75,3 +75,73 @@ async def test_behaviour_logprobs_match_the_learner_before_and_after_a_weight_up
             moved = learner_logprobs(trainer, groups)
             assert float((moved[0] - moved[1]).abs().max()) > 1e-3  # the step changed the policy
     print("\n" + "\n".join(report))
+
+
+@pytest.mark.anyio
+async def test_completions_carry_seeds_that_regenerate_them_and_facts_per_token(
+        engine, tiny_vllm_model):
+    tok = ChatTokenizer(tiny_vllm_model)
+    ids = tok.prompt_ids([ChatMessage("user", "say a")])
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    (group,) = await engine.generate([GenerateRequest(ids, params, 4)])
+    assert len({g.seed for g in group}) == 4 and all(g.seed >= 0 for g in group)
+    for g in group:
+        n = g.token_ids.shape[0]
+        assert 1 <= n <= 10 and g.token_ids.dtype == torch.int32
+        assert g.logprobs.shape == (n,) and bool((g.logprobs <= 0).all())
+        assert g.versions.tolist() == [engine.version] * n and g.loss_mask.tolist() == [1] * n
+        assert g.finish_reason == ("stop" if int(g.token_ids[-1]) == tok.eos_token_id else "length")
+    # the recorded seed regenerates a sample exactly, alone or beside other requests
+    alone = await engine.generate([GenerateRequest(ids, params, 1, seed=group[2].seed)])
+    crowd = await engine.generate([GenerateRequest(ids, params, 3),
+                                   GenerateRequest(ids, params, 1, seed=group[2].seed)])
+    for again in (alone[0][0], crowd[1][0]):
+        assert again.token_ids.tolist() == group[2].token_ids.tolist()
+        assert torch.allclose(again.logprobs, group[2].logprobs, atol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_a_prompt_too_long_for_the_context_is_rejected_not_retried(engine):
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    with pytest.raises(Rejected, match="(?i)length|long|context"):
+        await engine.generate([GenerateRequest([5] * 300, params, 2)])
+    (ok,) = await engine.generate([GenerateRequest([5, 6, 7], params, 2)])  # still serving
+    assert len(ok) == 2
+
+
+@pytest.mark.anyio
+async def test_in_flight_update_keeps_requests_and_stamps_tokens_after_the_swap(
+        tiny_vllm_model, tmp_path):
+    """Weights loaded while requests run: none is lost, and each request's tokens carry the old
+    version up to the swap and the new one after it (vLLM's weight-version spans)."""
+    from actors.sampler.engines.vllm import VLLMEngine
+
+    trainer = trainer_for(tiny_vllm_model, tmp_path)
+    snapshot = dict(trainer.policy.snapshot())
+    for clear_cache in (True, False):
+        eng = await VLLMEngine.start(tiny_vllm_model, "float32", 1, VLLMSettings(
+            {**OPTIONS, "max_num_seqs": 4}, weight_update="in_flight", clear_cache=clear_cache))
+        try:
+            await eng.load_weights(0, snapshot)
+            params = SamplingParams(temperature=1.0, max_tokens=200)  # EOS is rare at random
+            out: list = []
+
+            async def generate() -> None:
+                out.extend(await eng.generate([GenerateRequest([5, 6, 7], params, 8)]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                while eng.running < 4:  # noqa: ASYNC110 - the engine's own counter, no event
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.2)
+                await eng.load_weights(1, snapshot)
+                assert eng.updates_in_flight == 1
+            (group,) = out
+            assert len(group) == 8
+            spans = [g.versions.tolist() for g in group]
+            assert all(v == sorted(v) and set(v) <= {0, 1} for v in spans)
+            assert any(set(v) == {0, 1} for v in spans), spans  # the running ones span both
+            assert all(g.version == g.versions[0] for g in group)
+            assert eng.weight_sync_s > 0
+        finally:
+            await eng.aclose()

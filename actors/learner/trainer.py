@@ -219,6 +219,8 @@ class Trainer:
         weights = final.weights if final.weights is not None else final.keep
         metrics.update(mismatch_metrics(old_seen, batch.behaviour_logprobs, final.keep, weights))
         metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
+        metrics.update(token_staleness(trained_at, batch, mask))
+        metrics["timing_s/weight_sync"] = sum(g.weight_sync_s for g in groups)
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]
         elapsed = time.monotonic() - started
@@ -243,6 +245,23 @@ class Trainer:
                          advantages=advantages, behaviour_logprobs=batch.behaviour_logprobs,
                          old_logprobs=old_seen, current_logprobs=current, is_weights=weights)
         return metrics
+
+
+def token_staleness(trained_at: int, batch, mask: torch.Tensor) -> dict[str, float]:
+    """Staleness of every response token (``staleness_token/*``, the histogram of
+    ``staleness/*`` over tokens), and the share of samples whose tokens span more than one
+    policy version (weights loaded in flight: ``rollout/multi_version_share``)."""
+    if batch.token_versions is None:
+        return {}
+    on = mask.bool()
+    hist = staleness_histogram(staleness(trained_at, batch.token_versions[on]))
+    out = {f"staleness_token/{k.split('/', 1)[1]}": v for k, v in hist.items()}
+    big = torch.iinfo(torch.long).max
+    newest = torch.where(on, batch.token_versions, -big).amax(1)  # (N,)
+    oldest = torch.where(on, batch.token_versions, big).amin(1)  # (N,)
+    spans = (newest > oldest) & on.any(1)
+    out["rollout/multi_version_share"] = float(spans.float().mean())
+    return out
 
 
 def _rows(corr: Correction, s: slice, width: int) -> Correction:

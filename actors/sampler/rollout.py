@@ -44,6 +44,19 @@ class Rollout:
         self.greedy_baseline = greedy_baseline  # remax: one greedy completion per prompt too
         self.sampler = sampler  # the sampler's name, recorded with each group
 
+    async def generate_one(self, prompt: Prompt) -> Generated:
+        """A continuous engine's unit: one prompt's completions (and its greedy one for remax),
+        submitted alone; other prompts' requests share the engine's batches meanwhile."""
+        return (await self.generate([prompt]))[0]
+
+    def rejected(self, prompt: Prompt, reason: str) -> ScoredGroup:
+        """The group of a prompt the engine refused for good: no samples, the reason recorded
+        (the replay buffer drops it as ``rejected``)."""
+        ids = self.tokenizer.prompt_ids(prompt.messages)
+        return ScoredGroup(prompt=prompt, prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
+                           samples=[], sampler=self.sampler, sampling=self.params,
+                           generate_error=reason[:500])
+
     async def generate(self, prompts: list[Prompt]) -> list[Generated]:
         """``n`` completions of each prompt (and its greedy one for remax), in one engine call
         per setting: a batch engine runs them as one batch."""
@@ -90,7 +103,8 @@ class Rollout:
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
                           reward=r.score, reward_error=r.error,
-                          token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask))
+                          token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
+                          seed=c.seed)
                    for c, text, r in zip(g.completions, texts, results[:len(texts)], strict=True)]
         return ScoredGroup(
             prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),

@@ -33,6 +33,7 @@ from actors.runtime.config.schema import (
     SecurityConfig,
     TaskConfig,
     Topology,
+    VLLMOptions,
 )
 
 __all__ = [
@@ -40,5 +41,5 @@ __all__ = [
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
-    "TaskConfig", "Topology", "apply_overrides", "decode_topology", "load_topology",
+    "TaskConfig", "Topology", "VLLMOptions", "apply_overrides", "decode_topology", "load_topology",
 ]

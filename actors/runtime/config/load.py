@@ -78,7 +78,17 @@ def _derived(topology: Topology) -> Topology:
     if s.score_timeout_s == 0:
         timeout = topology.router.request_timeout + topology.reward.timeout_s + 10.0
         s = msgspec.structs.replace(s, score_timeout_s=timeout)
+    if s.engine == "auto":
+        s = msgspec.structs.replace(s, engine=auto_engine())
     return msgspec.structs.replace(topology, sampler=s)
+
+
+def auto_engine() -> str:
+    """``sampler.engine = "auto"``: vllm when a usable vLLM is installed, hf otherwise (on a
+    2-core CPU vLLM measured faster in the default job: README, BENCHMARKS.md)."""
+    from actors.sampler.engines.vllm import vllm_problem
+
+    return "vllm" if vllm_problem() is None else "hf"
 
 
 def _absolute_paths(topology: Topology) -> Topology:

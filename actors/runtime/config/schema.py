@@ -217,7 +217,47 @@ class LoraConfig(_Section, frozen=True):
     """Module names that get adapters."""
 
 
+class VLLMOptions(_Section, frozen=True):
+    """Engine arguments of vLLM, under vLLM's own names (``AsyncEngineArgs``)."""
+
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory vLLM may use for weights and KV cache (on a CPU, vLLM reads it
+    as a share of RAM unless kv_cache_memory_bytes is set, which flowrl does by default)."""
+    kv_cache_memory_bytes: int = 0
+    """Bytes of KV cache (0: 1 GiB on a CPU, gpu_memory_utilization on a GPU)."""
+    tensor_parallel_size: int = 1
+    """GPUs one sampler's engine is split over."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM runs in one batch."""
+    max_num_batched_tokens: int = 0
+    """Most tokens per engine step (0: vLLM's default)."""
+    max_model_len: int = 0
+    """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
+    is rejected and dropped (replay/dropped_rejected)."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: on a CPU compiling took 75-115 s per start and was not
+    faster for small batches; on a GPU set false for speed."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
+
+
 class SamplerConfig(ActorCommon, frozen=True):
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
+    hf (transformers generate, one batch at a time), or auto: vllm when vLLM is installed,
+    hf otherwise (README: measured on a 2-core CPU)."""
+    vllm: VLLMOptions = VLLMOptions()
+    """vLLM's engine arguments (sampler.engine = vllm)."""
+    weight_update: Literal["between_batches", "in_flight"] = "between_batches"
+    """When new weights go into the engine: once the requests in it have finished, or at once,
+    pausing generation and keeping its requests (vllm only): tokens after the swap carry the
+    new version, so one sample can span two."""
+    clear_cache: bool = True
+    """in_flight: drop the KV cache computed with the old weights at a swap (the kept requests
+    recompute it); false keeps it (faster; later tokens then attend to old-weight keys)."""
+    max_concurrent_prompts: int = 8
+    """Most prompts in a continuous engine at once (each with its n completions); a group goes
+    to scoring as soon as its own completions are done."""
     prompts_per_request: int = 4
     """Prompts a sampler asks for (and generates) per batch."""
     temperature: float = 1.0
@@ -320,6 +360,10 @@ class ReplayConfig(ActorCommon, frozen=True):
 class LearnerConfig(ActorCommon, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
+    weights_transport: Literal["auto", "zmq", "shm"] = "auto"
+    """How weights travel: zmq (the tensors in the message), shm (a safetensors file in
+    /dev/shm, only its path in the message: samplers on the same host), or auto (shm when
+    weights_address is ipc://, zmq otherwise)."""
     total_steps: int = 40
     """Optimizer steps before the job ends."""
     groups_per_step: int = 4

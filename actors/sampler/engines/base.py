@@ -35,6 +35,10 @@ class GenerateRequest:
     """Temperature (0: greedy), top-p, top-k, the response budget and stop strings."""
     n: int = 1
     """Completions of this prompt."""
+    seed: int | None = None
+    """Sampling seed of the first completion (the i-th uses ``seed + i``), to regenerate a
+    recorded sample (``Sample.seed``); None: the engine picks. Engines without per-sample
+    seeds (hf) ignore it."""
 
 
 @dataclass
@@ -62,6 +66,8 @@ class Engine(Protocol):
     one call is one batch (submit a whole batch at once)."""
     version: int
     """Policy version of the weights loaded now (-1 before the first ``load_weights``)."""
+    weight_sync_s: float
+    """Seconds generation has stood still for weight loads, all loads together."""
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The ``n`` completions of every request, in request order. Cancelling the call ends

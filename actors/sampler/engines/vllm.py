@@ -108,7 +108,7 @@ class _Loop:
         self.thread.start()
 
     async def call(self, coro: Awaitable[Any]) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        future: Any = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
         done = trio.Event()
         token = trio.lowlevel.current_trio_token()
 
@@ -142,6 +142,7 @@ class VLLMEngine:
         self.model_path, self.dtype, self.settings = model_path, dtype, settings
         self.version = -1
         self.seeds = itertools.count((seed * 1_000_003) % 2**31)  # one per completion
+        self.ids = itertools.count()  # request ids (a regenerated seed may run twice at once)
         self.loop = _Loop()
         self.llm: Any = None  # AsyncLLM, built on the loop's thread (its children hang off it)
         self.running = 0  # requests in the engine now (read and written on the loop's thread)
@@ -178,7 +179,7 @@ class VLLMEngine:
         options = {"enforce_eager": True, "enable_prefix_caching": True,
                    **self.settings.options}
         args = AsyncEngineArgs(
-            model=str(self.model_path), dtype=self.dtype, seed=0,
+            model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
             **options)
@@ -190,7 +191,8 @@ class VLLMEngine:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The completions of every request, each completion its own engine request; raises
         ``Rejected`` when the engine refuses one (nothing of the call is returned then)."""
-        jobs = [(r, [next(self.seeds) for _ in range(r.n)]) for r in requests]
+        jobs = [(r, [next(self.seeds) if r.seed is None else r.seed + i for i in range(r.n)])
+                for r in requests]
         return await self.loop.call(self._generate(jobs))
 
     async def _generate(self, jobs: list[tuple[GenerateRequest, list[int]]]
@@ -223,7 +225,7 @@ class VLLMEngine:
         try:
             final = None
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
-                                               request_id=f"s{seed}"):
+                                               request_id=f"{seed}-{next(self.ids)}"):
                 final = out
         except (VLLMClientError, ValueError) as exc:
             raise Rejected(str(exc)) from None
@@ -279,6 +281,8 @@ class VLLMEngine:
             started = time.perf_counter()
         try:
             (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
+                return
             await self.llm.update_weight_version(str(version))
             self.version = version
         finally:

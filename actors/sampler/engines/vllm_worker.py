@@ -68,7 +68,7 @@ class FlowrlWorkerExtension:
 
     def flowrl_load_weights(self, path: str) -> float:
         """Load the safetensors file ``path`` (HF parameter names) into the running model;
-        returns the seconds it took. Layerwise reload: on the CPU a plain ``load_weights``
+        returns the seconds it took (-1 when the file is gone: nothing was loaded). Layerwise reload: on the CPU a plain ``load_weights``
         would write into weights that oneDNN has already repacked."""
         from safetensors import safe_open
         from vllm.model_executor.model_loader.reload import (
@@ -79,10 +79,14 @@ class FlowrlWorkerExtension:
         started = time.perf_counter()
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
-        initialize_layerwise_reload(model)
-        with safe_open(path, framework="pt") as f:
+        try:  # opened (mapped) before the model is touched: a file removed later stays readable
+            f = safe_open(path, framework="pt")
+        except FileNotFoundError:
+            return -1.0  # the learner replaced it with a newer version already: nothing loaded
+        with f:
+            initialize_layerwise_reload(model)
             model.load_weights((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-        finalize_layerwise_reload(model, runner.model_config)
+            finalize_layerwise_reload(model, runner.model_config)
         self._flowrl_redispatch_tied_head(model, runner)
         return time.perf_counter() - started
 
