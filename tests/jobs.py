@@ -57,6 +57,22 @@ def actor_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def engine_pids(run_dir: Path) -> list[int]:
+    """Live vLLM processes of this run's samplers (titled ``flowrl-vllm[NAME RUN_DIR]::...``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"flowrl-vllm[") and str(run_dir).encode() in cmdline \
+                and alive(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
 def pids_of(run_dir: Path, kind: str) -> list[int]:
     out = []
     for pid in actor_pids(run_dir):

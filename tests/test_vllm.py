@@ -110,38 +110,39 @@ async def test_a_prompt_too_long_for_the_context_is_rejected_not_retried(engine)
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("clear_cache", [True, False])
 async def test_in_flight_update_keeps_requests_and_stamps_tokens_after_the_swap(
-        tiny_vllm_model, tmp_path):
+        tiny_vllm_model, tmp_path, clear_cache):
     """Weights loaded while requests run: none is lost, and each request's tokens carry the old
-    version up to the swap and the new one after it (vLLM's weight-version spans)."""
+    version up to the swap and the new one after it (vLLM's weight-version spans), whether the
+    old weights' KV cache is dropped (recomputed) or kept."""
     from actors.sampler.engines.vllm import VLLMEngine
 
     trainer = trainer_for(tiny_vllm_model, tmp_path)
     snapshot = dict(trainer.policy.snapshot())
-    for clear_cache in (True, False):
-        eng = await VLLMEngine.start(tiny_vllm_model, "float32", 1, VLLMSettings(
-            {**OPTIONS, "max_num_seqs": 4}, weight_update="in_flight", clear_cache=clear_cache))
-        try:
-            await eng.load_weights(0, snapshot)
-            params = SamplingParams(temperature=1.0, max_tokens=200)  # EOS is rare at random
-            out: list = []
+    eng = await VLLMEngine.start(tiny_vllm_model, "float32", 1, VLLMSettings(
+        {**OPTIONS, "max_num_seqs": 4}, weight_update="in_flight", clear_cache=clear_cache))
+    try:
+        await eng.load_weights(0, snapshot)
+        params = SamplingParams(temperature=1.0, max_tokens=200)  # EOS is rare at random
+        out: list = []
 
-            async def generate() -> None:
-                out.extend(await eng.generate([GenerateRequest([5, 6, 7], params, 8)]))
+        async def generate() -> None:
+            out.extend(await eng.generate([GenerateRequest([5, 6, 7], params, 8)]))
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(generate)
-                while eng.running < 4:  # noqa: ASYNC110 - the engine's own counter, no event
-                    await anyio.sleep(0.01)
-                await anyio.sleep(0.2)
-                await eng.load_weights(1, snapshot)
-                assert eng.updates_in_flight == 1
-            (group,) = out
-            assert len(group) == 8
-            spans = [g.versions.tolist() for g in group]
-            assert all(v == sorted(v) and set(v) <= {0, 1} for v in spans)
-            assert any(set(v) == {0, 1} for v in spans), spans  # the running ones span both
-            assert all(g.version == g.versions[0] for g in group)
-            assert eng.weight_sync_s > 0
-        finally:
-            await eng.aclose()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate)
+            while eng.running < 4:  # noqa: ASYNC110 - the engine's own counter, no event
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.2)
+            await eng.load_weights(1, snapshot)
+            assert eng.updates_in_flight == 1
+        (group,) = out
+        assert len(group) == 8
+        spans = [g.versions.tolist() for g in group]
+        assert all(v == sorted(v) and set(v) <= {0, 1} for v in spans)
+        assert any(set(v) == {0, 1} for v in spans), spans  # the running ones span both
+        assert all(g.version == g.versions[0] for g in group)
+        assert eng.weight_sync_s > 0
+    finally:
+        await eng.aclose()

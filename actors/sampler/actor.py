@@ -234,7 +234,7 @@ async def start_engine(ctx: ActorContext) -> Engine:
 
     settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
-                            threads=cfg.threads)
+                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
     return await VLLMEngine.start(model, topo.model.dtype, seed, settings)
 
 

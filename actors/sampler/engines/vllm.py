@@ -95,6 +95,7 @@ class VLLMSettings:
     weight_update: Literal["between_batches", "in_flight"] = "between_batches"
     clear_cache: bool = True  # in_flight: drop the old weights' KV cache at each update
     threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
+    label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
 
 
 class _Loop:
@@ -173,6 +174,8 @@ class VLLMEngine:
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_CONFIGURE_LOGGING", "0")):
             os.environ.setdefault(key, value)
+        if self.settings.label:  # read when vLLM is imported (below), so set first
+            os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
