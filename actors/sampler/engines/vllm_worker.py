@@ -14,6 +14,7 @@ Importing it also ties the engine process's life to its parent's: the kernel kil
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
@@ -35,6 +36,10 @@ def _die_with_parent() -> None:
 
 
 _die_with_parent()
+# a reload warns "Failed to load weights" for every layer that has none in the checkpoint: the
+# rotary embedding, and the lm_head when it is tied to the embedding (its weight is loaded
+# through the embedding). Both are expected; real failures raise.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 class UntruncatedLogprobs(torch.nn.Module):
