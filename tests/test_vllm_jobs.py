@@ -89,10 +89,14 @@ def test_in_flight_updates_give_samples_that_span_two_versions(tiny_vllm_model, 
     assert sum(r["timing_s/weight_sync"] for r in rows) > 0
 
 
-def test_kill_9_of_the_sampler_loses_no_prompt_and_leaves_no_engine(tiny_vllm_model, tmp_path):
+def test_kill_9_of_the_sampler_or_its_engine_loses_no_prompt_and_leaves_no_engine(
+        tiny_vllm_model, tmp_path):
+    """The sampler killed: its engine dies with it. Then the restarted sampler's engine killed:
+    the sampler fails (an engine death is the actor's failure) and is restarted too. Either
+    way the prompts it held are issued again and the job finishes with the counters balanced."""
     run_dir = tmp_path / "run"
     with (tmp_path / "job.log").open("w") as log:
-        proc = subprocess.Popen(command(tiny_vllm_model, run_dir, *VLLM, "learner.total_steps=10",
+        proc = subprocess.Popen(command(tiny_vllm_model, run_dir, *VLLM, "learner.total_steps=12",
                                         "sampler.max_tokens=48"),
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
@@ -104,15 +108,20 @@ def test_kill_9_of_the_sampler_loses_no_prompt_and_leaves_no_engine(tiny_vllm_mo
         while any(alive(p) for p in engine):
             assert time.monotonic() < deadline, f"vLLM process {engine} outlived its sampler"
             time.sleep(0.1)
+        wait_for_steps(run_dir, 7, proc, timeout=240)  # the restarted sampler at work
+        sampler, engine = sampler_and_engine(run_dir)
+        assert engine
+        os.kill(engine[0], signal.SIGKILL)
         proc.wait(timeout=400)
     finally:
         proc.kill()
     assert proc.returncode == 0, (tmp_path / "job.log").read_text()[-4000:]
     status = status_lines(run_dir)
-    (exited,) = [line for line in status if line["event"] == "exited"]
-    assert exited["actor"] == "sampler-0" and exited["returncode"] == -signal.SIGKILL
-    assert exited["restart"] and status[-1]["sampler-0"]["restarts"] == 1
+    exits = [line for line in status if line["event"] == "exited"]
+    assert [(e["actor"], e["returncode"], e["restart"]) for e in exits] == [
+        ("sampler-0", -signal.SIGKILL, True), ("sampler-0", 1, True)]
+    assert status[-1]["sampler-0"]["restarts"] == 2
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(balanced(r) for r in rows)
     assert not actor_pids(run_dir) and not engine_pids(run_dir)

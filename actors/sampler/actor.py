@@ -67,7 +67,7 @@ class Sampler:
         self.gen_s = 0.0
         self.started = time.monotonic()
         self.sync_sent = 0.0  # of the engine's weight_sync_s, what groups sent already carry
-        self.multi_version = self.samples = 0  # samples whose tokens span > 1 version, all
+        self.multi_version = 0  # samples sent whose tokens span more than one version
 
     async def next_prompts(self, count: int | None = None) -> PromptBatch:
         cfg = self.ctx.topology.sampler
@@ -99,7 +99,6 @@ class Sampler:
             self.sync_sent += sync
         for g in groups:
             for s in g.samples:
-                self.samples += 1
                 if s.token_versions is not None and len(set(from_wire(s.token_versions).tolist())) > 1:
                     self.multi_version += 1
         await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
@@ -125,13 +124,16 @@ class Sampler:
             multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
             scoring=self.scoring_now(), score_resent=s.resent, score_failed=s.failed,
             score_late=s.late, rejected_frames=s.rejected)
-
-    def scoring_now(self) -> int:
-        return MAX_SCORING - self.slots.value
         for key, value in (("weights_error", self.weights.error),
                            ("router_error", self.scoring.router_error)):
             if value:
                 self.ctx.status[key] = value
+        if hasattr(self.engine, "statistics"):
+            self.ctx.status.update(self.engine.statistics())
+
+    def scoring_now(self) -> int:
+        """Generated groups (or batches) being scored now."""
+        return MAX_SCORING - self.slots.value
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         await self.weights.wait_for(0)
@@ -156,6 +158,8 @@ class ContinuousSampler(Sampler):
         self.in_engine = anyio.Semaphore(limit)  # prompts generating now
         self.scoring_slots = anyio.Semaphore(limit)  # generated groups being scored now
         self.loaded = anyio.Event()  # set and replaced at every weights load
+        self.active = 0  # prompts generating now
+        self.busy_since = 0.0  # when ``active`` last went from 0 to 1
 
     def scoring_now(self) -> int:
         return self.limit - self.scoring_slots.value
@@ -163,14 +167,15 @@ class ContinuousSampler(Sampler):
     async def load_weights(self) -> None:
         """Load every newer version as soon as it arrives (into the running engine)."""
         while True:
-            await self.weights.wait_for(self.engine.version + 1)
             newest = self.weights.take()
-            if newest is not None:
-                await self.engine.load_weights(*newest)
-                self.weight_loads += 1
-                self.loaded.set()
-                self.loaded = anyio.Event()
-                self.publish()
+            if newest is None:
+                await self.weights.wait_for(self.weights.received + 1)
+                continue
+            await self.engine.load_weights(*newest)
+            self.weight_loads += 1
+            self.loaded.set()
+            self.loaded = anyio.Event()
+            self.publish()
 
     async def wait_for_version(self, version: int) -> None:
         while self.engine.version < version:  # prompts issued at v are generated with >= v
@@ -200,6 +205,9 @@ class ContinuousSampler(Sampler):
     async def one_prompt(self, prompt: Prompt) -> None:
         """Generate one prompt's group, then score and send it; its place in the engine is
         freed once it is generated (and a scoring place is held: backpressure)."""
+        if self.active == 0:
+            self.busy_since = time.monotonic()
+        self.active += 1
         try:
             generated = await self.rollout.generate_one(prompt)
         except Rejected as exc:
@@ -207,10 +215,13 @@ class ContinuousSampler(Sampler):
             self.in_engine.release()
             await self.send([self.rollout.rejected(prompt, str(exc))])
             return
+        finally:
+            self.active -= 1
+            if self.active == 0:  # gen_s: the time the engine had work, not the wall time
+                self.gen_s += time.monotonic() - self.busy_since
         await self.scoring_slots.acquire()
         self.in_engine.release()
         try:
-            self.gen_s = time.monotonic() - self.started  # the engine works all along
             self.tokens += sum(len(c.token_ids) for c in generated.completions)
             groups = await self.rollout.score([generated])
             self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)

@@ -230,7 +230,7 @@ class VLLMEngine:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
                                                request_id=f"{seed}-{next(self.ids)}"):
                 final = out
-        except (VLLMClientError, ValueError) as exc:
+        except VLLMClientError as exc:  # the request itself is bad (EngineDeadError is not one)
             raise Rejected(str(exc)) from None
         finally:
             self.running -= 1
