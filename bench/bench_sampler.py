@@ -143,6 +143,7 @@ class _Weights:
     """The engine already holds version 0; no newer one ever comes."""
 
     error = ""
+    received = 0
 
     async def wait_for(self, version: int) -> None:
         import anyio

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -174,6 +175,9 @@ class VLLMEngine:
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_CONFIGURE_LOGGING", "0")):
             os.environ.setdefault(key, value)
+        if "VLLM_LOGGING_LEVEL" not in os.environ:  # its start-up notes drown the job's lines;
+            # errors still show (the engine process is forked after this, so it inherits it)
+            logging.getLogger("vllm").setLevel(logging.ERROR)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
