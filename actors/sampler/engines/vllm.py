@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import tempfile
 import threading
@@ -170,14 +169,13 @@ class VLLMEngine:
         self.idle, self.gate = asyncio.Event(), asyncio.Event()
         self.idle.set()
         self.gate.set()
+        # VLLM_LOGGING_LEVEL: vLLM's start-up notes (in this process and the engine's) would
+        # drown the job's lines; errors still show, and the variable set by hand wins
         for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                            ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
-                           ("VLLM_CONFIGURE_LOGGING", "0")):
+                           ("VLLM_LOGGING_LEVEL", "ERROR")):
             os.environ.setdefault(key, value)
-        if "VLLM_LOGGING_LEVEL" not in os.environ:  # its start-up notes drown the job's lines;
-            # errors still show (the engine process is forked after this, so it inherits it)
-            logging.getLogger("vllm").setLevel(logging.ERROR)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
