@@ -88,41 +88,31 @@ async def bench_engines(args, model: Path, vllm_engine) -> None:
 
 class _Replay:
     """Stands in for the replay buffer's socket: prompts on request until ``total``, groups
-    counted as they come back."""
+    counted as they come back; with no prompt left, a request waits (as for admission)."""
 
     def __init__(self, all_prompts, done) -> None:
+        import anyio
+
         self.prompts, self.done = list(all_prompts), done
-        self.pending: list[bytes] = []
+        self.replies, self.inbox = anyio.create_memory_object_stream[bytes](16)
         self.groups = 0
         self.total = len(all_prompts)
 
     async def send_multipart(self, frames) -> None:
-        from messages.codec import Codec
+        from messages.codec import Codec, encode
         from messages.rollout import GroupsDone, PromptBatch, PromptRequest, ToReplay
 
         msg = Codec(ToReplay).decode(frames[-1])
-        if isinstance(msg, PromptRequest):
+        if isinstance(msg, PromptRequest) and self.prompts:
             give, self.prompts = self.prompts[:msg.max_prompts], self.prompts[msg.max_prompts:]
-            from messages.codec import encode
-
-            self.pending.append(encode(PromptBatch(prompts=give, version=0)))
+            await self.replies.send(encode(PromptBatch(prompts=give, version=0)))
         elif isinstance(msg, GroupsDone):
             self.groups += len(msg.groups)
             if self.groups == self.total:
                 self.done.set()
 
     async def recv_multipart(self):
-        import anyio
-
-        while not self.pending or self.pending[0] is None:
-            await anyio.sleep(0.001)
-        frames = [self.pending.pop(0)]
-        from messages.codec import Codec
-        from messages.rollout import FromReplay
-
-        if not Codec(FromReplay).decode(frames[0]).prompts:
-            await anyio.sleep_forever()  # nothing left: the loop waits here, as for admission
-        return frames
+        return [await self.inbox.receive()]
 
 
 class _Scoring:
