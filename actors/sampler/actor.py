@@ -295,6 +295,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(weights.serve)
                 tg.start_soon(scoring.serve)
+                tg.start_soon(engine.watch)
                 tg.start_soon(sampler.run, tg)
         finally:
             with anyio.CancelScope(shield=True):

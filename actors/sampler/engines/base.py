@@ -80,6 +80,12 @@ class Engine(Protocol):
         ``version``; tokens generated from then on carry it."""
         ...
 
+    async def watch(self) -> None:
+        """Never return while the engine is healthy; raise once it has died (an engine process
+        gone). The sampler runs it beside its work, so a dead engine is the sampler's failure
+        even when no request is waiting on it."""
+        ...
+
     async def aclose(self) -> None:
         """Release the engine (and any process it started)."""
         ...

@@ -127,5 +127,8 @@ class HFEngine:
         for name, value in tensors.items():
             self.params[name].copy_(value)
 
+    async def watch(self) -> None:
+        await anyio.sleep_forever()  # in this process: it dies with the sampler
+
     async def aclose(self) -> None:
         pass

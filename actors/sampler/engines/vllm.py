@@ -299,6 +299,15 @@ class VLLMEngine:
         self.updates += 1
         self.updates_in_flight += in_flight
 
+    async def watch(self) -> None:
+        """Raise once vLLM's engine process has died (checked every second): requests waiting
+        on it fail by themselves, but an idle sampler would otherwise wait for prompts
+        forever with a dead engine."""
+        while not self.llm.errored:  # noqa: ASYNC110 - vLLM sets a flag, it has no event
+            await anyio.sleep(1.0)
+        raise RuntimeError("vLLM's engine process died (EngineDeadError); the sampler stops so "
+                           "the runner restarts it with a fresh engine")
+
     def statistics(self) -> dict[str, float | int | str]:
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
