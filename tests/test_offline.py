@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory) -> Path:
     run = base / "run"
     res = subprocess.run(
         [sys.executable, "runner.py", "topology.toml", f"model.path={model}", f"run.dir={run}",
-         "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8",
+         "sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8",
          "run.status_interval=0", "run.heartbeat_interval=0.5", "learner.total_steps=6",
          "learner.save_every=3", "learner.keep_checkpoints=10"],
         cwd=ROOT, capture_output=True, text=True, timeout=180)

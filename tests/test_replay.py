@@ -112,3 +112,15 @@ def test_counters_balance_through_a_long_random_run():
             s.version += 1
         assert balanced(s)
         assert s.counters()["in_flight"] <= 7
+
+
+def test_a_prompt_the_engine_rejected_is_dropped_with_its_reason_not_reissued():
+    s = state(staleness=0, batch=2)
+    a, b = s.issue(b"a", 2)
+    too_long = ScoredGroup(prompt=a, prompt_ids=EMPTY, samples=[], sampler="s",
+                           generate_error="prompt of 300 tokens is longer than max_model_len 256")
+    assert s.accept(too_long) and s.accept(scored(b, 0))
+    c = s.counters()
+    assert c["dropped_rejected"] == 1 and c["dropped"] == 1 and c["held"] == 1 and balanced(s)
+    assert [r for t, r in s.records if t == "fates"][0]["reason"] == "rejected"
+    assert [p.prompt_id for p in s.issue(b"a", 5)] == [2]  # a replacement, never prompt 0 again

@@ -19,7 +19,7 @@ from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.metrics import JsonlSink
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import METRICS, remove_partial
-from actors.runtime.weights import WeightsPublisher
+from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import StepReport
@@ -120,7 +120,12 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
-    weights = WeightsPublisher(weights_sock)
+    transport = cfg.weights_transport
+    if transport == "auto":  # ipc:// means every sampler shares this host, and its /dev/shm
+        transport = "shm" if cfg.weights_address.startswith("ipc://") else "zmq"
+    remove_orphaned_shm()
+    weights = WeightsPublisher(weights_sock, transport)
+    ctx.status["weights_transport"] = transport
     learner = Learner(ctx, trainer, replay, weights)
     if trainer.policy.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.policy.resumed_from.name
@@ -133,4 +138,5 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
                 tg.cancel_scope.cancel()
         finally:
             await learner.finish()
+            weights.close()
     return f"trained {trainer.policy.step} steps"

@@ -32,6 +32,8 @@ class RolloutBatch:
     truncated: torch.Tensor  # (N,) bool, response hit max_tokens
     baseline_rewards: torch.Tensor | None  # (N,) remax: reward of the group's greedy sample
     group_size: int
+    token_versions: torch.Tensor | None = None  # (N, W-1) long, each response token's policy
+    # version (the sample's version outside the response)
 
     @property
     def size(self) -> int:
@@ -75,8 +77,12 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
     mask = torch.zeros((N, width - 1))
     behav = torch.zeros((N, width - 1))
     rewards = torch.zeros((N, width - 1))
+    token_versions = torch.zeros((N, width - 1), dtype=torch.long)
     for i, (p, r, lp, s, _) in enumerate(rows):
         end = len(p) + len(r)
+        token_versions[i] = s.policy_version
+        if s.token_versions is not None:
+            token_versions[i, len(p) - 1 : end - 1] = from_wire(s.token_versions).long()
         ids[i, :end] = torch.cat([p, r])
         attn[i, :end] = 1
         own = torch.ones(len(r)) if s.loss_mask is None else from_wire(s.loss_mask).float()
@@ -93,7 +99,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         token_rewards=rewards, scores=torch.tensor([s.reward for *_, s, _ in rows]),
         versions=torch.tensor([s.policy_version for *_, s, _ in rows]),
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
-        baseline_rewards=baselines, group_size=n,
+        baseline_rewards=baselines, group_size=n, token_versions=token_versions,
     )
 
 

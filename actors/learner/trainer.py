@@ -52,7 +52,7 @@ from actors.learner.objective import (
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import Topology
-from actors.runtime.config.schema import OPTIMAL_TOKEN_BASELINES
+from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
 from kernels.importance import staleness_histogram, weight_metrics
@@ -248,6 +248,8 @@ class Trainer:
         metrics.update(final.metrics)
         metrics.update(weight_metrics(probe, batch.behaviour_logprobs, final.keep, weights))
         metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
+        metrics.update(token_staleness(trained_at, batch, mask))
+        metrics["timing_s/weight_sync"] = sum(g.weight_sync_s for g in groups)
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]
         elapsed = time.monotonic() - started
@@ -297,6 +299,23 @@ def _gdpo_metrics(keys: list[str], components: torch.Tensor) -> dict[str, float]
         out.update({f"gdpo/{key}/mean": float(values.mean()),
                     f"gdpo/{key}/std": float(values.std(correction=0)),
                     f"gdpo/{key}/max": float(values.max()), f"gdpo/{key}/min": float(values.min())})
+    return out
+
+
+def token_staleness(trained_at: int, batch, mask: torch.Tensor) -> dict[str, float]:
+    """Staleness of every response token (``staleness_token/*``, the histogram of
+    ``staleness/*`` over tokens), and the share of samples whose tokens span more than one
+    policy version (weights loaded in flight: ``rollout/multi_version_share``)."""
+    if batch.token_versions is None:
+        return {}
+    on = mask.bool()
+    hist = staleness_histogram(staleness(trained_at, batch.token_versions[on]))
+    out = {f"staleness_token/{k.split('/', 1)[1]}": v for k, v in hist.items()}
+    big = torch.iinfo(torch.long).max
+    newest = torch.where(on, batch.token_versions, -big).amax(1)  # (N,)
+    oldest = torch.where(on, batch.token_versions, big).amin(1)  # (N,)
+    spans = (newest > oldest) & on.any(1)
+    out["rollout/multi_version_share"] = float(spans.float().mean())
     return out
 
 

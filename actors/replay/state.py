@@ -22,7 +22,9 @@ its serves left, so ``(η + v + 1)·B − (served + serves left + k·in_flight)`
 prompts may be issued (``k = 1`` is the rule above).
 
 A group the sampler could not get scored (``ScoredGroup.score_error``: no reward worker answered
-after ``sampler.score_attempts`` sends) is recorded and dropped as ``score_failed``.
+after ``sampler.score_attempts`` sends) is recorded and dropped as ``score_failed``; a prompt
+the engine refused for good (``ScoredGroup.generate_error``: too long for the model's context)
+comes back as a group without samples and is recorded and dropped as ``rejected``.
 
 Dynamic sampling (DAPO, ``algorithm.filter_groups``): a group whose rewards are all equal is
 dropped as ``filtered`` when it arrives; it leaves in_flight, so admission lets a replacement
@@ -139,6 +141,9 @@ class ReplayState:
             return False
         if self.record:  # the groups row is the recording's one costly row: built only when kept
             self.records.append(("groups", group_row(group)))
+        if group.generate_error:  # the engine refused the prompt: retrying cannot help
+            self._drop(group, "rejected")
+            return True
         if group.score_error:  # no reward worker answered: its rewards are not rewards
             self._drop(group, "score_failed")
             return True
@@ -232,6 +237,7 @@ class ReplayState:
             "dropped_stale": self.dropped["stale"],
             "dropped_filtered": self.dropped["filtered"],
             "dropped_score_failed": self.dropped["score_failed"],
+            "dropped_rejected": self.dropped["rejected"],
             "in_flight": self.in_flight,
             "held": len(self.held),
             "at_samplers": len(self.at_samplers) + len(self.requeued),

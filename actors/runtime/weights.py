@@ -1,18 +1,33 @@
 """The one weights channel: the learner publishes versioned weights, samplers subscribe.
 
-Today the transport is ZeroMQ: the learner binds a ROUTER (``learner.weights_address``), each
-sampler connects a DEALER and long-polls with ``WeightsPoll(have_version)``; the learner answers
-as soon as it holds a newer version (at once for a sampler that has none) with a header frame
-and one zero-copy frame per tensor. A slow sampler therefore only ever receives the newest
-weights, never a queue of stale ones. Other transports (shared memory on one host, NCCL or
-CUDA IPC on GPUs, in-flight updates) plug in behind ``WeightsPublisher.publish`` and
-``WeightsSubscriber.take`` without either actor changing.
+The learner binds a ROUTER (``learner.weights_address``), each sampler connects a DEALER and
+long-polls with ``WeightsPoll(have_version)``; the learner answers as soon as it holds a newer
+version (at once for a sampler that has none). A slow sampler therefore only ever receives the
+newest weights, never a queue of stale ones. Two transports carry the tensors:
+
+- ``zmq`` (across hosts): a header frame and one zero-copy frame per tensor.
+- ``shm`` (samplers on the learner's host): the learner writes each version once as a
+  safetensors file in ``/dev/shm`` and the header carries only its path; every sampler maps the
+  file (``SharedWeights``), and a vLLM engine loads it straight from there. One write per step
+  instead of one 540 MB message per sampler. The newest ``SHM_KEEP`` versions are kept (a
+  sampler that took an older one finds it gone and waits for the next); the folder is removed
+  when the learner exits, and a killed learner's folder by the next one.
+
+NCCL or CUDA IPC on GPUs would plug in behind ``WeightsPublisher.publish`` and
+``WeightsSubscriber.take`` the same way, without either actor changing.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
 import anyio
 import torch
+from safetensors import SafetensorError
 
 from actors.runtime.tensors import from_buffer, meta, raw_bytes
 from actors.runtime.zmq_bridge import AsyncSocket
@@ -25,23 +40,92 @@ from messages.weights import (
     WeightsPoll,
 )
 
+SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+SHM_PREFIX = "flowrl-weights-"
+SHM_KEEP = 2  # versions kept in shared memory
+
+
+class SharedWeights(Mapping[str, torch.Tensor]):
+    """The tensors of a safetensors file in shared memory, read on access (``path`` lets an
+    engine that reads files itself skip the tensors)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        if not Path(path).is_file():
+            raise FileNotFoundError(path)  # removed: a newer version replaced it
+        with safe_open(path, framework="pt") as f:
+            self._names = list(f.keys())  # noqa: SIM118 - safe_open is not a dict
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def items(self):  # one open for all tensors
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            for name in self._names:
+                yield name, f.get_tensor(name)
+
+
+def remove_orphaned_shm() -> None:
+    """Remove the shared-memory folders of learners that are gone (killed with kill -9)."""
+    for d in SHM_ROOT.glob(f"{SHM_PREFIX}*"):
+        pid = d.name.removeprefix(SHM_PREFIX)
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
 
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket) -> None:
+    def __init__(self, sock: AsyncSocket, transport: str = "zmq") -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        self.transport = transport  # "zmq" or "shm"
         self.version = -1  # the version of ``frames``; -1 until the first publish
         self.frames: list = []  # [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
         self.sent = 0  # weight messages sent, all pollers together
+        self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}"  # shm: this learner's files
+        self.shm_files: list[Path] = []  # shm: the versions kept, oldest first
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Make ``tensors`` the newest weights and send them to every poller waiting for them."""
-        header = WeightsHeader(version=version, tensors=[meta(n, t) for n, t in tensors])
+        if self.transport == "shm":
+            path = await anyio.to_thread.run_sync(self._write, version, tensors)
+            self.frames = [encode(WeightsHeader(version=version, tensors=[], path=str(path)))]
+        else:
+            header = WeightsHeader(version=version, tensors=[meta(n, t) for n, t in tensors])
+            self.frames = [encode(header), *(raw_bytes(t) for _, t in tensors)]
         self.version = version
-        self.frames = [encode(header), *(raw_bytes(t) for _, t in tensors)]
         await self._answer()
+
+    def _write(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> Path:
+        from safetensors.torch import save_file
+
+        self.shm_dir.mkdir(exist_ok=True)
+        path = self.shm_dir / f"v{version}.safetensors"
+        tmp = path.with_suffix(".partial")
+        save_file({n: t.contiguous() for n, t in tensors}, str(tmp))
+        os.replace(tmp, path)  # a sampler never maps a half-written file
+        self.shm_files.append(path)
+        while len(self.shm_files) > SHM_KEEP:
+            self.shm_files.pop(0).unlink(missing_ok=True)
+        return path
+
+    def close(self) -> None:
+        """Remove the shared-memory files (the samplers that mapped one keep their mapping)."""
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     async def _answer(self) -> None:
         for peer, have in list(self.waiting.items()):
@@ -73,7 +157,7 @@ class WeightsSubscriber:
     def __init__(self, sock: AsyncSocket) -> None:
         self.sock = sock  # a DEALER connected to the learner's weights ROUTER
         self.received = -1  # newest version received (applied or not); -1: none yet
-        self._newest: tuple[int, dict[str, torch.Tensor]] | None = None  # received, not taken
+        self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
 
@@ -82,9 +166,10 @@ class WeightsSubscriber:
         while self.received < version:
             await self._arrived.wait()
 
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def take(self) -> tuple[int, Mapping[str, torch.Tensor]] | None:
         """The newest received weights not taken yet, or None. The tensors are read-only
-        views of the received frames: copy them into the engine, never write to them."""
+        views of the received frames (or of a shared-memory file: ``SharedWeights``): copy
+        them into the engine, never write to them."""
         newest, self._newest = self._newest, None
         return newest
 
@@ -98,9 +183,15 @@ class WeightsSubscriber:
                 header = codec.decode(frames[0].buffer)
                 if not isinstance(header, WeightsHeader) or len(frames) != len(header.tensors) + 1:
                     raise DecodeError("weights header does not match its frames")
-                tensors = {m.name: from_buffer(m.dtype, m.shape, f.buffer)
-                           for m, f in zip(header.tensors, frames[1:], strict=True)}
-            except (DecodeError, ValueError) as exc:
+                tensors: Mapping[str, torch.Tensor]
+                if header.path:
+                    tensors = await anyio.to_thread.run_sync(SharedWeights, header.path)
+                else:
+                    tensors = {m.name: from_buffer(m.dtype, m.shape, f.buffer)
+                               for m, f in zip(header.tensors, frames[1:], strict=True)}
+            except FileNotFoundError:  # shm: a newer version replaced it already; poll again
+                continue
+            except (DecodeError, ValueError, OSError, SafetensorError) as exc:
                 self.error = str(exc)[:200]
                 await anyio.sleep(1.0)  # a broken learner: do not spin on it
                 continue

@@ -1,13 +1,22 @@
 """The sampler actor.
 
-Loop: ask the replay buffer for prompts (the answer waits for admission), apply the newest
-weights if the learner has published some, generate ``n`` completions per prompt (a
-``Rollout`` over the engine), then hand the batch to a scoring task (router -> reward workers)
-and go straight on to the next prompts. At most ``MAX_SCORING`` batches are being scored at
-once (backpressure). Weights arrive on their own task by long-poll (the weights channel), so
-generation never waits for the learner, except for weights already published: the first batch
-waits for the learner's initial weights, and a batch of prompts issued at version ``v`` waits
-for the weights of ``v`` (they are already on the wire) rather than going stale.
+With a batch engine (hf), the loop asks the replay buffer for prompts (the answer waits for
+admission), applies the newest weights if the learner has published some, generates ``n``
+completions per prompt (a ``Rollout`` over the engine), then hands the batch to a scoring task
+(router -> reward workers) and goes straight on to the next prompts. At most ``MAX_SCORING``
+batches are being scored at once (backpressure).
+
+With a continuous engine (vllm), each admitted prompt is submitted alone as soon as it arrives,
+up to ``sampler.max_concurrent_prompts`` in the engine; a group goes to scoring as soon as its
+own completions are done, and the freed place is filled with the next prompt. Weights are
+loaded as soon as they arrive (``ContinuousSampler.load_weights``), into the running engine:
+between its requests or in flight (``sampler.weight_update``). A prompt the engine refuses for
+good goes back to the replay buffer as a group without samples, to be dropped as ``rejected``.
+
+Weights arrive on their own task by long-poll (the weights channel), so generation never waits
+for the learner, except for weights already published: the first prompts wait for the
+learner's initial weights, and prompts issued at version ``v`` wait for the weights of ``v``
+(they are already on the wire) rather than going stale.
 """
 
 from __future__ import annotations
@@ -17,20 +26,30 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 import torch
 import zmq
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
+from actors.runtime.config import VLLMOptions
+from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.sampler.agent.loop import AgentLoop
-from actors.sampler.engines.base import Engine
-from actors.sampler.engines.hf import HFEngine
+from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
-from messages.rollout import FromReplay, GroupsDone, PromptBatch, PromptRequest, SamplingParams
+from messages.rollout import (
+    FromReplay,
+    GroupsDone,
+    Prompt,
+    PromptBatch,
+    PromptRequest,
+    SamplingParams,
+    ScoredGroup,
+)
 
 MAX_SCORING = 2  # generated batches waiting for rewards at once
 
@@ -45,14 +64,17 @@ class Sampler:
         self.codec: Codec[FromReplay] = Codec(FromReplay)
         self.slots = anyio.Semaphore(MAX_SCORING)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
-        self.groups = self.tokens = self.weight_loads = self.score_errors = 0
+        self.groups = self.tokens = self.weight_loads = self.score_errors = self.rejected = 0
         self.gen_s = 0.0
+        self.started = time.monotonic()
+        self.sync_sent = 0.0  # of the engine's weight_sync_s, what groups sent already carry
+        self.multi_version = 0  # samples sent whose tokens span more than one version
 
-    async def next_prompts(self) -> PromptBatch:
+    async def next_prompts(self, count: int | None = None) -> PromptBatch:
         cfg = self.ctx.topology.sampler
         while True:
             await self.replay.send_multipart(
-                [encode(PromptRequest(cfg.prompts_per_request, self.incarnation))])
+                [encode(PromptRequest(count or cfg.prompts_per_request, self.incarnation))])
             frames = await self.replay.recv_multipart()
             try:
                 msg = self.codec.decode(frames[-1])
@@ -69,22 +91,39 @@ class Sampler:
             await self.engine.load_weights(*newest)
             self.weight_loads += 1
 
+    async def send(self, groups: list[ScoredGroup]) -> None:
+        """Hand groups to the replay buffer; the first carries the weight-sync time not
+        reported yet (``ScoredGroup.weight_sync_s``: every swap counted once)."""
+        sync = self.engine.weight_sync_s - self.sync_sent
+        if groups and sync > 0:
+            groups[0] = msgspec.structs.replace(groups[0], weight_sync_s=sync)
+            self.sync_sent += sync
+        for g in groups:
+            for s in g.samples:
+                if s.token_versions is not None and len(set(from_wire(s.token_versions).tolist())) > 1:
+                    self.multi_version += 1
+        await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
+        self.groups += len(groups)
+
     async def score_and_send(self, generated: list[Generated]) -> None:
         try:
             groups = await self.rollout.score(generated)
             self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
-            await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
-            self.groups += len(groups)
+            await self.send(groups)
         finally:
             self.slots.release()
 
     def publish(self) -> None:
         s = self.scoring.statistics()
+        wall = max(time.monotonic() - self.started, 1e-9)
         self.ctx.status.update(
             version=self.engine.version, groups=self.groups,
             tokens_per_s=round(self.tokens / max(self.gen_s, 1e-9), 1),
             weight_loads=self.weight_loads, score_errors=self.score_errors,
-            scoring=MAX_SCORING - self.slots.value, score_resent=s.resent, score_failed=s.failed,
+            weight_sync_s=round(self.engine.weight_sync_s, 3),
+            weight_sync_share=round(self.engine.weight_sync_s / wall, 4),
+            multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
+            scoring=self.scoring_now(), score_resent=s.resent, score_failed=s.failed,
             score_late=s.late, rejected_frames=s.rejected)
         if self.rollout.agent is not None:
             self.ctx.status.update(self.rollout.agent.statistics())
@@ -92,6 +131,12 @@ class Sampler:
                            ("router_error", self.scoring.router_error)):
             if value:
                 self.ctx.status[key] = value
+        if hasattr(self.engine, "statistics"):
+            self.ctx.status.update(self.engine.statistics())
+
+    def scoring_now(self) -> int:
+        """Generated groups (or batches) being scored now."""
+        return MAX_SCORING - self.slots.value
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         await self.weights.wait_for(0)
@@ -106,6 +151,122 @@ class Sampler:
             tg.start_soon(self.score_and_send, generated)
 
 
+class ContinuousSampler(Sampler):
+    """The sampler of a continuous engine: prompts enter one by one, groups leave one by one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        limit = self.ctx.topology.sampler.max_concurrent_prompts
+        self.limit = limit
+        self.in_engine = anyio.Semaphore(limit)  # prompts generating now
+        self.scoring_slots = anyio.Semaphore(limit)  # generated groups being scored now
+        self.loaded = anyio.Event()  # set and replaced at every weights load
+        self.active = 0  # prompts generating now
+        self.busy_since = 0.0  # when ``active`` last went from 0 to 1
+
+    def scoring_now(self) -> int:
+        return self.limit - self.scoring_slots.value
+
+    async def load_weights(self) -> None:
+        """Load every newer version as soon as it arrives (into the running engine)."""
+        while True:
+            newest = self.weights.take()
+            if newest is None:
+                await self.weights.wait_for(self.weights.received + 1)
+                continue
+            await self.engine.load_weights(*newest)
+            self.weight_loads += 1
+            self.loaded.set()
+            self.loaded = anyio.Event()
+            self.publish()
+
+    async def wait_for_version(self, version: int) -> None:
+        while self.engine.version < version:  # prompts issued at v are generated with >= v
+            await self.loaded.wait()
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        await self.weights.wait_for(0)
+        await self.apply_weights(0)
+        tg.start_soon(self.load_weights)
+        cfg = self.ctx.topology.sampler
+        while True:
+            await self.in_engine.acquire()  # one free place at least, then every free one
+            free = 1
+            while free < min(cfg.prompts_per_request, self.limit):
+                try:
+                    self.in_engine.acquire_nowait()
+                except anyio.WouldBlock:
+                    break
+                free += 1
+            batch = await self.next_prompts(free)
+            for _ in range(free - len(batch.prompts)):
+                self.in_engine.release()
+            await self.wait_for_version(batch.version)
+            for prompt in batch.prompts[:free]:
+                tg.start_soon(self.one_prompt, prompt)
+
+    async def one_prompt(self, prompt: Prompt) -> None:
+        """Generate one prompt's group, then score and send it; its place in the engine is
+        freed once it is generated (and a scoring place is held: backpressure)."""
+        if self.active == 0:
+            self.busy_since = time.monotonic()
+        self.active += 1
+        try:
+            generated = await self.rollout.generate_one(prompt)
+        except Rejected as exc:
+            self.rejected += 1
+            self.in_engine.release()
+            await self.send([self.rollout.rejected(prompt, str(exc))])
+            return
+        finally:
+            self.active -= 1
+            if self.active == 0:  # gen_s: the time the engine had work, not the wall time
+                self.gen_s += time.monotonic() - self.busy_since
+        await self.scoring_slots.acquire()
+        self.in_engine.release()
+        try:
+            self.tokens += sum(len(c.token_ids) for c in generated.completions)
+            groups = await self.rollout.score([generated])
+            self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
+            await self.send(groups)
+            self.publish()
+        finally:
+            self.scoring_slots.release()
+
+
+async def start_engine(ctx: ActorContext) -> Engine:
+    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded)."""
+    topo = ctx.topology
+    cfg = topo.sampler
+    seed = topo.run.seed * 1009 + ctx.index
+    model = Path(topo.model.path)
+    if cfg.engine != "vllm":
+        from actors.sampler.engines.hf import HFEngine
+
+        return await anyio.to_thread.run_sync(HFEngine, model, topo.model.dtype, seed)
+    from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
+
+    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
+                            weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
+                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
+    return await VLLMEngine.start(model, topo.model.dtype, seed, settings)
+
+
+def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
+    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default)."""
+    options = {"gpu_memory_utilization": v.gpu_memory_utilization,
+               "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
+               "enforce_eager": v.enforce_eager, "enable_prefix_caching": v.enable_prefix_caching,
+               "enable_chunked_prefill": v.enable_chunked_prefill}
+    if v.max_model_len:
+        options["max_model_len"] = v.max_model_len
+    if v.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = v.max_num_batched_tokens
+    if v.kv_cache_memory_bytes or not gpu:  # on a CPU the utilization would be a share of RAM
+        options["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
+    return options
+
+
 def sampling_params(ctx: ActorContext) -> SamplingParams:
     cfg = ctx.topology.sampler
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -117,8 +278,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
     model = Path(topo.model.path)
-    engine = await anyio.to_thread.run_sync(
-        HFEngine, model, topo.model.dtype, topo.run.seed * 1009 + ctx.index)
+    engine = await start_engine(ctx)
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
@@ -133,13 +293,16 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
                       greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,
                       agent=agent)
-    sampler = Sampler(ctx, engine, rollout, replay, weights, scoring)
+    sampler = (ContinuousSampler if engine.continuous else Sampler)(
+        ctx, engine, rollout, replay, weights, scoring)
+    ctx.status["engine"] = cfg.engine
     task_status.started()
     with replay, router, weights_sock:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(weights.serve)
                 tg.start_soon(scoring.serve)
+                tg.start_soon(engine.watch)
                 tg.start_soon(sampler.run, tg)
         finally:
             with anyio.CancelScope(shield=True):

@@ -71,6 +71,19 @@ class Rollout:
             return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
         return await self.engine.generate([GenerateRequest(i, params, n) for i in ids])
 
+    async def generate_one(self, prompt: Prompt) -> Generated:
+        """A continuous engine's unit: one prompt's completions (and its greedy one for remax),
+        submitted alone; other prompts' requests share the engine's batches meanwhile."""
+        return (await self.generate([prompt]))[0]
+
+    def rejected(self, prompt: Prompt, reason: str) -> ScoredGroup:
+        """The group of a prompt the engine refused for good: no samples, the reason recorded
+        (the replay buffer drops it as ``rejected``)."""
+        ids = self.tokenizer.prompt_ids(prompt.messages)
+        return ScoredGroup(prompt=prompt, prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
+                           samples=[], sampler=self.sampler, sampling=self.params,
+                           generate_error=reason[:500])
+
     async def generate(self, prompts: list[Prompt]) -> list[Generated]:
         """``n`` completions of each prompt (and its greedy one for remax), in one engine call
         per setting: a batch engine runs them as one batch (multi-turn: ``AgentLoop``)."""
@@ -126,7 +139,7 @@ class Rollout:
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
                           reward=reward, reward_error=r.error,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
-                          reward_extra=r.extra, turns=turns_of(c))
+                          reward_extra=r.extra, turns=turns_of(c), seed=c.seed)
                    for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
                                                  rewards, strict=True)]
         return ScoredGroup(

