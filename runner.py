@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -206,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")
+    parser.add_argument("--host", default="", metavar="NAME",
+                        help="with a [hosts] table: start only the actors placed on host NAME "
+                             "(one runner per host: by hand, ssh, or srun --host $SLURMD_NODENAME)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    host = [f"run.host={json.dumps(args.host)}"] if args.host else []
     try:
-        topology = load_topology(args.topology, args.overrides)
+        topology = load_topology(args.topology, [*args.overrides, *host])
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ router and the replay buffer never import torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BY_NAME)}}} INDEX\n")
         return 2
     run_dir, kind, index = Path(argv[0]), argv[1], int(argv[2])
-    topology = msgspec.json.decode((run_dir / TOPOLOGY).read_bytes(), type=Topology)
+    # an actor of a host other than the owner's reads its own runner's copy (``FLOWRL_TOPOLOGY``)
+    path = Path(os.environ.get("FLOWRL_TOPOLOGY") or run_dir / TOPOLOGY)
+    topology = msgspec.json.decode(path.read_bytes(), type=Topology)
     module, name = BY_NAME[kind].body.split(":")
     body = getattr(importlib.import_module(module), name)
     return run_actor(kind, index, topology, run_dir, body, curve=job_keys(topology))

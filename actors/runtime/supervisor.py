@@ -7,7 +7,9 @@ the job started once every actor is ready, prints one line per learner step and 
 table, records every actor's status per step in ``status.jsonl``, reports an actor that dies
 with its traceback (restarting it when its ``restart`` policy says so), and on Ctrl-C, a failure
 or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
-reaps them all.
+reaps them all. With ``[hosts]`` it starts only the actors placed on its host (``run.host``) and
+talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host other
+than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import zmq
 
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
+from actors.runtime.config.hosts import host_of, local_actors, owner, resolve_addresses
 from actors.runtime.metrics import ConsoleSink
+from actors.runtime.multihost import PREFIX, Member, Owner
 from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
 from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
 from actors.runtime.zmq_bridge import make_socket
@@ -46,6 +50,7 @@ def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, 
     """Fill in the run directory, the model directory and every ``auto`` address."""
     from actors.model_store import resolve_model_path
 
+    topology = resolve_addresses(topology)  # with [hosts]: auto -> tcp://IP:PORT
     run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
     sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
     Path(sockets).mkdir(parents=True, exist_ok=True)
@@ -79,6 +84,8 @@ class Proc:
     finished: bool = False
     last_seen: float = 0.0
     status: dict = dataclasses.field(default_factory=dict)
+    host: str = ""  # with [hosts]: where it runs
+    remote: bool = False  # another host's runner starts it (the owner hears it through that one)
 
     @property
     def name(self) -> str:
@@ -104,14 +111,21 @@ def format_status(procs: dict[str, Proc], started: float) -> str:
 
 
 class Job:
-    def __init__(self, topology: Topology, run_dir: Path) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, home: Path | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
+        self.home = home or run_dir  # this runner's own files (another host's: RUN_DIR/hosts/NAME)
+        here = set(local_actors(topology))  # the registry's order is the start order
+        is_owner = topology.run.host == owner(topology)
         self.procs = {
             p.name: p
-            for kind in NAMES  # the registry's order is the start order
-            for p in (Proc(kind, i) for i in range(getattr(topology, kind).count))
+            for kind in NAMES
+            for p in (Proc(kind, i, remote=(kind, i) not in here)
+                      for i in range(getattr(topology, kind).count))
+            if (kind, p.index) in here or is_owner  # the owner also follows the others' actors
         }
+        for p in self.procs.values():
+            p.host = host_of(topology, p.name)
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
         self.console = ConsoleSink(topology.learner.total_steps, topology.algorithm.max_staleness)
@@ -120,12 +134,16 @@ class Job:
         self.stopping = False
         self.started = time.monotonic()
         self.zmq = zmq.Context()
-        curve = job_keys(topology)
+        self.curve = curve = job_keys(topology)
         self.zap = None if curve is None else ZapHandler(
             self.zmq, {curve.public}, topology.security.authorized_keys,
             log=lambda text: print(f"!!! runner: {text}", flush=True))
         self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address, curve=curve)
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
+        self.owner: Owner | None = None  # with [hosts], on the owner: the other hosts' runners
+        self.member: Member | None = None  # with [hosts], elsewhere: the link to the owner
+        if topology.hosts:
+            self.owner, self.member = (Owner(self), None) if is_owner else (None, Member(self))
 
     def end(self, outcome: str) -> None:
         if self.outcome is None:
@@ -135,7 +153,10 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT)
+        # another host's actors read that host's runner's topology (its own control address)
+        env = {**os.environ, "FLOWRL_TOPOLOGY": str(self.home / TOPOLOGY)} \
+            if self.home != self.run_dir else None
+        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -173,7 +194,12 @@ class Job:
         codec: Codec[ToRunner] = Codec(ToRunner)
         while True:
             ident, *frames = await self.control.recv_multipart()
-            p = self.procs.get(ident.decode(errors="replace"))
+            if self.owner is not None and ident.startswith(PREFIX):
+                p = self.owner.relayed(ident, frames)  # another host's runner, or its actor
+            else:
+                p = self.procs.get(ident.decode(errors="replace"))
+                if self.member is not None:
+                    self.member.forward(ident, frames)
             try:
                 msg = codec.decode(frames[-1] if frames else b"")
             except DecodeError:
@@ -198,6 +224,8 @@ class Job:
                 case Finished(detail=detail):
                     p.finished = True
                     print(f"=== {p.name} finished: {detail}", flush=True)
+                    if p.remote and p.kind == "learner":  # its own host's runner ends there
+                        self.end("finished")
 
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
@@ -206,7 +234,7 @@ class Job:
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
                 **{p.name: {"ready": p.ready, "restarts": p.restarts, **p.status}
                    for p in self.procs.values()}}
-        with (self.run_dir / STATUS).open("a") as f:
+        with (self.home / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
     async def watch(self) -> None:
@@ -216,6 +244,9 @@ class Job:
         while True:
             await trio.sleep(1.0)
             now = time.monotonic()
+            for hosts in (self.owner, self.member):
+                if hosts is not None:
+                    hosts.tick(now)
             for p in self.procs.values():
                 silent = now - p.last_seen
                 if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
@@ -242,17 +273,29 @@ class Job:
     async def shutdown(self) -> None:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
         self.stopping = True
+        if self.owner is not None:
+            self.owner.closing()
         live = [(p, p.process) for p in self.procs.values()
                 if p.process is not None and p.process.returncode is None]
-        for p, _ in live:
-            try:
-                self.control.send_multipart_nowait([p.name.encode(), encode(Stop(reason=self.outcome or ""))])
-            except zmq.ZMQError:
-                pass
+        async def stop_messages() -> None:
+            # again every second: an actor still starting up may not be connected to hear one
+            while True:
+                for p, process in live:
+                    if process.returncode is None:
+                        try:
+                            self.control.send_multipart_nowait(
+                                [p.name.encode(), encode(Stop(reason=self.outcome or ""))])
+                        except zmq.ZMQError:
+                            pass
+                await trio.sleep(1.0)
+
         for grace, action in ((STOP_GRACE_S, "terminate"), (TERM_GRACE_S, "kill"), (None, None)):
             with trio.move_on_after(grace if grace is not None else 30):
-                for _, process in live:
-                    await process.wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stop_messages)
+                    for _, process in live:
+                        await process.wait()
+                    nursery.cancel_scope.cancel()
             live = [(p, process) for p, process in live if process.returncode is None]
             if not live or action is None:
                 break
@@ -266,7 +309,11 @@ class Job:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.listen)
+                    if self.member is not None:
+                        nursery.start_soon(self.member.serve)
                     for p in self.procs.values():
+                        if p.remote:
+                            continue
                         await self.spawn(p)
                         nursery.start_soon(self.supervise, p)
                     nursery.start_soon(self.watch)
@@ -275,6 +322,8 @@ class Job:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
+                    if self.member is not None:
+                        await self.member.closing()
                 self.control.close()
                 if self.zap is not None:
                     self.zap.close()
@@ -296,38 +345,83 @@ def run_job(topology: Topology) -> int:
     """Resolve ``topology``, take the run directory, start and supervise the job; its exit
     status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
     own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
-    topology, run_dir = resolve(topology)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    if topology.hosts and not topology.run.host:
+        print(f"error: this topology places actors on hosts {', '.join(topology.hosts)}: start "
+              "one runner on each with --host NAME", file=sys.stderr)
+        return 2
+    try:
+        topology, run_dir = resolve(topology)
+    except ConfigError as exc:
+        print(f"error: bad topology: {exc}", file=sys.stderr)
+        return 2
+    here = topology.run.host
+    home = run_dir if here == owner(topology) else run_dir / "hosts" / here
+    home.mkdir(parents=True, exist_ok=True)
+    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
     try:
         # released by the kernel when this process dies, however it dies (kill -9 included)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print(f"error: another runner is using {run_dir}", file=sys.stderr)
+        print(f"error: another runner is using {home}" + (f" (host {here})" if here else ""),
+              file=sys.stderr)
         return 2
     try:
-        _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        _remove_stale_sockets(home, Path(topology.run.socket_dir))
         try:
-            topology = prepare_job_keys(topology, run_dir)
+            if home == run_dir:
+                topology = prepare_job_keys(topology, run_dir)
+            else:  # the owner's runner makes the job's keys: they must be the same everywhere
+                topology = wait_for_job_keys(topology, run_dir)
         except ConfigError as exc:
             print(f"error: bad topology: {exc}", file=sys.stderr)
             return 2
         (run_dir / LOGS).mkdir(exist_ok=True)
+        mine = {f"{kind}-{i}" for kind, i in local_actors(topology)}
         for stale in (run_dir / LOGS).glob("*.traceback"):
-            stale.unlink()
-        resolved = run_dir / TOPOLOGY  # actors read it: replace it whole, never half-written
+            if stale.stem in mine:  # (another host's are not this runner's to remove)
+                stale.unlink()
+        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
         tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
         counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        if here:
+            counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
         print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        return anyio.run(Job(topology, run_dir).run, backend="trio")
+        try:
+            job = Job(topology, run_dir, home)
+        except zmq.ZMQError as exc:
+            print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
+                  + (f" (is a runner for host {here} already running, or is {here}'s address "
+                     "not one of this machine's?)" if here else ""), file=sys.stderr)
+            return 2
+        return anyio.run(job.run, backend="trio")
     finally:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
         lock.close()
+
+
+def wait_for_job_keys(topology: Topology, run_dir: Path) -> Topology:
+    """Another host's runner: the job's keys, made by the owner's runner (a run directory shared
+    by the hosts, or ``security.keys_dir`` copied to each), waited for up to run.host_wait_s."""
+    if not topology.security.curve:
+        return topology
+    keys_dir = Path(topology.security.keys_dir or run_dir / "keys")
+    deadline = time.monotonic() + topology.run.host_wait_s
+    while True:
+        if all((keys_dir / f"{n}.key_secret").is_file() for n in ("server", "client")):
+            time.sleep(0.2)  # a key being written by the owner is whole a moment later
+            return prepare_job_keys(topology, run_dir)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"security.keys_dir: no job keys in {keys_dir} after "
+                              f"run.host_wait_s: the owner host {owner(topology)}'s runner makes "
+                              "them; share the run directory or copy its keys there")
+        print(f"=== waiting for the job's keys in {keys_dir} (the owner host makes them)",
+              flush=True)
+        time.sleep(2.0)
 
 
 def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
