@@ -56,6 +56,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # (None in recordings made before tokens carried their own: every token is policy_version)
     loss_mask: Tensor | None = None  # (R,) int8, 1 on the model's own tokens, 0 on tool or
     # environment tokens (None in older recordings: all 1)
+    answer: str = ""  # the answer the scorer extracted from ``text`` ("" when it extracts none)
+    reward_extra: dict[str, float] = {}  # the scorer's numeric extras (ScoreResult.extra)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -90,6 +92,14 @@ class GroupsDone(msgspec.Struct, tag=True, gc=False):
     groups: list[ScoredGroup]
 
 
+class ValidationDone(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay: scored groups of validation prompts of the round of ``step`` (counted
+    apart from training prompts; never trained on)."""
+
+    step: int
+    groups: list[ScoredGroup]
+
+
 class BatchRequest(msgspec.Struct, tag=True, gc=False):
     """Learner -> Replay: ask for the batch of ``step``; ``version`` is the learner's policy version.
 
@@ -113,10 +123,17 @@ class PromptBatch(msgspec.Struct, tag=True, gc=False):
     ``version`` is the learner's policy version when they were issued; its weights were
     published before the replay buffer learned of it, so the sampler waits for them (they are
     already on the wire) rather than generating with older ones that would go stale.
+
+    ``validation``: these are prompts of the validation of the policy of ``version``, to be
+    generated with ``sampling`` and ``n`` (not the sampler's own) and with those weights (none
+    newer, while they are the newest it holds), and handed back as ``ValidationDone``.
     """
 
     prompts: list[Prompt]
     version: int = 0
+    validation: bool = False
+    sampling: SamplingParams | None = None  # validation: how to sample
+    n: int = 0  # validation: samples per prompt
 
 
 class TrainBatch(msgspec.Struct, tag=True, gc=False):
@@ -130,5 +147,5 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
     stats: dict[str, float] = {}
 
 
-ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate
+ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
 FromReplay = PromptBatch | TrainBatch

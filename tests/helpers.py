@@ -26,6 +26,7 @@ from messages.control import (
     Stop,
     ToActor,
     ToRunner,
+    ValidationReport,
 )
 from messages.reward import (
     Response,
@@ -48,6 +49,7 @@ from messages.rollout import (
     ScoredGroup,
     ToReplay,
     TrainBatch,
+    ValidationDone,
     VersionUpdate,
 )
 from messages.routing import (
@@ -114,12 +116,16 @@ CASES = [
     (ToRunner, StepReport(3, {"critic/score/mean": 0.25})),
     (ToRunner, Finished("learner-0", "done")),
     (ToRunner, ErrorReply("bad")),
+    (ToRunner, ValidationReport(10, {"val-core/arithmetic/reward/mean@4": 0.5})),
     (ToActor, Stop("because")),
     (ToReplay, PromptRequest(4, "pid-1")),
     (ToReplay, GroupsDone([sample_group()])),
     (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
     (ToReplay, VersionUpdate(3)),
+    (ToReplay, ValidationDone(10, [sample_group()])),
     (FromReplay, PromptBatch([sample_group().prompt], version=2)),
+    (FromReplay, PromptBatch([sample_group().prompt], version=10, validation=True,
+                             sampling=SamplingParams(temperature=0.6, max_tokens=16), n=4)),
     (FromReplay, TrainBatch(2, [sample_group()], {"issued": 8}, {"age/mean": 0.5})),
     (ToRouterFromClient, Envelope(1, "reward")),
     (ToRouterFromWorker, Envelope(1)),
@@ -133,7 +139,8 @@ CASES = [
     (ToClient, RouterError("y")),
     (ToRewardWorker, score_request("1 + 2 = 3", "4", extra_info={"a": 1, "b": 2},
                                    prompt=[ChatMessage("user", "1 + 2")], max_response_length=32)),
-    (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0})])),
+    (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0}),
+                                  ScoreResult(1.0, answer="42")])),
     (ToLearnerWeights, WeightsPoll(-1)),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
@@ -143,7 +150,8 @@ CASES = [
     (ToChild, Call(0, [{"data_source": "d", "solution_str": "s", "ground_truth": "g",
                         "extra_info": {"k": 1}}], 1)),
     (FromChild, ChildReady(["", "SyntaxError: x"])),
-    (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0})])),
+    (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0}),
+                          Outcome(1.0, answer="7")])),
 ]
 
 

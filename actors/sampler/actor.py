@@ -8,6 +8,10 @@ once (backpressure). Weights arrive on their own task by long-poll (the weights 
 generation never waits for the learner, except for weights already published: the first batch
 waits for the learner's initial weights, and a batch of prompts issued at version ``v`` waits
 for the weights of ``v`` (they are already on the wire) rather than going stale.
+
+Validation prompts (``PromptBatch.validation``) come between training batches: they are
+generated with the batch's own sampling parameters and ``n``, with the weights of the validated
+version (newer ones wait until the next training batch), and handed back as ``ValidationDone``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from actors.sampler.engines.hf import HFEngine
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
-from messages.rollout import FromReplay, GroupsDone, PromptBatch, PromptRequest, SamplingParams
+from messages.rollout import (
+    FromReplay,
+    GroupsDone,
+    PromptBatch,
+    PromptRequest,
+    SamplingParams,
+    ValidationDone,
+)
 
 MAX_SCORING = 2  # generated batches waiting for rewards at once
 
@@ -45,7 +56,10 @@ class Sampler:
         self.slots = anyio.Semaphore(MAX_SCORING)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
         self.groups = self.tokens = self.weight_loads = self.score_errors = 0
+        self.val_groups = 0  # validation groups handed back
+        self.in_flight = 0  # prompts taken and not handed back yet (generating or scoring)
         self.gen_s = 0.0
+        self.val_rollouts: dict[tuple[SamplingParams, int], Rollout] = {}
 
     async def next_prompts(self) -> PromptBatch:
         cfg = self.ctx.topology.sampler
@@ -68,14 +82,40 @@ class Sampler:
             await self.engine.load_weights(*newest)
             self.weight_loads += 1
 
-    async def score_and_send(self, generated: list[Generated]) -> None:
+    async def score_and_send(self, generated: list[Generated], rollout: Rollout | None = None,
+                             validation_step: int | None = None) -> None:
         try:
-            groups = await self.rollout.score(generated)
+            groups = await (rollout or self.rollout).score(generated)
             self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
-            await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
-            self.groups += len(groups)
+            if validation_step is None:
+                await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
+                self.groups += len(groups)
+            else:
+                await self.replay.send_multipart(
+                    [encode(ValidationDone(step=validation_step, groups=groups))])
+                self.val_groups += len(groups)
         finally:
+            self.in_flight -= len(generated)
             self.slots.release()
+
+    async def validate(self, batch: PromptBatch, tg: anyio.abc.TaskGroup) -> None:
+        """Generate validation prompts with the weights of the validated version (or the
+        newest received, when the engine lacks them), then score and hand them back."""
+        await self.weights.wait_for(batch.version)
+        if self.engine.version < batch.version:
+            await self.apply_weights(batch.version)
+        key = (batch.sampling or self.rollout.params, batch.n or self.rollout.n)
+        if key not in self.val_rollouts:
+            self.val_rollouts[key] = Rollout(
+                self.engine, self.rollout.tokenizer, self.scoring, params=key[0], n=key[1],
+                greedy_baseline=False, sampler=self.rollout.sampler)
+        rollout = self.val_rollouts[key]
+        generated = await rollout.generate(batch.prompts)
+        self.gen_s += generated[0].generate_seconds
+        self.tokens += sum(len(c.token_ids) for g in generated for c in g.completions)
+        self.publish()
+        await self.slots.acquire()
+        tg.start_soon(self.score_and_send, generated, rollout, batch.version)
 
     def publish(self) -> None:
         s = self.scoring.statistics()
@@ -83,6 +123,7 @@ class Sampler:
             version=self.engine.version, groups=self.groups,
             tokens_per_s=round(self.tokens / max(self.gen_s, 1e-9), 1),
             weight_loads=self.weight_loads, score_errors=self.score_errors,
+            val_groups=self.val_groups, in_flight=self.in_flight,
             scoring=MAX_SCORING - self.slots.value, score_resent=s.resent, score_failed=s.failed,
             score_late=s.late, rejected_frames=s.rejected)
         for key, value in (("weights_error", self.weights.error),
@@ -94,6 +135,10 @@ class Sampler:
         await self.weights.wait_for(0)
         while True:
             batch = await self.next_prompts()
+            self.in_flight += len(batch.prompts)
+            if batch.validation:
+                await self.validate(batch, tg)
+                continue
             await self.apply_weights(batch.version)  # published before these were issued
             generated = await self.rollout.generate(batch.prompts)
             self.gen_s += generated[0].generate_seconds
@@ -113,6 +158,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     topo = ctx.topology
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
+    ctx.status["state"] = "loading model"
     model = Path(topo.model.path)
     engine = await anyio.to_thread.run_sync(
         HFEngine, model, topo.model.dtype, topo.run.seed * 1009 + ctx.index)

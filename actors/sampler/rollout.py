@@ -90,7 +90,8 @@ class Rollout:
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
                           reward=r.score, reward_error=r.error,
-                          token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask))
+                          token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
+                          answer=r.answer, reward_extra=r.extra)
                    for c, text, r in zip(g.completions, texts, results[:len(texts)], strict=True)]
         return ScoredGroup(
             prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),

@@ -33,6 +33,8 @@ from actors.runtime.config.schema import (
     SecurityConfig,
     TaskConfig,
     Topology,
+    ValidationConfig,
+    ValidationDataset,
 )
 
 __all__ = [
@@ -40,5 +42,5 @@ __all__ = [
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
-    "TaskConfig", "Topology", "apply_overrides", "decode_topology", "load_topology",
+    "TaskConfig", "Topology", "ValidationConfig", "ValidationDataset", "apply_overrides", "decode_topology", "load_topology",
 ]
