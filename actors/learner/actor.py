@@ -26,6 +26,8 @@ from messages.codec import Codec, DecodeError, encode
 from messages.control import StepReport
 from messages.rollout import BatchRequest, FromReplay, ScoredGroup, TrainBatch, VersionUpdate
 
+FINAL_WEIGHTS_TIMEOUT_S = 30.0  # the most the learner waits for samplers to take its last weights
+
 
 class Learner:
     """The training loop of one learner: batches from the replay buffer, weights to samplers."""
@@ -115,6 +117,10 @@ class Learner:
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
                 await self.save()
+        V = self.ctx.topology.validation
+        if V.datasets and V.every > 0:  # the last step is validated: its weights must arrive
+            self.ctx.status["state"] = "sending the last weights"
+            await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S)
 
     async def finish(self) -> None:
         """At exit, whatever ended the loop: the recording, and a checkpoint of the last step."""

@@ -12,7 +12,8 @@ dropped; the job and the other sinks go on.
 A resumed run trains again the steps after the checkpoint it resumes from (``Resume.step``).
 Sinks that can replace a record do (``jsonl`` keeps only the records up to that step,
 tensorboard purges the later ones); the append-only trackers (wandb, mlflow) skip the records
-they already hold (``Resume.logged``), so no step is drawn twice anywhere.
+they already hold (``Resume.logged``: what mlflow's store holds, asked at start; for wandb, what
+``metrics.jsonl`` and ``validation.jsonl`` held), so no step is drawn twice anywhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from typing import Literal, Protocol, TextIO
 from actors.runtime.rundir import METRICS, VALIDATION
 
 Kind = Literal["train", "validation"]  # a learner step's metrics, or a validation's
+# a metric every record of its kind has: what an append-only tracker is asked for to learn which
+# records it holds
+MARKERS: dict[str, str] = {"train": "critic/score/mean", "validation": "val-aux/prompts"}
 
 
 class MetricSink(Protocol):

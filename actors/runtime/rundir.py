@@ -10,10 +10,12 @@ RUN_DIR/
   tensorboard/         event files (run.loggers = [..., "tensorboard"])
   trackers.json        the wandb / mlflow run this run directory logs to (a resume continues it)
   status.jsonl         the runner's record of the job, one line per event (``started``: every
-                       actor ready; ``step``: a learner step; ``exited``: an actor died, and
-                       whether it restarts; ``stopped``: the outcome), each with every actor's
-                       last reported status
+                       actor ready; ``step``: a learner step; ``validation``: a validation
+                       reported; ``status``: every run.status_interval seconds; ``exited``: an
+                       actor died, and whether it restarts; ``stopped``: the outcome), each with
+                       every actor's last reported status
   logs/NAME.traceback  the traceback of an actor that died
+  logs/NAME.log        an actor's own output, when the runner shows its live panel
   record/TABLE/        the recording (actors/runtime/recording.py)
   checkpoints/step_N/  Hugging Face checkpoints, each written whole (temp folder, rename); the
                        ``learner.keep_checkpoints`` newest are kept, plus the final one

@@ -11,8 +11,11 @@ events into the same folder. How each treats the steps a resume trains again is 
 ``actors/runtime/metrics.py``: tensorboard purges them (its ``SessionLog.START`` at the first
 redone step, what ``SummaryWriter(purge_step=...)`` writes), wandb and mlflow skip the records
 they already hold (their histories are append-only: wandb's rewind is a preview feature its
-server must enable, mlflow has no call that replaces a logged value); on the CPU a redone
-step's training metrics are the same numbers anyway (the step is seeded and its batch recorded).
+server must enable, and does not work with the ``step`` axis below; mlflow has no call that
+replaces a logged value); on the CPU a redone step's training metrics are the same numbers
+anyway (the step is seeded and its batch recorded). mlflow is asked which records it holds;
+wandb cannot be (offline), so ``metrics.jsonl`` stands for it: after a ``kill -9`` of the
+runner, the few records wandb had not yet written out are missing from it, never doubled.
 
 wandb and mlflow get the resolved topology as the run's config (mlflow: every key as a param,
 dotted, and ``topology.json`` as an artifact). wandb reads its usual ``WANDB_*`` variables
@@ -36,7 +39,7 @@ from typing import Any
 import msgspec
 
 from actors.runtime.config import Topology
-from actors.runtime.metrics import Background, Kind, MetricSink, Resume
+from actors.runtime.metrics import MARKERS, Background, Kind, MetricSink, Resume
 from actors.runtime.rundir import TENSORBOARD, TOPOLOGY, TRACKERS
 
 TRACKERS_EXTRA = "pip install 'flowrl[trackers]'"  # what installs all three
@@ -145,6 +148,11 @@ class MlflowSink:
         if saved.get("tracking_uri") == uri and saved.get("run_id"):
             self.run_id = saved["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
+            # what the store holds is what to skip (records still queued when a runner was
+            # killed never reached it: they are logged now)
+            self.resume = Resume(resume.step, frozenset(
+                (kind, m.step) for kind, key in MARKERS.items()
+                for m in self.client.get_metric_history(self.run_id, mlflow_key(key))))
         else:
             project = topology.run.project_name
             found = self.client.get_experiment_by_name(project)

@@ -36,7 +36,8 @@ class RunConfig(_Section, frozen=True):
     seed: int = 0
     """Seed for dataset order, sampling and initialisation."""
     status_interval: float = 15.0
-    """Seconds between the runner's live status tables (0 disables them)."""
+    """Seconds between the runner's ``status`` records in status.jsonl (every actor's last
+    status; 0: none besides the per-step ones)."""
     heartbeat_interval: float = 2.0
     """Seconds between actor heartbeats to the runner."""
     heartbeat_timeout: float = 120.0
