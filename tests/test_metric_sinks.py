@@ -83,7 +83,8 @@ def test_trackers_continue_their_runs_and_draw_each_step_once(tmp_path, monkeypa
         for s in steps:
             hub.write("train", s, {"critic/score/mean": scale * s, "actor/lr": 1e-5})
         for s in validations:
-            hub.write("validation", s, {"val-core/arith/reward/mean@4": scale * s / 10})
+            hub.write("validation", s, {"val-core/arith/reward/mean@4": scale * s / 10,
+                                        "val-aux/prompts": 8.0})
         hub.close("finished")
         assert not hub.failed
 
