@@ -35,7 +35,7 @@ def rows(**changes) -> list[ActorRow]:
                                                        "val_total": 32}),
         ActorRow("router-0", "router", True, 0, 0.5, {
             "pending": 0, "worker/reward-0": {"in_flight": 2, "capacity": 4, "p99_ms": 12.3}}),
-        ActorRow("learner-0", "learner", True, 0, 0.5, {"state": "training", "step": 12,
+        ActorRow("learner-0", "learner", True, 0, 0.5, {"state": "training step 13", "step": 12,
                                                          "version": 12, "wait_batch_s": 0.4}, 3.0),
         ActorRow("reward-0", "reward", True, 0, 0.5, {"requests_done": 96, "score_errors": 0,
                                                        "requests_in_flight": 2}),
@@ -72,7 +72,7 @@ def test_the_panel_shows_progress_eta_the_last_step_validation_and_every_actor()
     lines = {line.split()[0]: line for line in text.splitlines() if line.split()}
     assert "held 4  in flight 8  trained 48  dropped 0  validating @10: 12/32" in lines["replay-0"]
     assert "reward-0 2/4 p99 12ms" in lines["router-0"]
-    assert "training 3s" in lines["learner-0"] and "waited 0.4s" in lines["learner-0"]
+    assert "training step 13 3s" in lines["learner-0"] and "waited 0.4s" in lines["learner-0"]
     assert "done 96" in lines["reward-0"]
     assert "88.1 tok/s  in flight 4  v11  groups 52" in lines["sampler-0"]
     assert "problems" not in text

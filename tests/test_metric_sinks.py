@@ -134,3 +134,39 @@ def test_a_tracker_that_cannot_start_stops_the_job_before_any_actor(tmp_path, ti
     assert res.returncode == 2
     assert "error: run.loggers: mlflow failed to start" in res.stderr
     assert not (run_dir / "status.jsonl").exists()  # no actor was started
+
+
+def test_a_resume_backfills_what_a_killed_runner_never_received(tmp_path):
+    """The recording is the record: a step the checkpoint holds whose report the killed runner
+    never wrote, and validations that will not be done again, reach the loggers at the resume;
+    the steps after the checkpoint are left to be trained again."""
+    from actors.runtime.recording import Recorder
+    from actors.runtime.rundir import STATE_FILE, checkpoint_dir
+    from actors.runtime.supervisor import awaits_final_validation, open_metrics
+
+    recorder = Recorder(tmp_path, ["metrics", "validation_metrics"])
+    for s in range(1, 6):
+        recorder.append("metrics", {"step": s, "metrics": {"critic/score/mean": s / 10}})
+    for s in (0, 3, 6):
+        recorder.append("validation_metrics", {"step": s, "seconds": 1.0, "metrics": {
+            "val-core/a/reward/mean@4": s / 10, "val-aux/prompts": 4.0}})
+    recorder.flush()
+    (tmp_path / "metrics.jsonl").write_text(  # the report of step 4 never arrived
+        "".join(json.dumps({"step": s, "critic/score/mean": s / 10}) + "\n" for s in (1, 2, 3, 5)))
+    (tmp_path / "validation.jsonl").write_text(  # nor that of the validation of step 3
+        "".join(json.dumps({"step": s, "val-core/a/reward/mean@4": s / 10}) + "\n" for s in (0, 6)))
+    ckpt = checkpoint_dir(tmp_path, 4)
+    ckpt.mkdir(parents=True)
+    (ckpt / STATE_FILE).write_text(json.dumps({"step": 4, "version": 4}))
+    topo = decode_topology({"learner": {"total_steps": 6}, "run": {"loggers": ["jsonl", "tensorboard"]},
+                            "validation": {"every": 3, "datasets": [{"builtin": "arithmetic"}]}})
+    hub, _, resume = open_metrics(topo, tmp_path)
+    assert [r["step"] for r in jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]  # 5: redone
+    assert [r["step"] for r in jsonl(tmp_path / "validation.jsonl")] == [0, 3, 6]
+    hub.close("finished")
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in scalars["critic/score/mean"]] == [4]
+    assert sorted(s for s, _ in scalars["val-core/a/reward/mean@4"]) == [3, 6]
+    # the validation of the last step is recorded: the job will not wait for it again
+    assert not awaits_final_validation(topo, resume)
+    assert awaits_final_validation(topo, Resume(4, frozenset({("validation", 3)})))

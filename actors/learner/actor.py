@@ -101,7 +101,7 @@ class Learner:
             waited = time.monotonic()
             self.ctx.status["state"] = "waiting for batch"
             batch = await self.next_batch()
-            self.ctx.status.update(state="training",
+            self.ctx.status.update(state=f"training step {policy.step + 1}",
                                    wait_batch_s=round(time.monotonic() - waited, 2))
             extra = {"timing_s/wait_batch": time.monotonic() - waited,
                      **{f"replay/{k}": float(v) for k, v in batch.counters.items()},

@@ -54,7 +54,7 @@ from messages.control import (
 STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's final checkpoint)
 TERM_GRACE_S = 10.0
 LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
-QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")
+QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
 
 
@@ -107,6 +107,13 @@ class Proc:
                         self.status, now - self.state[1])
 
 
+def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
+    """Whether the job ends with the validation of its last step (still to come)."""
+    V = topology.validation
+    return bool(V.datasets) and V.every > 0 and \
+        ("validation", topology.learner.total_steps) not in resume.logged
+
+
 class Job:
     def __init__(self, topology: Topology, run_dir: Path, metrics: Metrics | None = None,
                  view: View | None = None, resume: Resume | None = None) -> None:
@@ -121,10 +128,7 @@ class Job:
         self.step = 0  # the learner's last reported step
         self.metrics = metrics or Metrics([])
         self.view = view  # the live panel's model, on a terminal
-        total, V = topology.learner.total_steps, topology.validation
-        # the job ends with the validation of the last step when there is one still to come
-        self.final_validation = bool(V.datasets) and V.every > 0 and \
-            ("validation", total) not in (resume or Resume()).logged
+        self.final_validation = awaits_final_validation(topology, resume or Resume())
         self.validated: set[int] = set()  # steps whose validation was reported
         self.learner_done = False  # finished, the final validation still to come
         self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
@@ -277,7 +281,7 @@ class Job:
         loading its model or writing a checkpoint."""
         for p in self.procs.values():
             state, since = p.state
-            if state and state not in QUIET_STATES and now - since >= LONG_WAIT_S \
+            if state and not state.startswith(QUIET_STATES) and now - since >= LONG_WAIT_S \
                     and p.shown != state:
                 p.shown = state
                 self.say(f"... {p.name}: {state} ({now - since:.0f}s so far)")
@@ -426,7 +430,39 @@ def open_metrics(topology: Topology, run_dir: Path) -> tuple[Metrics, View | Non
     if "jsonl" in loggers:
         sinks.append(JsonlSink(run_dir, resume))
     sinks += open_trackers(loggers, topology, run_dir, resume, continue_runs=L.resume)
-    return Metrics(sinks), view, resume
+    metrics = Metrics(sinks)
+    if L.resume:
+        resume = backfill(metrics, run_dir, resume)
+    return metrics, view, resume
+
+
+def backfill(metrics: Metrics, run_dir: Path, resume: Resume) -> Resume:
+    """Write what the recording holds and the loggers lack: the report of a step the checkpoint
+    holds, or of a recorded validation, that a killed runner never received (steps after the
+    checkpoint are trained again instead), and the recorded validations after the checkpoint's
+    step (never done again; append-only trackers skip those they hold). The console is spared
+    the old lines. Returns the resume with them counted as logged."""
+    from actors.runtime.recording import last_by, read_table
+    from actors.runtime.rundir import RECORD_DIR
+
+    missing = []
+    for kind, table in (("train", "metrics"), ("validation", "validation_metrics")):
+        if not (run_dir / RECORD_DIR / table).is_dir():
+            continue
+        for step, row in sorted(last_by(read_table(run_dir, table, ["step", "metrics"]),
+                                        "step").items()):
+            logged = (kind, step) in resume.logged
+            # a recorded validation is never done again: after the checkpoint's step, the
+            # loggers that cut back to it (jsonl, tensorboard) need it again too
+            if kind == "train" and step <= resume.step and not logged \
+                    or kind == "validation" and (step > resume.step or not logged):
+                missing.append((kind, step, dict(row["metrics"])))
+    quiet = Metrics([s for s in metrics.sinks if s.name != "console"], metrics.report,
+                    metrics.failed)
+    for kind, step, values in missing:
+        quiet.write(kind, step, values)
+    metrics.sinks[:] = [s for s in metrics.sinks if s.name == "console" or s in quiet.sinks]
+    return Resume(resume.step, resume.logged | {(k, s) for k, s, _ in missing})
 
 
 def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
