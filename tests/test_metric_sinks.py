@@ -140,9 +140,10 @@ def test_a_resume_backfills_what_a_killed_runner_never_received(tmp_path):
     """The recording is the record: a step the checkpoint holds whose report the killed runner
     never wrote, and validations that will not be done again, reach the loggers at the resume;
     the steps after the checkpoint are left to be trained again."""
+    from actors.runtime.loggers import open_metrics
     from actors.runtime.recording import Recorder
     from actors.runtime.rundir import STATE_FILE, checkpoint_dir
-    from actors.runtime.supervisor import awaits_final_validation, open_metrics
+    from actors.runtime.supervisor import awaits_final_validation
 
     recorder = Recorder(tmp_path, ["metrics", "validation_metrics"])
     for s in range(1, 6):
