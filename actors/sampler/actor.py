@@ -136,6 +136,7 @@ class Sampler:
         while True:
             batch = await self.next_prompts()
             self.in_flight += len(batch.prompts)
+            self.publish()
             if batch.validation:
                 await self.validate(batch, tg)
                 continue
