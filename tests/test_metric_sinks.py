@@ -97,6 +97,9 @@ def test_trackers_continue_their_runs_and_draw_each_step_once(tmp_path, monkeypa
     # a crash after step 5; the learner resumes from the checkpoint of step 3: 4 and 5 (and the
     # validation of 4) are done again, with other values, then 6 and 7
     incarnation(read_resume(tmp_path, 3), range(4, 8), (4, 7), 2.0)
+    import wandb
+
+    wandb.teardown()  # this process's wandb service: not for the jobs later tests start
 
     scalars = tensorboard_scalars(tmp_path / "tensorboard")  # replaced
     assert scalars["critic/score/mean"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 8.0), (5, 10.0),

@@ -39,6 +39,7 @@ def test_validation_loggers_and_retention_through_a_kill_9_and_resume(tiny_model
                   "learner.keep_checkpoints=2", "run.status_interval=1", *VALIDATION, *LOGGERS)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("WANDB_SERVICE", None)  # a wandb service of this test process is not the job's
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
     try:

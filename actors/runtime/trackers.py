@@ -90,6 +90,9 @@ class WandbSink:
         import wandb
 
         self.resume = resume
+        # this process's own wandb service: one inherited through WANDB_SERVICE (a parent that
+        # used wandb) would still hold the run of a runner killed before, refusing its resume
+        os.environ.pop("WANDB_SERVICE", None)
         self.run = wandb.init(
             project=topology.run.project_name, name=_run_name(topology, run_dir), id=run_id,
             resume="allow", dir=str(run_dir), entity=os.environ.get("WANDB_ENTITY") or None,
