@@ -191,8 +191,10 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path, k
 
     rows = metrics(run_dir)
     assert all(balanced(r) for r in rows)  # on every row, before the kill and after
-    resumed = rows[len(killed_rows):]
-    assert [r["step"] for r in resumed] == list(range(step + 1, 11))
+    # the steps trained again replaced the killed run's lines of them: each step once
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[:step] == killed_rows[:step]
+    resumed = rows[step:]
     # continuous with before: the redone step counts what the killed run counted for it
     before = {r["step"]: r for r in killed_rows}
     if step + 1 in before:

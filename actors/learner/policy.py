@@ -26,8 +26,8 @@ from actors.runtime.rundir import (
     PARTIAL_PREFIX,
     STATE_FILE,
     checkpoint_dir,
-    checkpoints,
     latest_checkpoint,
+    prune_checkpoints,
     read_state,
 )
 from kernels.kl import AdaptiveKLController, FixedKLController
@@ -165,7 +165,8 @@ class Policy:
         return out
 
     def save_checkpoint(self) -> Path:
-        """Write an HF-format checkpoint atomically (temp dir, then rename); prune old ones."""
+        """Write an HF-format checkpoint atomically (temp dir, then rename); then remove the ones
+        older than the ``keep_checkpoints`` newest (the final one is always kept)."""
         final = checkpoint_dir(self.run_dir, self.step)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{os.getpid()}"
@@ -192,6 +193,5 @@ class Policy:
             shutil.rmtree(final)
         os.replace(tmp, final)
         self.saved_step = self.step
-        for _, stale in checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(stale, ignore_errors=True)
+        prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.cfg.total_steps)
         return final

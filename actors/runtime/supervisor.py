@@ -1,13 +1,17 @@
 """The supervisor: resolve a topology, start one process per actor, watch them, stop them.
 
 ``run_job`` fills in the run directory, the model directory and every ``auto`` address, writes
-the result to ``RUN_DIR/topology.json`` (every actor reads it), starts the actors in the
+the result to ``RUN_DIR/topology.json`` (every actor reads it), opens the metric sinks of
+``run.loggers`` (a tracker that cannot start stops the job here), starts the actors in the
 registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
-the job started once every actor is ready, prints one line per learner step and a live status
-table, records every actor's status per step in ``status.jsonl``, reports an actor that dies
-with its traceback (restarting it when its ``restart`` policy says so), and on Ctrl-C, a failure
-or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
-reaps them all.
+the job started once every actor is ready, writes every step's and every validation's metrics to
+the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
+actor's status in ``status.jsonl`` (per step, per validation, every ``run.status_interval``
+seconds), reports an actor that dies with its traceback (restarting it when its ``restart``
+policy says so), and on Ctrl-C, a failure or the learner's completion (and the final
+validation's) stops every process (Stop message, then SIGTERM, then SIGKILL) and reaps them all.
+It listens to the actors until the last one is reaped, so a step the learner finishes while
+stopping still reaches the sinks.
 """
 
 from __future__ import annotations
@@ -30,15 +34,28 @@ import zmq
 
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
-from actors.runtime.metrics import ConsoleSink
+from actors.runtime.liveview import ActorRow, LiveView, View
+from actors.runtime.loggers import open_metrics
+from actors.runtime.metrics import Metrics, Resume
 from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
 from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
+from actors.runtime.trackers import TrackerError
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
-from messages.control import Finished, Heartbeat, Ready, StepReport, Stop, ToRunner
+from messages.control import (
+    Finished,
+    Heartbeat,
+    Ready,
+    StepReport,
+    Stop,
+    ToRunner,
+    ValidationReport,
+)
 
 STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's final checkpoint)
 TERM_GRACE_S = 10.0
+LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
+QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
 
 
@@ -79,32 +96,28 @@ class Proc:
     finished: bool = False
     last_seen: float = 0.0
     status: dict = dataclasses.field(default_factory=dict)
+    state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
+    shown: str = ""  # the last long-lasting state printed for it (off a terminal)
 
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.index}"
 
-
-def _shown(value: object) -> str:
-    """A status value on the console; a record (the router's per-worker figures) in one token."""
-    if isinstance(value, dict):
-        return ",".join(f"{k}:{v}" for k, v in value.items())
-    return str(value)
+    def row(self, now: float) -> ActorRow:
+        return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
+                        self.status, now - self.state[1])
 
 
-def format_status(procs: dict[str, Proc], started: float) -> str:
-    lines = [f"--- status at {time.monotonic() - started:6.0f}s ---"]
-    for p in procs.values():
-        pid = p.process.pid if p.process else "-"
-        shown = {k: v for k, v in p.status.items() if k not in ("uptime_s",)}
-        state = shown.pop("state", "starting" if not p.ready else "running")
-        detail = " ".join(f"{k}={_shown(v)}" for k, v in shown.items())
-        lines.append(f"  {p.name:<10} pid={pid:<7} {state:<9} {detail}")
-    return "\n".join(lines)
+def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
+    """Whether the job ends with the validation of its last step (still to come)."""
+    V = topology.validation
+    return bool(V.datasets) and V.every > 0 and \
+        ("validation", topology.learner.total_steps) not in resume.logged
 
 
 class Job:
-    def __init__(self, topology: Topology, run_dir: Path) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, metrics: Metrics | None = None,
+                 view: View | None = None, resume: Resume | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
         self.procs = {
@@ -114,7 +127,11 @@ class Job:
         }
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
-        self.console = ConsoleSink(topology.learner.total_steps, topology.algorithm.max_staleness)
+        self.metrics = metrics or Metrics([])
+        self.view = view  # the live panel's model, on a terminal
+        self.final_validation = awaits_final_validation(topology, resume or Resume())
+        self.validated: set[int] = set()  # steps whose validation was reported
+        self.learner_done = False  # finished, the final validation still to come
         self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
         self.done = trio.Event()
         self.stopping = False
@@ -135,7 +152,16 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT)
+        p.state = ("starting", p.last_seen)
+        # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        if self.view is None:  # plain lines: the actors write to the runner's own output
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
+            return
+        # under the live panel an actor's own output would tear it: it goes to logs/NAME.log
+        with (self.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
+                                                         stderr=log)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -146,7 +172,12 @@ class Job:
                 return
             if rc == 0 and p.finished:
                 if p.kind == "learner":
-                    self.end("finished")
+                    total = self.topo.learner.total_steps
+                    if self.final_validation and total not in self.validated:
+                        self.learner_done = True
+                        self.say(f"=== waiting for the validation of step {total}")
+                    else:
+                        self.end("finished")
                 return
             tb_file = traceback_file(self.run_dir, p.name)
             if tb_file.is_file():
@@ -191,13 +222,22 @@ class Job:
                         self.record_status("started")
                 case Heartbeat(status=status):
                     p.status = status
+                    state = str(status.get("state", ""))
+                    if state != p.state[0]:
+                        p.state = (state, time.monotonic())
                 case StepReport() as report:
-                    self.step = report.step
-                    self.console.write(report.step, report.metrics)
+                    self.step = max(self.step, report.step)
+                    self.metrics.write("train", report.step, report.metrics)
                     self.record_status("step")
+                case ValidationReport() as report:
+                    self.validated.add(report.step)
+                    self.metrics.write("validation", report.step, report.metrics)
+                    self.record_status("validation", validation_step=report.step)
+                    if self.learner_done and report.step == self.topo.learner.total_steps:
+                        self.end("finished")
                 case Finished(detail=detail):
                     p.finished = True
-                    print(f"=== {p.name} finished: {detail}", flush=True)
+                    self.say(f"=== {p.name} finished: {detail}")
 
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
@@ -209,21 +249,43 @@ class Job:
         with (self.run_dir / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def say(self, text: str) -> None:
+        """A line for the person watching (above the live panel on a terminal)."""
+        print(text, flush=True)
+        if self.view is not None and text.startswith("=== waiting"):
+            self.view.note = text[4:]
+
     async def watch(self) -> None:
-        """Print the status table and treat an actor silent past the timeout as dead."""
+        """Refresh the live panel (or, off a terminal, mention long waits), record the status
+        every ``run.status_interval`` seconds, and treat an actor silent past the timeout as
+        dead."""
         interval = self.topo.run.status_interval
-        last_print = time.monotonic()
+        last_record = time.monotonic()
         while True:
             await trio.sleep(1.0)
             now = time.monotonic()
             for p in self.procs.values():
                 silent = now - p.last_seen
                 if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
-                    print(f"!!! {p.name} silent for {silent:.0f}s: killing it", flush=True)
+                    self.say(f"!!! {p.name} silent for {silent:.0f}s: killing it")
                     p.process.kill()
-            if interval > 0 and now - last_print >= interval:
-                last_print = now
-                print(format_status(self.procs, self.started), flush=True)
+            if self.view is not None:
+                self.view.actors = [p.row(now) for p in self.procs.values()]
+            else:
+                self.mention_long_waits(now)
+            if interval > 0 and now - last_record >= interval:
+                last_record = now
+                self.record_status("status")
+
+    def mention_long_waits(self, now: float) -> None:
+        """Off a terminal: one line when an actor has spent ``LONG_WAIT_S`` in a state such as
+        loading its model or writing a checkpoint."""
+        for p in self.procs.values():
+            state, since = p.state
+            if state and not state.startswith(QUIET_STATES) and now - since >= LONG_WAIT_S \
+                    and p.shown != state:
+                p.shown = state
+                self.say(f"... {p.name}: {state} ({now - since:.0f}s so far)")
 
     async def signals(self) -> None:
         """First Ctrl-C: orderly stop (final checkpoint). A second one: kill every actor now."""
@@ -234,7 +296,7 @@ class Job:
                           "Ctrl-C again to kill)", flush=True)
                     self.end("interrupted")
                     continue
-                print("=== interrupted again: killing every actor", flush=True)
+                self.say("=== interrupted again: killing every actor")
                 for p in self.procs.values():
                     if p.process is not None and p.process.returncode is None:
                         p.process.kill()
@@ -263,9 +325,9 @@ class Job:
     async def run(self) -> int:
         async with trio.open_nursery() as outer:
             outer.start_soon(self.signals)  # stays on through shutdown
+            outer.start_soon(self.listen)  # so does this: a step taken while stopping is reported
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self.listen)
                     for p in self.procs.values():
                         await self.spawn(p)
                         nursery.start_soon(self.supervise, p)
@@ -275,14 +337,16 @@ class Job:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
+                    await trio.sleep(0.1)  # the last reports of the actors just reaped
+                outer.cancel_scope.cancel()
                 self.control.close()
                 if self.zap is not None:
                     self.zap.close()
                 self.zmq.destroy(linger=0)
-                outer.cancel_scope.cancel()
         self.record_status("stopped", outcome=self.outcome,
                            returncodes={p.name: p.process.returncode if p.process else None
                                         for p in self.procs.values()})
+        self.metrics.close(self.outcome or "failed")
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
             return 0
@@ -323,7 +387,20 @@ def run_job(topology: Topology) -> int:
         print(f"=== model: {topology.model.path}", flush=True)
         counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
         print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        return anyio.run(Job(topology, run_dir).run, backend="trio")
+        try:
+            metrics, view, resume = open_metrics(topology, run_dir)
+        except TrackerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        job = Job(topology, run_dir, metrics, view, resume)
+        live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
+        if live is not None:
+            live.start()
+        try:
+            return anyio.run(job.run, backend="trio")
+        finally:
+            if live is not None and live.live.is_started:
+                live.close(job.outcome or "failed")
     finally:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)

@@ -95,6 +95,8 @@ class WeightsPublisher:
         self.version = -1  # the version of ``frames``; -1 until the first publish
         self.frames: list = []  # [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
+        self.have: dict[bytes, int] = {}  # every poller -> the newest version it said it has
+        self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
         self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}"  # shm: this learner's files
         self.shm_files: list[Path] = []  # shm: the versions kept, oldest first
@@ -146,8 +148,21 @@ class WeightsPublisher:
                 continue
             if isinstance(poll, WeightsPoll):
                 self.waiting[peer] = poll.have_version
+                self.have[peer] = poll.have_version
+                self._polled.set()
+                self._polled = anyio.Event()
                 if self.version >= 0:
                     await self._answer()
+
+    async def wait_received(self, timeout_s: float) -> bool:
+        """Wait until every sampler that ever polled has the newest weights (a subscriber polls
+        again as soon as it receives a version), at most ``timeout_s`` (a dead one never will);
+        True when all have them. Run ``serve`` beside it."""
+        with anyio.move_on_after(timeout_s):
+            while any(v < self.version for v in self.have.values()):
+                await self._polled.wait()
+            return True
+        return False
 
 
 class WeightsSubscriber:

@@ -38,7 +38,8 @@ class RunConfig(_Section, frozen=True):
     seed: int = 0
     """Seed for dataset order, sampling and initialisation."""
     status_interval: float = 15.0
-    """Seconds between the runner's live status tables (0 disables them)."""
+    """Seconds between the runner's ``status`` records in status.jsonl (every actor's last
+    status; 0: none besides the per-step ones)."""
     heartbeat_interval: float = 2.0
     """Seconds between actor heartbeats to the runner."""
     heartbeat_timeout: float = 120.0
@@ -47,6 +48,17 @@ class RunConfig(_Section, frozen=True):
     """Directory for ipc:// sockets of ``auto`` addresses (default: a fresh folder under /tmp)."""
     record: bool = True
     """Record prompts, groups, fates, batches and metrics to RUN_DIR/record (crash resume needs it)."""
+    loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
+        "console", "jsonl")
+    """Where every metric of every step and of every validation goes (verl ``trainer.logger``):
+    ``console`` (a live panel on a terminal, one line per step otherwise), ``jsonl``
+    (RUN_DIR/metrics.jsonl and validation.jsonl), ``tensorboard`` (RUN_DIR/tensorboard),
+    ``wandb`` (WANDB_* variables apply; ``WANDB_MODE=offline`` needs no network), ``mlflow``
+    (MLFLOW_TRACKING_URI, default a file store in RUN_DIR/mlruns)."""
+    project_name: str = "flowrl"
+    """The wandb project and the mlflow experiment (verl ``trainer.project_name``)."""
+    experiment_name: str = ""
+    """The tracker run's name (verl ``trainer.experiment_name``; default: the run directory's)."""
 
 
 class ModelConfig(_Section, frozen=True):
@@ -299,10 +311,39 @@ class LearnerConfig(ActorCommon, frozen=True):
     """Gradient clipping norm."""
     save_every: int = 10
     """Checkpoint every K steps (and always at the end)."""
-    keep_checkpoints: int = 2
-    """Most recent checkpoints kept on disk."""
+    keep_checkpoints: int = 3
+    """Most recent checkpoints kept on disk, besides the final one (of ``total_steps``, always
+    kept); older ``step_N`` folders are removed once a newer checkpoint is complete."""
     resume: bool = True
     """Continue from the run directory's latest checkpoint when one exists."""
+
+
+class ValidationDataset(DatasetConfig, frozen=True):
+    size: int = 0
+    """Prompts taken: the first ``size`` rows in the dataset's order (a file's seeded order with
+    ``shuffle``); 0: every row of a file, 64 prompts of a built-in task. ``weight`` is not used:
+    every prompt of every validation dataset is validated each time."""
+
+
+class ValidationConfig(_Section, frozen=True):
+    every: int = 0
+    """Validate every this many learner steps, and after the last one (0: never)."""
+    before_training: bool = True
+    """Validate the initial policy too (step 0), when ``datasets`` are set."""
+    n: int = 4
+    """Samples per prompt: the N of mean@N, best@N, pass@k (k = 1, 2, 4, ... <= N)."""
+    temperature: float | None = None
+    """Sampling temperature of validation (default: sampler.temperature)."""
+    top_p: float | None = None
+    """Nucleus mass of validation (default: sampler.top_p)."""
+    max_tokens: int | None = None
+    """Response budget of validation (default: sampler.max_tokens)."""
+    pass_threshold: float = 1.0
+    """A sample counts as correct for pass@k when its score is at least this."""
+    datasets: list[ValidationDataset] = []
+    """Validation prompts (``[[validation.datasets]]``), in the forms of ``task.datasets``: files
+    in verl's layout or built-in tasks. Each prompt's ``data_source`` names its metrics:
+    ``val-core/{data_source}/reward/mean@N``. Empty: no validation."""
 
 
 class SecurityConfig(_Section, frozen=True):
@@ -330,6 +371,7 @@ class Topology(_Section, frozen=True):
     learner: LearnerConfig = LearnerConfig()
     security: SecurityConfig = SecurityConfig()
     agent: AgentConfig = AgentConfig()
+    validation: ValidationConfig = ValidationConfig()
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 
