@@ -16,6 +16,7 @@ import msgspec
 from actors.registry import BY_NAME
 from actors.runtime.actor import run_actor
 from actors.runtime.config import Topology
+from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import job_keys
 
@@ -28,7 +29,9 @@ def main(argv: list[str]) -> int:
     topology = msgspec.json.decode((run_dir / TOPOLOGY).read_bytes(), type=Topology)
     module, name = BY_NAME[kind].body.split(":")
     body = getattr(importlib.import_module(module), name)
-    return run_actor(kind, index, topology, run_dir, body, curve=job_keys(topology))
+    rank = Rank.from_env().rank if kind == "learner" else 0  # the runner's RANK for each rank
+    return run_actor(kind, index, topology, run_dir, body, name=rank_label(kind, index, rank),
+                     curve=job_keys(topology))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from messages.control import (
     ToActor,
     ToRunner,
 )
+from messages.learner_ranks import RanksEnd, RanksPublish, RanksSave, RanksStep, ToLearnerRanks
 from messages.reward import (
     Response,
     ScoreReply,
@@ -135,6 +136,10 @@ CASES = [
                                    prompt=[ChatMessage("user", "1 + 2")], max_response_length=32)),
     (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0})])),
     (ToLearnerWeights, WeightsPoll(-1)),
+    (ToLearnerRanks, RanksStep([sample_group()])),
+    (ToLearnerRanks, RanksPublish("bfloat16")),
+    (ToLearnerRanks, RanksSave()),
+    (ToLearnerRanks, RanksEnd()),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
                                   preload=("math_verify.parser",)),

@@ -7,7 +7,9 @@ the job started once every actor is ready, prints one line per learner step and 
 table, records every actor's status per step in ``status.jsonl``, reports an actor that dies
 with its traceback (restarting it when its ``restart`` policy says so), and on Ctrl-C, a failure
 or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
-reaps them all.
+reaps them all. A learner of several ranks is one process per rank, started torchrun-style
+(``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
+are killed at once (their collectives could only hang) and the job stops.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import zmq
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.metrics import ConsoleSink
+from actors.runtime.ranks import free_port, node_ranks, rank_label
 from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
 from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
 from actors.runtime.zmq_bridge import make_socket
@@ -63,7 +66,8 @@ def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, 
             topology.router, address=addr(topology.router.address, "router"),
             worker_address=addr(topology.router.worker_address, "router-workers")),
         learner=msgspec.structs.replace(
-            topology.learner, weights_address=addr(topology.learner.weights_address, "weights")),
+            topology.learner, weights_address=addr(topology.learner.weights_address, "weights"),
+            master_port=topology.learner.master_port or free_port(topology.learner.master_addr)),
         control_address=addr(topology.control_address, "control"),
     )
     return resolved, run_dir
@@ -79,10 +83,12 @@ class Proc:
     finished: bool = False
     last_seen: float = 0.0
     status: dict = dataclasses.field(default_factory=dict)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
+    rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.index}"
+        return rank_label(self.kind, self.index, self.rank)
 
 
 def _shown(value: object) -> str:
@@ -110,7 +116,8 @@ class Job:
         self.procs = {
             p.name: p
             for kind in NAMES  # the registry's order is the start order
-            for p in (Proc(kind, i) for i in range(getattr(topology, kind).count))
+            for p in (learner_ranks(topology) if kind == "learner" else
+                      [Proc(kind, i) for i in range(getattr(topology, kind).count)])
         }
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
@@ -135,7 +142,8 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT)
+        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT,
+                                                     env={**os.environ, **p.env} if p.env else None)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -145,9 +153,13 @@ class Job:
             if self.stopping:
                 return
             if rc == 0 and p.finished:
-                if p.kind == "learner":
+                if p.kind == "learner" and p.rank == 0:
                     self.end("finished")
                 return
+            if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
+                for q in self.procs.values():
+                    if q.kind == "learner" and q.process is not None and q.process.returncode is None:
+                        q.process.kill()
             tb_file = traceback_file(self.run_dir, p.name)
             if tb_file.is_file():
                 tb = tb_file.read_text()
@@ -290,6 +302,14 @@ class Job:
             print(f"    resume with: python runner.py TOPOLOGY run.dir={self.run_dir}", flush=True)
             return 130
         return 1
+
+
+def learner_ranks(topology: Topology) -> list[Proc]:
+    """This node's learner processes, one per rank, each with its torchrun environment."""
+    L = topology.learner
+    return [Proc("learner", 0, env=r.env(), rank=r.rank)
+            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
+                                L.master_port)]
 
 
 def run_job(topology: Topology) -> int:

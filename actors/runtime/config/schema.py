@@ -9,25 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
 from actors.registry import BY_NAME, Restart
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
-
-class ActorCommon(_Section, frozen=True):
-    count: int = 1
-    """How many processes of this actor kind to start."""
-    threads: int = 1
-    """torch intra-op threads for this actor's compute (its share of the cores)."""
-    restart: Restart = "never"
-    """What the runner does when one of these processes dies: stop the job, or restart it
-    (each kind's default is its row in ``actors/registry.py``)."""
-    max_restarts: int = 3
-    """Restarts allowed per process before the job is stopped."""
+from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.schema_base import ActorCommon, _Section
 
 
 class RunConfig(_Section, frozen=True):
@@ -272,7 +256,7 @@ class LoraConfig(_Section, frozen=True):
     """Module names that get adapters."""
 
 
-class SamplerConfig(ActorCommon, frozen=True):
+class SamplerConfig(SamplerPlacement, frozen=True):
     prompts_per_request: int = 4
     """Prompts a sampler asks for (and generates) per batch."""
     temperature: float = 1.0
@@ -372,7 +356,7 @@ class ReplayConfig(ActorCommon, frozen=True):
     algorithm.max_staleness of the version that generated it; so at most max_staleness + 1)."""
 
 
-class LearnerConfig(ActorCommon, frozen=True):
+class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
     total_steps: int = 40
