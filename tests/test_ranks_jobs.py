@@ -1,0 +1,104 @@
+"""Whole jobs whose learner is a group of two CPU ranks (FSDP2 over gloo), through ``runner.py``.
+
+The group learns as one learner does, its checkpoint (HF weights gathered to rank 0, optimizer
+state sharded by both ranks) resumes on one rank, and a rank killed mid-run stops the whole job
+with every process reaped; the run then resumes from its recording.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.jobs import ROOT, actor_pids, balanced, command, metrics, pids_of, status_lines
+
+RANKS = ["learner.nproc_per_node=2"]
+
+
+def rank_pids(run_dir: Path) -> dict[str, int]:
+    """The live learner ranks of a run, by rank (their RANK variable)."""
+    out = {}
+    for pid in pids_of(run_dir, "learner"):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "0")
+        out[rank] = pid
+    return out
+
+
+def test_two_ranks_learn_and_resume_on_one(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=30", *RANKS),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    rewards = [r["critic/score/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15, f"reward did not go up: first 5 steps {first:.3f}, last 5 {last:.3f}"
+    assert all(balanced(r) for r in rows)
+    assert all(r["timing_s/weight_sync"] > 0 for r in rows)
+    assert not actor_pids(run_dir)
+    stopped = status_lines(run_dir)[-1]
+    assert stopped["outcome"] == "finished"
+    assert stopped["returncodes"] == {"replay-0": 0, "router-0": 0, "learner-0": 0,
+                                      "learner-0.rank1": 0, "reward-0": 0, "sampler-0": 0}
+    assert stopped["learner-0.rank1"]["rank"] == 1 and stopped["learner-0"]["ranks"] == 2
+    ckpt = run_dir / "checkpoints" / "step_30"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["ranks"] == 2
+    assert sorted(p.name for p in (ckpt / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
+    assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    # the 2-rank checkpoint resumes on one rank: its weights, optimizer state and step
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=32"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows][30:] == [31, 32]
+    assert status_lines(run_dir)[-1]["learner-0"]["resumed_from"] == "step_30"
+    assert "learner-0.rank1" not in status_lines(run_dir)[-1]
+    assert json.loads((run_dir / "checkpoints" / "step_32" / "trainer_state.json").read_text()
+                      )["ranks"] == 1
+    assert not actor_pids(run_dir)
+
+
+def test_a_killed_rank_stops_the_job_and_the_run_resumes(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = command(tiny_model, run_dir, "learner.total_steps=1000", "learner.save_every=2", *RANKS)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 3 or not (run_dir / "checkpoints" / "step_2").is_dir():
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "no 3 steps and a checkpoint in 300 s"
+            time.sleep(0.2)
+        ranks = rank_pids(run_dir)
+        assert sorted(ranks) == ["0", "1"], ranks
+        os.kill(ranks["1"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, out[-4000:]
+    assert "actor learner-0.rank1" in out and "killed by signal SIGKILL" in out
+    assert not actor_pids(run_dir)
+    status = status_lines(run_dir)
+    assert status[-1]["outcome"] == "failed: actor learner-0.rank1 exited with status -9"
+    assert status[-1]["returncodes"]["learner-0"] == -signal.SIGKILL  # ended with its group
+
+    done = len(metrics(run_dir))
+    res = subprocess.run(command(tiny_model, run_dir, f"learner.total_steps={done + 2}", *RANKS),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert rows[-1]["step"] == done + 2 and all(balanced(r) for r in rows)
+    assert not actor_pids(run_dir)
