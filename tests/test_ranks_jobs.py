@@ -7,6 +7,7 @@ with every process reaped; the run then resumes from its recording.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -55,6 +56,19 @@ def test_two_ranks_learn_and_resume_on_one(tiny_model, tmp_path):
     assert sorted(p.name for p in (ckpt / "optimizer").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
     assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    # offline replay of a step the two ranks took, on one rank from their checkpoint of step 20:
+    # the same computation with sums in another order (measured: a few 1e-7 relative)
+    from actors.offline.replay import replay
+    report = io.StringIO()
+    replay(run_dir, 21, out=report)
+    text = report.getvalue()
+    assert "rebuilt from checkpoint" in text and "step_20" in text and "had 2 ranks" in text
+    table = [line.split() for line in text.splitlines()
+             if line.startswith(("critic/", "actor/", "rollout_corr/"))]
+    assert len(table) > 20
+    far = [row for row in table if abs(float(row[1]) - float(row[2])) > 1e-5 * max(1.0, abs(float(row[1])))]
+    assert not far, far
 
     # the 2-rank checkpoint resumes on one rank: its weights, optimizer state and step
     res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=32"), cwd=ROOT,

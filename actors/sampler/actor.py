@@ -22,6 +22,7 @@ import zmq
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
+from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.sampler.engines.base import Engine
@@ -103,6 +104,11 @@ class Sampler:
             tg.start_soon(self.score_and_send, generated)
 
 
+def placement(setting: str, index: int) -> torch.device:
+    """``sampler.device``: ``auto``/``cuda`` put sampler i on GPU i (modulo the GPUs there are)."""
+    return resolve_device(setting, index % max(1, torch.cuda.device_count()))
+
+
 def sampling_params(ctx: ActorContext) -> SamplingParams:
     cfg = ctx.topology.sampler
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -114,8 +120,11 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
     model = Path(topo.model.path)
+    device = placement(cfg.device, ctx.index)
+    dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
+    ctx.status.update(device=str(device), dtype=dtype)
     engine = await anyio.to_thread.run_sync(
-        HFEngine, model, topo.model.dtype, topo.run.seed * 1009 + ctx.index)
+        HFEngine, model, dtype, topo.run.seed * 1009 + ctx.index, device)
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
