@@ -155,13 +155,32 @@ def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dt
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mp = mixed_precision(compute, params)
+    keep = keep_gathered(group)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=group.mesh, mp_policy=mp)
-    fully_shard(model, mesh=group.mesh, mp_policy=mp)
+        fully_shard(layer, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
+    fully_shard(model, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the losses are already global means
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def keep_gathered(group: Group) -> bool:
+    """On a CPU, gathered parameters stay gathered from forward to backward, and gradients
+    accumulate whole over a mini-batch's micro-batches before one reduce-scatter: host memory is
+    plentiful there, and every copy the collectives make costs the cores that compute. On a GPU
+    both are given back as soon as possible (memory is the limit)."""
+    import os
+    if "FLOWRL_KEEP" in os.environ:
+        return os.environ["FLOWRL_KEEP"] == "1"
+    return group.device.type == "cpu"
+
+
+def sync_gradients(module: nn.Module | None, group: Group, last: bool) -> None:
+    """Before a backward pass: reduce gradients after it (always on a GPU; on a CPU only after
+    the last micro-batch of a mini-batch, ``keep_gathered``)."""
+    if module is not None and is_sharded(module) and keep_gathered(group):
+        module.set_requires_gradient_sync(last)
 
 
 def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Module], *,

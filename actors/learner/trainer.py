@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 
 from actors.learner.batch import RolloutBatch, build_batch, reward_components
-from actors.learner.distributed import Group
+from actors.learner.distributed import Group, sync_gradients
 from actors.learner.objective import (
     Correction,
     correction,
@@ -217,8 +217,11 @@ class Trainer:
                 keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
                 token_count = float(keep_mb.sum())
                 self.policy.optimizer.zero_grad(set_to_none=True)
-                for s in self._micro_slices(*self._share(lo, hi)):
+                micro = self._micro_slices(*self._share(lo, hi))
+                for s in micro:
                     self._check_abort()
+                    for module in (self.policy.model, self.policy.critic):
+                        sync_gradients(module, self.group, last=s is micro[-1])
                     mb = batch.rows(s)
                     w = mb.response_mask.shape[1]
                     lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)
