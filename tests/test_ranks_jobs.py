@@ -116,3 +116,35 @@ def test_a_killed_rank_stops_the_job_and_the_run_resumes(tiny_model, tmp_path):
     rows = metrics(run_dir)
     assert rows[-1]["step"] == done + 2 and all(balanced(r) for r in rows)
     assert not actor_pids(run_dir)
+
+
+def test_a_learner_over_two_nodes(tiny_model, tmp_path):
+    """Two runners, as on two machines (here both on this one, rendezvous on 127.0.0.1): node 0
+    runs the job with learner rank 0, node 1 only learner rank 1; they share the run directory."""
+    from actors.runtime.ranks import free_port
+
+    run_dir = tmp_path / "run"
+    nodes = ["learner.nnodes=2", f"learner.master_port={free_port()}", "learner.total_steps=4",
+             "learner.save_every=2"]
+    logs = [(tmp_path / f"node{k}.log").open("w") for k in (0, 1)]
+    procs = [subprocess.Popen(command(tiny_model, run_dir, *nodes, f"learner.node_rank={k}"),
+                              cwd=ROOT, stdout=logs[k], stderr=subprocess.STDOUT)
+             for k in (0, 1)]
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = [(tmp_path / f"node{k}.log").read_text() for k in (0, 1)]
+    assert [p.returncode for p in procs] == [0, 0], out[0][-3000:] + out[1][-3000:]
+    assert "learner ranks of node 1 of 2 only" in out[1]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    node1 = [json.loads(line) for line in
+             (run_dir / "nodes" / "node1" / "status.jsonl").read_text().splitlines()]
+    assert node1[-1]["outcome"] == "finished" and node1[-1]["returncodes"] == {"learner-0.rank1": 0}
+    assert "learner-0.rank1" not in status_lines(run_dir)[-1]  # node 0's runner: its own ranks
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_4" / "optimizer").glob("*.distcp")
+                  ) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not actor_pids(run_dir)

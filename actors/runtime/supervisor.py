@@ -9,7 +9,10 @@ with its traceback (restarting it when its ``restart`` policy says so), and on C
 or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
 reaps them all. A learner of several ranks is one process per rank, started torchrun-style
 (``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
-are killed at once (their collectives could only hang) and the job stops.
+are killed at once (their collectives could only hang) and the job stops. On node k > 0 of a
+learner spread over nodes (``learner.node_rank``) the runner starts only that node's ranks, keeps
+its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
+write their checkpoint shards there) and ends with them.
 """
 
 from __future__ import annotations
@@ -110,13 +113,14 @@ def format_status(procs: dict[str, Proc], started: float) -> str:
 
 
 class Job:
-    def __init__(self, topology: Topology, run_dir: Path) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, home: Path | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
+        self.home = home or run_dir  # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK)
         self.procs = {
             p.name: p
-            for kind in NAMES  # the registry's order is the start order
-            for p in (learner_ranks(topology) if kind == "learner" else
+            for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
+            for p in (learner_ranks(topology, self.home) if kind == "learner" else
                       [Proc(kind, i) for i in range(getattr(topology, kind).count)])
         }
         self.all_ready = trio.Event()  # every actor reported Ready once
@@ -153,8 +157,9 @@ class Job:
             if self.stopping:
                 return
             if rc == 0 and p.finished:
-                if p.kind == "learner" and p.rank == 0:
-                    self.end("finished")
+                if p.kind == "learner" and (p.rank == 0 or all(
+                        q.finished for q in self.procs.values() if q.kind == "learner")):
+                    self.end("finished")  # rank 0, or on a node without it, the last rank
                 return
             if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
                 for q in self.procs.values():
@@ -218,7 +223,7 @@ class Job:
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
                 **{p.name: {"ready": p.ready, "restarts": p.restarts, **p.status}
                    for p in self.procs.values()}}
-        with (self.run_dir / STATUS).open("a") as f:
+        with (self.home / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
     async def watch(self) -> None:
@@ -304,12 +309,19 @@ class Job:
         return 1
 
 
-def learner_ranks(topology: Topology) -> list[Proc]:
-    """This node's learner processes, one per rank, each with its torchrun environment."""
+def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
+    """This node's learner processes, one per rank, each with its torchrun environment (and on
+    a node k > 0, the topology file of this node's runner)."""
     L = topology.learner
-    return [Proc("learner", 0, env=r.env(), rank=r.rank)
+    own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
+    return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
             for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
                                 L.master_port)]
+
+
+def node_home(run_dir: Path, node_rank: int) -> Path:
+    """Where the runner of node ``node_rank`` keeps its lock, topology and status."""
+    return run_dir if node_rank == 0 else run_dir / "nodes" / f"node{node_rank}"
 
 
 def run_job(topology: Topology) -> int:
@@ -317,8 +329,10 @@ def run_job(topology: Topology) -> int:
     status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
     own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
     topology, run_dir = resolve(topology)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    node = topology.learner.node_rank
+    home = node_home(run_dir, node)
+    home.mkdir(parents=True, exist_ok=True)
+    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
     try:
         # released by the kernel when this process dies, however it dies (kill -9 included)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -326,7 +340,7 @@ def run_job(topology: Topology) -> int:
         print(f"error: another runner is using {run_dir}", file=sys.stderr)
         return 2
     try:
-        _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        _remove_stale_sockets(home, Path(topology.run.socket_dir))
         try:
             topology = prepare_job_keys(topology, run_dir)
         except ConfigError as exc:
@@ -334,16 +348,19 @@ def run_job(topology: Topology) -> int:
             return 2
         (run_dir / LOGS).mkdir(exist_ok=True)
         for stale in (run_dir / LOGS).glob("*.traceback"):
-            stale.unlink()
-        resolved = run_dir / TOPOLOGY  # actors read it: replace it whole, never half-written
+            if node == 0 or stale.stem in {p.name for p in learner_ranks(topology, home)}:
+                stale.unlink()  # (another node's are not this runner's to remove)
+        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
         tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
         counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        if node > 0:
+            counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
         print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        return anyio.run(Job(topology, run_dir).run, backend="trio")
+        return anyio.run(Job(topology, run_dir, home).run, backend="trio")
     finally:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)

@@ -66,6 +66,8 @@ def check_placement(topology: Any, need: Any) -> None:
     need(0 <= L.master_port < 65536, "learner.master_port", "must be a port number (0: free)")
     need(L.nnodes == 1 or L.master_port > 0, "learner.master_port",
          "several nodes must agree on the rendezvous port: set it")
+    need(L.node_rank == 0 or "{time}" not in topology.run.dir, "run.dir",
+         "every node's runner must name the same run directory (shared by the nodes): set it")
     need(L.collective_timeout_s > 0, "learner.collective_timeout_s", "must be > 0")
     need(L.weights_bucket_mb >= 1, "learner.weights_bucket_mb", "must be >= 1")
     world = L.nproc_per_node * L.nnodes
