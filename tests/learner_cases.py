@@ -29,4 +29,7 @@ CASES = {
                     "algorithm.correction.loss_type=reinforce"],
     "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.9"],
 }
+# FSDP2 as on a GPU: parameters freed after each forward, gradients reduced every micro-batch
+GPU_STYLE = {f"{name}-resharded": [*CASES[name], "learner.reshard_after_forward=true"]
+             for name in ("token-mean", "epochs_minibatches", "gae")}
 BF16 = {"token-mean-bf16": ["algorithm.loss_agg_mode=token-mean", "learner.dtype=bfloat16"]}

@@ -23,7 +23,7 @@ from actors.learner.trainer import Trainer
 from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.ranks import Rank
 from messages.rollout import ScoredGroup
-from tests.learner_cases import BASE, BF16, CASES
+from tests.learner_cases import BASE, BF16, CASES, GPU_STYLE
 
 
 def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -47,7 +47,7 @@ def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 def main(model: str, groups_file: str, out: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     groups = msgspec.msgpack.decode(Path(groups_file).read_bytes(), type=list[ScoredGroup])
-    every = {**CASES, **BF16}
+    every = {**CASES, **GPU_STYLE, **BF16}
     first = decode_topology(apply_overrides({}, [f"model.path={model}", *BASE, *every[cases[0]]]))
     group = learner_group(first, Rank.from_env())
     try:

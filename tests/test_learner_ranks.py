@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from actors.runtime.ranks import free_port, node_ranks
 from tests.jobs import ROOT
-from tests.learner_cases import BASE, BF16, CASES
+from tests.learner_cases import BASE, BF16, CASES, GPU_STYLE
 from tests.test_learner import captured_gradients, make_groups
 from tests.tiny_model import build_tiny_model
 
@@ -74,7 +74,7 @@ def two_ranks(tiny, tmp_path_factory):
     groups = make_groups(first, behaviour_offset=-0.3, n_groups=4)
     groups_file = out / "groups.msgpack"
     groups_file.write_bytes(msgspec.msgpack.encode(groups))
-    run_ranks(tiny, groups_file, out, [*CASES, *BF16])
+    run_ranks(tiny, groups_file, out, [*CASES, *GPU_STYLE, *BF16])
     one = {}
     for case, opts in CASES.items():
         t = one_rank_trainer(tiny, out / f"one-{case}", opts)
@@ -87,10 +87,11 @@ def read_case(out: Path, case: str) -> tuple[dict[str, float], dict[str, torch.T
     return json.loads((out / f"{case}.json").read_text()), load_file(out / f"{case}.safetensors")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *GPU_STYLE])
 def test_two_ranks_take_the_step_of_one(two_ranks, case):
+    """``-resharded``: FSDP2 as on a GPU (free after forward, reduce every micro-batch)."""
     one, out = two_ranks
-    want, want_grads = one[case]
+    want, want_grads = one[case.removesuffix("-resharded")]
     got, got_grads = read_case(out, case)
     compared = [k for k in want if not k.startswith(LIVE)]
     assert sorted(compared) == sorted(k for k in got if not k.startswith(LIVE))

@@ -148,3 +148,34 @@ def test_a_learner_over_two_nodes(tiny_model, tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step_4" / "optimizer").glob("*.distcp")
                   ) == ["__0_0.distcp", "__1_0.distcp"]
     assert not actor_pids(run_dir)
+
+
+def test_ctrl_c_stops_every_rank_at_the_same_micro_batch_and_checkpoints(tiny_model, tmp_path):
+    """Rank 0's stop is every rank's: the step in progress is abandoned on both at the same
+    micro-batch (or finished on both), then both write the final checkpoint and exit 0."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=1000",
+                                    "learner.save_every=1000", *RANKS),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 3:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "no 3 steps in 300 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: runner and ranks alike
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out[-4000:]
+    assert not actor_pids(run_dir)
+    stopped = status_lines(run_dir)[-1]
+    assert stopped["outcome"] == "interrupted"
+    assert set(stopped["returncodes"].values()) == {0}, stopped["returncodes"]
+    done = len(metrics(run_dir))
+    ckpt = run_dir / "checkpoints" / f"step_{done}"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == done
+    assert len(list((ckpt / "optimizer").glob("*.distcp"))) == 2

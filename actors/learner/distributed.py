@@ -150,12 +150,13 @@ def mixed_precision(compute: torch.dtype, params: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
-def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dtype) -> None:
-    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks."""
+def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dtype,
+          keep: bool = False) -> None:
+    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks. ``keep``:
+    gathered parameters stay gathered from forward to backward (``keep_gathered``)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mp = mixed_precision(compute, params)
-    keep = keep_gathered(group)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
     fully_shard(model, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
@@ -165,23 +166,24 @@ def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dt
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
-def keep_gathered(group: Group) -> bool:
-    """On a CPU, gathered parameters stay gathered from forward to backward, and gradients
-    accumulate whole over a mini-batch's micro-batches before one reduce-scatter: host memory is
-    plentiful there, and every copy the collectives make costs the cores that compute. On a GPU
-    both are given back as soon as possible (memory is the limit)."""
-    return group.device.type == "cpu"  # measured: 11.6 against 12.4-12.9 CPU-s per step, 2 ranks
+def keep_gathered(setting: bool | None, device: torch.device) -> bool:
+    """``learner.reshard_after_forward`` negated, by default by device: on a CPU gathered
+    parameters stay gathered from forward to backward, and gradients accumulate whole over a
+    mini-batch's micro-batches before one reduce-scatter (host memory is plentiful there, and
+    every copy the collectives make costs the cores that compute: measured 11.6 against 12.4-12.9
+    CPU-s per step on two ranks); on a GPU both are given back as soon as possible."""
+    return device.type == "cpu" if setting is None else not setting
 
 
-def sync_gradients(module: nn.Module | None, group: Group, last: bool) -> None:
-    """Before a backward pass: reduce gradients after it (always on a GPU; on a CPU only after
-    the last micro-batch of a mini-batch, ``keep_gathered``)."""
-    if module is not None and is_sharded(module) and keep_gathered(group):
+def sync_gradients(module: nn.Module | None, last: bool) -> None:
+    """Before a backward pass of a module kept gathered: reduce its gradients after it only when
+    it is the last micro-batch of the mini-batch."""
+    if module is not None and is_sharded(module):
         module.set_requires_gradient_sync(last)
 
 
 def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Module], *,
-         compute: torch.dtype, params: torch.dtype) -> nn.Module:
+         compute: torch.dtype, params: torch.dtype, keep: bool = False) -> nn.Module:
     """A model on the group's device: ``full()`` builds it with its weights (on the CPU), and
     ``empty()`` builds the same architecture without them (called under the meta device).
 
@@ -198,7 +200,7 @@ def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Mod
         with torch.device("meta"):
             model = empty()
         state = {}
-    shard(model, group, compute, params)  # moves rank 0's shards to the device
+    shard(model, group, compute, params, keep)  # moves rank 0's shards to the device
     if group.world > 1:
         if not group.leader:
             model.to_empty(device=group.device)

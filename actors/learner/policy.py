@@ -76,6 +76,8 @@ class Policy:
         self.group = group
         self.device = group.device  # every model and batch tensor of the step lives here
         self.compute_dtype = compute_dtype(topology, self.device)  # forward and backward
+        # sharded models keep their gathered parameters until backward (distributed.py)
+        self.keep_gathered = distributed.keep_gathered(self.cfg.reshard_after_forward, self.device)
         self.step = 0
         state: dict = {}
         if checkpoint == "latest":
@@ -114,7 +116,7 @@ class Policy:
             self.critic = distributed.load(
                 self.group, lambda: ValueModel(source, self.dtype),
                 lambda: ValueModel(source, self.dtype, weights=False),
-                compute=self.compute_dtype, params=self.dtype)
+                compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
                                                       betas=self.cfg.betas)
         k = self.algo.kl_ctrl
@@ -136,7 +138,7 @@ class Policy:
             return AutoModelForCausalLM.from_config(config, dtype=self.dtype)
 
         model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
-                                 params=self.dtype)
+                                 params=self.dtype, keep=self.keep_gathered)
         if distributed.is_sharded(model):
             attach_forward(model)
         return model

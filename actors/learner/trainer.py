@@ -221,7 +221,8 @@ class Trainer:
                 for s in micro:
                     self._check_abort()
                     for module in (self.policy.model, self.policy.critic):
-                        sync_gradients(module, self.group, last=s is micro[-1])
+                        if self.policy.keep_gathered:
+                            sync_gradients(module, last=s is micro[-1])
                     mb = batch.rows(s)
                     w = mb.response_mask.shape[1]
                     lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)

@@ -33,6 +33,10 @@ class LearnerPlacement(ActorCommon, frozen=True):
     """Host of rank 0 (the group's rendezvous); reachable from every node."""
     master_port: int = 0
     """Rendezvous port on master_addr (0: a free port, one node only)."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free gathered parameters after each forward and reduce gradients after every
+    micro-batch (true: least memory), or keep them gathered until backward and reduce once per
+    mini-batch (false: fewest copies); unset: true on a GPU, false on a CPU."""
     collective_timeout_s: float = 600.0
     """A collective waiting longer than this fails its rank (and so the job), not hangs it."""
     weights_bucket_mb: int = 256
