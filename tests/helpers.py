@@ -29,6 +29,7 @@ from messages.control import (
     ToRunner,
     ValidationReport,
 )
+from messages.learner_ranks import RanksEnd, RanksPublish, RanksSave, RanksStep, ToLearnerRanks
 from messages.reward import (
     Response,
     ScoreReply,
@@ -162,6 +163,10 @@ CASES = [
     (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0}),
                                   ScoreResult(1.0, answer="42")])),
     (ToLearnerWeights, WeightsPoll(-1)),
+    (ToLearnerRanks, RanksStep([sample_group()])),
+    (ToLearnerRanks, RanksPublish("bfloat16")),
+    (ToLearnerRanks, RanksSave()),
+    (ToLearnerRanks, RanksEnd()),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
                                   preload=("math_verify.parser",)),

@@ -260,17 +260,17 @@ def test_a_killed_runners_socket_folder_is_removed_on_the_next_start(tmp_path):
     import socket
     import tempfile
 
-    from actors.runtime.supervisor import _remove_stale_sockets
+    from actors.runtime.rundir import remove_stale_sockets
     old = Path(tempfile.mkdtemp(prefix="flowrl-", dir="/tmp"))
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(old / "replay"))  # left behind by a killed run
     (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(old)}}))
-    _remove_stale_sockets(tmp_path, old)  # the same folder is this run's: kept
+    remove_stale_sockets(tmp_path, old)  # the same folder is this run's: kept
     assert old.is_dir()
-    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
     assert not old.exists()
     mine = tmp_path / "sockets"  # not a runner-made folder: never touched
     mine.mkdir()
     (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(mine)}}))
-    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
     assert mine.is_dir()

@@ -34,6 +34,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 TOPOLOGY = "topology.json"
 METRICS = "metrics.jsonl"
 VALIDATION = "validation.jsonl"
@@ -103,3 +105,20 @@ def remove_partial(run_dir: Path) -> None:
     """Drop the temp folders of checkpoint writes killed half-way: never checkpoints."""
     for half in (Path(run_dir) / CHECKPOINTS).glob(f"{PARTIAL_PREFIX}*"):
         shutil.rmtree(half, ignore_errors=True)
+
+
+def remove_stale_sockets(run_dir: Path, current: Path) -> None:
+    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
+
+    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
+    """
+    try:
+        previous = Path(msgspec.json.decode((run_dir / TOPOLOGY).read_bytes())
+                        ["run"]["socket_dir"])
+    except (OSError, msgspec.DecodeError, KeyError, TypeError):
+        return
+    if (previous == current or previous.parent != Path("/tmp")
+            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
+        return
+    if all(entry.is_socket() for entry in previous.iterdir()):
+        shutil.rmtree(previous, ignore_errors=True)

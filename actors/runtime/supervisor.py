@@ -12,6 +12,14 @@ policy says so), and on Ctrl-C, a failure or the learner's completion (and the f
 validation's) stops every process (Stop message, then SIGTERM, then SIGKILL) and reaps them all.
 It listens to the actors until the last one is reaped, so a step the learner finishes while
 stopping still reaches the sinks.
+
+A learner of several ranks is one process per rank, started torchrun-style
+(``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
+are killed at once (their collectives could only hang) and the job stops. On node k > 0 of a
+learner spread over nodes (``learner.node_rank``) the runner starts only that node's ranks, keeps
+its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
+write their checkpoint shards there), opens no metric sinks (node 0 records the job) and ends
+with them.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ from actors.runtime.config import ConfigError, Topology
 from actors.runtime.liveview import ActorRow, LiveView, View
 from actors.runtime.loggers import open_metrics
 from actors.runtime.metrics import Metrics, Resume
-from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
+from actors.runtime.ranks import free_port, node_ranks, rank_label
+from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, remove_stale_sockets, traceback_file
 from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
 from actors.runtime.trackers import TrackerError
 from actors.runtime.zmq_bridge import make_socket
@@ -80,7 +89,8 @@ def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, 
             topology.router, address=addr(topology.router.address, "router"),
             worker_address=addr(topology.router.worker_address, "router-workers")),
         learner=msgspec.structs.replace(
-            topology.learner, weights_address=addr(topology.learner.weights_address, "weights")),
+            topology.learner, weights_address=addr(topology.learner.weights_address, "weights"),
+            master_port=topology.learner.master_port or free_port(topology.learner.master_addr)),
         control_address=addr(topology.control_address, "control"),
     )
     return resolved, run_dir
@@ -98,10 +108,12 @@ class Proc:
     status: dict = dataclasses.field(default_factory=dict)
     state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
     shown: str = ""  # the last long-lasting state printed for it (off a terminal)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
+    rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.index}"
+        return rank_label(self.kind, self.index, self.rank)
 
     def row(self, now: float) -> ActorRow:
         return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
@@ -117,13 +129,16 @@ def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
 
 class Job:
     def __init__(self, topology: Topology, run_dir: Path, metrics: Metrics | None = None,
-                 view: View | None = None, resume: Resume | None = None) -> None:
+                 view: View | None = None, resume: Resume | None = None,
+                 home: Path | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
+        self.home = home or run_dir  # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK)
         self.procs = {
             p.name: p
-            for kind in NAMES  # the registry's order is the start order
-            for p in (Proc(kind, i) for i in range(getattr(topology, kind).count))
+            for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
+            for p in (learner_ranks(topology, self.home) if kind == "learner" else
+                      [Proc(kind, i) for i in range(getattr(topology, kind).count)])
         }
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
@@ -154,7 +169,7 @@ class Job:
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
         p.state = ("starting", p.last_seen)
         # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
-        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
         if self.view is None:  # plain lines: the actors write to the runner's own output
             p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
             return
@@ -171,7 +186,9 @@ class Job:
             if self.stopping:
                 return
             if rc == 0 and p.finished:
-                if p.kind == "learner":
+                if p.kind == "learner" and (p.rank == 0 or all(
+                        q.finished for q in self.procs.values() if q.kind == "learner")):
+                    # rank 0, or on a node without it, the last rank
                     total = self.topo.learner.total_steps
                     if self.final_validation and total not in self.validated:
                         self.learner_done = True
@@ -179,6 +196,10 @@ class Job:
                     else:
                         self.end("finished")
                 return
+            if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
+                for q in self.procs.values():
+                    if q.kind == "learner" and q.process is not None and q.process.returncode is None:
+                        q.process.kill()
             tb_file = traceback_file(self.run_dir, p.name)
             if tb_file.is_file():
                 tb = tb_file.read_text()
@@ -246,7 +267,7 @@ class Job:
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
                 **{p.name: {"ready": p.ready, "restarts": p.restarts, **p.status}
                    for p in self.procs.values()}}
-        with (self.run_dir / STATUS).open("a") as f:
+        with (self.home / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
     def say(self, text: str) -> None:
@@ -356,13 +377,30 @@ class Job:
         return 1
 
 
+def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
+    """This node's learner processes, one per rank, each with its torchrun environment (and on
+    a node k > 0, the topology file of this node's runner)."""
+    L = topology.learner
+    own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
+    return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
+            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
+                                L.master_port)]
+
+
+def node_home(run_dir: Path, node_rank: int) -> Path:
+    """Where the runner of node ``node_rank`` keeps its lock, topology and status."""
+    return run_dir if node_rank == 0 else run_dir / "nodes" / f"node{node_rank}"
+
+
 def run_job(topology: Topology) -> int:
     """Resolve ``topology``, take the run directory, start and supervise the job; its exit
     status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
     own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
     topology, run_dir = resolve(topology)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    node = topology.learner.node_rank
+    home = node_home(run_dir, node)
+    home.mkdir(parents=True, exist_ok=True)
+    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
     try:
         # released by the kernel when this process dies, however it dies (kill -9 included)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -370,7 +408,7 @@ def run_job(topology: Topology) -> int:
         print(f"error: another runner is using {run_dir}", file=sys.stderr)
         return 2
     try:
-        _remove_stale_sockets(run_dir, Path(topology.run.socket_dir))
+        remove_stale_sockets(home, Path(topology.run.socket_dir))
         try:
             topology = prepare_job_keys(topology, run_dir)
         except ConfigError as exc:
@@ -378,21 +416,26 @@ def run_job(topology: Topology) -> int:
             return 2
         (run_dir / LOGS).mkdir(exist_ok=True)
         for stale in (run_dir / LOGS).glob("*.traceback"):
-            stale.unlink()
-        resolved = run_dir / TOPOLOGY  # actors read it: replace it whole, never half-written
+            if node == 0 or stale.stem in {p.name for p in learner_ranks(topology, home)}:
+                stale.unlink()  # (another node's are not this runner's to remove)
+        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
         tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
         counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        if node > 0:
+            counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
         print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+        if node > 0:  # node 0 records the job: no sinks, no panel here
+            return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")
         try:
             metrics, view, resume = open_metrics(topology, run_dir)
         except TrackerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        job = Job(topology, run_dir, metrics, view, resume)
+        job = Job(topology, run_dir, metrics, view, resume, home)
         live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
         if live is not None:
             live.start()
@@ -405,20 +448,3 @@ def run_job(topology: Topology) -> int:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
         lock.close()
-
-
-def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
-    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
-
-    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
-    """
-    try:
-        previous = Path(msgspec.json.decode((run_dir / TOPOLOGY).read_bytes())
-                        ["run"]["socket_dir"])
-    except (OSError, msgspec.DecodeError, KeyError, TypeError):
-        return
-    if (previous == current or previous.parent != Path("/tmp")
-            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
-        return
-    if all(entry.is_socket() for entry in previous.iterdir()):
-        shutil.rmtree(previous, ignore_errors=True)

@@ -39,6 +39,7 @@ import zmq
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import VLLMOptions
+from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
@@ -304,21 +305,25 @@ class ContinuousSampler(Sampler):
 
 
 async def start_engine(ctx: ActorContext) -> Engine:
-    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded)."""
+    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded), on
+    ``sampler.device`` in ``sampler.dtype``."""
     topo = ctx.topology
     cfg = topo.sampler
     seed = topo.run.seed * 1009 + ctx.index
     model = Path(topo.model.path)
+    device = placement(cfg.device, ctx.index)
+    dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
+    ctx.status.update(device=str(device), dtype=dtype)
     if cfg.engine != "vllm":
         from actors.sampler.engines.hf import HFEngine
 
-        return await anyio.to_thread.run_sync(HFEngine, model, topo.model.dtype, seed)
+        return await anyio.to_thread.run_sync(HFEngine, model, dtype, seed, device)
     from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
 
     settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
-    return await VLLMEngine.start(model, topo.model.dtype, seed, settings)
+    return await VLLMEngine.start(model, dtype, seed, settings)
 
 
 def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
@@ -334,6 +339,11 @@ def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
     if v.kv_cache_memory_bytes or not gpu:  # on a CPU the utilization would be a share of RAM
         options["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
     return options
+
+
+def placement(setting: str, index: int) -> torch.device:
+    """``sampler.device``: ``auto``/``cuda`` put sampler i on GPU i (modulo the GPUs there are)."""
+    return resolve_device(setting, index % max(1, torch.cuda.device_count()))
 
 
 def sampling_params(ctx: ActorContext) -> SamplingParams:

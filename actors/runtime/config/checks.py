@@ -15,6 +15,7 @@ from actors.data.files import DataFileError, jsonl_rows
 from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
+from actors.runtime.config.placement import check_placement
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
@@ -96,6 +97,7 @@ def check(topology: Topology) -> None:
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
+    check_placement(topology, need)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
     # of the learner's checkpoint, which only holds when both start from it
     for name in ("replay", "learner"):

@@ -9,27 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
-
-class ActorCommon(_Section, frozen=True):
-    count: int = 1
-    """How many processes of this actor kind to start."""
-    threads: int = 1
-    """torch intra-op threads for this actor's compute (its share of the cores)."""
-    restart: Restart = "never"
-    """What the runner does when one of these processes dies: stop the job, or restart it
-    (each kind's default is its row in ``actors/registry.py``)."""
-    max_restarts: int = 3
-    """Restarts allowed per process before the job is stopped."""
+from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.schema_base import ActorCommon, _Section
 
 
 class RunConfig(_Section, frozen=True):
@@ -156,7 +140,7 @@ class VLLMOptions(_Section, frozen=True):
     rewound), and every flowrl request is seeded; on a GPU true is safe and faster."""
 
 
-class SamplerConfig(ActorCommon, frozen=True):
+class SamplerConfig(SamplerPlacement, frozen=True):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when vLLM is installed,
@@ -272,7 +256,7 @@ class ReplayConfig(ActorCommon, frozen=True):
     algorithm.max_staleness of the version that generated it; so at most max_staleness + 1)."""
 
 
-class LearnerConfig(ActorCommon, frozen=True):
+class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
     weights_transport: Literal["auto", "zmq", "shm"] = "auto"
