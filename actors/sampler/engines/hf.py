@@ -124,7 +124,10 @@ class HFEngine:
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         async with self.lock:
             started = time.perf_counter()
-            await anyio.to_thread.run_sync(self._copy, tensors)
+            try:
+                await anyio.to_thread.run_sync(self._copy, tensors)
+            except FileNotFoundError:  # shm: the learner's file was replaced by a newer version
+                return  # (or removed at its exit) before it was opened: the old weights stay
             self.version = version
             self.weight_sync_s += time.perf_counter() - started
 
