@@ -10,10 +10,11 @@ made by ``python runner.py keygen NAME``); a refused key ends it with an error a
 Debug a recorded run offline (``actors/offline``): ``python runner.py replay RUN_DIR --step N``
 trains step N again and compares its metrics with the recorded ones; ``python runner.py replay
 RUN_DIR --rescore FILE.py[:NAME]`` re-scores the recorded completions; ``python runner.py
-inspect RUN_DIR`` summarises the run and plots it.
+inspect RUN_DIR`` summarises the run and plots it; ``python runner.py validate RUN_DIR
+[--checkpoint step_N] [validation.*=...]`` validates a saved checkpoint (no learner).
 
 This file is the command line only: the job itself is started and supervised by
-``actors/runtime/supervisor.py`` (resolution, processes, watching). Exit status: 0 when the
+``actors/runtime/launch.py`` (resolution) and ``actors/runtime/supervisor.py`` (processes, watching). Exit status: 0 when the
 learner finished, 130 on Ctrl-C, 1 on failure, 2 on a bad topology.
 """
 
@@ -172,6 +173,38 @@ def inspect_main(argv: list[str]) -> int:
         return 2
 
 
+def validate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py validate",
+        description="Validate a saved checkpoint of a run offline (no learner, sampler or "
+                    "reward worker): the run's validation prompts, generated in this process "
+                    "and scored by its reward functions, with verl's metrics (mean@N, best@N, "
+                    "maj@N, pass@k). Exit status: 0 done, 2 bad input.",
+        epilog="examples: python runner.py validate RUN_DIR; python runner.py validate RUN_DIR "
+               "--checkpoint step_20 validation.n=8 validation.temperature=1.0; "
+               "python runner.py validate RUN_DIR --checkpoint base "
+               "'validation.datasets=[{path=\"data/test.parquet\"}]'",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--checkpoint", metavar="step_N",
+                        help="step_N (or N, or a checkpoint directory; base: the model the run "
+                             "started from); default: the newest checkpoint")
+    parser.add_argument("--out", metavar="FILE", help="write the metrics and samples as JSON")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: the run's sampler.threads)")
+    parser.add_argument("overrides", nargs="*", help="validation.* overrides (validation.n=8)")
+    args = parser.parse_intermixed_args(argv)
+    from actors.offline.recorded import OfflineError
+    from actors.offline.validate import validate
+
+    try:
+        return validate(args.run_dir, args.checkpoint, list(args.overrides), args.out,
+                        args.threads)
+    except OfflineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def keygen_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="runner.py keygen", description="Make a CURVE keypair for attaching to a secured job.",
@@ -198,12 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         return inspect_main(argv[1:])
     if argv and argv[0] == "keygen":
         return keygen_main(argv[1:])
+    if argv and argv[0] == "validate":
+        return validate_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
                "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job; "
                "python runner.py replay RUN_DIR --step N | --rescore FILE.py[:NAME] and "
                "python runner.py inspect RUN_DIR debug a recorded run; "
+               "python runner.py validate RUN_DIR [--checkpoint step_N] validates a checkpoint; "
                "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")
@@ -218,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
-    from actors.runtime.supervisor import run_job
+    from actors.runtime.launch import run_job
 
     return run_job(topology)
 

@@ -17,6 +17,7 @@ import msgspec
 from actors.registry import BY_NAME
 from actors.runtime.actor import run_actor
 from actors.runtime.config import Topology
+from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import job_keys
 
@@ -26,12 +27,15 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BY_NAME)}}} INDEX\n")
         return 2
     run_dir, kind, index = Path(argv[0]), argv[1], int(argv[2])
-    # an actor of a host other than the owner's reads its own runner's copy (``FLOWRL_TOPOLOGY``)
+    # a learner rank on a node k > 0, or an actor of a host other than the owner's, reads its own
+    # runner's copy (``FLOWRL_TOPOLOGY``)
     path = Path(os.environ.get("FLOWRL_TOPOLOGY") or run_dir / TOPOLOGY)
     topology = msgspec.json.decode(path.read_bytes(), type=Topology)
     module, name = BY_NAME[kind].body.split(":")
     body = getattr(importlib.import_module(module), name)
-    return run_actor(kind, index, topology, run_dir, body, curve=job_keys(topology))
+    rank = Rank.from_env().rank if kind == "learner" else 0  # the runner's RANK for each rank
+    return run_actor(kind, index, topology, run_dir, body, name=rank_label(kind, index, rank),
+                     curve=job_keys(topology))
 
 
 if __name__ == "__main__":

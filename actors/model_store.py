@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 DEFAULT_MODEL = "default"
@@ -70,7 +71,11 @@ def resolve_model_path(path: str) -> Path:
     if path == DEFAULT_MODEL:
         out = cache_dir() / "SmolLM2-135M-Instruct"
         if not (out / "config.json").is_file():
+            print(f"=== converting the embedded SmolLM2-135M-Instruct (GGUF) into {out}, once "
+                  "(about 30 s)", flush=True)
+            started = time.monotonic()
             convert_gguf(default_gguf_path(), out)
+            print(f"=== converted in {time.monotonic() - started:.0f} s", flush=True)
         return out
     local = Path(path).expanduser()
     if not (local / "config.json").is_file():

@@ -18,6 +18,14 @@ every path takes one step, in a rotated order each round. Interleaving matters o
 machine: load that comes and goes then slows all paths alike instead of whichever ran during
 it. The table gives the median and the minimum per path; the minimum is the least disturbed.
 
+``liger`` is Liger-Kernel's fused linear cross entropy
+(``LigerFusedLinearCrossEntropyLoss(reduction="none")``, which returns −log p per token; the
+temperature is applied by scaling the hidden states), the anchor of issue 15's kernel goal. It
+is in the table whenever ``liger_kernel`` imports (the ``bench`` extra), and computes no entropy,
+so with ``--entropy`` its row says so. A path that runs out of memory, fails, or cannot run here
+(Liger's Triton kernels need a GPU) gets that reason in its row instead of numbers: the other
+rows are still measured.
+
 Run by hand, not from the tests; results go in BENCHMARKS.md.
 """
 
@@ -64,9 +72,11 @@ def main() -> None:
     impls = args.impls.split(",") if args.impls != "auto" else ["naive", "chunked"]
     if args.impls == "auto" and device == "cuda":
         impls.append("triton")
+    if args.impls == "auto" and _liger_import_error() is None:
+        impls.append("liger")
     runs = []
     for impl in impls:
-        sizes = args.chunk_sizes.split(",") if impl != "naive" else ["-"]
+        sizes = args.chunk_sizes.split(",") if impl not in ("naive", "liger") else ["-"]
         runs += [f"{impl}:{size}" for size in sizes]
 
     print(
@@ -75,19 +85,39 @@ def main() -> None:
         f"torch threads={torch.get_num_threads()}"
     )
     print(f"float32 (N, V) logits alone: {args.n * args.vocab * 4 / 2**20:,.0f} MiB")
+    from kernels.lm_head_logprobs import resolve_impl
+
     cmd = [sys.executable, __file__, *sys.argv[1:], "--device", device]
-    peaks = {}
+    peaks, failed = {}, {}
     for run in runs:
-        peaks[run] = _worker(cmd + ["--worker", "memory", "--paths", run])["peak_bytes"]
-    times = _worker(cmd + ["--worker", "time", "--paths", ",".join(runs)])["times_s"]
+        out = _worker(cmd + ["--worker", "memory", "--paths", run])
+        if "error" in out:
+            failed[run] = out["error"]
+        else:
+            peaks[run] = out["peak_bytes"]
+    measured = [run for run in runs if run not in failed]
+    times = {}
+    if measured:
+        out = _worker(cmd + ["--worker", "time", "--paths", ",".join(measured)])
+        times = out.get("times_s", {})
+        failed.update(out.get("failed", {}) if "error" not in out else
+                      {run: out["error"] for run in measured})
 
     print(f"{'path':<16}{'median s':>10}{'min s':>9}{'peak MiB':>11}   all timed steps (s)")
     for run in runs:
+        if run in failed or not times.get(run):
+            print(f"{run:<16}{'-':>10}{'-':>9}{'-':>11}   {failed.get(run, 'not timed')}")
+            continue
         steps = " ".join(f"{t:.2f}" for t in times[run])
         print(
             f"{run:<16}{statistics.median(times[run]):>10.3f}{min(times[run]):>9.3f}"
             f"{peaks[run] / 2**20:>11,.0f}   {steps}"
         )
+    picked = resolve_impl("auto", torch.device(device))
+    print(f"the learner's path for this shape: {picked} (kernels/lm_head_logprobs.py picks triton "
+          "for CUDA tensors when triton is installed, else chunked, whatever the shape; it never "
+          "picks Liger: no GPU measurement has said where Liger wins)")
+    runs = [run for run in runs if run not in failed and times.get(run)]
     if "naive:-" not in runs:
         return
     print("against naive (targets: peak memory <= 0.25, time <= 1.00):")
@@ -106,10 +136,32 @@ def main() -> None:
 
 
 def _worker(cmd: list[str]) -> dict:
+    """A worker's result, or ``{"error": why}`` when it died (killed: the OOM killer, likely)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        if proc.returncode < 0:
+            return {"error": f"killed by signal {-proc.returncode} (out of memory?)"}
+        last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"failed (exit {proc.returncode}): {last[0][:160]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _liger_import_error() -> str | None:
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot load is reported
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _failure(exc: BaseException) -> str:
+    """A path's failure in one line: out of memory, or the exception."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "out of memory"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:160]}"
 
 
 def _measure(args: argparse.Namespace) -> dict:
@@ -131,10 +183,25 @@ def _measure(args: argparse.Namespace) -> dict:
     hidden.requires_grad_()
     weight.requires_grad_()
 
+    liger = None
+
     def step(run: str) -> float:
+        nonlocal liger
         impl, chunk = run.split(":")
         hidden.grad = weight.grad = None
         start = time.perf_counter()
+        if impl == "liger":
+            if args.entropy:
+                raise NotImplementedError("Liger's fused linear cross entropy computes no entropy")
+            if liger is None:
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+                liger = LigerFusedLinearCrossEntropyLoss(reduction="none")
+            scaled = hidden / args.temperature if args.temperature != 1.0 else hidden
+            loss = (-liger(weight, scaled, targets) * up_lp).sum()  # −(−log p)·u
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
         out = lm_head_logprobs(
             hidden,
             weight,
@@ -163,21 +230,37 @@ def _measure(args: argparse.Namespace) -> dict:
         else:
             _reset_peak_rss()
             baseline = _current_rss_bytes()
-        step(run)
-        step(run)
+        try:
+            step(run)
+            step(run)
+        except Exception as exc:  # noqa: BLE001 - reported in the path's row
+            return {"error": _failure(exc)}
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated() - baseline
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline  # KiB
         return {"peak_bytes": peak}
+    failed: dict[str, str] = {}
+
+    def timed(run: str) -> float | None:
+        try:
+            return step(run)
+        except Exception as exc:  # noqa: BLE001 - reported in the path's row
+            failed[run] = _failure(exc)
+            hidden.grad = weight.grad = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
     for run in runs:  # warm-up
-        step(run)
+        timed(run)
     times: dict[str, list[float]] = {run: [] for run in runs}
     for i in range(args.repeats):
         order = runs[i % len(runs) :] + runs[: i % len(runs)]
         for run in order:
-            times[run].append(step(run))
-    return {"times_s": times}
+            if run not in failed and (t := timed(run)) is not None:
+                times[run].append(t)
+    return {"times_s": {r: t for r, t in times.items() if r not in failed}, "failed": failed}
 
 
 def _reset_peak_rss() -> None:

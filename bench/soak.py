@@ -1,8 +1,10 @@
 """A bounded chaos soak of a whole job on the tiny random model, then an audit of what it recorded.
 
-``python bench/soak.py [--steps 320] [--kill-every 2:5] [--attach-every 60] [--job-kill-at 150]``
+``python bench/soak.py [--steps 320] [--kill-every 2:5] [--attach-every 60] [--job-kill-at 150]
+[--reward-pause 0.05]``
 
-While the learner takes ``--steps`` steps: a random sampler or reward worker is killed with
+Each reward call sleeps ``--reward-pause`` seconds (so that a step takes about a second, and a
+killed worker usually holds requests). While the learner takes ``--steps`` steps: a random sampler or reward worker is killed with
 SIGKILL every ``--kill-every`` seconds (uniform in A:B; the runner restarts it), a reward worker
 is attached by hand (``runner.py attach reward --to RUN_DIR``) and the previous one detached
 (SIGTERM) every ``--attach-every`` seconds, and once, at step ``--job-kill-at``, the runner and
@@ -37,6 +39,16 @@ from tests.jobs import TINY, actor_pids, balanced, metrics  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 LONG_LIVED = ("replay", "router", "learner")
+PACED_REWARD = '''
+import time
+
+from actors.scoring.rules import repeat_letter_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep({pause})  # paces the job: steps of about a second instead of milliseconds
+    return repeat_letter_score(data_source, solution_str, ground_truth, extra_info)
+'''
 
 
 def kind_of(pid: int) -> str:
@@ -88,7 +100,9 @@ class Soak:
                 f"learner.total_steps={a.steps}", "learner.save_every=20", "sampler.count=2",
                 "reward.count=2", "sampler.max_restarts=100000", "reward.max_restarts=100000",
                 "router.request_timeout=5", "sampler.score_timeout_s=15",
-                "replay.sampler_timeout_s=10", "reward.timeout_s=5"]
+                "replay.sampler_timeout_s=10", "reward.timeout_s=5",
+                *([f'reward.functions=[{{path = "{self.out / "paced_reward.py"}"}}]']
+                  if a.reward_pause > 0 else [])]
 
     def start(self, model: Path) -> subprocess.Popen:
         self.incarnation += 1
@@ -149,6 +163,7 @@ class Soak:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
         model = build_tiny_model(self.out / "model")
+        (self.out / "paced_reward.py").write_text(PACED_REWARD.format(pause=a.reward_pause))
         started = time.monotonic()
         runner = self.start(model)
         job_killed_at = None
@@ -248,6 +263,8 @@ def main() -> int:
     parser.add_argument("--job-kill-at", type=int, default=150, help="0: no whole-job kill")
     parser.add_argument("--limit-s", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reward-pause", type=float, default=0.05,
+                        help="seconds each reward call sleeps (0: the built-in scorer alone)")
     parser.add_argument("--out", default="runs/soak")
     args = parser.parse_args()
     args.kill_every = tuple(float(x) for x in args.kill_every.split(":"))

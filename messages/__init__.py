@@ -6,6 +6,7 @@
   lifecycle
 - ``messages.reward``: the reward pool's bodies: one scoring request per group, and its reply
 - ``messages.weights``: versioned weights from the learner to samplers
+- ``messages.learner_ranks``: rank 0 of the learner to its other ranks (over torch.distributed)
 - ``messages.tensor``: tensors as (dtype, shape, bytes)
 - ``messages.codec``: the per-socket decoder
 """

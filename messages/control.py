@@ -35,6 +35,14 @@ class StepReport(msgspec.Struct, tag=True, gc=False):
     metrics: dict[str, float] = {}
 
 
+class ValidationReport(msgspec.Struct, tag=True, gc=False):
+    """Replay -> Runner when a validation is complete: its metrics (verl names,
+    ``val-core/{data_source}/reward/mean@N``, ...) for the policy after ``step`` learner steps."""
+
+    step: int
+    metrics: dict[str, float] = {}
+
+
 class Finished(msgspec.Struct, tag=True):
     """Actor -> Runner: the actor's work is complete (the learner reached ``total_steps``)."""
 
@@ -54,5 +62,5 @@ class ErrorReply(msgspec.Struct, tag=True):
     error: str
 
 
-ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply
+ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply | ValidationReport
 ToActor = Stop | ErrorReply

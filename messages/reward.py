@@ -36,6 +36,8 @@ class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     score: float
     error: str = ""  # non-empty: scoring failed and ``score`` is the failure score
     extra: dict[str, float] = {}
+    answer: str = ""  # the answer the scorer extracted (verl's ``pred``; majority votes count
+    # them), "" when it extracts none
 
 
 class ScoreReply(msgspec.Struct, tag=True, gc=False):

@@ -85,6 +85,7 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     turns: list[Turn] = []  # a multi-turn response's spans in order (empty: one model turn)
     seed: int = -1  # the engine's sampling seed of this completion: the same prompt, sampling
     # parameters, weights and seed regenerate it exactly (-1: the engine has no per-sample seed)
+    answer: str = ""  # the answer the scorer extracted from ``text`` ("" when it extracts none)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -130,6 +131,14 @@ class GroupsDone(msgspec.Struct, tag=True, gc=False):
     groups: list[ScoredGroup]
 
 
+class ValidationDone(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay: scored groups of validation prompts of the round of ``step`` (counted
+    apart from training prompts; never trained on)."""
+
+    step: int
+    groups: list[ScoredGroup]
+
+
 class BatchRequest(msgspec.Struct, tag=True, gc=False):
     """Learner -> Replay: ask for the batch of ``step``; ``version`` is the learner's policy version.
 
@@ -153,10 +162,17 @@ class PromptBatch(msgspec.Struct, tag=True, gc=False):
     ``version`` is the learner's policy version when they were issued; its weights were
     published before the replay buffer learned of it, so the sampler waits for them (they are
     already on the wire) rather than generating with older ones that would go stale.
+
+    ``validation``: these are prompts of the validation of the policy of ``version``, to be
+    generated with ``sampling`` and ``n`` (not the sampler's own) and with those weights (none
+    newer, while they are the newest it holds), and handed back as ``ValidationDone``.
     """
 
     prompts: list[Prompt]
     version: int = 0
+    validation: bool = False
+    sampling: SamplingParams | None = None  # validation: how to sample
+    n: int = 0  # validation: samples per prompt
 
 
 class TrainBatch(msgspec.Struct, tag=True, gc=False):
@@ -170,5 +186,6 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
     stats: dict[str, float] = {}
 
 
-ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate | SamplerAlive
+ToReplay = (PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
+            | SamplerAlive)
 FromReplay = PromptBatch | TrainBatch

@@ -2,8 +2,9 @@
 
 Sockets: the learner binds a ROUTER (``weights`` address); each sampler connects a DEALER and
 long-polls with ``WeightsPoll(have_version)``. When the learner holds a newer version it answers
-with a ``WeightsHeader`` frame followed by one raw frame per tensor, in header order. A slow
-sampler therefore only ever receives the newest weights, never a queue of stale ones.
+with ``buckets`` messages in a row, each a ``WeightsHeader`` frame followed by one raw frame per
+tensor of that bucket, in header order (a version is never one message the size of the model).
+A slow sampler therefore only ever receives the newest weights, never a queue of stale ones.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class WeightsHeader(msgspec.Struct, tag=True, gc=False):
     tensors: list[TensorMeta]
     path: str = ""  # shared-memory transport: a safetensors file on the sampler's own host
     # holds the tensors (``tensors`` is then empty and no tensor frames follow)
+    bucket: int = 0  # this message's place among the version's messages
+    buckets: int = 1  # messages the version is sent in, each one bucket of tensors
 
 
 ToLearnerWeights = WeightsPoll

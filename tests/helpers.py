@@ -27,7 +27,9 @@ from messages.control import (
     Stop,
     ToActor,
     ToRunner,
+    ValidationReport,
 )
+from messages.learner_ranks import RanksEnd, RanksPublish, RanksSave, RanksStep, ToLearnerRanks
 from messages.reward import (
     Response,
     ScoreReply,
@@ -51,6 +53,7 @@ from messages.rollout import (
     ToReplay,
     TrainBatch,
     Turn,
+    ValidationDone,
     VersionUpdate,
 )
 from messages.routing import (
@@ -132,6 +135,7 @@ CASES = [
     (ToRunner, StepReport(3, {"critic/score/mean": 0.25})),
     (ToRunner, Finished("learner-0", "done")),
     (ToRunner, ErrorReply("bad")),
+    (ToRunner, ValidationReport(10, {"val-core/arithmetic/reward/mean@4": 0.5})),
     (ToActor, Stop("because")),
     (ToReplay, PromptRequest(4, "pid-1")),
     (ToReplay, GroupsDone([sample_group()])),
@@ -139,7 +143,10 @@ CASES = [
     (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
     (ToReplay, VersionUpdate(3)),
     (ToReplay, SamplerAlive("1234-5678")),
+    (ToReplay, ValidationDone(10, [sample_group()])),
     (FromReplay, PromptBatch([sample_group().prompt], version=2)),
+    (FromReplay, PromptBatch([sample_group().prompt], version=10, validation=True,
+                             sampling=SamplingParams(temperature=0.6, max_tokens=16), n=4)),
     (FromReplay, TrainBatch(2, [sample_group()], {"issued": 8}, {"age/mean": 0.5})),
     (ToRouterFromClient, Envelope(1, "reward")),
     (ToRouterFromWorker, Envelope(1)),
@@ -155,8 +162,13 @@ CASES = [
                                    prompt=[ChatMessage("user", "1 + 2")], max_response_length=32)),
     (ToRewardWorker, ScoreRequest("calculator", "3", [Response(
         "<tool_call>3 3", 5, multi_turn_group().samples[0].turns)])),
-    (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0})])),
+    (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0}),
+                                  ScoreResult(1.0, answer="42")])),
     (ToLearnerWeights, WeightsPoll(-1)),
+    (ToLearnerRanks, RanksStep([sample_group()])),
+    (ToLearnerRanks, RanksPublish("bfloat16")),
+    (ToLearnerRanks, RanksSave()),
+    (ToLearnerRanks, RanksEnd()),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
                                   preload=("math_verify.parser",)),
@@ -166,7 +178,8 @@ CASES = [
                         "extra_info": {"k": 1}}], 1)),
     (FromChild, ChildReady(["", "SyntaxError: x"])),
     (FromChild, Outcomes([Outcome(1.0), Outcome(error="e"), Outcome(0.5, extra={"a": 1.0}),
-                          Outcome(text="42"), Outcome(error="timed out", failure="timeout")])),
+                          Outcome(text="42"), Outcome(error="timed out", failure="timeout"),
+                          Outcome(1.0, answer="7")])),
 ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8", "run.status_interval=0",
-        "run.heartbeat_interval=0.5"]
+        "run.heartbeat_interval=0.5", "validation.datasets=[]"]
 FAST = ["run.status_interval=1", "run.heartbeat_interval=0.5"]
 ACTORS = ("replay-0", "router-0", "learner-0", "reward-0", "sampler-0")
 
@@ -35,6 +35,11 @@ def jsonl(path: Path) -> list[dict]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return jsonl(run_dir / "metrics.jsonl")
+
+
+def validations(run_dir: Path) -> list[dict]:
+    """``validation.jsonl``: one line per validation round."""
+    return jsonl(run_dir / "validation.jsonl")
 
 
 def status_lines(run_dir: Path) -> list[dict]:

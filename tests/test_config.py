@@ -167,3 +167,63 @@ def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monke
     assert "pip install vllm" in str(caught.value)
     # auto falls back to the transformers engine
     assert decode_topology(apply_overrides({}, [])).sampler.engine == "hf"
+# -- placement: devices, precision, the learner's ranks (issue 15) ------------------------------
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["learner.device=gpu"], "learner.device: 'gpu' is not auto, cpu, cuda or cuda:N"),
+    (["sampler.device=cuda0"], "sampler.device: 'cuda0' is not auto, cpu, cuda or cuda:N"),
+    (["learner.dtype=float16"], "learner.dtype: Invalid enum value 'float16'"),
+    (["learner.nproc_per_node=0"], "learner.nproc_per_node: must be >= 1"),
+    (["learner.nproc_per_node=3"], "learner.groups_per_step: must be a multiple of ranks × "
+                                   "ppo_mini_batches = 3 × 1"),
+    (["learner.nproc_per_node=2", "learner.ppo_mini_batches=4"],
+     "learner.groups_per_step: must be a multiple of ranks × ppo_mini_batches = 2 × 4"),
+    (["learner.nnodes=2", "learner.nproc_per_node=2"],
+     "learner.master_port: several nodes must agree on the rendezvous port"),
+    (["learner.nnodes=2", "learner.node_rank=2", "learner.master_port=29500"],
+     "learner.node_rank: must be in [0, learner.nnodes = 2)"),
+    (["learner.nproc_per_node=2", "learner.lora.rank=8"],
+     "learner.lora.rank: LoRA is trained on one rank only"),
+    (["learner.weights_bucket_mb=0"], "learner.weights_bucket_mb: must be >= 1"),
+])
+def test_placement_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        decode_topology(apply_overrides({}, overrides))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("key", ["learner.device", "sampler.device"])
+@pytest.mark.parametrize("value", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_on_a_machine_without_one_is_an_error_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{key}: {value} asked for, but torch sees no CUDA device on this machine")):
+        decode_topology(apply_overrides({}, [f"{key}={value}"]))
+
+
+def test_the_cuda_error_stops_the_runner_with_status_2():
+    import subprocess
+    import sys
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    res = subprocess.run([sys.executable, "runner.py", "topology.toml", "learner.device=cuda",
+                          "sampler.device=cuda"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2
+    assert "learner.device: cuda asked for, but torch sees no CUDA device" in res.stderr
+
+
+def test_placement_defaults_keep_the_cpu_job_as_it_was():
+    t = decode_topology({})
+    L = t.learner
+    assert (L.device, L.dtype, L.nproc_per_node, L.nnodes, L.node_rank) == ("auto", "auto", 1, 1, 0)
+    assert (t.sampler.device, t.sampler.dtype) == ("auto", "auto")
+    import torch
+
+    from actors.runtime.devices import resolve_device, resolve_dtype
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, "float32") == torch.float32  # CPU: model.dtype
+    assert resolve_dtype("auto", torch.device("cuda", 0), "float32") == torch.bfloat16
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == cpu and resolve_device("cpu", 3) == cpu

@@ -191,8 +191,10 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path, k
 
     rows = metrics(run_dir)
     assert all(balanced(r) for r in rows)  # on every row, before the kill and after
-    resumed = rows[len(killed_rows):]
-    assert [r["step"] for r in resumed] == list(range(step + 1, 11))
+    # the steps trained again replaced the killed run's lines of them: each step once
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[:step] == killed_rows[:step]
+    resumed = rows[step:]
     # continuous with before: the redone step counts what the killed run counted for it
     before = {r["step"]: r for r in killed_rows}
     if step + 1 in before:
@@ -258,17 +260,17 @@ def test_a_killed_runners_socket_folder_is_removed_on_the_next_start(tmp_path):
     import socket
     import tempfile
 
-    from actors.runtime.supervisor import _remove_stale_sockets
+    from actors.runtime.rundir import remove_stale_sockets
     old = Path(tempfile.mkdtemp(prefix="flowrl-", dir="/tmp"))
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(old / "replay"))  # left behind by a killed run
     (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(old)}}))
-    _remove_stale_sockets(tmp_path, old)  # the same folder is this run's: kept
+    remove_stale_sockets(tmp_path, old)  # the same folder is this run's: kept
     assert old.is_dir()
-    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
     assert not old.exists()
     mine = tmp_path / "sockets"  # not a runner-made folder: never touched
     mine.mkdir()
     (tmp_path / "topology.json").write_text(json.dumps({"run": {"socket_dir": str(mine)}}))
-    _remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
+    remove_stale_sockets(tmp_path, Path("/tmp/flowrl-new"))
     assert mine.is_dir()

@@ -17,17 +17,18 @@ from tests.learner_cases import OPTIONS, SAMPLING, make_trainer
 
 
 def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.0,
-                version: int = 0) -> list[ScoredGroup]:
-    """Two groups of four random responses; behaviour log-probs are the model's own (+ offset).
+                version: int = 0, n_groups: int = 2) -> list[ScoredGroup]:
+    """``n_groups`` groups of four random responses; behaviour log-probs are the model's own
+    (+ offset).
 
     Every sample of three tokens or more has a tool token in the middle (``loss_mask`` 0), and
     carries two reward components in ``reward_extra`` (``format``, ``acc``) for gdpo.
     """
     gen = torch.Generator().manual_seed(seed)
     groups = []
-    for g in range(2):
+    for g in range(n_groups):
         prompt_ids = torch.tensor(chat_ids(trainer.policy.tokenizer,
-                                           [ChatMessage("user", f"say {'ab'[g]}")]),
+                                           [ChatMessage("user", f"say {'abcd'[g % 4]}")]),
                                   dtype=torch.int32)
         samples = []
         for i in range(4):

@@ -8,6 +8,7 @@ quantity; ``--rescore`` counts changed scores; ``inspect`` prints the summary an
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def run_dir(tmp_path_factory) -> Path:
         [sys.executable, "runner.py", "topology.toml", f"model.path={model}", f"run.dir={run}",
          "sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3", "sampler.max_tokens=8",
          "run.status_interval=0", "run.heartbeat_interval=0.5", "learner.total_steps=6",
-         "learner.save_every=3", "learner.keep_checkpoints=10"],
+         "learner.save_every=3", "learner.keep_checkpoints=10", "validation.every=3",
+         'validation.datasets=[{builtin="repeat_letter", size=8}]'],
         cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
@@ -131,9 +133,35 @@ def test_inspect_prints_summary_and_writes_plots(run_dir, tmp_path):
     for text in ("=== run summary", "6 recorded (1..6)", "24 trained", "best 3 samples of step 6",
                  "=== staleness"):
         assert text in res.stdout
-    for name in ("reward", "response_length", "kl", "entropy", "importance"):
+    assert "=== validations: 3 (steps 0, 3, 6)" in res.stdout
+    assert "repeat_letter mean@4" in res.stdout
+    for name in ("reward", "response_length", "kl", "entropy", "importance", "validation"):
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data.startswith(PNG) and len(data) > 1000
+    from actors.offline.inspection import core_series, recorded_validations
+    series = core_series(recorded_validations(run_dir))  # what validation.png draws
+    assert series["repeat_letter mean@4"]["steps"] == [0, 3, 6]
+
+
+def test_validate_a_checkpoint_offline(run_dir, tmp_path):
+    out = tmp_path / "val.json"
+    res = runner("validate", str(run_dir), "--checkpoint", "step_3", "validation.n=2",
+                 "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["step"] == 3 and got["checkpoint"].endswith("checkpoints/step_3")
+    m = got["metrics"]
+    assert m["val-aux/prompts"] == 8 and m["val-aux/samples"] == 16
+    assert 0 <= m["val-core/repeat_letter/reward/mean@2"] <= 1
+    assert "val-aux/repeat_letter/reward/pass@2" in m
+    assert got["recorded"]["val-aux/prompts"] == 8  # the live validation of step 3, beside it
+    assert len(got["samples"]) == 8 and all(len(s["completions"]) == 2 for s in got["samples"])
+    # the default is the newest checkpoint; base is the model the run started from
+    res = runner("validate", str(run_dir), "--checkpoint", "base", "--out", str(out),
+                 'validation.datasets=[{builtin="repeat_letter", size=2}]')
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(out.read_text())["step"] == 0
+    assert json.loads(out.read_text())["metrics"]["val-aux/samples"] == 8
 
 
 def test_bad_input_exits_2(run_dir, tmp_path):
@@ -146,6 +174,9 @@ def test_bad_input_exits_2(run_dir, tmp_path):
         (("replay", str(run_dir), "--rescore", f"{tmp_path / 'r.py'}:absent"),
          "defines no function 'absent'"),
         (("inspect", str(tmp_path)), "topology.json"),
+        (("validate", str(run_dir), "learner.lr=1"), "only validation.* keys"),
+        (("validate", str(run_dir), "validation.datasets=[]"), "no validation prompts"),
+        (("validate", str(run_dir), "--checkpoint", "step_5"), "no checkpoint"),
     ]
     for args, message in cases:
         res = runner(*args)

@@ -134,3 +134,25 @@ async def test_a_group_carries_the_scorers_extras(tiny_model):
                                                 0.0))
     assert [s.reward_extra for s in group.samples] == [{"format": 1.0, "acc": 0.0}, {}]
     assert group.samples[1].reward_error == "boom"
+
+
+@pytest.mark.anyio
+async def test_shared_weights_removed_before_loading_leave_the_old_weights(tiny_model, tmp_path):
+    """The learner's shm file can go before a sampler opens it (a newer version replaced it, or
+    the learner exited at the end of the job): the engine keeps its weights and version."""
+    from safetensors.torch import save_file
+
+    from actors.runtime.weights import SharedWeights
+
+    engine = HFEngine(tiny_model, "float32", seed=0)
+    before = {n: p.detach().clone() for n, p in engine.params.items()}
+    path = tmp_path / "v3.safetensors"
+    save_file({n: torch.zeros_like(p) for n, p in before.items()}, str(path))
+    gone = SharedWeights(str(path))  # received: the header named it and it was there
+    path.unlink()
+    await engine.load_weights(3, gone)
+    assert engine.version != 3
+    assert all(torch.equal(engine.params[n], before[n]) for n in before)
+    save_file({n: torch.zeros_like(p) for n, p in before.items()}, str(path))
+    await engine.load_weights(4, SharedWeights(str(path)))  # one still there loads
+    assert engine.version == 4 and all(not engine.params[n].any() for n in before)

@@ -33,7 +33,7 @@ def load_verl() -> Verl | str:
     if importlib.util.find_spec("verl") is None:
         return ("verl is not installed (pip install --no-deps verl==0.9.1, plus the verl-parity "
                 "extra of pyproject.toml)")
-    if importlib.util.find_spec("ray") is None:
+    if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
         # verl/__init__.py imports verl.protocol, which imports ray (a 79 MB distributed
         # runtime) for ``ray.ObjectRef`` annotations and remote futures. Nothing the parity
         # test calls touches ray, so a bare module with that one name stands in for it. No

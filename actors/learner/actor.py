@@ -3,7 +3,18 @@
 Training runs in a worker thread (``Trainer``), so weight polls, heartbeats and stop messages
 are served during a step. New weights go out through the weights channel after every step
 (``actors/runtime/weights.py``). A stop abandons the step in progress at the next micro-batch
-and writes a final checkpoint under a shielded scope.
+and writes a final checkpoint under a shielded scope. Every step taken is reported to the
+runner (``StepReport``), whose metric sinks record it: a step the thread finished while the
+actor was being stopped is reported before the final checkpoint.
+
+A learner of several ranks (``learner.nproc_per_node``, ``learner.nnodes``) is one process per
+rank, all running this body. Rank 0 is the learner above: it alone talks to the replay buffer,
+the samplers and the runner, and before each collective it tells the other ranks which one
+(``messages/learner_ranks.py``): a step on the batch it received, a weights gather, a
+checkpoint, the end. The other ranks follow (``follow``) until rank 0 ends the group; they
+ignore stops of their own (rank 0's stop is theirs: it ends the step at the same micro-batch on
+every rank and then saves and ends the group), and the runner stops the whole group when any
+rank dies.
 """
 
 from __future__ import annotations
@@ -14,16 +25,21 @@ import anyio
 import torch
 import zmq
 
-from actors.learner.trainer import Trainer
+from actors.learner.distributed import Group
+from actors.learner.policy import learner_group
+from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
-from actors.runtime.metrics import JsonlSink
+from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
-from actors.runtime.rundir import METRICS, remove_partial
+from actors.runtime.rundir import remove_partial
 from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import StepReport
+from messages.learner_ranks import RanksEnd, RanksPublish, RanksSave, RanksStep, ToLearnerRanks
 from messages.rollout import BatchRequest, FromReplay, ScoredGroup, TrainBatch, VersionUpdate
+
+FINAL_WEIGHTS_TIMEOUT_S = 30.0  # the most the learner waits for samplers to take its last weights
 
 
 class Learner:
@@ -34,10 +50,27 @@ class Learner:
         self.ctx, self.trainer, self.replay, self.weights = ctx, trainer, replay, weights
         self.cfg = ctx.topology.learner
         self.codec: Codec[FromReplay] = Codec(FromReplay)
-        self.metrics = JsonlSink(ctx.run_dir / METRICS)
+        self.unreported: list[StepReport] = []  # steps taken, not yet reported to the runner
         self.recorder = Recorder(ctx.run_dir, ["batches", "metrics"],
                                  enabled=ctx.topology.run.record)
         self.flushing = anyio.Lock()  # one recording flush at a time
+        self.group: Group = trainer.group
+        self.weight_sync_s = 0.0  # the last publish: gathering the weights and handing them out
+
+    def tell(self, message: ToLearnerRanks) -> None:
+        """Tell the other ranks the collective that follows (in the thread that runs it)."""
+        if self.group.world > 1:
+            self.group.broadcast_bytes(encode(message))
+
+    def gather_weights(self):
+        policy = self.trainer.policy
+        dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
+        self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
+        return policy.snapshot(dtype)
+
+    def save_checkpoint(self):
+        self.tell(RanksSave())
+        return self.trainer.policy.save_checkpoint()
 
     async def flush_recording(self) -> None:
         # batches and metrics rows are not the replay buffer's write-ahead log (fates are), so
@@ -50,7 +83,11 @@ class Learner:
         """Send the current weights to the samplers, then tell the replay buffer the version
         (its admission opens for it only once the weights are on their way)."""
         policy = self.trainer.policy
-        await self.weights.publish(policy.version, await anyio.to_thread.run_sync(policy.snapshot))
+        started = time.monotonic()
+        tensors = await anyio.to_thread.run_sync(self.gather_weights)
+        await self.weights.publish(policy.version, tensors,
+                                   bucket_bytes=self.cfg.weights_bucket_mb << 20)
+        self.weight_sync_s = time.monotonic() - started
         await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
 
     async def next_batch(self) -> TrainBatch:
@@ -68,54 +105,95 @@ class Learner:
     def step_and_record(self, groups: list[ScoredGroup], extra: dict[str, float]
                         ) -> dict[str, float]:
         """One step, in the worker thread, so a step taken is always a step recorded: a stop
-        can come before the step or after its metrics line, never between the two."""
+        can come before the step or after its report is queued, never between the two."""
         policy = self.trainer.policy
         version = policy.version
+        self.tell(RanksStep(groups=groups))
         metrics = {**self.trainer.train_step(groups), **extra}
-        self.metrics.write(policy.step, metrics)
+        self.unreported.append(StepReport(step=policy.step, metrics=metrics))
         self.recorder.append("batches", {"step": policy.step, "version": version,
                                          "group_ids": [g.prompt.prompt_id for g in groups]})
         self.recorder.append("metrics", {"step": policy.step,
                                          "metrics": {k: float(v) for k, v in metrics.items()}})
         return metrics
 
+    async def report_steps(self) -> None:
+        """Report the steps taken and not reported yet, oldest first."""
+        while self.unreported:
+            await self.ctx.report(self.unreported[0])
+            self.unreported.pop(0)
+
+    async def save(self) -> None:
+        policy = self.trainer.policy
+        self.ctx.status["state"] = f"writing checkpoint step_{policy.step}"
+        path = await anyio.to_thread.run_sync(self.save_checkpoint)
+        self.ctx.status.update(state="running", checkpoint=str(path))
+
     async def train(self, tg: anyio.abc.TaskGroup) -> None:
         policy = self.trainer.policy
         await self.publish()
         while policy.step < self.cfg.total_steps:
             waited = time.monotonic()
+            self.ctx.status["state"] = "waiting for batch"
             batch = await self.next_batch()
+            self.ctx.status.update(state=f"training step {policy.step + 1}",
+                                   wait_batch_s=round(time.monotonic() - waited, 2))
             extra = {"timing_s/wait_batch": time.monotonic() - waited,
+                     "timing_s/weight_publish": self.weight_sync_s,  # of the weights this batch follows
                      **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
                      **{f"replay/{k}": v for k, v in batch.stats.items()}}
             metrics = await run_compute(self.step_and_record, batch.groups, extra,
                                         abort=self.trainer.abort)
             tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
             await self.publish()
-            await self.ctx.report(StepReport(step=policy.step, metrics=metrics))
+            await self.report_steps()
             self.ctx.status.update(step=policy.step, version=policy.version,
                                    reward=round(metrics["critic/score/mean"], 3),
                                    weights_sent=self.weights.sent)
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
-                await anyio.to_thread.run_sync(policy.save_checkpoint)
+                await self.save()
+        V = self.ctx.topology.validation
+        if V.datasets and V.every > 0:  # the last step is validated: its weights must arrive
+            self.ctx.status["state"] = "sending the last weights"
+            await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S)
 
     async def finish(self) -> None:
         """At exit, whatever ended the loop: the recording, and a checkpoint of the last step."""
         policy = self.trainer.policy
         with anyio.CancelScope(shield=True):
+            await self.report_steps()  # a step finished while the actor was being stopped
             await self.flush_recording()
             if policy.step > policy.saved_step or policy.step == self.cfg.total_steps:
-                path = await anyio.to_thread.run_sync(policy.save_checkpoint)
-                self.ctx.status["checkpoint"] = str(path)
+                await self.save()
+            await anyio.to_thread.run_sync(self.tell, RanksEnd())
 
 
 async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     topo = ctx.topology
     cfg = topo.learner
     torch.set_num_threads(cfg.threads)
-    remove_partial(ctx.run_dir)  # a checkpoint write killed half-way (kill -9) left a temp folder
-    trainer = await anyio.to_thread.run_sync(Trainer, topo, ctx.run_dir)
+    rank = Rank.from_env()
+    if rank.rank == 0:
+        remove_partial(ctx.run_dir)  # a checkpoint write killed half-way (kill -9) left a temp folder
+    ctx.status["state"] = "loading model"
+    group = await anyio.to_thread.run_sync(learner_group, topo, rank)  # every rank joins first
+    try:
+        trainer = await anyio.to_thread.run_sync(Trainer, topo, ctx.run_dir, "latest", group)
+        ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
+        if not group.leader:
+            task_status.started()
+            with anyio.CancelScope(shield=True):  # rank 0 ends the group, not a stop of ours
+                steps = await anyio.to_thread.run_sync(follow, trainer)
+            return f"rank {group.rank}: trained {steps} steps"
+        return await lead(ctx, trainer, task_status)
+    finally:
+        group.close()
+
+
+async def lead(ctx: ActorContext, trainer: Trainer, task_status) -> str:
+    """Rank 0 (the whole learner when it has one rank)."""
+    topo, cfg = ctx.topology, ctx.topology.learner
     weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8,
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
@@ -140,3 +218,27 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
             await learner.finish()
             weights.close()
     return f"trained {trainer.policy.step} steps"
+
+
+def follow(trainer: Trainer) -> int:
+    """A rank other than 0: run the collectives rank 0 announces until it ends the group."""
+    codec: Codec[ToLearnerRanks] = Codec(ToLearnerRanks)
+    group, policy = trainer.group, trainer.policy
+    while True:
+        match codec.decode(group.broadcast_bytes(None)):
+            case RanksStep(groups=groups):
+                try:
+                    trainer.train_step(groups)
+                except Aborted:  # rank 0 is stopping: a checkpoint and the end come next
+                    pass
+            case RanksPublish(dtype=dtype):
+                policy.snapshot(getattr(torch, dtype))
+            case RanksSave():
+                policy.save_checkpoint()
+            case RanksEnd():
+                return policy.step
+
+
+def weights_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
+    """``learner.weights_dtype``: auto sends what the learner computes in."""
+    return compute if setting == "auto" else getattr(torch, setting)

@@ -5,6 +5,7 @@ Everything here composes ``kernels/`` functions; the only state is the models pa
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from kernels.losses import aggregate, policy_loss, value_loss
 from kernels.rollout_corr import rollout_correction
 from kernels.rollout_options import RejectionRule, parse_rs_preset
 
+FORWARD = "flowrl_response_logprobs"  # the method a sharded model computes log-probs with
+
 
 def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
                       with_entropy: bool = False, with_sum_pi_squared: bool = False):
@@ -26,18 +29,15 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
 
     Hidden states are gathered at response positions before the LM head (the prompt is most of
     each sequence here), and ``kernels.lm_head_logprobs`` walks them in chunks so no float32
-    (tokens, V) logits exist at once (a fused Triton kernel on CUDA).
+    (tokens, V) logits exist at once (a fused Triton kernel on CUDA). A model sharded with FSDP
+    runs this as one of its forward methods (``attach_forward``), so its parameters are gathered
+    for it and its gradients reduced after it.
     """
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
-    hidden = core.base_model(input_ids=batch.input_ids,
-                             attention_mask=batch.attention_mask).last_hidden_state
     at = batch.response_mask.bool()  # (N, W-1)
-    head = core.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
-    out = lm_head_logprobs(hidden[:, :-1][at], head.weight, batch.input_ids[:, 1:][at],
-                           temperature=temperature, with_entropy=with_entropy,
-                           with_sum_pi_squared=with_sum_pi_squared)  # (R,) each
+    forward = getattr(model, FORWARD, None)
+    args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
+            with_sum_pi_squared)
+    out = forward(*args) if forward is not None else _forward(model, *args)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
         return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
@@ -45,6 +45,28 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     if isinstance(out, torch.Tensor):
         return scatter(out)
     return tuple(scatter(t) for t in out)
+
+
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: torch.Tensor,
+             temperature: float, with_entropy: bool, with_sum_pi_squared: bool):
+    """The values at the response positions ``at`` (N, W-1), each (R,)."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
+    hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    head = core.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
+    return lm_head_logprobs(hidden[:, :-1][at], head.weight, input_ids[:, 1:][at],
+                            temperature=temperature, with_entropy=with_entropy,
+                            with_sum_pi_squared=with_sum_pi_squared)  # (R,) each
+
+
+def attach_forward(model) -> None:
+    """Make ``response_logprobs`` a forward method of an FSDP-sharded ``model``: FSDP gathers
+    the root's parameters (embeddings, final norm, LM head) around it, as around ``forward``."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, FORWARD, types.MethodType(_forward, model))
+    register_fsdp_forward_method(model, FORWARD)
 
 
 @dataclass

@@ -17,17 +17,21 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
-from actors.learner.objective import response_logprobs
+from actors.learner.distributed import Group
+from actors.learner.objective import attach_forward, response_logprobs
 from actors.runtime.config import Topology
+from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.ranks import Rank
 from actors.runtime.rundir import (
     PARTIAL_PREFIX,
     STATE_FILE,
     checkpoint_dir,
-    checkpoints,
     latest_checkpoint,
+    prune_checkpoints,
     read_state,
 )
 from kernels.kl import AdaptiveKLController, FixedKLController
@@ -48,22 +52,32 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
 
 
 class Policy:
-    """The policy, reference and critic models with their optimizers, on one device.
+    """The policy, reference and critic models with their optimizers, on one device, or sharded
+    over the learner's ranks (``group``: FSDP2, ``actors/learner/distributed.py``).
 
     ``checkpoint`` says where the state comes from: ``"latest"`` (the run directory's newest
     checkpoint when ``learner.resume`` is set, else the base model), a given ``step_N``
     directory, or ``None`` (the base model with a fresh optimizer: the state before step 1).
-    Only ``save_checkpoint`` writes into ``run_dir``.
+    Only ``save_checkpoint`` writes into ``run_dir``. Without ``group``, a lone rank on
+    ``learner.device`` (in a process group of its own when its compute dtype needs FSDP's mixed
+    precision). With a group, every method below that touches the models is a collective.
     """
 
     def __init__(self, topology: Topology, run_dir: Path,
-                 checkpoint: Path | Literal["latest"] | None = "latest") -> None:
+                 checkpoint: Path | Literal["latest"] | None = "latest",
+                 group: Group | None = None) -> None:
         self.topo, self.cfg, self.algo = topology, topology.learner, topology.algorithm
         self.run_dir = run_dir
         torch.manual_seed(topology.run.seed)
         base = Path(topology.model.path)
-        self.dtype = getattr(torch, topology.model.dtype)
-        self.device = torch.device("cpu")  # every model and batch tensor of the step lives here
+        self.dtype = getattr(torch, topology.model.dtype)  # parameters and optimizer state
+        if group is None:
+            group = learner_group(topology)
+        self.group = group
+        self.device = group.device  # every model and batch tensor of the step lives here
+        self.compute_dtype = compute_dtype(topology, self.device)  # forward and backward
+        # sharded models keep their gathered parameters until backward (distributed.py)
+        self.keep_gathered = distributed.keep_gathered(self.cfg.reshard_after_forward, self.device)
         self.step = 0
         state: dict = {}
         if checkpoint == "latest":
@@ -78,7 +92,7 @@ class Policy:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
-        self.model = self._load_policy(base, ckpt).to(self.device)
+        self.model = self._load(lambda: self._load_policy(base, ckpt), ckpt or base)
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.config.use_cache = False
@@ -92,14 +106,17 @@ class Policy:
         # the reference policy is the initial model; with LoRA it is the base without adapters
         self.ref = None
         if (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0:
-            self.ref = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype).to(
-                self.device).eval()
+            self.ref = self._load(lambda: AutoModelForCausalLM.from_pretrained(
+                base, dtype=self.dtype), base).eval()
             self.ref.requires_grad_(False)
         self.critic = self.critic_optimizer = None
         if self.algo.adv_estimator == "gae":
             from actors.learner.critic import ValueModel
             source = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else base
-            self.critic = ValueModel(source, self.dtype).to(self.device)
+            self.critic = distributed.load(
+                self.group, lambda: ValueModel(source, self.dtype),
+                lambda: ValueModel(source, self.dtype, weights=False),
+                compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
                                                       betas=self.cfg.betas)
         k = self.algo.kl_ctrl
@@ -108,8 +125,23 @@ class Policy:
         if ckpt is not None:
             self._load_training_state(ckpt, state)
         self.saved_step = self.step
+        # the temp folder a checkpoint is written into is named by rank 0's pid on every rank
+        self.writer = int(self.group.sum_floats([os.getpid() if self.group.leader else 0])[0])
 
     # -- models ---------------------------------------------------------------------------------
+
+    def _load(self, full, source: Path):
+        """A causal LM on this policy's device or shards (``distributed.load``), with
+        ``response_logprobs`` as one of its forward methods when sharded."""
+        def empty():
+            config = AutoConfig.from_pretrained(source)
+            return AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+
+        model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
+                                 params=self.dtype, keep=self.keep_gathered)
+        if distributed.is_sharded(model):
+            attach_forward(model)
+        return model
 
     def _load_policy(self, base: Path, ckpt: Path | None):
         lora = self.cfg.lora
@@ -124,11 +156,22 @@ class Policy:
                                                 target_modules=list(lora.target_modules)))
 
     def _load_training_state(self, ckpt: Path, state: dict) -> None:
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt"))
+        self._load_optimizer(ckpt, "optimizer", self.model, self.optimizer)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
-        if self.critic_optimizer is not None and (ckpt / "critic_optimizer.pt").is_file():
-            self.critic_optimizer.load_state_dict(torch.load(ckpt / "critic_optimizer.pt"))
+        if self.critic_optimizer is not None:
+            self._load_optimizer(ckpt, "critic_optimizer", self.critic, self.critic_optimizer)
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+
+    def _load_optimizer(self, ckpt: Path, name: str, model, optimizer) -> None:
+        """The sharded state (``NAME/``, any number of ranks), or the one-file state of
+        checkpoints written before the learner had ranks (``NAME.pt``, one rank only)."""
+        if (ckpt / name).is_dir():
+            distributed.load_optimizer(ckpt / name, model, optimizer, self.group)
+        elif (ckpt / f"{name}.pt").is_file():
+            if self.group.distributed:
+                raise ValueError(f"{ckpt / name}.pt was written by a one-rank learner of an "
+                                 "older version: resume it with learner.nproc_per_node = 1")
+            optimizer.load_state_dict(torch.load(ckpt / f"{name}.pt"))
 
     @property
     def version(self) -> int:
@@ -144,10 +187,15 @@ class Policy:
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
-    def snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of every policy parameter (tied ones once), LoRA merged, in the base names."""
+    def snapshot(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+        """A CPU copy of every policy parameter (tied ones once), LoRA merged, in the base names,
+        in ``dtype`` (default: as trained). Sharded, it is a collective: the parameters are
+        gathered one at a time (a device holds one whole parameter beyond its shards) and only
+        rank 0 gets the list (the others an empty one)."""
         if self.cfg.lora.rank == 0:
-            return [(name, p.detach().clone()) for name, p in self.model.named_parameters()]
+            return [(name, value.to("cpu", dtype or value.dtype, copy=True))
+                    for name, value in distributed.full_parameters(self.model, self.group)
+                    if value is not None]
         from peft.tuners.lora import LoraLayer
         merged = {}
         core = self.model.get_base_model()
@@ -161,17 +209,29 @@ class Policy:
                 if "lora_" in name:
                     continue
                 clean = name.replace(".base_layer", "")
-                out.append((clean, merged.get(clean, p).detach().clone()))
+                value = merged.get(clean, p).detach()
+                out.append((clean, value.to("cpu", dtype or value.dtype, copy=True)))
         return out
 
     def save_checkpoint(self) -> Path:
-        """Write an HF-format checkpoint atomically (temp dir, then rename); prune old ones."""
+        """Write an HF-format checkpoint atomically (temp dir, then rename); then remove the ones
+        older than the ``keep_checkpoints`` newest (the final one is always kept).
+
+        The weights are gathered whole to rank 0, which writes them as ``from_pretrained`` (and
+        vLLM) load them; the optimizer state is written sharded by every rank
+        (``optimizer/``, torch.distributed.checkpoint), and loads with any number of ranks. A
+        collective when sharded (the folder must be on a filesystem every rank sees)."""
         final = checkpoint_dir(self.run_dir, self.step)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{self.writer}"
+        lead = self.group.leader
+        if lead:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self.group.barrier()
         if self.cfg.lora.rank == 0:
-            self.model.save_pretrained(tmp)
+            _save_pretrained(self.model, tmp, distributed.full_state_dict(self.model, self.group),
+                             lead)
         else:  # the merged model (loadable with from_pretrained) plus the adapter to resume from
             core = self.model.get_base_model()
             fresh = AutoModelForCausalLM.from_config(core.config, dtype=self.dtype)
@@ -179,19 +239,56 @@ class Policy:
             fresh.tie_weights()
             fresh.save_pretrained(tmp)
             self.model.save_pretrained(tmp / "adapter")
-        self.tokenizer.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+        distributed.save_optimizer(tmp / "optimizer", self.model, self.optimizer, self.group)
         if self.critic is not None:
-            (tmp / "critic").mkdir()
-            self.critic.save(tmp / "critic")
-            torch.save(self.critic_optimizer.state_dict(), tmp / "critic_optimizer.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({"step": self.step, "version": self.version,
-                                                  "kl_coef": self.kl_ctrl.value}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+            state = distributed.full_state_dict(self.critic, self.group)
+            if lead:
+                (tmp / "critic").mkdir()
+                self.critic.save(tmp / "critic", state)
+            distributed.save_optimizer(tmp / "critic_optimizer", self.critic,
+                                       self.critic_optimizer, self.group)
+        if lead:
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / STATE_FILE).write_text(json.dumps({
+                "step": self.step, "version": self.version, "kl_coef": self.kl_ctrl.value,
+                "ranks": self.group.world}))
+        self.group.barrier()  # every rank's shards are in tmp
+        if lead:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.cfg.total_steps)
+        self.group.barrier()  # no rank goes on before the checkpoint exists
         self.saved_step = self.step
-        for _, stale in checkpoints(self.run_dir)[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(stale, ignore_errors=True)
         return final
+
+
+def _save_pretrained(model, path: Path, state: dict[str, torch.Tensor], lead: bool) -> None:
+    """``save_pretrained`` of a (maybe sharded) model from its whole ``state`` (on rank 0)."""
+    if not lead:
+        return
+    model.save_pretrained(path, state_dict=state)
+    if distributed.is_sharded(model):  # FSDP's class is FSDP<Model>: name the model's own
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = [distributed.unwrapped_class(model).__name__]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
+    """This process's place among the learner's ranks (default: a learner of its own): joined
+    to the group when there are several ranks, or when one needs FSDP's mixed precision (a
+    process group of one); otherwise a lone rank with no process group."""
+    rank = rank or Rank.from_env({})
+    device = resolve_device(topology.learner.device, rank.local_rank)
+    mixed = compute_dtype(topology, device) != getattr(torch, topology.model.dtype)
+    if rank.world_size == 1 and not mixed:
+        return Group.lone(device)
+    return Group.join(rank, device, timeout_s=topology.learner.collective_timeout_s)
+
+
+def compute_dtype(topology: Topology, device: torch.device) -> torch.dtype:
+    """``learner.dtype`` on ``device``; LoRA computes in model.dtype (no master copies)."""
+    if topology.learner.lora.rank > 0:
+        return getattr(torch, topology.model.dtype)
+    return resolve_dtype(topology.learner.dtype, device, topology.model.dtype)

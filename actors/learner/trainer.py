@@ -20,6 +20,15 @@ The correction (IS weights, rejection, ``rollout_corr/`` metrics) is verl's pipe
 ``rollout_corr/`` metrics compare μ with π_old (decoupled) or, in bypass mode, with the policy of
 the first epoch's forward passes.
 
+With several ranks (``actors/learner/distributed.py``) every rank builds the whole batch and
+computes what is batch-wide on its share of the rows (the no-grad passes); the per-token results
+are summed over ranks (each row is filled by one rank, zeros elsewhere), so advantages and the
+correction are computed on the whole batch by every rank, exactly as by one. Each mini-batch is
+split into equal contiguous parts of whole groups, one per rank; losses are divided by the
+mini-batch's global token and sequence counts (every rank holds the whole batch's masks, so they
+need no all-reduce), and FSDP sums the gradients over ranks: every ``loss_agg_mode`` is exact.
+The abort check is a collective too, so all ranks abandon a step at the same micro-batch.
+
 The optimal token baselines need π_old's ``sum_pi_squared`` (the sum over the vocabulary of π²
 per token), computed in the same no-grad pass as the proximal log-probs; gdpo reads its reward
 components from each sample's ``reward_extra`` (the scorer's result dict).
@@ -40,6 +49,7 @@ from typing import Literal
 import torch
 
 from actors.learner.batch import RolloutBatch, build_batch, reward_components
+from actors.learner.distributed import Group, sync_gradients
 from actors.learner.objective import (
     Correction,
     correction,
@@ -86,9 +96,11 @@ class Trainer:
     """
 
     def __init__(self, topology: Topology, run_dir: Path,
-                 checkpoint: Path | Literal["latest"] | None = "latest") -> None:
+                 checkpoint: Path | Literal["latest"] | None = "latest",
+                 group: Group | None = None) -> None:
         self.topo, self.cfg, self.algo = topology, topology.learner, topology.algorithm
-        self.policy = Policy(topology, run_dir, checkpoint)
+        self.policy = Policy(topology, run_dir, checkpoint, group)
+        self.group = self.policy.group
         self.abort = threading.Event()
         self._updated = False  # this step has taken an optimizer update (it can no longer abort)
 
@@ -96,10 +108,17 @@ class Trainer:
         size = self.cfg.micro_batch_size
         return [slice(i, min(i + size, hi)) for i in range(lo, hi, size)]
 
+    def _share(self, lo: int, hi: int) -> tuple[int, int]:
+        """This rank's rows of rows ``[lo, hi)``: equal contiguous parts, one per rank (the
+        config check makes them whole groups), so every rank runs as many micro-batches."""
+        part = (hi - lo) // self.group.world
+        return lo + self.group.rank * part, lo + (self.group.rank + 1) * part
+
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so
-        # a stop's checkpoint of step k is exactly the state after step k (offline replay)
-        if self.abort.is_set() and not self._updated:
+        # a stop's checkpoint of step k is exactly the state after step k (offline replay);
+        # with ranks, rank 0's stop is every rank's (they decide at the same check)
+        if not self._updated and self.group.any(self.abort.is_set()):
             self.policy.optimizer.zero_grad(set_to_none=True)
             raise Aborted
 
@@ -143,7 +162,7 @@ class Trainer:
         ref = torch.zeros_like(mask) if need_ref else None
         values = torch.zeros_like(mask) if self.policy.critic is not None else None
         with torch.no_grad():
-            for s in self._micro_slices(0, N):
+            for s in self._micro_slices(*self._share(0, N)):
                 self._check_abort()
                 mb = batch.rows(s)
                 w = mb.response_mask.shape[1]
@@ -156,6 +175,9 @@ class Trainer:
                     ref[s, :w] = self.policy.reference_logprobs(mb, temp)
                 if values is not None:
                     values[s, :w] = self.policy.critic(mb.input_ids, mb.attention_mask) * mb.response_mask
+        for shared in (old if need_old or otb else None, sum_pi_sq, ref, values):
+            if shared is not None:
+                self.group.sum_(shared)  # each row from the rank that computed it
 
         metrics: dict[str, float] = {}
         rewards = batch.token_rewards
@@ -196,8 +218,12 @@ class Trainer:
                 keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
                 token_count = float(keep_mb.sum())
                 self.policy.optimizer.zero_grad(set_to_none=True)
-                for s in self._micro_slices(lo, hi):
+                micro = self._micro_slices(*self._share(lo, hi))
+                for s in micro:
                     self._check_abort()
+                    for module in (self.policy.model, self.policy.critic):
+                        if self.policy.keep_gathered:
+                            sync_gradients(module, last=s is micro[-1])
                     mb = batch.rows(s)
                     w = mb.response_mask.shape[1]
                     lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)
@@ -229,7 +255,7 @@ class Trainer:
                         for k, v in vm.items():
                             critic_sums[k] = critic_sums.get(k, 0.0) + v * n_tok
                 self._check_abort()
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
+                grad_norms.append(_total(torch.nn.utils.clip_grad_norm_(
                     [p for p in self.policy.model.parameters() if p.requires_grad], cfg.max_grad_norm)))
                 self.policy.optimizer.step()
                 self._updated = True
@@ -243,7 +269,12 @@ class Trainer:
         if algo.use_kl_in_reward:  # after the step: an abandoned step leaves β as it was
             self.policy.kl_ctrl.update(seq_kl, N)
 
-        metrics.update({k: v / max(tokens_seen, 1.0) for k, v in {**sums, **critic_sums}.items()})
+        summed = {**sums, **critic_sums}
+        names = list(summed)  # the same on every rank: the same code ran on each
+        tokens_seen, *values_summed = self.group.sum_floats([tokens_seen, *(summed[k] for k in names)])
+        metrics.update({k: v / max(tokens_seen, 1.0) for k, v in zip(names, values_summed, strict=True)})
+        self.group.sum_(old_seen)  # each row from the rank that trained on it
+        self.group.sum_(current)
         probe, final, weights = self._final_correction(batch, old_seen, current)
         metrics.update(final.metrics)
         metrics.update(weight_metrics(probe, batch.behaviour_logprobs, final.keep, weights))
@@ -317,6 +348,12 @@ def token_staleness(trained_at: int, batch, mask: torch.Tensor) -> dict[str, flo
     spans = (newest > oldest) & on.any(1)
     out["rollout/multi_version_share"] = float(spans.float().mean())
     return out
+
+
+def _total(norm: torch.Tensor) -> float:
+    """A gradient norm as a float (with sharded parameters, a replicated DTensor)."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def _rows(corr: Correction, s: slice, width: int) -> Correction:

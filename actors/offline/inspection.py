@@ -3,9 +3,11 @@
 Prints a summary table (steps, wall time, reward and response length first/last, groups
 trained and dropped by reason, reward errors), the best and worst samples of one step (default
 the last), the staleness histogram of every trained sample (learner version at its step minus
-the policy version that generated it), and writes PNG plots over steps (reward, response
-length, KL, entropy, importance weights) with matplotlib's Agg backend, to ``RUN_DIR/plots`` by
-default: the one thing it writes.
+the policy version that generated it), the validations (``val-core`` metrics per data source,
+first and last), and writes PNG plots over steps (reward, response length, KL, entropy,
+importance weights, and the validation curve: ``mean@N``, ``maj@N`` and ``best@N`` of each
+data source with the training reward beside them) with matplotlib's Agg backend, to
+``RUN_DIR/plots`` by default: the one thing it writes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from actors.offline.recorded import OfflineError, RecordedRun, excerpt, open_run, span
-from actors.runtime.recording import read_table
+from actors.runtime.recording import last_by, read_table
 from actors.runtime.versions import staleness
 from messages.rollout import Turn
 
@@ -54,8 +56,10 @@ def inspect_run(run_dir: str | Path, *, step: int | None = None, plots: str | No
     _summary(run, out)
     _samples(run, step, top, out)
     _staleness(run, out)
+    validations = recorded_validations(run.run_dir)
+    _validations(validations, out)
     folder = Path(plots) if plots else run.run_dir / "plots"
-    written = write_plots(run, folder)
+    written = write_plots(run, folder) + [plot_validation(run, validations, folder)]
     print(f"\nplots: {', '.join(str(p) for p in written)}", file=out)
     return 0
 
@@ -180,6 +184,68 @@ def _staleness(run: RecordedRun, out: TextIO) -> None:
         share = counts[lag] / total
         print(f"  {lag:>3}  {counts[lag]:>7}  {100 * share:5.1f}%  {'#' * round(40 * share)}",
               file=out)
+
+
+def recorded_validations(run_dir: Path) -> dict[int, dict[str, float]]:
+    """``step -> metrics`` of every recorded validation (the last record of a step wins)."""
+    rows = last_by(read_table(run_dir, "validation_metrics"), "step")
+    return {step: dict(row["metrics"]) for step, row in sorted(rows.items())}
+
+
+def core_series(validations: dict[int, dict[str, float]]) -> dict[str, dict[str, list]]:
+    """``{"src mean@N": {"steps": [...], "values": [...]}, ...}``: the ``val-core`` reward
+    metrics (mean@N, maj@N/mean, best@N/mean) of each data source over the validations."""
+    out: dict[str, dict[str, list]] = {}
+    for step, metrics in validations.items():
+        for key, value in metrics.items():
+            parts = key.split("/", 3)
+            if parts[0] == "val-core" and len(parts) == 4 and not key.endswith("/std"):
+                label = f"{parts[1]} {parts[3].removesuffix('/mean')}"
+                series = out.setdefault(label, {"steps": [], "values": []})
+                series["steps"].append(step)
+                series["values"].append(value)
+    return out
+
+
+def _validations(validations: dict[int, dict[str, float]], out: TextIO) -> None:
+    print(f"\n=== validations: {len(validations)} (steps {span(sorted(validations))})", file=out)
+    for label, series in sorted(core_series(validations).items()):
+        first, last = series["values"][0], series["values"][-1]
+        print(f"  {label:<40} step {series['steps'][0]:>4}: {first:.3f}   "
+              f"step {series['steps'][-1]:>4}: {last:.3f}", file=out)
+
+
+def plot_validation(run: RecordedRun, validations: dict[int, dict[str, float]],
+                    folder: Path) -> Path:
+    """``validation.png``: the validation curve of each data source, the training reward
+    (the mean over each step's batch) beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, series in sorted(core_series(validations).items()):
+        style = "-" if " mean@" in label else "--" if " best@" in label else ":"
+        ax.plot(series["steps"], series["values"], style, marker="o", label=f"val {label}")
+    xs = [s for s in run.steps if "critic/score/mean" in run.metrics.get(s, {})]
+    if xs:
+        ax.plot(xs, [run.metrics[s]["critic/score/mean"] for s in xs], color="grey", alpha=0.5,
+                label="training reward (batch mean)")
+    if not validations:
+        ax.text(0.5, 0.5, "no validation in this run", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.legend(fontsize=8)
+    ax.set(title="Validation", xlabel="step", ylabel="score")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = folder / "validation.png"
+    tmp = folder / ".validation.png.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 def write_plots(run: RecordedRun, folder: Path) -> list[Path]:

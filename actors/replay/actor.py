@@ -5,12 +5,19 @@ learner asks for the batch of each step (``BatchRequest``) and announces new ver
 the buffer cannot serve yet is held, not refused: one waiting request per peer, answered when
 admission or a full batch allows (the backpressure of the whole system). The decisions are
 ``ReplayState``'s; this module is the socket, the recording and the order of the two.
+
+Validation (``actors/validation/``): when the learner's version reaches a step that is due, the
+round's prompts go to samplers asking for prompts before any training prompt; their groups
+come back as ``ValidationDone``; a complete round is summarised (on a worker thread), recorded
+(``validation``, ``validation_metrics``) and reported to the runner (``ValidationReport``).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import zmq
@@ -19,24 +26,30 @@ from actors.data.chat import prompt_token_counter
 from actors.data.sources import make_task
 from actors.replay.state import ReplayState
 from actors.runtime.actor import ActorContext
-from actors.runtime.recording import Recorder
+from actors.runtime.recording import Recorder, read_table
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from actors.validation.metrics import ScoredPrompt, validation_metrics
+from actors.validation.prompts import validation_prompts, validation_sampling
+from actors.validation.rounds import Round, ValidationRounds
 from messages.codec import Codec, DecodeError, encode
-from messages.control import ErrorReply
+from messages.control import ErrorReply, ValidationReport
 from messages.rollout import (
     BatchRequest,
     GroupsDone,
     PromptBatch,
     PromptRequest,
     SamplerAlive,
+    SamplingParams,
     ToReplay,
     TrainBatch,
+    ValidationDone,
     VersionUpdate,
 )
 
 # the table order is the write-ahead order a resume relies on: a flush writes prompts, then
 # the groups of those prompts, then the fates of those groups (see actors/replay/resume.py)
 WAL_ORDER = ("prompts", "groups", "fates")
+VALIDATION_TABLES = ("validation", "validation_metrics")
 
 
 def make_state(ctx: ActorContext) -> ReplayState:
@@ -59,13 +72,38 @@ def make_state(ctx: ActorContext) -> ReplayState:
     )
 
 
+def make_rounds(ctx: ActorContext) -> ValidationRounds:
+    """The validation rounds a topology asks for (no prompts: none), knowing the rounds a
+    resumed run recorded already."""
+    topo = ctx.topology
+    V = topo.validation
+    rounds = ValidationRounds(validation_prompts(topo), V.every, V.before_training,
+                              topo.learner.total_steps)
+    if topo.learner.resume and rounds.prompts:
+        rounds.recorded = set(read_table(ctx.run_dir, "validation_metrics", ["step"])
+                              ["step"].to_pylist())
+    return rounds
+
+
+@dataclass(frozen=True)
+class ValidationSetup:
+    sampling: SamplingParams
+    n: int
+    pass_threshold: float
+
+
 class ReplayServer:
     """Answers the socket's requests from ``state`` and records what the state decided."""
 
-    def __init__(self, state: ReplayState, sock: AsyncSocket, recorder: Recorder) -> None:
+    def __init__(self, state: ReplayState, sock: AsyncSocket, recorder: Recorder,
+                 rounds: ValidationRounds | None = None, setup: ValidationSetup | None = None,
+                 ctx: ActorContext | None = None) -> None:
         self.state = state
         self.sock = sock
         self.recorder = recorder
+        self.rounds = rounds
+        self.setup = setup
+        self.ctx = ctx
         self.codec: Codec[ToReplay] = Codec(ToReplay)
         # waiting requests: one per peer at most, since each peer waits for its answer
         self.prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -104,6 +142,15 @@ class ReplayServer:
         for peer in list(self.prompt_waiters):
             if peer in self.silent:
                 continue  # its answer could be lost with it; it asks again when it is back
+            if self.rounds is not None and self.setup is not None:  # validation goes first
+                step, prompts = self.rounds.issue(peer, self.prompt_waiters[peer],
+                                                  time.monotonic())
+                if prompts:
+                    del self.prompt_waiters[peer]
+                    await self.sock.send_multipart([peer, encode(PromptBatch(
+                        prompts=prompts, version=step, validation=True,
+                        sampling=self.setup.sampling, n=self.setup.n))])
+                    continue
             prompts = state.issue(peer, self.prompt_waiters[peer])
             if not prompts:
                 break  # admission closed: later waiters would get nothing either
@@ -122,6 +169,8 @@ class ReplayServer:
             case PromptRequest(max_prompts=k, incarnation=inc):
                 if self.incarnations.get(peer, inc) != inc:
                     state.requeue_from(peer)  # a restarted sampler: its prompts are lost
+                    if self.rounds is not None:
+                        self.rounds.requeue_from(peer)
                 self.incarnations[peer] = inc
                 self.prompt_waiters[peer] = max(1, k)
             case GroupsDone(groups=groups):
@@ -130,10 +179,45 @@ class ReplayServer:
                 if self.recorder.enabled and not self.flushing.locked():
                     tg.start_soon(self.record, WAL_ORDER[:2])
             case BatchRequest() as req:
-                state.version = max(state.version, req.version)
+                self.new_version(req.version)
                 self.batch_waiter = (peer, req)
             case VersionUpdate(version=v):
-                state.version = max(state.version, v)
+                self.new_version(v)
+            case ValidationDone(step=step, groups=groups):
+                done = self.rounds.accept(step, groups) if self.rounds is not None else None
+                if done is not None:
+                    tg.start_soon(self.finish_round, done)
+
+    def new_version(self, version: int) -> None:
+        self.state.version = max(self.state.version, version)
+        if self.rounds is not None:
+            self.rounds.advance(self.state.version)
+
+    async def finish_round(self, r: Round) -> None:
+        """Summarise a complete validation round, record it, report it to the runner."""
+        assert self.setup is not None
+        seconds = time.monotonic() - (r.started or time.monotonic())
+        groups = [r.done[pid] for pid in sorted(r.done)]
+        scored = [ScoredPrompt(
+            g.prompt.data_source, [s.reward for s in g.samples],
+            [s.answer for s in g.samples],
+            [s.response_ids.shape[0] for s in g.samples],
+            [s.finish_reason == "length" for s in g.samples],
+            [s.reward_extra for s in g.samples]) for g in groups if not g.score_error]
+        metrics = await anyio.to_thread.run_sync(validation_metrics, scored,
+                                                 self.setup.pass_threshold)
+        metrics.update({"timing_s/validation": seconds,
+                        "timing_s/validation_generate": r.generate_s,
+                        "val-aux/score_failed": float(sum(bool(g.score_error) for g in groups))})
+        if self.recorder.enabled:
+            for g in groups:
+                self.recorder.append("validation", validation_row(r.step, g))
+            self.recorder.append("validation_metrics", {"step": r.step, "metrics": metrics,
+                                                        "seconds": seconds})
+            async with self.flushing:
+                await anyio.to_thread.run_sync(self.recorder.flush, VALIDATION_TABLES)
+        if self.ctx is not None:
+            await self.ctx.report(ValidationReport(step=r.step, metrics=metrics))
 
     async def watch_samplers(self, ctx: ActorContext, timeout_s: float) -> None:
         """Issue again the prompts of a sampler silent past ``timeout_s`` (hung, or its host cut
@@ -167,6 +251,8 @@ class ReplayServer:
                                   rejected_frames=self.codec.rejected,
                                   samplers_silent=len(self.silent),
                                   reissued_silent=self.reissued_silent)
+                if self.rounds is not None and self.rounds.prompts:
+                    ctx.status.update(self.rounds.status())
 
 
 async def replay_actor(ctx: ActorContext, *, task_status) -> None:
@@ -177,9 +263,14 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
         restored = state.restore(ctx.run_dir)
         if restored is not None:
             ctx.status.update(resumed_step=restored.step, redone=restored.redone)
+    rounds = make_rounds(ctx)
+    rounds.advance(state.version)  # the start's (or the resumed checkpoint's) round, if due
+    setup = ValidationSetup(validation_sampling(topo), topo.validation.n,
+                            topo.validation.pass_threshold)
     sock = make_socket(ctx.zmq, zmq.ROUTER, bind=topo.replay.address, curve=ctx.curve)
     sock.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sampler reclaims its name
-    server = ReplayServer(state, sock, Recorder(ctx.run_dir, WAL_ORDER, enabled=topo.run.record))
+    recorder = Recorder(ctx.run_dir, WAL_ORDER + VALIDATION_TABLES, enabled=topo.run.record)
+    server = ReplayServer(state, sock, recorder, rounds, setup, ctx)
     task_status.started()
     with sock:
         try:
@@ -187,3 +278,19 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
         finally:
             with anyio.CancelScope(shield=True):
                 await server.record()  # what was accepted since the last batch survives a stop
+
+
+def validation_row(step: int, g) -> dict[str, Any]:
+    """A ``validation`` row: one prompt's samples in the round of ``step``."""
+    return {
+        "step": step, "prompt_id": g.prompt.prompt_id, "data_source": g.prompt.data_source,
+        "prompt": "\n".join(f"{m.role}: {m.content}" for m in g.prompt.messages),
+        "ground_truth": g.prompt.ground_truth, "sampler": g.sampler,
+        "completions": [s.text for s in g.samples], "rewards": [s.reward for s in g.samples],
+        "answers": [s.answer for s in g.samples],
+        "reward_errors": [s.reward_error or g.score_error for s in g.samples],
+        "finish_reasons": [s.finish_reason for s in g.samples],
+        "response_lengths": [s.response_ids.shape[0] for s in g.samples],
+        "policy_versions": [s.policy_version for s in g.samples],
+        "generate_seconds": g.generate_seconds, "score_seconds": g.score_seconds,
+    }

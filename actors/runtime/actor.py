@@ -150,10 +150,12 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
                 await ctx.report(Finished(actor=ctx.name, detail=str(detail or "")))
                 tg.cancel_scope.cancel()
 
+            # heartbeats from the start: a long start (loading a model, starting an engine) shows
+            # its progress (the body sets ``status["state"]``) and is not taken for a dead actor
+            tg.start_soon(_heartbeats, ctx, ctx.topology.run.heartbeat_interval)
             await tg.start(body_then_finish)
             ctx.status["state"] = "running"
             await ctx.report(Ready(actor=ctx.name, pid=os.getpid()))
-            tg.start_soon(_heartbeats, ctx, ctx.topology.run.heartbeat_interval)
             task_status.started()
     finally:
         if ctx.control is not None:

@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 
 PREFIX = b"host:"
 WAIT_REPORT_S = 5.0  # seconds between "waiting for ..." lines
+MEMBER_GRACE_S = 10.0  # at the end, how long the owner repeats the outcome to a silent member
+# ZeroMQ heartbeats between the runners: a connection through a partition is declared dead and
+# made again as soon as the link is back, instead of waiting out TCP's retransmission backoff
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 4000
+
+
+def heartbeats(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
 
 
 def outcome_code(outcome: str | None) -> str:
@@ -47,6 +56,8 @@ class Owner:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.members: dict[str, float] = {}  # host -> when its runner was last heard
+        self.ended: set[str] = set()  # members that reported an outcome (they took the Stop)
+        heartbeats(job.control.socket)  # for the members' connections, all made after this
         self.lost: set[str] = set()  # remote actors reported silent
         self.last_wait_report = 0.0  # the first "waiting for" line comes at the first tick
         self.codec: Codec[Heartbeat] = Codec(Heartbeat)
@@ -74,6 +85,8 @@ class Owner:
         except DecodeError:
             return None
         state = str(beat.status.get("state", ""))
+        if state and state != "running":
+            self.ended.add(host)
         if state.startswith("failed"):
             self.job.end(f"failed: host {host}: {state.removeprefix('failed: ')}")
         return None
@@ -112,10 +125,19 @@ class Owner:
         except zmq.ZMQError:
             pass  # not connected now: it learns from the silence
 
-    def closing(self) -> None:
+    def announce(self) -> None:
         """Tell every member the job's outcome (they stop their actors and adopt it)."""
-        for host in self.members:
+        for host in set(self.members) - self.ended:
             self.send(host, Stop(reason=outcome_code(self.job.outcome)))
+
+    async def closing(self) -> None:
+        """Repeat the outcome until every member has reported taking it, for at most
+        ``MEMBER_GRACE_S`` (a member behind a link just mended reconnects first; one that stays
+        cut off stops by itself when the owner has been silent too long)."""
+        deadline = time.monotonic() + min(MEMBER_GRACE_S, self.job.topo.run.heartbeat_timeout)
+        while set(self.members) - self.ended and time.monotonic() < deadline:
+            self.announce()
+            await trio.sleep(0.5)
 
 
 class Member:
@@ -126,8 +148,10 @@ class Member:
         topo = job.topo
         self.owner = owner(topo)
         self.address = control_address(topo, self.owner)
-        self.uplink = make_socket(job.zmq, zmq.DEALER, connect=self.address,
-                                  identity=PREFIX + topo.run.host.encode(), curve=job.curve)
+        self.uplink = make_socket(job.zmq, zmq.DEALER, identity=PREFIX + topo.run.host.encode(),
+                                  curve=job.curve)
+        heartbeats(self.uplink.socket)
+        self.uplink.socket.connect(self.address)
         self.heard: float | None = None  # when the owner was last heard (None: not yet)
         self.last_beat = 0.0
         self.last_wait_report = 0.0  # the first "waiting for" line comes at the first tick
@@ -160,6 +184,7 @@ class Member:
             if isinstance(msg, Stop):
                 print(f"=== the owner host {self.owner} ended the job: {msg.reason}", flush=True)
                 self.job.end(msg.reason if msg.reason != "running" else "interrupted")
+                self.beat()  # the owner waits for this: it took the outcome
 
     def tick(self, now: float) -> None:
         job, run = self.job, self.job.topo.run

@@ -24,6 +24,10 @@ Tables (who writes them, when they are flushed):
   in the background while the next batch is fetched, before each checkpoint and at exit): the
   group ids of each step's batch, and the step's metrics.
 
+- ``validation`` and ``validation_metrics`` (replay buffer, when a validation round is complete,
+  before it is reported): each validation prompt's samples of the round of ``step`` (texts,
+  rewards, extracted answers, lengths, policy versions), and the round's metrics and wall time.
+
 The replay buffer's three tables are its write-ahead log: a resumed run rebuilds the buffer from
 them (``actors/replay/resume.py``, which says why any kill leaves them consistent).
 
@@ -78,6 +82,19 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
     "metrics": pa.schema([
         ("step", _i64), ("metrics", pa.map_(_str, _f64)), ("time", _f64), ("incarnation", _str),
+    ]),
+    "validation": pa.schema([
+        ("step", _i64), ("prompt_id", _i64), ("data_source", _str), ("prompt", _str),
+        ("ground_truth", _str), ("sampler", _str), ("completions", pa.list_(_str)),
+        ("rewards", pa.list_(_f64)), ("answers", pa.list_(_str)),
+        ("reward_errors", pa.list_(_str)), ("finish_reasons", pa.list_(_str)),
+        ("response_lengths", pa.list_(_i64)), ("policy_versions", pa.list_(_i64)),
+        ("generate_seconds", _f64), ("score_seconds", _f64), ("time", _f64),
+        ("incarnation", _str),
+    ]),
+    "validation_metrics": pa.schema([
+        ("step", _i64), ("metrics", pa.map_(_str, _f64)), ("seconds", _f64), ("time", _f64),
+        ("incarnation", _str),
     ]),
 }
 

@@ -5,13 +5,20 @@ the runner and the offline tools need it and must stay light).
 RUN_DIR/
   topology.json        the resolved topology every actor reads (replaced whole, atomically)
   metrics.jsonl        one line per learner step (every metric, verl names)
+  validation.jsonl     one line per validation (val-core/..., val-aux/...; ``step``: the policy
+                       after that many steps)
+  tensorboard/         event files (run.loggers = [..., "tensorboard"])
+  trackers.json        the wandb / mlflow run this run directory logs to (a resume continues it)
   status.jsonl         the runner's record of the job, one line per event (``started``: every
-                       actor ready; ``step``: a learner step; ``exited``: an actor died, and
-                       whether it restarts; ``stopped``: the outcome), each with every actor's
-                       last reported status
+                       actor ready; ``step``: a learner step; ``validation``: a validation
+                       reported; ``status``: every run.status_interval seconds; ``exited``: an
+                       actor died, and whether it restarts; ``stopped``: the outcome), each with
+                       every actor's last reported status
   logs/NAME.traceback  the traceback of an actor that died
+  logs/NAME.log        an actor's own output, when the runner shows its live panel
   record/TABLE/        the recording (actors/runtime/recording.py)
-  checkpoints/step_N/  Hugging Face checkpoints, each written whole (temp folder, rename)
+  checkpoints/step_N/  Hugging Face checkpoints, each written whole (temp folder, rename); the
+                       ``learner.keep_checkpoints`` newest are kept, plus the final one
 ```
 
 ``checkpoints/step_N/`` is written whole by the learner's policy: into a ``.tmp_step_N_PID``
@@ -27,8 +34,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 TOPOLOGY = "topology.json"
 METRICS = "metrics.jsonl"
+VALIDATION = "validation.jsonl"
+TENSORBOARD = "tensorboard"
+TRACKERS = "trackers.json"
 STATUS = "status.jsonl"
 LOGS = "logs"
 RECORD_DIR = "record"
@@ -78,7 +90,35 @@ def checkpoint_position(run_dir: Path) -> tuple[int, int]:
     return int(state["step"]), int(state.get("version", state["step"]))
 
 
+def prune_checkpoints(run_dir: Path, keep: int, final_step: int) -> list[Path]:
+    """Remove all but the ``keep`` newest checkpoints, not counting the final one (the
+    checkpoint of ``final_step``, the run's last step, which is always kept); returns what was
+    removed. Called after a new checkpoint is complete, so the newest one is never at risk."""
+    others = [(step, path) for step, path in checkpoints(run_dir) if step != final_step]
+    stale = [path for _, path in others[: max(0, len(others) - keep)]]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def remove_partial(run_dir: Path) -> None:
     """Drop the temp folders of checkpoint writes killed half-way: never checkpoints."""
     for half in (Path(run_dir) / CHECKPOINTS).glob(f"{PARTIAL_PREFIX}*"):
         shutil.rmtree(half, ignore_errors=True)
+
+
+def remove_stale_sockets(run_dir: Path, current: Path) -> None:
+    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
+
+    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
+    """
+    try:
+        previous = Path(msgspec.json.decode((run_dir / TOPOLOGY).read_bytes())
+                        ["run"]["socket_dir"])
+    except (OSError, msgspec.DecodeError, KeyError, TypeError):
+        return
+    if (previous == current or previous.parent != Path("/tmp")
+            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
+        return
+    if all(entry.is_socket() for entry in previous.iterdir()):
+        shutil.rmtree(previous, ignore_errors=True)

@@ -1,77 +1,66 @@
-"""The supervisor: resolve a topology, start one process per actor, watch them, stop them.
+"""The supervisor: start one process per actor, watch them, stop them.
 
-``run_job`` fills in the run directory, the model directory and every ``auto`` address, writes
-the result to ``RUN_DIR/topology.json`` (every actor reads it), starts the actors in the
-registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
-the job started once every actor is ready, prints one line per learner step and a live status
-table, records every actor's status per step in ``status.jsonl``, reports an actor that dies
-with its traceback (restarting it when its ``restart`` policy says so), and on Ctrl-C, a failure
-or the learner's completion stops every process (Stop message, then SIGTERM, then SIGKILL) and
-reaps them all. With ``[hosts]`` it starts only the actors placed on its host (``run.host``) and
-talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host other
-than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
+``Job`` (given a resolved topology by ``actors/runtime/launch.py``, which also opened the metric
+sinks of ``run.loggers``) starts the actors in the registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
+the job started once every actor is ready, writes every step's and every validation's metrics to
+the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
+actor's status in ``status.jsonl`` (per step, per validation, every ``run.status_interval``
+seconds), reports an actor that dies with its traceback (restarting it when its ``restart``
+policy says so), and on Ctrl-C, a failure or the learner's completion (and the final
+validation's) stops every process (Stop message, then SIGTERM, then SIGKILL) and reaps them all.
+It listens to the actors until the last one is reaped, so a step the learner finishes while
+stopping still reaches the sinks.
+
+A learner of several ranks is one process per rank, started torchrun-style
+(``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
+are killed at once (their collectives could only hang) and the job stops. On node k > 0 of a
+learner spread over nodes (``learner.node_rank``) the runner starts only that node's ranks, keeps
+its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
+write their checkpoint shards there), opens no metric sinks (node 0 records the job) and ends
+with them. With ``[hosts]`` the runner starts only the actors placed on its host (``run.host``)
+and talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host
+other than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import anyio
-import msgspec
 import trio
 import zmq
 
 from actors.registry import NAMES
-from actors.runtime.config import ConfigError, Topology
-from actors.runtime.config.hosts import host_of, local_actors, owner, resolve_addresses
-from actors.runtime.metrics import ConsoleSink
+from actors.runtime.config import Topology
+from actors.runtime.config.hosts import host_of, local_actors, owner
+from actors.runtime.liveview import ActorRow, View
+from actors.runtime.metrics import Metrics, Resume
 from actors.runtime.multihost import PREFIX, Member, Owner
+from actors.runtime.ranks import node_ranks, rank_label
 from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
-from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
+from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
-from messages.control import Finished, Heartbeat, Ready, StepReport, Stop, ToRunner
+from messages.control import (
+    Finished,
+    Heartbeat,
+    Ready,
+    StepReport,
+    Stop,
+    ToRunner,
+    ValidationReport,
+)
 
 STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's final checkpoint)
 TERM_GRACE_S = 10.0
+LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
+QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
-
-
-def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
-    """Fill in the run directory, the model directory and every ``auto`` address."""
-    from actors.model_store import resolve_model_path
-
-    topology = resolve_addresses(topology)  # with [hosts]: auto -> tcp://IP:PORT
-    run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
-    sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
-    Path(sockets).mkdir(parents=True, exist_ok=True)
-
-    def addr(value: str, name: str) -> str:
-        return f"ipc://{sockets}/{name}" if value == "auto" else value
-
-    model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
-    resolved = msgspec.structs.replace(
-        topology,
-        run=msgspec.structs.replace(topology.run, dir=str(run_dir), socket_dir=sockets),
-        model=msgspec.structs.replace(topology.model, path=model),
-        replay=msgspec.structs.replace(topology.replay, address=addr(topology.replay.address, "replay")),
-        router=msgspec.structs.replace(
-            topology.router, address=addr(topology.router.address, "router"),
-            worker_address=addr(topology.router.worker_address, "router-workers")),
-        learner=msgspec.structs.replace(
-            topology.learner, weights_address=addr(topology.learner.weights_address, "weights")),
-        control_address=addr(topology.control_address, "control"),
-    )
-    return resolved, run_dir
 
 
 @dataclasses.dataclass
@@ -84,51 +73,57 @@ class Proc:
     finished: bool = False
     last_seen: float = 0.0
     status: dict = dataclasses.field(default_factory=dict)
+    state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
+    shown: str = ""  # the last long-lasting state printed for it (off a terminal)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
+    rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
     host: str = ""  # with [hosts]: where it runs
     remote: bool = False  # another host's runner starts it (the owner hears it through that one)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.index}"
+        return rank_label(self.kind, self.index, self.rank)
+
+    def row(self, now: float) -> ActorRow:
+        return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
+                        self.status, now - self.state[1])
 
 
-def _shown(value: object) -> str:
-    """A status value on the console; a record (the router's per-worker figures) in one token."""
-    if isinstance(value, dict):
-        return ",".join(f"{k}:{v}" for k, v in value.items())
-    return str(value)
-
-
-def format_status(procs: dict[str, Proc], started: float) -> str:
-    lines = [f"--- status at {time.monotonic() - started:6.0f}s ---"]
-    for p in procs.values():
-        pid = p.process.pid if p.process else "-"
-        shown = {k: v for k, v in p.status.items() if k not in ("uptime_s",)}
-        state = shown.pop("state", "starting" if not p.ready else "running")
-        detail = " ".join(f"{k}={_shown(v)}" for k, v in shown.items())
-        lines.append(f"  {p.name:<10} pid={pid:<7} {state:<9} {detail}")
-    return "\n".join(lines)
+def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
+    """Whether the job ends with the validation of its last step (still to come)."""
+    V = topology.validation
+    return bool(V.datasets) and V.every > 0 and \
+        ("validation", topology.learner.total_steps) not in resume.logged
 
 
 class Job:
-    def __init__(self, topology: Topology, run_dir: Path, home: Path | None = None) -> None:
+    def __init__(self, topology: Topology, run_dir: Path, metrics: Metrics | None = None,
+                 view: View | None = None, resume: Resume | None = None,
+                 home: Path | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
-        self.home = home or run_dir  # this runner's own files (another host's: RUN_DIR/hosts/NAME)
-        here = set(local_actors(topology))  # the registry's order is the start order
+        # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
+        # owner: RUN_DIR/hosts/NAME)
+        self.home = home or run_dir
+        here = set(local_actors(topology))  # with [hosts]: this host's; without: all
         is_owner = topology.run.host == owner(topology)
         self.procs = {
             p.name: p
-            for kind in NAMES
-            for p in (Proc(kind, i, remote=(kind, i) not in here)
-                      for i in range(getattr(topology, kind).count))
+            for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
+            for p in (learner_ranks(topology, self.home) if kind == "learner" else
+                      [Proc(kind, i) for i in range(getattr(topology, kind).count)])
             if (kind, p.index) in here or is_owner  # the owner also follows the others' actors
         }
         for p in self.procs.values():
-            p.host = host_of(topology, p.name)
+            p.host = host_of(topology, p.kind, p.index)
+            p.remote = (p.kind, p.index) not in here
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
-        self.console = ConsoleSink(topology.learner.total_steps, topology.algorithm.max_staleness)
+        self.metrics = metrics or Metrics([])
+        self.view = view  # the live panel's model, on a terminal
+        self.final_validation = awaits_final_validation(topology, resume or Resume())
+        self.validated: set[int] = set()  # steps whose validation was reported
+        self.learner_done = False  # finished, the final validation still to come
         self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
         self.done = trio.Event()
         self.stopping = False
@@ -153,10 +148,26 @@ class Job:
     async def spawn(self, p: Proc) -> None:
         cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
         p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        # another host's actors read that host's runner's topology (its own control address)
-        env = {**os.environ, "FLOWRL_TOPOLOGY": str(self.home / TOPOLOGY)} \
-            if self.home != self.run_dir else None
-        p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
+        p.state = ("starting", p.last_seen)
+        # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
+        if self.home != self.run_dir:  # another host's actors read their own runner's topology
+            env["FLOWRL_TOPOLOGY"] = str(self.home / TOPOLOGY)
+        if self.view is None:  # plain lines: the actors write to the runner's own output
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
+            return
+        # under the live panel an actor's own output would tear it: it goes to logs/NAME.log
+        with (self.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
+                                                         stderr=log)
+
+    def learner_finished(self) -> None:
+        total = self.topo.learner.total_steps
+        if self.final_validation and total not in self.validated:
+            self.learner_done = True
+            self.say(f"=== waiting for the validation of step {total}")
+        else:
+            self.end("finished")
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -166,9 +177,14 @@ class Job:
             if self.stopping:
                 return
             if rc == 0 and p.finished:
-                if p.kind == "learner":
-                    self.end("finished")
+                if p.kind == "learner" and (p.rank == 0 or all(
+                        q.finished for q in self.procs.values() if q.kind == "learner")):
+                    self.learner_finished()  # rank 0, or on a node without it, the last rank
                 return
+            if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
+                for q in self.procs.values():
+                    if q.kind == "learner" and q.process is not None and q.process.returncode is None:
+                        q.process.kill()
             tb_file = traceback_file(self.run_dir, p.name)
             if tb_file.is_file():
                 tb = tb_file.read_text()
@@ -217,15 +233,24 @@ class Job:
                         self.record_status("started")
                 case Heartbeat(status=status):
                     p.status = status
+                    state = str(status.get("state", ""))
+                    if state != p.state[0]:
+                        p.state = (state, time.monotonic())
                 case StepReport() as report:
-                    self.step = report.step
-                    self.console.write(report.step, report.metrics)
+                    self.step = max(self.step, report.step)
+                    self.metrics.write("train", report.step, report.metrics)
                     self.record_status("step")
+                case ValidationReport() as report:
+                    self.validated.add(report.step)
+                    self.metrics.write("validation", report.step, report.metrics)
+                    self.record_status("validation", validation_step=report.step)
+                    if self.learner_done and report.step == self.topo.learner.total_steps:
+                        self.end("finished")
                 case Finished(detail=detail):
                     p.finished = True
-                    print(f"=== {p.name} finished: {detail}", flush=True)
+                    self.say(f"=== {p.name} finished: {detail}")
                     if p.remote and p.kind == "learner":  # its own host's runner ends there
-                        self.end("finished")
+                        self.learner_finished()
 
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
@@ -237,10 +262,18 @@ class Job:
         with (self.home / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def say(self, text: str) -> None:
+        """A line for the person watching (above the live panel on a terminal)."""
+        print(text, flush=True)
+        if self.view is not None and text.startswith("=== waiting"):
+            self.view.note = text[4:]
+
     async def watch(self) -> None:
-        """Print the status table and treat an actor silent past the timeout as dead."""
+        """Refresh the live panel (or, off a terminal, mention long waits), record the status
+        every ``run.status_interval`` seconds, and treat an actor silent past the timeout as
+        dead."""
         interval = self.topo.run.status_interval
-        last_print = time.monotonic()
+        last_record = time.monotonic()
         while True:
             await trio.sleep(1.0)
             now = time.monotonic()
@@ -250,11 +283,25 @@ class Job:
             for p in self.procs.values():
                 silent = now - p.last_seen
                 if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
-                    print(f"!!! {p.name} silent for {silent:.0f}s: killing it", flush=True)
+                    self.say(f"!!! {p.name} silent for {silent:.0f}s: killing it")
                     p.process.kill()
-            if interval > 0 and now - last_print >= interval:
-                last_print = now
-                print(format_status(self.procs, self.started), flush=True)
+            if self.view is not None:
+                self.view.actors = [p.row(now) for p in self.procs.values()]
+            else:
+                self.mention_long_waits(now)
+            if interval > 0 and now - last_record >= interval:
+                last_record = now
+                self.record_status("status")
+
+    def mention_long_waits(self, now: float) -> None:
+        """Off a terminal: one line when an actor has spent ``LONG_WAIT_S`` in a state such as
+        loading its model or writing a checkpoint."""
+        for p in self.procs.values():
+            state, since = p.state
+            if state and not state.startswith(QUIET_STATES) and now - since >= LONG_WAIT_S \
+                    and p.shown != state:
+                p.shown = state
+                self.say(f"... {p.name}: {state} ({now - since:.0f}s so far)")
 
     async def signals(self) -> None:
         """First Ctrl-C: orderly stop (final checkpoint). A second one: kill every actor now."""
@@ -265,7 +312,7 @@ class Job:
                           "Ctrl-C again to kill)", flush=True)
                     self.end("interrupted")
                     continue
-                print("=== interrupted again: killing every actor", flush=True)
+                self.say("=== interrupted again: killing every actor")
                 for p in self.procs.values():
                     if p.process is not None and p.process.returncode is None:
                         p.process.kill()
@@ -274,7 +321,7 @@ class Job:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
         self.stopping = True
         if self.owner is not None:
-            self.owner.closing()
+            self.owner.announce()
         live = [(p, p.process) for p in self.procs.values()
                 if p.process is not None and p.process.returncode is None]
         async def stop_messages() -> None:
@@ -306,9 +353,9 @@ class Job:
     async def run(self) -> int:
         async with trio.open_nursery() as outer:
             outer.start_soon(self.signals)  # stays on through shutdown
+            outer.start_soon(self.listen)  # so does this: a step taken while stopping is reported
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self.listen)
                     if self.member is not None:
                         nursery.start_soon(self.member.serve)
                     for p in self.procs.values():
@@ -322,16 +369,20 @@ class Job:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
+                    await trio.sleep(0.1)  # the last reports of the actors just reaped
                     if self.member is not None:
                         await self.member.closing()
+                    if self.owner is not None:
+                        await self.owner.closing()
+                outer.cancel_scope.cancel()
                 self.control.close()
                 if self.zap is not None:
                     self.zap.close()
                 self.zmq.destroy(linger=0)
-                outer.cancel_scope.cancel()
         self.record_status("stopped", outcome=self.outcome,
                            returncodes={p.name: p.process.returncode if p.process else None
                                         for p in self.procs.values()})
+        self.metrics.close(self.outcome or "failed")
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
             return 0
@@ -341,101 +392,11 @@ class Job:
         return 1
 
 
-def run_job(topology: Topology) -> int:
-    """Resolve ``topology``, take the run directory, start and supervise the job; its exit
-    status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
-    own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
-    if topology.hosts and not topology.run.host:
-        print(f"error: this topology places actors on hosts {', '.join(topology.hosts)}: start "
-              "one runner on each with --host NAME", file=sys.stderr)
-        return 2
-    try:
-        topology, run_dir = resolve(topology)
-    except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
-    here = topology.run.host
-    home = run_dir if here == owner(topology) else run_dir / "hosts" / here
-    home.mkdir(parents=True, exist_ok=True)
-    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
-    try:
-        # released by the kernel when this process dies, however it dies (kill -9 included)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"error: another runner is using {home}" + (f" (host {here})" if here else ""),
-              file=sys.stderr)
-        return 2
-    try:
-        _remove_stale_sockets(home, Path(topology.run.socket_dir))
-        try:
-            if home == run_dir:
-                topology = prepare_job_keys(topology, run_dir)
-            else:  # the owner's runner makes the job's keys: they must be the same everywhere
-                topology = wait_for_job_keys(topology, run_dir)
-        except ConfigError as exc:
-            print(f"error: bad topology: {exc}", file=sys.stderr)
-            return 2
-        (run_dir / LOGS).mkdir(exist_ok=True)
-        mine = {f"{kind}-{i}" for kind, i in local_actors(topology)}
-        for stale in (run_dir / LOGS).glob("*.traceback"):
-            if stale.stem in mine:  # (another host's are not this runner's to remove)
-                stale.unlink()
-        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
-        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
-        os.replace(tmp, resolved)
-        print(f"=== run directory: {run_dir}", flush=True)
-        print(f"=== model: {topology.model.path}", flush=True)
-        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
-        if here:
-            counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
-        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        try:
-            job = Job(topology, run_dir, home)
-        except zmq.ZMQError as exc:
-            print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
-                  + (f" (is a runner for host {here} already running, or is {here}'s address "
-                     "not one of this machine's?)" if here else ""), file=sys.stderr)
-            return 2
-        return anyio.run(job.run, backend="trio")
-    finally:
-        if own_sockets:
-            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
-        lock.close()
-
-
-def wait_for_job_keys(topology: Topology, run_dir: Path) -> Topology:
-    """Another host's runner: the job's keys, made by the owner's runner (a run directory shared
-    by the hosts, or ``security.keys_dir`` copied to each), waited for up to run.host_wait_s."""
-    if not topology.security.curve:
-        return topology
-    keys_dir = Path(topology.security.keys_dir or run_dir / "keys")
-    deadline = time.monotonic() + topology.run.host_wait_s
-    while True:
-        if all((keys_dir / f"{n}.key_secret").is_file() for n in ("server", "client")):
-            time.sleep(0.2)  # a key being written by the owner is whole a moment later
-            return prepare_job_keys(topology, run_dir)
-        if time.monotonic() > deadline:
-            raise ConfigError(f"security.keys_dir: no job keys in {keys_dir} after "
-                              f"run.host_wait_s: the owner host {owner(topology)}'s runner makes "
-                              "them; share the run directory or copy its keys there")
-        print(f"=== waiting for the job's keys in {keys_dir} (the owner host makes them)",
-              flush=True)
-        time.sleep(2.0)
-
-
-def _remove_stale_sockets(run_dir: Path, current: Path) -> None:
-    """Remove the socket folder a killed earlier runner of this run directory left in /tmp.
-
-    Only a folder the runner made itself (``/tmp/flowrl-*``, sockets only) and not this run's.
-    """
-    try:
-        previous = Path(msgspec.json.decode((run_dir / TOPOLOGY).read_bytes())
-                        ["run"]["socket_dir"])
-    except (OSError, msgspec.DecodeError, KeyError, TypeError):
-        return
-    if (previous == current or previous.parent != Path("/tmp")
-            or not previous.name.startswith("flowrl-") or not previous.is_dir()):
-        return
-    if all(entry.is_socket() for entry in previous.iterdir()):
-        shutil.rmtree(previous, ignore_errors=True)
+def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
+    """This node's learner processes, one per rank, each with its torchrun environment (and on
+    a node k > 0, the topology file of this node's runner)."""
+    L = topology.learner
+    own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
+    return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
+            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
+                                L.master_port)]

@@ -5,7 +5,9 @@ long-polls with ``WeightsPoll(have_version)``; the learner answers as soon as it
 version (at once for a sampler that has none). A slow sampler therefore only ever receives the
 newest weights, never a queue of stale ones. Two transports carry the tensors:
 
-- ``zmq`` (across hosts): a header frame and one zero-copy frame per tensor.
+- ``zmq`` (across hosts): one message per bucket of tensors (``learner.weights_bucket_mb``),
+  each a header frame and one zero-copy frame per tensor; the sampler assembles the version and
+  hands it to its engine whole.
 - ``shm`` (samplers on the learner's host): the learner writes each version once as a
   safetensors file in ``/dev/shm`` and the header carries only its path; every sampler maps the
   file (``SharedWeights``), and a vLLM engine loads it straight from there. One write per step
@@ -19,6 +21,7 @@ NCCL or CUDA IPC on GPUs would plug in behind ``WeightsPublisher.publish`` and
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import anyio
 import torch
+import zmq
 from safetensors import SafetensorError
 
 from actors.runtime.tensors import from_buffer, meta, raw_bytes
@@ -91,22 +95,32 @@ class WeightsPublisher:
 
     def __init__(self, sock: AsyncSocket, transport: str = "zmq") -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
+        sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.transport = transport  # "zmq" or "shm"
-        self.version = -1  # the version of ``frames``; -1 until the first publish
-        self.frames: list = []  # [header, tensor bytes...] of ``version``
+        self.version = -1  # the version of ``messages``; -1 until the first publish
+        self.messages: list[list] = []  # per bucket: [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
+        self.have: dict[bytes, int] = {}  # every poller -> the newest version it said it has
+        self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
         self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}"  # shm: this learner's files
         self.shm_files: list[Path] = []  # shm: the versions kept, oldest first
 
-    async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Make ``tensors`` the newest weights and send them to every poller waiting for them."""
+    async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
+                      bucket_bytes: int = 0) -> None:
+        """Make ``tensors`` the newest weights and send them to every poller waiting for them:
+        zmq in messages of at most ``bucket_bytes`` of tensor data each (0: one message; a
+        larger tensor travels alone), shm as one file whose path is the one message."""
         if self.transport == "shm":
             path = await anyio.to_thread.run_sync(self._write, version, tensors)
-            self.frames = [encode(WeightsHeader(version=version, tensors=[], path=str(path)))]
+            self.messages = [[encode(WeightsHeader(version=version, tensors=[], path=str(path)))]]
         else:
-            header = WeightsHeader(version=version, tensors=[meta(n, t) for n, t in tensors])
-            self.frames = [encode(header), *(raw_bytes(t) for _, t in tensors)]
+            buckets = split_buckets(tensors, bucket_bytes)
+            self.messages = [[encode(WeightsHeader(version=version,
+                                                   tensors=[meta(n, t) for n, t in b],
+                                                   bucket=i, buckets=len(buckets))),
+                              *(raw_bytes(t) for _, t in b)] for i, b in enumerate(buckets)]
         self.version = version
         await self._answer()
 
@@ -133,7 +147,13 @@ class WeightsPublisher:
         for peer, have in list(self.waiting.items()):
             if self.version > have and self.waiting.get(peer) == have:
                 del self.waiting[peer]
-                await self.sock.send_multipart([peer, *self.frames], copy=False)
+                try:
+                    for frames in self.messages:  # this version's, even if a newer one comes
+                        await self.sock.send_multipart([peer, *frames], copy=False)
+                except zmq.ZMQError as exc:
+                    if exc.errno != errno.EHOSTUNREACH:
+                        raise
+                    continue  # the sampler is gone; a restarted one polls again
                 self.sent += 1
 
     async def serve(self) -> None:
@@ -148,8 +168,21 @@ class WeightsPublisher:
                 continue
             if isinstance(poll, WeightsPoll):
                 self.waiting[peer] = poll.have_version
+                self.have[peer] = poll.have_version
+                self._polled.set()
+                self._polled = anyio.Event()
                 if self.version >= 0:
                     await self._answer()
+
+    async def wait_received(self, timeout_s: float) -> bool:
+        """Wait until every sampler that ever polled has the newest weights (a subscriber polls
+        again as soon as it receives a version), at most ``timeout_s`` (a dead one never will);
+        True when all have them. Run ``serve`` beside it."""
+        with anyio.move_on_after(timeout_s):
+            while any(v < self.version for v in self.have.values()):
+                await self._polled.wait()
+            return True
+        return False
 
 
 class WeightsSubscriber:
@@ -178,19 +211,27 @@ class WeightsSubscriber:
     async def serve(self) -> None:
         """Long-poll for newer weights until cancelled."""
         codec: Codec[FromLearnerWeights] = Codec(FromLearnerWeights)
+        poll = True
         while True:
-            await self.sock.send_multipart([encode(WeightsPoll(have_version=self.received))])
-            frames = await self.sock.recv_multipart(copy=False)
+            if poll:
+                await self.sock.send_multipart([encode(WeightsPoll(have_version=self.received))])
+            poll = True
+            tensors: Mapping[str, torch.Tensor]
             try:
-                header = codec.decode(frames[0].buffer)
-                if not isinstance(header, WeightsHeader) or len(frames) != len(header.tensors) + 1:
-                    raise DecodeError("weights header does not match its frames")
-                tensors: Mapping[str, torch.Tensor]
-                if header.path:
-                    tensors = await anyio.to_thread.run_sync(SharedWeights, header.path)
-                else:
-                    tensors = {m.name: from_buffer(m.dtype, m.shape, f.buffer)
-                               for m, f in zip(header.tensors, frames[1:], strict=True)}
+                header, parts = _bucket(codec, await self.sock.recv_multipart(copy=False))
+                if header.bucket != 0:  # the rest of a version given up on: not an answer
+                    poll = False
+                    continue
+                for i in range(1, header.buckets):
+                    more, part = _bucket(codec, await self.sock.recv_multipart(copy=False))
+                    if (more.version, more.bucket, more.buckets) != (header.version, i,
+                                                                     header.buckets):
+                        raise DecodeError(f"weights version {header.version}: bucket {i} of "
+                                          f"{header.buckets} expected, got {more.bucket} of "
+                                          f"version {more.version}")
+                    parts.update(part)
+                tensors = (await anyio.to_thread.run_sync(SharedWeights, header.path)
+                           if header.path else parts)
             except FileNotFoundError:  # shm: a newer version replaced it already; poll again
                 continue
             except (DecodeError, ValueError, OSError, SafetensorError) as exc:
@@ -201,3 +242,31 @@ class WeightsSubscriber:
             self.received = header.version
             self._arrived.set()
             self._arrived = anyio.Event()
+
+
+def split_buckets(tensors: list[tuple[str, torch.Tensor]], limit: int
+                  ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each (0: all in one); a
+    tensor larger than ``limit`` is a bucket of its own. Always at least one bucket."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if limit and buckets[-1] and size + n > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += n
+    return buckets
+
+
+def _bucket(codec: Codec[FromLearnerWeights], frames: list) -> tuple[WeightsHeader,
+                                                                     dict[str, torch.Tensor]]:
+    """One message of a version: its header and its tensors (read-only views of the frames)."""
+    header = codec.decode(frames[0].buffer)
+    if not isinstance(header, WeightsHeader) or len(frames) != len(header.tensors) + 1:
+        raise DecodeError("weights header does not match its frames")
+    if not 0 <= header.bucket < header.buckets:
+        raise DecodeError(f"weights bucket {header.bucket} of {header.buckets}")
+    return header, {m.name: from_buffer(m.dtype, m.shape, f.buffer)
+                    for m, f in zip(header.tensors, frames[1:], strict=True)}

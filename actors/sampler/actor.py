@@ -17,6 +17,12 @@ Weights arrive on their own task by long-poll (the weights channel), so generati
 for the learner, except for weights already published: the first prompts wait for the
 learner's initial weights, and prompts issued at version ``v`` wait for the weights of ``v``
 (they are already on the wire) rather than going stale.
+
+Validation prompts (``PromptBatch.validation``) come between training prompts: they are
+generated with the batch's own sampling parameters and ``n``, with the weights of the validated
+version (a batch engine loads newer ones at the next training batch; a continuous engine holds
+its weight loads while a validation batch generates, so it may validate a newer version when one
+arrived first: each sample records its version), and handed back as ``ValidationDone``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import zmq
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import VLLMOptions
+from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
@@ -50,6 +57,7 @@ from messages.rollout import (
     SamplerAlive,
     SamplingParams,
     ScoredGroup,
+    ValidationDone,
 )
 
 MAX_SCORING = 2  # generated batches waiting for rewards at once
@@ -70,6 +78,10 @@ class Sampler:
         self.started = time.monotonic()
         self.sync_sent = 0.0  # of the engine's weight_sync_s, what groups sent already carry
         self.multi_version = 0  # samples sent whose tokens span more than one version
+        self.val_groups = 0  # validation groups handed back
+        self.in_flight = 0  # prompts taken and not handed back yet (generating or scoring)
+        self.val_rollouts: dict[tuple[SamplingParams, int], Rollout] = {}
+        self.weights_lock = anyio.Lock()  # held while validating: no weights load meanwhile
 
     async def next_prompts(self, count: int | None = None) -> PromptBatch:
         cfg = self.ctx.topology.sampler
@@ -112,13 +124,45 @@ class Sampler:
         await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
         self.groups += len(groups)
 
-    async def score_and_send(self, generated: list[Generated]) -> None:
+    async def score_and_send(self, generated: list[Generated], rollout: Rollout | None = None,
+                             validation_step: int | None = None) -> None:
         try:
-            groups = await self.rollout.score(generated)
+            groups = await (rollout or self.rollout).score(generated)
             self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
-            await self.send(groups)
+            if validation_step is None:
+                await self.send(groups)
+            else:
+                await self.replay.send_multipart(
+                    [encode(ValidationDone(step=validation_step, groups=groups))])
+                self.val_groups += len(groups)
         finally:
+            self.in_flight -= len(generated)
             self.slots.release()
+
+    async def validate(self, batch: PromptBatch, tg: anyio.abc.TaskGroup) -> None:
+        """Generate validation prompts with the weights of the validated version, then score
+        and hand them back (the scoring runs on ``tg``)."""
+        key = (batch.sampling or self.rollout.params, batch.n or self.rollout.n)
+        if key not in self.val_rollouts:
+            self.val_rollouts[key] = Rollout(
+                self.engine, self.rollout.tokenizer, self.scoring, params=key[0], n=key[1],
+                greedy_baseline=False, sampler=self.rollout.sampler, agent=self.rollout.agent)
+        rollout = self.val_rollouts[key]
+        await self.weights_for_validation(batch.version)
+        async with self.weights_lock:
+            generated = await rollout.generate(batch.prompts)
+        self.gen_s += generated[0].generate_seconds
+        self.tokens += sum(len(c.token_ids) for g in generated for c in g.completions)
+        self.publish()
+        await self.slots.acquire()
+        tg.start_soon(self.score_and_send, generated, rollout, batch.version)
+
+    async def weights_for_validation(self, version: int) -> None:
+        """The validated version's weights (or the newest received, when the engine lacks
+        them); newer ones wait for the next training batch."""
+        await self.weights.wait_for(version)
+        if self.engine.version < version:
+            await self.apply_weights(version)
 
     def publish(self) -> None:
         s = self.scoring.statistics()
@@ -131,6 +175,7 @@ class Sampler:
             weight_sync_share=round(self.engine.weight_sync_s / wall, 4),
             multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
             scoring=self.scoring_now(), score_resent=s.resent, score_failed=s.failed,
+            val_groups=self.val_groups, in_flight=self.in_flight,
             score_late=s.late, rejected_frames=s.rejected)
         if self.rollout.agent is not None:
             self.ctx.status.update(self.rollout.agent.statistics())
@@ -149,6 +194,11 @@ class Sampler:
         await self.weights.wait_for(0)
         while True:
             batch = await self.next_prompts()
+            self.in_flight += len(batch.prompts)
+            self.publish()
+            if batch.validation:
+                await self.validate(batch, tg)
+                continue
             await self.apply_weights(batch.version)  # published before these were issued
             generated = await self.rollout.generate(batch.prompts)
             self.gen_s += generated[0].generate_seconds
@@ -181,7 +231,8 @@ class ContinuousSampler(Sampler):
             if newest is None:
                 await self.weights.wait_for(self.weights.received + 1)
                 continue
-            await self.engine.load_weights(*newest)
+            async with self.weights_lock:  # not while a validation batch generates
+                await self.engine.load_weights(*newest)
             self.weight_loads += 1
             self.loaded.set()
             self.loaded = anyio.Event()
@@ -190,6 +241,18 @@ class ContinuousSampler(Sampler):
     async def wait_for_version(self, version: int) -> None:
         while self.engine.version < version:  # prompts issued at v are generated with >= v
             await self.loaded.wait()
+
+    async def weights_for_validation(self, version: int) -> None:
+        await self.wait_for_version(version)  # loads go on as weights arrive
+
+    async def validate_here(self, batch: PromptBatch, tg: anyio.abc.TaskGroup) -> None:
+        """A validation batch beside the training prompts; its engine places are freed once it
+        is generated."""
+        try:
+            await self.validate(batch, tg)
+        finally:
+            for _ in batch.prompts:
+                self.in_engine.release()
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         await self.weights.wait_for(0)
@@ -208,8 +271,13 @@ class ContinuousSampler(Sampler):
             batch = await self.next_prompts(free)
             for _ in range(free - len(batch.prompts)):
                 self.in_engine.release()
+            self.in_flight += len(batch.prompts)
+            self.publish()
+            if batch.validation:
+                tg.start_soon(self.validate_here, batch, tg)
+                continue
             await self.wait_for_version(batch.version)
-            for prompt in batch.prompts[:free]:
+            for prompt in batch.prompts:
                 tg.start_soon(self.one_prompt, prompt)
 
     async def one_prompt(self, prompt: Prompt) -> None:
@@ -224,6 +292,7 @@ class ContinuousSampler(Sampler):
             self.rejected += 1
             self.in_engine.release()
             await self.send([self.rollout.rejected(prompt, str(exc))])
+            self.in_flight -= 1
             return
         finally:
             self.active -= 1
@@ -236,27 +305,32 @@ class ContinuousSampler(Sampler):
             groups = await self.rollout.score([generated])
             self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
             await self.send(groups)
+            self.in_flight -= 1
             self.publish()
         finally:
             self.scoring_slots.release()
 
 
 async def start_engine(ctx: ActorContext) -> Engine:
-    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded)."""
+    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded), on
+    ``sampler.device`` in ``sampler.dtype``."""
     topo = ctx.topology
     cfg = topo.sampler
     seed = topo.run.seed * 1009 + ctx.index
     model = Path(topo.model.path)
+    device = placement(cfg.device, ctx.index)
+    dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
+    ctx.status.update(device=str(device), dtype=dtype)
     if cfg.engine != "vllm":
         from actors.sampler.engines.hf import HFEngine
 
-        return await anyio.to_thread.run_sync(HFEngine, model, topo.model.dtype, seed)
+        return await anyio.to_thread.run_sync(HFEngine, model, dtype, seed, device)
     from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
 
     settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
-    return await VLLMEngine.start(model, topo.model.dtype, seed, settings)
+    return await VLLMEngine.start(model, dtype, seed, settings)
 
 
 def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
@@ -274,6 +348,11 @@ def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
     return options
 
 
+def placement(setting: str, index: int) -> torch.device:
+    """``sampler.device``: ``auto``/``cuda`` put sampler i on GPU i (modulo the GPUs there are)."""
+    return resolve_device(setting, index % max(1, torch.cuda.device_count()))
+
+
 def sampling_params(ctx: ActorContext) -> SamplingParams:
     cfg = ctx.topology.sampler
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -284,6 +363,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     topo = ctx.topology
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
+    ctx.status["state"] = "loading model"
     model = Path(topo.model.path)
     engine = await start_engine(ctx)
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)

@@ -139,7 +139,8 @@ class Rollout:
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
                           reward=reward, reward_error=r.error,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
-                          reward_extra=r.extra, turns=turns_of(c), seed=c.seed)
+                          reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
+                          answer=r.answer)
                    for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
                                                  rewards, strict=True)]
         return ScoredGroup(

@@ -75,6 +75,7 @@ class Outcome(msgspec.Struct, array_like=True, omit_defaults=True):
     text: str = ""  # a tool's result; an environment's observation
     failure: str = ""  # with an error: "raised" (an exception or a bad value), "timeout" or
     # "crash" (the child was killed or died), "" when the function loaded badly
+    answer: str = ""  # a string ``pred`` the function returned (verl's name for its answer)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -99,18 +100,22 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 def to_outcome(value: Any) -> Outcome:
-    """verl return conventions: a number, or a dict with ``score`` and numeric extras."""
+    """verl return conventions: a number, or a dict with ``score``, numeric extras and
+    optionally ``pred``, the extracted answer (a string)."""
     extra: dict[str, float] = {}
+    answer = ""
     if isinstance(value, dict):
         if "score" not in value:
             return Outcome(error=f"returned a dict without 'score' (keys: {sorted(map(str, value))[:8]})")
         extra = {str(k): float(v) for k, v in value.items()
                  if k != "score" and isinstance(v, int | float) and math.isfinite(v)}
+        if isinstance(value.get("pred"), str):
+            answer = value["pred"][:ERROR_CHARS]
         value = value["score"]
     if isinstance(value, bool | int | float) or _is_numpy_number(value):
         score = float(value)
         if math.isfinite(score):
-            return Outcome(score, extra=extra)
+            return Outcome(score, extra=extra, answer=answer)
         return Outcome(error=f"returned a non-finite score {score}")
     return Outcome(error=f"returned {type(value).__name__}, not a number")
 

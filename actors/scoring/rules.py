@@ -123,6 +123,57 @@ def calculator_score(data_source: str, solution_str: str, ground_truth: str,
     return float(correct) + (float(call_score) if called else 0.0)
 
 
+# the answers the built-ins read, for majority votes (verl's ``pred``): what each compares with
+# the ground truth; INVALID when a reply holds none (it still votes, as in verl's math_dapo)
+INVALID = "[INVALID]"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j].strip()
+    return None
+
+
+def _last_int(text: str) -> str | None:
+    found = _INT.findall(text)
+    return found[-1] if found else None
+
+
+def _tag(text: str) -> str | None:
+    tags = _ANSWER_TAG.findall(text)
+    return tags[-1].strip() if tags else None
+
+
+ANSWERS: dict[str, Callable[..., str | None]] = {
+    "gsm8k": lambda text, method="strict", **_: gsm8k_extract(text, method),
+    "math": lambda text, **_: last_boxed(text),
+    "exact_match": lambda text, **_: text.strip(),
+    "answer_tag": lambda text, **_: _tag(text),
+    "arithmetic": lambda text, **_: _last_int(text),
+    "repeat_letter": lambda text, **_: text.strip()[:1] or None,
+}
+
+
+def extract_answer(builtin: str, solution_str: str, **kwargs: Any) -> str:
+    """The answer built-in ``builtin`` reads in ``solution_str`` ("" when it reads none at all,
+    INVALID when the reply holds none)."""
+    extract = ANSWERS.get(builtin)
+    if extract is None:
+        return ""
+    found = extract(solution_str, **kwargs)
+    return INVALID if found is None or found == "" else found
+
+
 Rule = Callable[..., float]
 BUILTINS: dict[str, Rule] = {
     "gsm8k": gsm8k, "math": math, "exact_match": exact_match, "answer_tag": answer_tag,

@@ -15,13 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from actors.runtime.config import RewardConfig, RewardFunction
 from actors.sandbox.pool import ChildPool
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, run_call
 from actors.scoring.items import ScoreItem, verl_arguments
 from actors.scoring.reward_model import RewardModel
-from actors.scoring.rules import BUILTINS, DATA_SOURCES, IN_CHILD, PRELOAD, overlong_penalty
+from actors.scoring.rules import (
+    BUILTINS,
+    DATA_SOURCES,
+    IN_CHILD,
+    PRELOAD,
+    extract_answer,
+    overlong_penalty,
+)
 from messages.reward import ScoreResult
 
 
@@ -124,7 +132,8 @@ class Scoring:
             results = [self._combine([per_function[k][i] for k in range(len(self._components))])
                        for i in range(len(items))]
         else:
-            results = [ScoreResult(o.score, o.error, o.extra) for o in await self._by_source(items)]
+            results = [ScoreResult(o.score, o.error, o.extra, o.answer)
+                       for o in await self._by_source(items)]
         max_length = self.cfg.max_response_length or max_response_length
         for item, result in zip(items, results, strict=True):
             if result.error:
@@ -145,16 +154,27 @@ class Scoring:
         if errors:
             return ScoreResult(0.0, error="; ".join(errors))
         total = sum(c.weight * o.score for c, o in zip(self._components, outcomes, strict=True))
+        answer = next((o.answer for o in outcomes if o.answer), "")  # the first function's
         if len(self._components) == 1:
-            return ScoreResult(total, extra=outcomes[0].extra)
+            return ScoreResult(total, extra=outcomes[0].extra, answer=answer)
         extra: dict[str, float] = {}
         for c, o in zip(self._components, outcomes, strict=True):
             extra[c.label] = o.score
             extra.update({f"{c.label}/{k}": v for k, v in o.extra.items()})
-        return ScoreResult(total, extra=extra)
+        return ScoreResult(total, extra=extra, answer=answer)
 
     async def _run(self, spec: FunctionSpec, child_index: int,
                    items: list[ScoreItem]) -> list[Outcome]:
+        """One function over the items (a built-in's outcomes carry the answer it read)."""
+        outcomes = await self._call(spec, child_index, items)
+        if spec.module == "actors.scoring.rules":
+            outcomes = [o if o.error or o.answer else msgspec.structs.replace(
+                o, answer=extract_answer(spec.name, item.solution_str, **spec.kwargs))
+                for item, o in zip(items, outcomes, strict=True)]
+        return outcomes
+
+    async def _call(self, spec: FunctionSpec, child_index: int,
+                    items: list[ScoreItem]) -> list[Outcome]:
         """One function over the items: on a thread, or in children (one call per item, or
         one call for all when batch)."""
         if not items:

@@ -36,6 +36,8 @@ from actors.runtime.config.schema import (
     SecurityConfig,
     TaskConfig,
     Topology,
+    ValidationConfig,
+    ValidationDataset,
     VLLMOptions,
 )
 
@@ -45,5 +47,6 @@ __all__ = [
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
-    "TaskConfig", "Topology", "VLLMOptions", "apply_overrides", "decode_topology", "load_topology",
+    "TaskConfig", "Topology", "VLLMOptions", "ValidationConfig", "ValidationDataset",
+    "apply_overrides", "decode_topology", "load_topology",
 ]

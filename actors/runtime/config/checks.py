@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.hosts import check_hosts
+from actors.runtime.config.placement import check_placement
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
@@ -75,14 +77,14 @@ def check(topology: Topology) -> None:
     need(s.weight_update == "between_batches" or s.engine != "hf", "sampler.weight_update",
          "in_flight needs a continuous engine (sampler.engine = vllm): the hf engine loads "
          "weights between batches")
-    V = s.vllm
-    need(0 < V.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
+    VL = s.vllm
+    need(0 < VL.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
          "must be in (0, 1]")
-    need(V.kv_cache_memory_bytes >= 0, "sampler.vllm.kv_cache_memory_bytes", "must be >= 0")
-    need(V.tensor_parallel_size >= 1, "sampler.vllm.tensor_parallel_size", "must be >= 1")
-    need(V.max_num_seqs >= 1, "sampler.vllm.max_num_seqs", "must be >= 1")
-    need(V.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
-    need(V.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
+    need(VL.kv_cache_memory_bytes >= 0, "sampler.vllm.kv_cache_memory_bytes", "must be >= 0")
+    need(VL.tensor_parallel_size >= 1, "sampler.vllm.tensor_parallel_size", "must be >= 1")
+    need(VL.max_num_seqs >= 1, "sampler.vllm.max_num_seqs", "must be >= 1")
+    need(VL.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
+    need(VL.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
     L = topology.learner
     need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
     need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
@@ -96,6 +98,7 @@ def check(topology: Topology) -> None:
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
+    check_placement(topology, need)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
     # of the learner's checkpoint, which only holds when both start from it
     for name in ("replay", "learner"):
@@ -142,6 +145,19 @@ def check(topology: Topology) -> None:
     need(T.name in BUILTIN_TASKS, "task.name", f"{T.name!r} is not one of {', '.join(BUILTIN_TASKS)}")
     need(T.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0: no limit)")
     _check_datasets(T.datasets, need)
+    V = topology.validation
+    need(V.every >= 0, "validation.every", "must be >= 0 (0: never)")
+    need(V.n >= 1, "validation.n", "must be >= 1")
+    need(V.temperature is None or V.temperature >= 0, "validation.temperature",
+         "must be >= 0 (0: greedy)")
+    need(V.top_p is None or 0 < V.top_p <= 1, "validation.top_p", "must be in (0, 1]")
+    need(V.max_tokens is None or V.max_tokens >= 1, "validation.max_tokens", "must be >= 1")
+    need(math.isfinite(V.pass_threshold), "validation.pass_threshold", "must be finite")
+    for i, d in enumerate(V.datasets):
+        need(d.size >= 0, f"validation.datasets[{i}].size", "must be >= 0 (0: all of a file)")
+    _check_datasets(V.datasets, need, "validation.datasets")
+    loggers = topology.run.loggers
+    need(len(set(loggers)) == len(loggers), "run.loggers", "names a logger twice")
     F = a.filter_groups
     need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
          "needs algorithm.n >= 2 (a group of one always has equal rewards)")
@@ -285,15 +301,16 @@ def _dataset_columns(path: Path) -> set[str]:
         raise ConfigError(str(exc)) from None
 
 
-def _check_datasets(datasets: list[DatasetConfig], need: Any) -> None:
+def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
+                    where: str = "task.datasets") -> None:
     names: dict[str, int] = {}
     for i, d in enumerate(datasets):
-        key = f"task.datasets[{i}]"
+        key = f"{where}[{i}]"
         need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
         need(math.isfinite(d.weight) and d.weight > 0, f"{key}.weight", "must be > 0")
         name = d.name or d.builtin or Path(d.path).stem
         need(name not in names, f"{key}.name",
-             f"{name!r} is already the name of task.datasets[{names.get(name)}]; name one")
+             f"{name!r} is already the name of {where}[{names.get(name)}]; name one")
         names[name] = i
         if d.builtin:
             need(d.builtin in BUILTIN_TASKS, f"{key}.builtin",

@@ -61,11 +61,10 @@ def local_actors(topology: Topology) -> list[tuple[str, int]]:
             if not topology.hosts or h == here]
 
 
-def host_of(topology: Topology, name: str) -> str:
-    """The host of actor ``KIND-INDEX`` (empty without ``[hosts]``)."""
-    kind, _, index = name.rpartition("-")
-    hosts = placement(topology, kind) if kind in NAMES else []
-    return hosts[int(index)] if index.isdigit() and int(index) < len(hosts) else ""
+def host_of(topology: Topology, kind: str, index: int) -> str:
+    """The host of process ``index`` of ``kind`` (empty without ``[hosts]``)."""
+    hosts = placement(topology, kind)
+    return hosts[index] if index < len(hosts) else ""
 
 
 def host_ip(address: str) -> str:

@@ -80,7 +80,12 @@ def _derived(topology: Topology) -> Topology:
         s = msgspec.structs.replace(s, score_timeout_s=timeout)
     if s.engine == "auto":
         s = msgspec.structs.replace(s, engine=auto_engine())
-    return msgspec.structs.replace(topology, sampler=s)
+    v = topology.validation  # validation samples like the sampler unless told otherwise
+    v = msgspec.structs.replace(
+        v, temperature=s.temperature if v.temperature is None else v.temperature,
+        top_p=s.top_p if v.top_p is None else v.top_p,
+        max_tokens=s.max_tokens if v.max_tokens is None else v.max_tokens)
+    return msgspec.structs.replace(topology, sampler=s, validation=v)
 
 
 def auto_engine() -> str:
@@ -101,9 +106,10 @@ def _absolute_paths(topology: Topology) -> Topology:
     """Reward function files, dataset files, tool and environment files and key paths are named
     relative to where the job is started; the actors run elsewhere (and read the resolved
     topology), so the paths are made absolute here."""
-    R, T, sec = topology.reward, topology.task, topology.security
+    R, T, sec, V = topology.reward, topology.task, topology.security, topology.validation
     functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
     datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
+    val_datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in V.datasets]
     A = topology.agent
     agent = msgspec.structs.replace(
         A, tools=[msgspec.structs.replace(t, path=_absolute(t.path)) for t in A.tools],
@@ -111,6 +117,7 @@ def _absolute_paths(topology: Topology) -> Topology:
     return msgspec.structs.replace(
         topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions),
         task=msgspec.structs.replace(T, datasets=datasets),
+        validation=msgspec.structs.replace(V, datasets=val_datasets),
         security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
                                          authorized_keys=_absolute(sec.authorized_keys)))
 

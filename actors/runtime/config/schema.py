@@ -9,30 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
-
-class ActorCommon(_Section, frozen=True):
-    count: int = 1
-    """How many processes of this actor kind to start."""
-    threads: int = 1
-    """torch intra-op threads for this actor's compute (its share of the cores)."""
-    restart: Restart = "never"
-    """What the runner does when one of these processes dies: stop the job, or restart it
-    (each kind's default is its row in ``actors/registry.py``)."""
-    max_restarts: int = 3
-    """Restarts allowed per process before the job is stopped."""
-    host: str | list[str] = ""
-    """With ``[hosts]``: the host these processes run on, or one host per process (a list of
-    ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host)."""
+from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.schema_base import ActorCommon, _Section
 
 
 class RunConfig(_Section, frozen=True):
@@ -41,7 +22,8 @@ class RunConfig(_Section, frozen=True):
     seed: int = 0
     """Seed for dataset order, sampling and initialisation."""
     status_interval: float = 15.0
-    """Seconds between the runner's live status tables (0 disables them)."""
+    """Seconds between the runner's ``status`` records in status.jsonl (every actor's last
+    status; 0: none besides the per-step ones)."""
     heartbeat_interval: float = 2.0
     """Seconds between actor heartbeats to the runner."""
     heartbeat_timeout: float = 120.0
@@ -57,6 +39,17 @@ class RunConfig(_Section, frozen=True):
     runner control ports base_port+10+i for the i-th host), the same on every host."""
     host_wait_s: float = 300.0
     """With ``[hosts]``: how long a runner waits for the actors (or runner) of other hosts."""
+    loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
+        "console", "jsonl")
+    """Where every metric of every step and of every validation goes (verl ``trainer.logger``):
+    ``console`` (a live panel on a terminal, one line per step otherwise), ``jsonl``
+    (RUN_DIR/metrics.jsonl and validation.jsonl), ``tensorboard`` (RUN_DIR/tensorboard),
+    ``wandb`` (WANDB_* variables apply; ``WANDB_MODE=offline`` needs no network), ``mlflow``
+    (MLFLOW_TRACKING_URI, default a file store in RUN_DIR/mlruns)."""
+    project_name: str = "flowrl"
+    """The wandb project and the mlflow experiment (verl ``trainer.project_name``)."""
+    experiment_name: str = ""
+    """The tracker run's name (verl ``trainer.experiment_name``; default: the run directory's)."""
 
 
 class ModelConfig(_Section, frozen=True):
@@ -154,7 +147,7 @@ class VLLMOptions(_Section, frozen=True):
     rewound), and every flowrl request is seeded; on a GPU true is safe and faster."""
 
 
-class SamplerConfig(ActorCommon, frozen=True):
+class SamplerConfig(SamplerPlacement, frozen=True):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when vLLM is installed,
@@ -273,7 +266,7 @@ class ReplayConfig(ActorCommon, frozen=True):
     host is cut off) loses its prompts in flight: they are issued again (0: only on restart)."""
 
 
-class LearnerConfig(ActorCommon, frozen=True):
+class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
     weights_transport: Literal["auto", "zmq", "shm"] = "auto"
@@ -312,10 +305,39 @@ class LearnerConfig(ActorCommon, frozen=True):
     """Gradient clipping norm."""
     save_every: int = 10
     """Checkpoint every K steps (and always at the end)."""
-    keep_checkpoints: int = 2
-    """Most recent checkpoints kept on disk."""
+    keep_checkpoints: int = 3
+    """Most recent checkpoints kept on disk, besides the final one (of ``total_steps``, always
+    kept); older ``step_N`` folders are removed once a newer checkpoint is complete."""
     resume: bool = True
     """Continue from the run directory's latest checkpoint when one exists."""
+
+
+class ValidationDataset(DatasetConfig, frozen=True):
+    size: int = 0
+    """Prompts taken: the first ``size`` rows in the dataset's order (a file's seeded order with
+    ``shuffle``); 0: every row of a file, 64 prompts of a built-in task. ``weight`` is not used:
+    every prompt of every validation dataset is validated each time."""
+
+
+class ValidationConfig(_Section, frozen=True):
+    every: int = 0
+    """Validate every this many learner steps, and after the last one (0: never)."""
+    before_training: bool = True
+    """Validate the initial policy too (step 0), when ``datasets`` are set."""
+    n: int = 4
+    """Samples per prompt: the N of mean@N, best@N, pass@k (k = 1, 2, 4, ... <= N)."""
+    temperature: float | None = None
+    """Sampling temperature of validation (default: sampler.temperature)."""
+    top_p: float | None = None
+    """Nucleus mass of validation (default: sampler.top_p)."""
+    max_tokens: int | None = None
+    """Response budget of validation (default: sampler.max_tokens)."""
+    pass_threshold: float = 1.0
+    """A sample counts as correct for pass@k when its score is at least this."""
+    datasets: list[ValidationDataset] = []
+    """Validation prompts (``[[validation.datasets]]``), in the forms of ``task.datasets``: files
+    in verl's layout or built-in tasks. Each prompt's ``data_source`` names its metrics:
+    ``val-core/{data_source}/reward/mean@N``. Empty: no validation."""
 
 
 class SecurityConfig(_Section, frozen=True):
@@ -346,6 +368,7 @@ class Topology(_Section, frozen=True):
     learner: LearnerConfig = LearnerConfig()
     security: SecurityConfig = SecurityConfig()
     agent: AgentConfig = AgentConfig()
+    validation: ValidationConfig = ValidationConfig()
     hosts: dict[str, str] = {}
     """Host names -> addresses (IP or DNS name) for a job over several machines; each machine
     runs ``runner.py topology.toml --host NAME`` and starts the actors placed on NAME."""

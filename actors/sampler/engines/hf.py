@@ -40,12 +40,14 @@ class HFEngine:
 
     continuous = False
 
-    def __init__(self, model_path: Path, dtype: str, seed: int) -> None:
+    def __init__(self, model_path: Path, dtype: str, seed: int,
+                 device: torch.device | str = "cpu") -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.device = torch.device(device)  # the model, the prompts and the logits live here
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.params = dict(self.model.named_parameters())
         self.version = -1
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
@@ -73,8 +75,9 @@ class HFEngine:
         greedy = params.temperature == 0
         width = max(len(p) for p in prompts)
         pad = tok.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, max_new_tokens=params.max_tokens,
@@ -89,7 +92,8 @@ class HFEngine:
         seqs = out.sequences[:, width:]  # (B·n, R)
         logits = torch.stack(out.logits, 1)  # (B·n, R, V) raw logits of each step
         lps = token_logprobs(logits, seqs, 1.0 if greedy else params.temperature,
-                             chunk_size=1024)  # (B·n, R), the learner's quantity
+                             chunk_size=1024).cpu()  # (B·n, R), the learner's quantity
+        seqs = seqs.cpu()
         groups: list[list[Generation]] = [[] for _ in prompts]
         for row in range(seqs.shape[0]):
             length, reason = self._length(seqs[row], params.stop)
@@ -120,7 +124,10 @@ class HFEngine:
     async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         async with self.lock:
             started = time.perf_counter()
-            await anyio.to_thread.run_sync(self._copy, tensors)
+            try:
+                await anyio.to_thread.run_sync(self._copy, tensors)
+            except FileNotFoundError:  # shm: the learner's file was replaced by a newer version
+                return  # (or removed at its exit) before it was opened: the old weights stay
             self.version = version
             self.weight_sync_s += time.perf_counter() - started
 

@@ -1,0 +1,281 @@
+"""The learner's ranks as one torch.distributed group, and FSDP2 over them.
+
+``Group`` is what the policy and the trainer see of the other ranks: a lone rank (no process
+group at all: the 1-rank CPU learner is the plain model it always was) or a torch.distributed
+group (gloo on CPU, NCCL on GPU) whose ranks run the same code on the same inputs. Every method
+is a collective: every rank calls it, in the same order. Between ranks only tensors travel, and
+bytes as a uint8 tensor (length first), msgspec-encoded by the caller: no pickle, so no
+``broadcast_object_list``.
+
+Sharding (``shard``): ``fully_shard`` on each decoder layer (the model's ``_no_split_modules``)
+and on the root, so each layer's parameters are all-gathered for its forward and backward and
+freed after, and gradients are reduce-scattered as summed (not averaged) values: the trainer
+divides every loss by the global token or sequence count, so the sum over ranks is the gradient
+of one rank holding the whole batch. A ``MixedPrecisionPolicy(param_dtype=compute,
+reduce_dtype=float32)`` keeps master parameters and optimizer state in ``model.dtype``.
+Ranks other than 0 build their models on the meta device and receive rank 0's weights while
+sharding (``load``), so a node holds one full copy of the model in host memory, not one per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from actors.runtime.ranks import Rank
+
+
+class Group:
+    """This process's view of the learner's ranks (``rank 0`` leads: it alone has a batch to
+    broadcast, a step to report, weights to send)."""
+
+    def __init__(self, rank: Rank, device: torch.device, *, distributed: bool) -> None:
+        self.rank = rank.rank
+        self.world = rank.world_size
+        self.device = device  # where this rank computes, and where its collectives' tensors live
+        self.distributed = distributed  # a process group exists (world > 1, or FSDP on one rank)
+        self.mesh = None
+        if distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(device.type, (self.world,))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def lone(cls, device: torch.device | None = None) -> Group:
+        """One rank and no process group: the plain model on one device."""
+        return cls(Rank.from_env({}), device or torch.device("cpu"), distributed=False)
+
+    @classmethod
+    def join(cls, rank: Rank, device: torch.device, *, timeout_s: float = 600.0) -> Group:
+        """Join the group; returns once every rank has (the rendezvous at rank 0's store).
+
+        A single rank gets a process group of its own (a local store) so FSDP2 can hold its
+        mixed precision; several rendezvous at ``MASTER_ADDR:MASTER_PORT``."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        extra = {"device_id": device} if device.type == "cuda" else {}
+        if rank.world_size == 1:
+            if not dist.is_initialized():  # a second learner in one process (tests) shares it
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout, **extra)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://{rank.master_addr}:{rank.master_port}",
+                rank=rank.rank, world_size=rank.world_size, timeout=timeout, **extra)
+        return cls(rank, device, distributed=True)
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- collectives (no-ops for a lone rank) ---------------------------------------------------
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (others pass None): length, then the bytes."""
+        if not self.distributed:
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if self.leader and data is not None else 0],
+                            dtype=torch.int64, device=self.device)
+        dist.broadcast(size, 0)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        if self.leader:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, 0)
+        return data if self.leader and data is not None else buf.cpu().numpy().tobytes()
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (rows each rank filled alone, zeros
+        elsewhere, become the whole batch's)."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (float64)."""
+        if self.world == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any: one decision all ranks act on."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+# -- models over the group ------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks FSDP shards one by one: modules of the classes a Hugging Face model lists in
+    ``_no_split_modules`` (its decoder layer)."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def mixed_precision(compute: torch.dtype, params: torch.dtype):
+    """FSDP2's policy: compute in ``compute``, reduce gradients in float32, keep the master
+    parameters in ``params`` (None when they are the same: no casts at all)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute == params:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dtype,
+          keep: bool = False) -> None:
+    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks. ``keep``:
+    gathered parameters stay gathered from forward to backward (``keep_gathered``)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mp = mixed_precision(compute, params)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
+    fully_shard(model, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # the losses are already global means
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+
+
+def keep_gathered(setting: bool | None, device: torch.device) -> bool:
+    """``learner.reshard_after_forward`` negated, by default by device: on a CPU gathered
+    parameters stay gathered from forward to backward, and gradients accumulate whole over a
+    mini-batch's micro-batches before one reduce-scatter (host memory is plentiful there, and
+    every copy the collectives make costs the cores that compute: measured 11.6 against 12.4-12.9
+    CPU-s per step on two ranks); on a GPU both are given back as soon as possible."""
+    return device.type == "cpu" if setting is None else not setting
+
+
+def sync_gradients(module: nn.Module | None, last: bool) -> None:
+    """Before a backward pass of a module kept gathered: reduce its gradients after it only when
+    it is the last micro-batch of the mini-batch."""
+    if module is not None and is_sharded(module):
+        module.set_requires_gradient_sync(last)
+
+
+def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Module], *,
+         compute: torch.dtype, params: torch.dtype, keep: bool = False) -> nn.Module:
+    """A model on the group's device: ``full()`` builds it with its weights (on the CPU), and
+    ``empty()`` builds the same architecture without them (called under the meta device).
+
+    A lone rank: ``full()`` moved to the device. A group: rank 0 builds ``full()``, the others
+    ``empty()``, every rank shards, and rank 0's weights and buffers reach the others' shards."""
+    if not group.distributed:
+        return full().to(group.device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if group.leader:
+        model = full()
+        state = dict(model.state_dict())  # the full tensors, alive until every shard has them
+    else:
+        with torch.device("meta"):
+            model = empty()
+        state = {}
+    shard(model, group, compute, params, keep)  # moves rank 0's shards to the device
+    if group.world > 1:
+        if not group.leader:
+            model.to_empty(device=group.device)
+        set_model_state_dict(model, state, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        for buf in model.buffers():  # non-persistent ones (rotary frequencies) too
+            dist.broadcast(buf, 0)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrapped_class(model: nn.Module) -> type:
+    """The model's own class under FSDP's ``FSDP<Class>`` wrapper class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def full_parameters(model: nn.Module, group: Group) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Every parameter (tied ones once) whole, one at a time: an all-gather per sharded
+    parameter. Rank 0 gets the tensor (on the device; copy it before the next), the others None."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        yield name, value.detach() if group.leader else None
+
+
+def full_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0's CPU (empty on the others); a collective when sharded."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def save_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   group: Group) -> None:
+    """The optimizer state, sharded as it lies (torch.distributed.checkpoint: each rank writes
+    its own shards into ``path``, rank 0 the metadata); any number of ranks can load it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    with _single_process(group):
+        dcp.save({"optimizer": state}, checkpoint_id=path, no_dist=not group.distributed)
+
+
+def load_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   group: Group) -> None:
+    """Load what ``save_optimizer`` wrote, with this group's number of ranks (resharded)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = get_optimizer_state_dict(model, optimizer)  # the layout to fill (initialises it)
+    wrapped = {"optimizer": state}
+    with _single_process(group):
+        dcp.load(wrapped, checkpoint_id=path, no_dist=not group.distributed)
+    set_optimizer_state_dict(model, optimizer, wrapped["optimizer"])
+
+
+@contextlib.contextmanager
+def _single_process(group: Group) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        if not group.distributed:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield

@@ -1,0 +1,27 @@
+"""The base of every ``topology.toml`` section: unknown keys rejected, frozen, keyword-only;
+and the keys every actor kind's section has."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.registry import Restart
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class ActorCommon(_Section, frozen=True):
+    count: int = 1
+    """How many processes of this actor kind to start."""
+    threads: int = 1
+    """torch intra-op threads for this actor's compute (its share of the cores)."""
+    restart: Restart = "never"
+    """What the runner does when one of these processes dies: stop the job, or restart it
+    (each kind's default is its row in ``actors/registry.py``)."""
+    max_restarts: int = 3
+    """Restarts allowed per process before the job is stopped."""
+    host: str | list[str] = ""
+    """With ``[hosts]``: the host these processes run on, or one host per process (a list of
+    ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host)."""

@@ -1,0 +1,154 @@
+"""The default job against TRL's GRPOTrainer on the same task, model and batch, side by side.
+
+    python bench/bench_trl.py                                   # flowrl and TRL, 30 steps each
+    python bench/bench_trl.py --steps 10 --rounds 2 \\
+        --run "flowrl" --run "flowrl learner.dtype=bfloat16 sampler.dtype=bfloat16" \\
+        --run "trl" --run "trl bf16"
+
+Each ``--run`` is ``flowrl [dotted overrides...]`` (``python runner.py topology.toml`` with them)
+or ``trl [bf16] [threads=N]`` (default: as many torch threads as cores). They run one at a time, in the order given, ``--rounds`` times (interleaved:
+on a shared machine, load that comes and goes then slows every run alike).
+
+The same job on both sides: the embedded SmolLM2-135M-Instruct, the built-in arithmetic task
+(same prompts: same system prompt, chat template and seed) scored by the same rule, 4 prompts ×
+8 completions = 32 samples per optimizer step in micro-batches of 8, at most 24 new tokens at
+temperature 1.0, AdamW at lr 1e-5, no KL term, PPO clip ε = 0.2. TRL's ``GRPOTrainer`` runs in
+a child process (``torch`` threads = cores unless ``threads=N``), generating with transformers (no vLLM)
+and then training, in turns; flowrl runs its actors as ``topology.toml`` places them (or as the
+overrides say).
+
+Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
+starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
+run: seconds, samples/s (``steps × 32 / seconds``), the mean reward of the first and last 5
+steps, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SAMPLES_PER_STEP = 32
+
+
+def run_flowrl(overrides: list[str], steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-flowrl-") as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
+               f"learner.total_steps={steps}", "run.status_interval=0",
+               f"learner.save_every={steps}", *overrides]
+        started = last = None
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        tail = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail = (tail + [line])[-40:]
+            if line.startswith("=== job started"):
+                started = time.monotonic()
+            elif line.startswith(f"step {steps:>4}/{steps}"):
+                last = time.monotonic()
+        if proc.wait() != 0 or started is None or last is None:
+            raise SystemExit(f"flowrl {' '.join(overrides)} failed ({proc.returncode}):\n"
+                             + "".join(tail))
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {"seconds": last - started, "rewards": [r["critic/score/mean"] for r in rows]}
+
+
+def run_trl(bf16: bool, threads: int, steps: int) -> dict:
+    """TRL's GRPOTrainer in a child process (a fresh interpreter, like flowrl's actors)."""
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--trl-child", str(out), "--steps", str(steps),
+               "--threads", str(threads)]
+        if bf16:
+            cmd.append("--bf16")
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"trl failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def trl_child(out: Path, steps: int, bf16: bool, threads: int) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from actors.data.sources import make_task
+    from actors.model_store import resolve_model_path
+    from actors.runtime.config import TaskConfig
+    from actors.scoring.rules import arithmetic_score
+
+    torch.set_num_threads(threads)
+    model = str(resolve_model_path("default"))
+    task = make_task(TaskConfig(name="arithmetic"), seed=0)
+    rows = []
+    for i in range(steps * 4 + 8):
+        p = task.prompt(i, i)
+        rows.append({"prompt": [{"role": m.role, "content": m.content} for m in p.messages],
+                     "ground_truth": p.ground_truth, "a": p.extra_info["a"],
+                     "b": p.extra_info["b"]})
+
+    def reward(completions, ground_truth, a, b, **kwargs) -> list[float]:
+        return [arithmetic_score("arithmetic", c[0]["content"], t, {"a": x, "b": y})
+                for c, t, x, y in zip(completions, ground_truth, a, b, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=str(out.parent / "trl"), learning_rate=1e-5, per_device_train_batch_size=8,
+        gradient_accumulation_steps=4, num_generations=8, max_completion_length=24,
+        temperature=1.0, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=bf16, beta=0.0, epsilon=0.2, seed=0, shuffle_dataset=False,
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_list(rows),
+                          processing_class=AutoTokenizer.from_pretrained(model))
+    started = time.monotonic()
+    trainer.train()
+    seconds = time.monotonic() - started
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    out.write_text(json.dumps({"seconds": seconds, "rewards": rewards}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", help="flowrl [overrides...] | trl [bf16]")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--trl-child", help=argparse.SUPPRESS)
+    p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_child:
+        trl_child(Path(args.trl_child), args.steps, args.bf16, args.threads)
+        return
+    runs = args.run or ["flowrl", "trl"]
+    print(f"{args.steps} steps × {SAMPLES_PER_STEP} samples per run; {os.cpu_count()} cores; "
+          f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    for rnd in range(args.rounds):
+        for spec in runs:
+            kind, *rest = spec.split()
+            load = os.getloadavg()[0]
+            threads = next((int(w.split("=")[1]) for w in rest if w.startswith("threads=")),
+                           os.cpu_count() or 1)
+            r = (run_trl("bf16" in rest, threads, args.steps) if kind == "trl"
+                 else run_flowrl(rest, args.steps))
+            rewards = r["rewards"]
+            first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
+            print(f"round {rnd + 1} | {spec:<60} | {r['seconds']:7.1f} s | "
+                  f"{args.steps * SAMPLES_PER_STEP / r['seconds']:5.2f} samples/s | reward first 5 "
+                  f"{first:.3f}, last 5 {last:.3f} | load {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Weights travel in buckets: a version is several messages of at most ``bucket_bytes`` each,
+none dropped when the sampler's queue is full, assembled whole on the sampler's side; a broken
+bucket costs that version, not the channel."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import zmq
+
+from actors.runtime.tensors import meta, raw_bytes
+from actors.runtime.weights import WeightsPublisher, WeightsSubscriber, split_buckets
+from actors.runtime.zmq_bridge import make_socket
+from messages.codec import Codec, encode
+from messages.weights import WeightsHeader, WeightsPoll
+
+
+def tensors(version: int) -> list[tuple[str, torch.Tensor]]:
+    return [(f"layer{i}.weight", torch.full((16, 16), float(version * 100 + i))) for i in range(7)]
+
+
+def test_split_buckets():
+    ts = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("c", torch.zeros(30)), ("d", torch.zeros(1))]
+    sizes = [[n for n, _ in b] for b in split_buckets(ts, 80)]  # float32: 40, 40, 120, 4 bytes
+    assert sizes == [["a", "b"], ["c"], ["d"]]  # a tensor over the limit travels alone
+    assert [[n for n, _ in b] for b in split_buckets(ts, 0)] == [["a", "b", "c", "d"]]
+    assert split_buckets([], 80) == [[]]
+
+
+@pytest.mark.anyio
+async def test_a_version_in_buckets_arrives_whole_through_full_queues(sockets):
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    with anyio.fail_after(60):
+        # high-water marks of one message: a publisher that dropped on a full queue would lose
+        # buckets here; ROUTER_MANDATORY makes it wait instead
+        with make_socket(zctx, zmq.ROUTER, bind=address, hwm=1) as learner_sock, \
+             make_socket(zctx, zmq.DEALER, connect=address, hwm=1) as sampler_sock:
+            publisher, subscriber = WeightsPublisher(learner_sock), WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.serve)
+                tg.start_soon(subscriber.serve)
+                for version in (0, 1):
+                    await publisher.publish(version, tensors(version), bucket_bytes=2 * 16 * 16 * 4)
+                    assert len(publisher.messages) == 4  # 7 tensors, 2 per bucket
+                    await subscriber.wait_for(version)
+                    got_version, got = subscriber.take()
+                    assert got_version == version
+                    assert list(got) == [n for n, _ in tensors(version)]
+                    assert all(torch.equal(got[n], t) for n, t in tensors(version))
+                assert publisher.sent == 2 and not subscriber.error
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+def bucket(version: int, i: int, of: int, ts: list[tuple[str, torch.Tensor]]) -> list:
+    header = WeightsHeader(version=version, tensors=[meta(n, t) for n, t in ts], bucket=i,
+                           buckets=of)
+    return [encode(header), *(raw_bytes(t) for _, t in ts)]
+
+
+@pytest.mark.anyio
+async def test_a_broken_bucket_costs_its_version_not_the_channel(sockets):
+    """Bucket 1 of 3 has a frame missing: the sampler reports it, skips bucket 2 (the rest of
+    the version it gave up on) without taking it for an answer, polls again and takes the next
+    version whole."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    polls: Codec[WeightsPoll] = Codec(WeightsPoll)
+    ts = tensors(3)
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as learner, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
+            subscriber = WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(subscriber.serve)
+                peer, frame = await learner.recv_multipart()
+                assert polls.decode(frame).have_version == -1
+                await learner.send_multipart([peer, *bucket(3, 0, 3, ts[:2])])
+                await learner.send_multipart([peer, *bucket(3, 1, 3, ts[2:4])[:-1]])  # a frame short
+                await learner.send_multipart([peer, *bucket(3, 2, 3, ts[4:])])
+                peer, frame = await learner.recv_multipart()  # the next poll, after the rest
+                assert polls.decode(frame).have_version == -1
+                assert "does not match its frames" in subscriber.error
+                assert subscriber.received == -1
+                await learner.send_multipart([peer, *bucket(4, 0, 1, tensors(4))])
+                await subscriber.wait_for(4)
+                version, got = subscriber.take()
+                assert version == 4 and torch.equal(got["layer6.weight"], tensors(4)[6][1])
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
