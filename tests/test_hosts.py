@@ -43,6 +43,17 @@ def test_placement_and_addresses():
     assert moved.control_address == "tcp://127.0.0.1:50010"  # no run.host: the owner's
 
 
+def test_a_learner_over_two_hosts_is_one_node_per_host():
+    nodes = [*TWO, "learner.nnodes=2", 'learner.host=["a", "b"]', 'sampler.host="a"',
+             'reward.host="a"']
+    node1 = resolve_addresses(topo(*nodes, "run.host=b"))
+    assert node1.learner.node_rank == 1  # --host b: this runner is node 1
+    assert (node1.learner.master_addr, node1.learner.master_port) == ("127.0.0.1", 47104)
+    assert node1.control_address == "tcp://127.0.0.2:47111"
+    assert local_actors(node1) == []  # not the learner's process: node 1 runs only its ranks
+    assert resolve_addresses(topo(*nodes, "run.host=a")).learner.node_rank == 0
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (['sampler.host="a"'], "sampler.host: needs a [hosts] table naming the hosts"),
     (["run.host=a"], "run.host: --host needs a [hosts] table"),
@@ -57,6 +68,12 @@ def test_placement_and_addresses():
     ([*TWO, "run.base_port=65530"], "run.base_port: must leave room"),
     ([*TWO, 'hosts.c="8.8.8.8"'], "security.curve: hosts c = '8.8.8.8' are not private addresses"),
     (["replay.sampler_timeout_s=-1"], "replay.sampler_timeout_s: must be >= 0"),
+    ([*TWO, "learner.nnodes=2", 'learner.host=["a"]'],
+     "learner.host: lists 1 hosts for learner.nnodes = 2 nodes"),
+    ([*TWO, "learner.nnodes=2", 'learner.host=["a", "b"]'],
+     "learner.host: 'b' runs learner node 1: its runner starts only the learner's ranks"),
+    ([*TWO, "learner.nnodes=2", "learner.node_rank=1", "learner.master_port=5000"],
+     "learner.node_rank: is set by --host with [hosts]"),
 ])
 def test_bad_placements_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -150,6 +167,28 @@ def test_a_topology_with_hosts_needs_host_and_the_host_must_be_this_machine(tiny
     assert away.returncode == 2
     assert "cannot listen on tcp://192.0.2.7:47291" in away.stderr
     assert "not one of this machine's?" in away.stderr
+
+
+def test_a_learner_over_two_hosts(tiny_model, tmp_path):
+    """Host b is the learner's node 1: `--host b` starts only its rank there, and it finishes
+    with the job (the rendezvous at host a's address, the checkpoint's shards of both ranks)."""
+    run_dir = tmp_path / "run"
+    nodes = ["learner.nnodes=2", 'learner.host=["a", "b"]', 'sampler.host="a"', 'reward.host="a"',
+             "learner.total_steps=4", "learner.save_every=2", "run.base_port=47500"]
+    procs = [start(host_command(tiny_model, run_dir, h, *nodes), tmp_path / f"{h}.log")
+             for h in ("a", "b")]
+    try:
+        for h, p in zip(("a", "b"), procs, strict=True):
+            assert p.wait(timeout=600) == 0, (tmp_path / f"{h}.log").read_text()[-3000:]
+    finally:
+        stop(*procs)
+    assert "learner ranks of node 1 of 2 only" in (tmp_path / "b.log").read_text()
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    node1 = jsonl(run_dir / "nodes" / "node1" / "status.jsonl")
+    assert node1[-1]["outcome"] == "finished" and node1[-1]["returncodes"] == {"learner-0.rank1": 0}
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_4" / "optimizer").glob("*.distcp")
+                  ) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not actor_pids(run_dir)
 
 
 def srun_line() -> str:

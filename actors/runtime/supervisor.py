@@ -112,11 +112,12 @@ class Job:
             for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
             for p in (learner_ranks(topology, self.home) if kind == "learner" else
                       [Proc(kind, i) for i in range(getattr(topology, kind).count)])
-            if (kind, p.index) in here or is_owner  # the owner also follows the others' actors
+            # the owner also follows the others' actors; a learner node k > 0 runs its ranks
+            if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
         }
         for p in self.procs.values():
             p.host = host_of(topology, p.kind, p.index)
-            p.remote = (p.kind, p.index) not in here
+            p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
         self.metrics = metrics or Metrics([])
@@ -137,7 +138,7 @@ class Job:
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
         self.owner: Owner | None = None  # with [hosts], on the owner: the other hosts' runners
         self.member: Member | None = None  # with [hosts], elsewhere: the link to the owner
-        if topology.hosts:
+        if topology.hosts and topology.learner.node_rank == 0:  # (node k > 0: its ranks alone)
             self.owner, self.member = (Owner(self), None) if is_owner else (None, Member(self))
 
     def end(self, outcome: str) -> None:

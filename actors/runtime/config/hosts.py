@@ -34,12 +34,15 @@ from actors.runtime.config.schema import ConfigError, Topology
 
 PORTS = {"replay.address": 0, "router.address": 1, "router.worker_address": 2,
          "learner.weights_address": 3}
+MASTER_PORT = 4  # the learner's rendezvous port (torch.distributed) when it spans nodes
 CONTROL_PORT = 10  # + the host's index in the table
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def placement(topology: Topology, kind: str) -> list[str]:
     """The host of each process of ``kind`` (index order); empty names without ``[hosts]``."""
+    if kind == "learner":
+        return learner_nodes(topology)[:1]  # node 0 holds the learner's rank 0
     section = getattr(topology, kind)
     host = section.host
     if isinstance(host, list):
@@ -47,6 +50,16 @@ def placement(topology: Topology, kind: str) -> list[str]:
     if not host and topology.hosts:
         host = owner(topology) if kind != "replay" else next(iter(topology.hosts))
     return [host] * section.count
+
+
+def learner_nodes(topology: Topology) -> list[str]:
+    """The host of each node of the learner (``learner.host``: one name per node when it spans
+    ``learner.nnodes`` of them; ``--host NAME`` on ``learner.host[k]`` runs node k's ranks)."""
+    L = topology.learner
+    if isinstance(L.host, list):
+        return list(L.host)
+    host = L.host or (owner(topology) if topology.hosts else "")
+    return [host] * L.nnodes
 
 
 def owner(topology: Topology) -> str:
@@ -95,15 +108,29 @@ def check_hosts(topology: Topology, need: Any) -> None:
              "a host name is letters, digits, '_', '.' or '-'")
         need(bool(address) and "/" not in address and ":" not in address, f"hosts.{name}",
              f"{address!r} is not an IP address or a DNS name (no scheme, no port)")
+    need(topology.learner.node_rank == 0, "learner.node_rank",
+         "is set by --host with [hosts]: the runner of learner.host[k] runs node k")
     for kind in NAMES:
         section = getattr(topology, kind)
         names = placement(topology, kind)
-        if isinstance(section.host, list):
+        if kind == "learner":
+            nodes = learner_nodes(topology)
+            need(len(nodes) == topology.learner.nnodes, "learner.host",
+                 f"lists {len(nodes)} hosts for learner.nnodes = {topology.learner.nnodes} nodes")
+            need(len(set(nodes)) == len(nodes) or len(nodes) == 1, "learner.host",
+                 "names a host twice: one learner node per host")
+            names = nodes
+        elif isinstance(section.host, list):
             need(len(names) == section.count, f"{kind}.host",
                  f"lists {len(names)} hosts for {kind}.count = {section.count} processes")
         for name in names:
             need(name in hosts, f"{kind}.host",
                  f"{name!r} is not a host of [hosts] ({', '.join(hosts)})")
+    others = {h for kind in NAMES if kind != "learner" for h in placement(topology, kind)}
+    for k, name in enumerate(learner_nodes(topology)[1:], start=1):
+        need(name not in others and name in hosts, "learner.host",
+             f"{name!r} runs learner node {k}: its runner starts only the learner's ranks there, "
+             "so no other actor may be placed on it")
     need(not run.host or run.host in hosts, "run.host",
          f"--host {run.host!r} is not a host of [hosts] ({', '.join(hosts)})")
     need("{time}" not in run.dir, "run.dir",
@@ -156,11 +183,17 @@ def resolve_addresses(topology: Topology) -> Topology:
         return f"tcp://{host_ip(topology.hosts[placement(topology, kind)[0]])}:{base + PORTS[key]}"
 
     rep = msgspec.structs.replace
+    L, nodes = topology.learner, learner_nodes(topology)
     return rep(
         topology,
         replay=rep(topology.replay, address=addr("replay.address", "replay")),
         router=rep(topology.router, address=addr("router.address", "router"),
                    worker_address=addr("router.worker_address", "router")),
-        learner=rep(topology.learner, weights_address=addr("learner.weights_address", "learner")),
+        learner=rep(
+            L, weights_address=addr("learner.weights_address", "learner"),
+            node_rank=nodes.index(topology.run.host) if topology.run.host in nodes else 0,
+            # the rendezvous is on node 0's host, unless the topology says where
+            master_addr=host_ip(topology.hosts[nodes[0]]) if L.master_addr == "127.0.0.1"
+            else L.master_addr, master_port=L.master_port or base + MASTER_PORT),
         control_address=control_address(topology, topology.run.host or owner(topology)),
     )
