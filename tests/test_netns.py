@@ -135,6 +135,7 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
         job.kill()
     router = last_status(job.run_dir, "router-0")
     assert router["resent"] >= 1  # what reward-1 held when its host was cut off
+    assert router["duplicates"] >= 1  # its answers, through when the link came back: discarded
     assert metrics(job.run_dir)[-1]["replay/dropped_score_failed"] == 0
     assert "the owner host a ended the job: finished" in job.log("c").read_text()
     assert_complete(job.run_dir, 12)

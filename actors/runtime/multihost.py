@@ -103,8 +103,8 @@ class Owner:
                         f"{names(waiting)} (is `runner.py ... --host NAME` running there?)")
             elif waiting and now - self.last_wait_report >= WAIT_REPORT_S:
                 self.last_wait_report = now
-                print(f"=== waiting for {names(waiting)} ({now - job.started:.0f}s of "
-                      f"{topo.run.host_wait_s:g}s)", flush=True)
+                job.say(f"=== waiting for {names(waiting)} ({now - job.started:.0f}s of "
+                        f"{topo.run.host_wait_s:g}s)")  # (on a terminal: the live panel's note)
         for p in self.remote():
             silent = now - p.last_seen
             if not p.ready or p.finished or silent <= topo.run.heartbeat_timeout:
@@ -197,9 +197,8 @@ class Member:
                         f"not answer within run.host_wait_s = {run.host_wait_s:g}s")
             elif now - self.last_wait_report >= WAIT_REPORT_S:
                 self.last_wait_report = now
-                print(f"=== waiting for the owner host {self.owner} (its runner at "
-                      f"{self.address}; {now - job.started:.0f}s of {run.host_wait_s:g}s)",
-                      flush=True)
+                job.say(f"=== waiting for the owner host {self.owner} (its runner at "
+                        f"{self.address}; {now - job.started:.0f}s of {run.host_wait_s:g}s)")
         elif now - self.heard > run.heartbeat_timeout:
             job.end(f"failed: lost the owner host {self.owner}: silent for {now - self.heard:.0f}s "
                     "(run every host's command again with the same run.dir to resume)")
