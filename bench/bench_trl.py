@@ -15,7 +15,8 @@ The same job on both sides: the embedded SmolLM2-135M-Instruct, the built-in ari
 temperature 1.0, AdamW at lr 1e-5, no KL term, PPO clip ε = 0.2. TRL's ``GRPOTrainer`` runs in
 a child process (``torch`` threads = cores unless ``threads=N``), generating with transformers (no vLLM)
 and then training, in turns; flowrl runs its actors as ``topology.toml`` places them (or as the
-overrides say).
+overrides say), without the default job's validation rounds (TRL runs none here;
+``validation.every=10`` as an override puts them back).
 
 Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
@@ -45,7 +46,7 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
                f"learner.total_steps={steps}", "run.status_interval=0",
-               f"learner.save_every={steps}", *overrides]
+               f"learner.save_every={steps}", "validation.every=0", *overrides]
         started = last = None
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

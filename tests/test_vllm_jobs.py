@@ -27,6 +27,7 @@ from tests.jobs import (
     engine_pids,
     metrics,
     status_lines,
+    validations,
     wait_for_steps,
 )
 
@@ -77,9 +78,16 @@ def test_a_vllm_job_learns_and_counters_balance(tiny_vllm_model, tmp_path):
 
 
 def test_in_flight_updates_give_samples_that_span_two_versions(tiny_vllm_model, tmp_path):
+    """With validation rounds too: the continuous sampler generates them beside the training
+    prompts while weights keep arriving."""
     run_dir = tmp_path / "run"
     rows = run_job(tiny_vllm_model, run_dir, "learner.total_steps=12",
-                   "sampler.weight_update=in_flight", "sampler.max_tokens=48")
+                   "sampler.weight_update=in_flight", "sampler.max_tokens=48",
+                   "validation.every=4", "validation.n=2",
+                   'validation.datasets=[{builtin="repeat_letter", size=4}]')
+    rounds = validations(run_dir)
+    assert [v["step"] for v in rounds] == [0, 4, 8, 12]
+    assert all(v["val-aux/prompts"] == 4 for v in rounds), rounds
     spanning = [r["rollout/multi_version_share"] for r in rows]
     print(f"\nin flight: share of trained samples spanning 2 versions per step: {spanning}")
     assert max(spanning) > 0, "no trained sample spans two versions"

@@ -90,3 +90,35 @@ async def test_a_broken_bucket_costs_its_version_not_the_channel(sockets):
                 assert version == 4 and torch.equal(got["layer6.weight"], tensors(4)[6][1])
                 tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_shared_memory_versions_outlive_the_learners_files(sockets):
+    """shm transport: the learner writes a version once and sends its path; the sampler holds
+    its own link to it, so a version it received still loads after the learner dropped its file
+    (a newer version replaced it, or the learner exited: seen as a vLLM sampler that never got
+    the last step's weights to validate). Each side removes its own folder."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
+            publisher = WeightsPublisher(learner_sock, "shm")
+            subscriber = WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.serve)
+                tg.start_soon(subscriber.serve)
+                for version in (0, 1, 2, 3):
+                    await publisher.publish(version, tensors(version))
+                    await subscriber.wait_for(version)
+                assert len(publisher.shm_files) == 2  # the learner keeps the newest 2
+                publisher.close()  # the learner exits: its folder goes
+                assert not publisher.shm_dir.exists()
+                got_version, got = subscriber.take()
+                assert got_version == 3 and got.path.startswith(str(subscriber.shm_dir))
+                assert all(torch.equal(t, dict(tensors(3))[n]) for n, t in got.items())
+                assert len(subscriber.links) == 2 and not subscriber.error
+                tg.cancel_scope.cancel()
+            subscriber.close()
+            assert not subscriber.shm_dir.exists()
+    zctx.destroy(linger=0)

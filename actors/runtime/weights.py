@@ -13,7 +13,9 @@ newest weights, never a queue of stale ones. Two transports carry the tensors:
   file (``SharedWeights``), and a vLLM engine loads it straight from there. One write per step
   instead of one 540 MB message per sampler. The newest ``SHM_KEEP`` versions are kept (a
   sampler that took an older one finds it gone and waits for the next); the folder is removed
-  when the learner exits, and a killed learner's folder by the next one.
+  when the learner exits, and a killed learner's folder by the next one. A sampler hard-links
+  each version it receives into a folder of its own (no copy), so the version it holds stays
+  loadable after the learner drops it.
 
 NCCL or CUDA IPC on GPUs would plug in behind ``WeightsPublisher.publish`` and
 ``WeightsSubscriber.take`` the same way, without either actor changing.
@@ -83,9 +85,9 @@ class SharedWeights(Mapping[str, torch.Tensor]):
 
 
 def remove_orphaned_shm() -> None:
-    """Remove the shared-memory folders of learners that are gone (killed with kill -9)."""
+    """Remove the shared-memory folders of learners and samplers that are gone (kill -9)."""
     for d in SHM_ROOT.glob(f"{SHM_PREFIX}*"):
-        pid = d.name.removeprefix(SHM_PREFIX)
+        pid = d.name.removeprefix(SHM_PREFIX).split("-")[0]  # a learner's, or a sampler's links
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(d, ignore_errors=True)
 
@@ -195,6 +197,10 @@ class WeightsSubscriber:
         self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
+        # shm: this sampler's own links to the learner's files, the newest SHM_KEEP kept, so a
+        # version received stays loadable when the learner drops it (a newer one, or its exit)
+        self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}-links"
+        self.links: list[Path] = []
 
     async def wait_for(self, version: int) -> None:
         """Return once weights of ``version`` or newer have been received."""
@@ -230,7 +236,7 @@ class WeightsSubscriber:
                                           f"{header.buckets} expected, got {more.bucket} of "
                                           f"version {more.version}")
                     parts.update(part)
-                tensors = (await anyio.to_thread.run_sync(SharedWeights, header.path)
+                tensors = (await anyio.to_thread.run_sync(self._claim, header.path)
                            if header.path else parts)
             except FileNotFoundError:  # shm: a newer version replaced it already; poll again
                 continue
@@ -242,6 +248,27 @@ class WeightsSubscriber:
             self.received = header.version
             self._arrived.set()
             self._arrived = anyio.Event()
+
+    def _claim(self, path: str) -> SharedWeights:
+        """The learner's file of a version, through a hard link of this sampler's own (same
+        filesystem: no copy), so that the learner removing its file cannot take it away."""
+        own = self.shm_dir / Path(path).name
+        self.shm_dir.mkdir(exist_ok=True)
+        own.unlink(missing_ok=True)
+        try:
+            os.link(path, own)  # FileNotFoundError: gone already (a newer version replaced it)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            return SharedWeights(path)  # links refused here: read the learner's file itself
+        self.links.append(own)
+        while len(self.links) > SHM_KEEP:
+            self.links.pop(0).unlink(missing_ok=True)
+        return SharedWeights(str(own))
+
+    def close(self) -> None:
+        """Remove this sampler's links (an engine that mapped one keeps its mapping)."""
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 def split_buckets(tensors: list[tuple[str, torch.Tensor]], limit: int

@@ -397,3 +397,4 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 if agent is not None:
                     await agent.aclose()
                 await engine.aclose()
+                weights.close()

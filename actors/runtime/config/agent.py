@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
+from actors.runtime.config.schema_base import _Section
 
 BUILTIN_TOOLS = ("calculator", "python")
 

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
-
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
+from actors.runtime.config.schema_base import _Section
 
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax", "gae", "opo", "grpo_passk", "gpg",
