@@ -116,6 +116,12 @@ def test_two_hosts_run_one_job_and_a_second_runner_for_a_host_is_refused(tiny_mo
                                capture_output=True, text=True, timeout=60)
         assert twice.returncode == 2
         assert "another runner is using" in twice.stderr and "(host b)" in twice.stderr
+        # on separate disks there is no shared lock: the host's bound port refuses it
+        elsewhere = subprocess.run(host_command(tiny_model, tmp_path / "other", "b", *steps),
+                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert elsewhere.returncode == 2
+        assert "cannot listen on tcp://127.0.0.2:47211" in elsewhere.stderr
+        assert "Address already in use" in elsewhere.stderr
         assert a.wait(timeout=180) == 0, (tmp_path / "a.log").read_text()[-3000:]
         assert b.wait(timeout=60) == 0, (tmp_path / "b.log").read_text()[-3000:]
     finally:
