@@ -14,7 +14,7 @@ inspect RUN_DIR`` summarises the run and plots it; ``python runner.py validate R
 [--checkpoint step_N] [validation.*=...]`` validates a saved checkpoint (no learner).
 
 This file is the command line only: the job itself is started and supervised by
-``actors/runtime/supervisor.py`` (resolution, processes, watching). Exit status: 0 when the
+``actors/runtime/launch.py`` (resolution) and ``actors/runtime/supervisor.py`` (processes, watching). Exit status: 0 when the
 learner finished, 130 on Ctrl-C, 1 on failure, 2 on a bad topology.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -242,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
                "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")
+    parser.add_argument("--host", default="", metavar="NAME",
+                        help="with a [hosts] table: start only the actors placed on host NAME "
+                             "(one runner per host: by hand, ssh, or srun --host $SLURMD_NODENAME)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    host = [f"run.host={json.dumps(args.host)}"] if args.host else []
     try:
-        topology = load_topology(args.topology, args.overrides)
+        topology = load_topology(args.topology, [*args.overrides, *host])
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
-    from actors.runtime.supervisor import run_job
+    from actors.runtime.launch import run_job
 
     return run_job(topology)
 

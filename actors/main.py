@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BY_NAME)}}} INDEX\n")
         return 2
     run_dir, kind, index = Path(argv[0]), argv[1], int(argv[2])
-    # a learner rank on a node k > 0 reads its own node runner's copy (``FLOWRL_TOPOLOGY``)
+    # a learner rank on a node k > 0, or an actor of a host other than the owner's, reads its own
+    # runner's copy (``FLOWRL_TOPOLOGY``)
     path = Path(os.environ.get("FLOWRL_TOPOLOGY") or run_dir / TOPOLOGY)
     topology = msgspec.json.decode(path.read_bytes(), type=Topology)
     module, name = BY_NAME[kind].body.split(":")

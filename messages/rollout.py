@@ -118,6 +118,13 @@ class PromptRequest(msgspec.Struct, tag=True, gc=False):
     incarnation: str = ""
 
 
+class SamplerAlive(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay, every ``run.heartbeat_interval``: it is alive and holds its prompts
+    (one silent past ``replay.sampler_timeout_s`` has its prompts issued to the others)."""
+
+    incarnation: str = ""
+
+
 class GroupsDone(msgspec.Struct, tag=True, gc=False):
     """Sampler -> Replay: scored groups for prompts this sampler was issued."""
 
@@ -179,5 +186,6 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
     stats: dict[str, float] = {}
 
 
-ToReplay = PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
+ToReplay = (PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
+            | SamplerAlive)
 FromReplay = PromptBatch | TrainBatch

@@ -38,6 +38,7 @@ from messages.rollout import (
     GroupsDone,
     PromptBatch,
     PromptRequest,
+    SamplerAlive,
     SamplingParams,
     ToReplay,
     TrainBatch,
@@ -109,6 +110,9 @@ class ReplayServer:
         self.batch_waiter: tuple[bytes, BatchRequest] | None = None
         self.incarnations: dict[bytes, str] = {}  # sampler -> its process's incarnation
         self.flushing = anyio.Lock()  # one flush at a time, so the tables' parts keep WAL order
+        self.heard: dict[bytes, float] = {}  # sampler -> when it last sent anything
+        self.silent: set[bytes] = set()  # samplers past the timeout: issued nothing until heard
+        self.reissued_silent = 0  # prompts taken back from silent samplers and issued again
 
     async def record(self, tables: tuple[str, ...] | None = None) -> None:
         """Hand the state's rows to the recorder and write ``tables`` (default all) in a worker
@@ -136,6 +140,8 @@ class ReplayServer:
                                  stats=state.batch_stats)
                 await self.sock.send_multipart([peer, encode(msg)])
         for peer in list(self.prompt_waiters):
+            if peer in self.silent:
+                continue  # its answer could be lost with it; it asks again when it is back
             if self.rounds is not None and self.setup is not None:  # validation goes first
                 step, prompts = self.rounds.issue(peer, self.prompt_waiters[peer],
                                                   time.monotonic())
@@ -154,7 +160,12 @@ class ReplayServer:
 
     async def handle(self, peer: bytes, msg: ToReplay, tg: anyio.abc.TaskGroup) -> None:
         state = self.state
+        if isinstance(msg, PromptRequest | GroupsDone | SamplerAlive):
+            self.heard[peer] = time.monotonic()
+            self.silent.discard(peer)
         match msg:
+            case SamplerAlive():
+                pass
             case PromptRequest(max_prompts=k, incarnation=inc):
                 if self.incarnations.get(peer, inc) != inc:
                     state.requeue_from(peer)  # a restarted sampler: its prompts are lost
@@ -208,8 +219,24 @@ class ReplayServer:
         if self.ctx is not None:
             await self.ctx.report(ValidationReport(step=r.step, metrics=metrics))
 
+    async def watch_samplers(self, ctx: ActorContext, timeout_s: float) -> None:
+        """Issue again the prompts of a sampler silent past ``timeout_s`` (hung, or its host cut
+        off): what it sends back later is accepted once, whichever copy of a group comes first
+        (``ReplayState.accept`` takes a group only for a prompt still in flight)."""
+        while True:
+            await anyio.sleep(min(1.0, timeout_s / 4))
+            now = time.monotonic()
+            for peer, heard in self.heard.items():
+                if peer not in self.silent and now - heard > timeout_s:
+                    self.silent.add(peer)
+                    self.reissued_silent += self.state.requeue_from(peer)
+            ctx.status.update(samplers_silent=len(self.silent), reissued_silent=self.reissued_silent)
+            await self.serve_waiting()
+
     async def serve(self, ctx: ActorContext) -> None:
         async with anyio.create_task_group() as tg:
+            if ctx.topology.replay.sampler_timeout_s > 0:
+                tg.start_soon(self.watch_samplers, ctx, ctx.topology.replay.sampler_timeout_s)
             while True:
                 peer, *frames = await self.sock.recv_multipart()
                 try:
@@ -221,7 +248,9 @@ class ReplayServer:
                 await self.handle(peer, msg, tg)
                 await self.serve_waiting()
                 ctx.status.update(self.state.counters(), version=self.state.version,
-                                  rejected_frames=self.codec.rejected)
+                                  rejected_frames=self.codec.rejected,
+                                  samplers_silent=len(self.silent),
+                                  reissued_silent=self.reissued_silent)
                 if self.rounds is not None and self.rounds.prompts:
                     ctx.status.update(self.rounds.status())
 

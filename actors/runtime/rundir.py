@@ -12,8 +12,11 @@ RUN_DIR/
   status.jsonl         the runner's record of the job, one line per event (``started``: every
                        actor ready; ``step``: a learner step; ``validation``: a validation
                        reported; ``status``: every run.status_interval seconds; ``exited``: an
-                       actor died, and whether it restarts; ``stopped``: the outcome), each with
-                       every actor's last reported status
+                       actor died, and whether it restarts; ``lost``: an actor of another
+                       host went silent; ``stopped``: the outcome), each with every actor's last
+                       reported status
+  hosts/NAME/          with [hosts]: the runner of host NAME (not the owner): its lock, topology
+                       and status.jsonl (its own actors only)
   logs/NAME.traceback  the traceback of an actor that died
   logs/NAME.log        an actor's own output, when the runner shows its live panel
   record/TABLE/        the recording (actors/runtime/recording.py)

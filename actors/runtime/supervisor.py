@@ -1,9 +1,7 @@
-"""The supervisor: resolve a topology, start one process per actor, watch them, stop them.
+"""The supervisor: start one process per actor, watch them, stop them.
 
-``run_job`` fills in the run directory, the model directory and every ``auto`` address, writes
-the result to ``RUN_DIR/topology.json`` (every actor reads it), opens the metric sinks of
-``run.loggers`` (a tracker that cannot start stops the job here), starts the actors in the
-registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
+``Job`` (given a resolved topology by ``actors/runtime/launch.py``, which also opened the metric
+sinks of ``run.loggers``) starts the actors in the registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
 the job started once every actor is ready, writes every step's and every validation's metrics to
 the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
 actor's status in ``status.jsonl`` (per step, per validation, every ``run.status_interval``
@@ -19,36 +17,33 @@ are killed at once (their collectives could only hang) and the job stops. On nod
 learner spread over nodes (``learner.node_rank``) the runner starts only that node's ranks, keeps
 its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
 write their checkpoint shards there), opens no metric sinks (node 0 records the job) and ends
-with them.
+with them. With ``[hosts]`` the runner starts only the actors placed on its host (``run.host``)
+and talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host
+other than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import anyio
-import msgspec
 import trio
 import zmq
 
 from actors.registry import NAMES
-from actors.runtime.config import ConfigError, Topology
-from actors.runtime.liveview import ActorRow, LiveView, View
-from actors.runtime.loggers import open_metrics
+from actors.runtime.config import Topology
+from actors.runtime.config.hosts import host_of, local_actors, owner
+from actors.runtime.liveview import ActorRow, View
 from actors.runtime.metrics import Metrics, Resume
-from actors.runtime.ranks import free_port, node_ranks, rank_label
-from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, remove_stale_sockets, traceback_file
-from actors.runtime.security import ZapHandler, job_keys, prepare_job_keys
-from actors.runtime.trackers import TrackerError
+from actors.runtime.multihost import PREFIX, Member, Owner
+from actors.runtime.ranks import node_ranks, rank_label
+from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
+from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import (
@@ -68,34 +63,6 @@ QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batc
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
 
 
-def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
-    """Fill in the run directory, the model directory and every ``auto`` address."""
-    from actors.model_store import resolve_model_path
-
-    run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
-    sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
-    Path(sockets).mkdir(parents=True, exist_ok=True)
-
-    def addr(value: str, name: str) -> str:
-        return f"ipc://{sockets}/{name}" if value == "auto" else value
-
-    model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
-    resolved = msgspec.structs.replace(
-        topology,
-        run=msgspec.structs.replace(topology.run, dir=str(run_dir), socket_dir=sockets),
-        model=msgspec.structs.replace(topology.model, path=model),
-        replay=msgspec.structs.replace(topology.replay, address=addr(topology.replay.address, "replay")),
-        router=msgspec.structs.replace(
-            topology.router, address=addr(topology.router.address, "router"),
-            worker_address=addr(topology.router.worker_address, "router-workers")),
-        learner=msgspec.structs.replace(
-            topology.learner, weights_address=addr(topology.learner.weights_address, "weights"),
-            master_port=topology.learner.master_port or free_port(topology.learner.master_addr)),
-        control_address=addr(topology.control_address, "control"),
-    )
-    return resolved, run_dir
-
-
 @dataclasses.dataclass
 class Proc:
     kind: str
@@ -110,6 +77,8 @@ class Proc:
     shown: str = ""  # the last long-lasting state printed for it (off a terminal)
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
     rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
+    host: str = ""  # with [hosts]: where it runs
+    remote: bool = False  # another host's runner starts it (the owner hears it through that one)
 
     @property
     def name(self) -> str:
@@ -133,13 +102,22 @@ class Job:
                  home: Path | None = None) -> None:
         self.topo = topology
         self.run_dir = run_dir
-        self.home = home or run_dir  # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK)
+        # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
+        # owner: RUN_DIR/hosts/NAME)
+        self.home = home or run_dir
+        here = set(local_actors(topology))  # with [hosts]: this host's; without: all
+        is_owner = topology.run.host == owner(topology)
         self.procs = {
             p.name: p
             for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
             for p in (learner_ranks(topology, self.home) if kind == "learner" else
                       [Proc(kind, i) for i in range(getattr(topology, kind).count)])
+            # the owner also follows the others' actors; a learner node k > 0 runs its ranks
+            if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
         }
+        for p in self.procs.values():
+            p.host = host_of(topology, p.kind, p.index)
+            p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
         self.metrics = metrics or Metrics([])
@@ -152,12 +130,16 @@ class Job:
         self.stopping = False
         self.started = time.monotonic()
         self.zmq = zmq.Context()
-        curve = job_keys(topology)
+        self.curve = curve = job_keys(topology)
         self.zap = None if curve is None else ZapHandler(
             self.zmq, {curve.public}, topology.security.authorized_keys,
             log=lambda text: print(f"!!! runner: {text}", flush=True))
         self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address, curve=curve)
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
+        self.owner: Owner | None = None  # with [hosts], on the owner: the other hosts' runners
+        self.member: Member | None = None  # with [hosts], elsewhere: the link to the owner
+        if topology.hosts and topology.learner.node_rank == 0:  # (node k > 0: its ranks alone)
+            self.owner, self.member = (Owner(self), None) if is_owner else (None, Member(self))
 
     def end(self, outcome: str) -> None:
         if self.outcome is None:
@@ -170,6 +152,8 @@ class Job:
         p.state = ("starting", p.last_seen)
         # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
+        if self.home != self.run_dir:  # another host's actors read their own runner's topology
+            env["FLOWRL_TOPOLOGY"] = str(self.home / TOPOLOGY)
         if self.view is None:  # plain lines: the actors write to the runner's own output
             p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
             return
@@ -177,6 +161,14 @@ class Job:
         with (self.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
             p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
                                                          stderr=log)
+
+    def learner_finished(self) -> None:
+        total = self.topo.learner.total_steps
+        if self.final_validation and total not in self.validated:
+            self.learner_done = True
+            self.say(f"=== waiting for the validation of step {total}")
+        else:
+            self.end("finished")
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its restart policy."""
@@ -188,13 +180,7 @@ class Job:
             if rc == 0 and p.finished:
                 if p.kind == "learner" and (p.rank == 0 or all(
                         q.finished for q in self.procs.values() if q.kind == "learner")):
-                    # rank 0, or on a node without it, the last rank
-                    total = self.topo.learner.total_steps
-                    if self.final_validation and total not in self.validated:
-                        self.learner_done = True
-                        self.say(f"=== waiting for the validation of step {total}")
-                    else:
-                        self.end("finished")
+                    self.learner_finished()  # rank 0, or on a node without it, the last rank
                 return
             if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
                 for q in self.procs.values():
@@ -225,7 +211,12 @@ class Job:
         codec: Codec[ToRunner] = Codec(ToRunner)
         while True:
             ident, *frames = await self.control.recv_multipart()
-            p = self.procs.get(ident.decode(errors="replace"))
+            if self.owner is not None and ident.startswith(PREFIX):
+                p = self.owner.relayed(ident, frames)  # another host's runner, or its actor
+            else:
+                p = self.procs.get(ident.decode(errors="replace"))
+                if self.member is not None:
+                    self.member.forward(ident, frames)
             try:
                 msg = codec.decode(frames[-1] if frames else b"")
             except DecodeError:
@@ -259,6 +250,8 @@ class Job:
                 case Finished(detail=detail):
                     p.finished = True
                     self.say(f"=== {p.name} finished: {detail}")
+                    if p.remote and p.kind == "learner":  # its own host's runner ends there
+                        self.learner_finished()
 
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
@@ -285,6 +278,9 @@ class Job:
         while True:
             await trio.sleep(1.0)
             now = time.monotonic()
+            for hosts in (self.owner, self.member):
+                if hosts is not None:
+                    hosts.tick(now)
             for p in self.procs.values():
                 silent = now - p.last_seen
                 if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
@@ -325,17 +321,29 @@ class Job:
     async def shutdown(self) -> None:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
         self.stopping = True
+        if self.owner is not None:
+            self.owner.announce()
         live = [(p, p.process) for p in self.procs.values()
                 if p.process is not None and p.process.returncode is None]
-        for p, _ in live:
-            try:
-                self.control.send_multipart_nowait([p.name.encode(), encode(Stop(reason=self.outcome or ""))])
-            except zmq.ZMQError:
-                pass
+        async def stop_messages() -> None:
+            # again every second: an actor still starting up may not be connected to hear one
+            while True:
+                for p, process in live:
+                    if process.returncode is None:
+                        try:
+                            self.control.send_multipart_nowait(
+                                [p.name.encode(), encode(Stop(reason=self.outcome or ""))])
+                        except zmq.ZMQError:
+                            pass
+                await trio.sleep(1.0)
+
         for grace, action in ((STOP_GRACE_S, "terminate"), (TERM_GRACE_S, "kill"), (None, None)):
             with trio.move_on_after(grace if grace is not None else 30):
-                for _, process in live:
-                    await process.wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stop_messages)
+                    for _, process in live:
+                        await process.wait()
+                    nursery.cancel_scope.cancel()
             live = [(p, process) for p, process in live if process.returncode is None]
             if not live or action is None:
                 break
@@ -349,7 +357,11 @@ class Job:
             outer.start_soon(self.listen)  # so does this: a step taken while stopping is reported
             try:
                 async with trio.open_nursery() as nursery:
+                    if self.member is not None:
+                        nursery.start_soon(self.member.serve)
                     for p in self.procs.values():
+                        if p.remote:
+                            continue
                         await self.spawn(p)
                         nursery.start_soon(self.supervise, p)
                     nursery.start_soon(self.watch)
@@ -359,6 +371,10 @@ class Job:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
                     await trio.sleep(0.1)  # the last reports of the actors just reaped
+                    if self.member is not None:
+                        await self.member.closing()
+                    if self.owner is not None:
+                        await self.owner.closing()
                 outer.cancel_scope.cancel()
                 self.control.close()
                 if self.zap is not None:
@@ -385,66 +401,3 @@ def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
     return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
             for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
                                 L.master_port)]
-
-
-def node_home(run_dir: Path, node_rank: int) -> Path:
-    """Where the runner of node ``node_rank`` keeps its lock, topology and status."""
-    return run_dir if node_rank == 0 else run_dir / "nodes" / f"node{node_rank}"
-
-
-def run_job(topology: Topology) -> int:
-    """Resolve ``topology``, take the run directory, start and supervise the job; its exit
-    status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
-    own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
-    topology, run_dir = resolve(topology)
-    node = topology.learner.node_rank
-    home = node_home(run_dir, node)
-    home.mkdir(parents=True, exist_ok=True)
-    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
-    try:
-        # released by the kernel when this process dies, however it dies (kill -9 included)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"error: another runner is using {run_dir}", file=sys.stderr)
-        return 2
-    try:
-        remove_stale_sockets(home, Path(topology.run.socket_dir))
-        try:
-            topology = prepare_job_keys(topology, run_dir)
-        except ConfigError as exc:
-            print(f"error: bad topology: {exc}", file=sys.stderr)
-            return 2
-        (run_dir / LOGS).mkdir(exist_ok=True)
-        for stale in (run_dir / LOGS).glob("*.traceback"):
-            if node == 0 or stale.stem in {p.name for p in learner_ranks(topology, home)}:
-                stale.unlink()  # (another node's are not this runner's to remove)
-        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
-        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
-        os.replace(tmp, resolved)
-        print(f"=== run directory: {run_dir}", flush=True)
-        print(f"=== model: {topology.model.path}", flush=True)
-        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
-        if node > 0:
-            counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
-        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        if node > 0:  # node 0 records the job: no sinks, no panel here
-            return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")
-        try:
-            metrics, view, resume = open_metrics(topology, run_dir)
-        except TrackerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        job = Job(topology, run_dir, metrics, view, resume, home)
-        live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
-        if live is not None:
-            live.start()
-        try:
-            return anyio.run(job.run, backend="trio")
-        finally:
-            if live is not None and live.live.is_started:
-                live.close(job.outcome or "failed")
-    finally:
-        if own_sockets:
-            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
-        lock.close()

@@ -144,8 +144,10 @@ class WeightsPublisher:
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
     async def _answer(self) -> None:
+        # a second _answer (a poll served while this one awaits a send) may have answered a
+        # peer of this snapshot already: only a peer still waiting is answered here
         for peer, have in list(self.waiting.items()):
-            if self.version > have:
+            if self.version > have and self.waiting.get(peer) == have:
                 del self.waiting[peer]
                 try:
                     for frames in self.messages:  # this version's, even if a newer one comes

@@ -54,6 +54,7 @@ from messages.rollout import (
     Prompt,
     PromptBatch,
     PromptRequest,
+    SamplerAlive,
     SamplingParams,
     ScoredGroup,
     ValidationDone,
@@ -94,6 +95,12 @@ class Sampler:
                 continue
             if isinstance(msg, PromptBatch) and msg.prompts:
                 return msg
+
+    async def keep_alive(self) -> None:
+        """Tell the replay buffer this sampler is alive, also while it generates for long."""
+        while True:
+            await self.replay.send_multipart([encode(SamplerAlive(self.incarnation))])
+            await anyio.sleep(self.ctx.topology.run.heartbeat_interval)
 
     async def apply_weights(self, at_least: int) -> None:
         """Load the newest received weights, after waiting for version ``at_least``."""
@@ -383,6 +390,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 tg.start_soon(weights.serve)
                 tg.start_soon(scoring.serve)
                 tg.start_soon(engine.watch)
+                tg.start_soon(sampler.keep_alive)
                 tg.start_soon(sampler.run, tg)
         finally:
             with anyio.CancelScope(shield=True):

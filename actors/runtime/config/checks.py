@@ -15,6 +15,7 @@ from actors.data.files import DataFileError, jsonl_rows
 from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
+from actors.runtime.config.hosts import check_hosts
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
@@ -175,6 +176,9 @@ def check(topology: Topology) -> None:
          "needs security.curve = true")
     need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
          "must be a 40-character Z85 public key")
+    need(topology.replay.sampler_timeout_s >= 0, "replay.sampler_timeout_s",
+         "must be >= 0 (0: prompts are issued again only when a sampler restarts)")
+    check_hosts(topology, need)
 
 
 def _check_correction(a: AlgorithmConfig, need: Any) -> None:

@@ -68,7 +68,7 @@ def check_placement(topology: Any, need: Any) -> None:
     need(0 <= L.node_rank < L.nnodes, "learner.node_rank",
          f"must be in [0, learner.nnodes = {L.nnodes})")
     need(0 <= L.master_port < 65536, "learner.master_port", "must be a port number (0: free)")
-    need(L.nnodes == 1 or L.master_port > 0, "learner.master_port",
+    need(L.nnodes == 1 or L.master_port > 0 or bool(topology.hosts), "learner.master_port",
          "several nodes must agree on the rendezvous port: set it")
     need(L.node_rank == 0 or "{time}" not in topology.run.dir, "run.dir",
          "every node's runner must name the same run directory (shared by the nodes): set it")

@@ -32,6 +32,13 @@ class RunConfig(_Section, frozen=True):
     """Directory for ipc:// sockets of ``auto`` addresses (default: a fresh folder under /tmp)."""
     record: bool = True
     """Record prompts, groups, fates, batches and metrics to RUN_DIR/record (crash resume needs it)."""
+    host: str = ""
+    """With ``[hosts]``: the host this runner starts the actors of (``runner.py ... --host NAME``)."""
+    base_port: int = 47100
+    """With ``[hosts]``: ``auto`` addresses become ``tcp://HOST:base_port+k`` (k fixed per socket,
+    runner control ports base_port+10+i for the i-th host), the same on every host."""
+    host_wait_s: float = 300.0
+    """With ``[hosts]``: how long a runner waits for the actors (or runner) of other hosts."""
     loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
         "console", "jsonl")
     """Where every metric of every step and of every validation goes (verl ``trainer.logger``):
@@ -254,6 +261,9 @@ class ReplayConfig(ActorCommon, frozen=True):
     reuse: int = 1
     """Serve each group in up to this many batches (one per policy version, while it is within
     algorithm.max_staleness of the version that generated it; so at most max_staleness + 1)."""
+    sampler_timeout_s: float = 60.0
+    """A sampler silent this long (no request, group or keep-alive: its process hangs or its
+    host is cut off) loses its prompts in flight: they are issued again (0: only on restart)."""
 
 
 class LearnerConfig(LearnerPlacement, frozen=True):
@@ -341,6 +351,9 @@ class SecurityConfig(_Section, frozen=True):
     the clients allowed to attach besides the job's own actors. Re-read at every handshake."""
     server_key: str = ""
     """Set by the runner: the job's CURVE server public key (Z85), which attaching workers use."""
+    allow_insecure: bool = False
+    """Run a job whose ``[hosts]`` are not all private addresses without CURVE (refused unless
+    this is true: anyone who reaches the ports could feed it data)."""
 
 
 class Topology(_Section, frozen=True):
@@ -356,6 +369,9 @@ class Topology(_Section, frozen=True):
     security: SecurityConfig = SecurityConfig()
     agent: AgentConfig = AgentConfig()
     validation: ValidationConfig = ValidationConfig()
+    hosts: dict[str, str] = {}
+    """Host names -> addresses (IP or DNS name) for a job over several machines; each machine
+    runs ``runner.py topology.toml --host NAME`` and starts the actors placed on NAME."""
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
 

@@ -22,3 +22,6 @@ class ActorCommon(_Section, frozen=True):
     (each kind's default is its row in ``actors/registry.py``)."""
     max_restarts: int = 3
     """Restarts allowed per process before the job is stopped."""
+    host: str | list[str] = ""
+    """With ``[hosts]``: the host these processes run on, or one host per process (a list of
+    ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host)."""

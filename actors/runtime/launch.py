@@ -1,0 +1,173 @@
+"""Starting a job: resolve its topology, take its run directory, make or wait for its keys, write
+the resolved topology the actors read, open the metric sinks, then hand it to the supervisor
+(``actors/runtime/supervisor.py``), whose exit status is the job's.
+
+Resolution fills in the run directory (``{time}``), the model directory and every ``auto``
+address: ``ipc://`` sockets in a fresh folder under /tmp on one host, ``tcp://IP:PORT`` with
+``[hosts]`` (``actors/runtime/config/hosts.py``). One runner at a time holds a run directory
+(with ``[hosts]`` or learner nodes, one per host or node, each in its own folder under it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import zmq
+
+from actors.registry import NAMES
+from actors.runtime.config import ConfigError, Topology
+from actors.runtime.config.hosts import local_actors, owner, resolve_addresses
+from actors.runtime.liveview import LiveView
+from actors.runtime.loggers import open_metrics
+from actors.runtime.ranks import free_port
+from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
+from actors.runtime.security import prepare_job_keys
+from actors.runtime.supervisor import Job, learner_ranks
+from actors.runtime.trackers import TrackerError
+
+
+def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
+    """Fill in the run directory, the model directory and every ``auto`` address."""
+    from actors.model_store import resolve_model_path
+
+    topology = resolve_addresses(topology)  # with [hosts]: auto -> tcp://IP:PORT
+    run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
+    sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
+    Path(sockets).mkdir(parents=True, exist_ok=True)
+
+    def addr(value: str, name: str) -> str:
+        return f"ipc://{sockets}/{name}" if value == "auto" else value
+
+    model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
+    resolved = msgspec.structs.replace(
+        topology,
+        run=msgspec.structs.replace(topology.run, dir=str(run_dir), socket_dir=sockets),
+        model=msgspec.structs.replace(topology.model, path=model),
+        replay=msgspec.structs.replace(topology.replay, address=addr(topology.replay.address, "replay")),
+        router=msgspec.structs.replace(
+            topology.router, address=addr(topology.router.address, "router"),
+            worker_address=addr(topology.router.worker_address, "router-workers")),
+        learner=msgspec.structs.replace(
+            topology.learner, weights_address=addr(topology.learner.weights_address, "weights"),
+            master_port=topology.learner.master_port or free_port(topology.learner.master_addr)),
+        control_address=addr(topology.control_address, "control"),
+    )
+    return resolved, run_dir
+
+
+def node_home(run_dir: Path, node_rank: int) -> Path:
+    """Where the runner of node ``node_rank`` keeps its lock, topology and status."""
+    return run_dir if node_rank == 0 else run_dir / "nodes" / f"node{node_rank}"
+
+
+def run_job(topology: Topology) -> int:
+    """Resolve ``topology``, take the run directory, start and supervise the job; its exit
+    status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
+    own_sockets = not topology.run.socket_dir  # a fresh temp folder, removed at exit
+    if topology.hosts and not topology.run.host:
+        print(f"error: this topology places actors on hosts {', '.join(topology.hosts)}: start "
+              "one runner on each with --host NAME", file=sys.stderr)
+        return 2
+    try:
+        topology, run_dir = resolve(topology)
+    except ConfigError as exc:
+        print(f"error: bad topology: {exc}", file=sys.stderr)
+        return 2
+    here = topology.run.host
+    node = topology.learner.node_rank
+    home = node_home(run_dir, node) if node or here == owner(topology) \
+        else run_dir / "hosts" / here
+    home.mkdir(parents=True, exist_ok=True)
+    lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
+    try:
+        # released by the kernel when this process dies, however it dies (kill -9 included)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"error: another runner is using {home}" + (f" (host {here})" if here else ""),
+              file=sys.stderr)
+        return 2
+    try:
+        remove_stale_sockets(home, Path(topology.run.socket_dir))
+        try:
+            if home == run_dir:
+                topology = prepare_job_keys(topology, run_dir)
+            else:  # the owner's runner makes the job's keys: they must be the same everywhere
+                topology = wait_for_job_keys(topology, run_dir)
+        except ConfigError as exc:
+            print(f"error: bad topology: {exc}", file=sys.stderr)
+            return 2
+        (run_dir / LOGS).mkdir(exist_ok=True)
+        ranks = {p.name for p in learner_ranks(topology, home)}
+        placed = local_actors(topology)
+        mine = ranks if node else (
+            {f"{k}-{i}" for k, i in placed if k != "learner"} | (ranks if ("learner", 0) in placed
+                                                                 else set()))
+        for stale in (run_dir / LOGS).glob("*.traceback"):
+            if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
+                stale.unlink()
+        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
+        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
+        os.replace(tmp, resolved)
+        print(f"=== run directory: {run_dir}", flush=True)
+        print(f"=== model: {topology.model.path}", flush=True)
+        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        if node > 0:
+            counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
+        elif here:
+            counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
+        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+        try:
+            if node > 0:  # node 0 records the job: no sinks, no panel here
+                return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")
+            try:
+                metrics, view, resume = open_metrics(topology, run_dir)
+            except TrackerError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            job = Job(topology, run_dir, metrics, view, resume, home)
+        except zmq.ZMQError as exc:
+            print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
+                  + (f" (is a runner for host {here} already running, or is {here}'s address "
+                     "not one of this machine's?)" if here else ""), file=sys.stderr)
+            return 2
+        live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
+        if live is not None:
+            live.start()
+        try:
+            return anyio.run(job.run, backend="trio")
+        finally:
+            if live is not None and live.live.is_started:
+                live.close(job.outcome or "failed")
+    finally:
+        if own_sockets:
+            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
+        lock.close()
+
+
+def wait_for_job_keys(topology: Topology, run_dir: Path) -> Topology:
+    """Another host's runner: the job's keys, made by the owner's runner (a run directory shared
+    by the hosts, or ``security.keys_dir`` copied to each), waited for up to run.host_wait_s."""
+    if not topology.security.curve:
+        return topology
+    keys_dir = Path(topology.security.keys_dir or run_dir / "keys")
+    deadline = time.monotonic() + topology.run.host_wait_s
+    while True:
+        if all((keys_dir / f"{n}.key_secret").is_file() for n in ("server", "client")):
+            time.sleep(0.2)  # a key being written by the owner is whole a moment later
+            return prepare_job_keys(topology, run_dir)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"security.keys_dir: no job keys in {keys_dir} after "
+                              f"run.host_wait_s: the owner host {owner(topology)}'s runner makes "
+                              "them; share the run directory or copy its keys there")
+        print(f"=== waiting for the job's keys in {keys_dir} (the owner host makes them)",
+              flush=True)
+        time.sleep(2.0)

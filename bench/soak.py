@@ -1,0 +1,275 @@
+"""A bounded chaos soak of a whole job on the tiny random model, then an audit of what it recorded.
+
+``python bench/soak.py [--steps 320] [--kill-every 2:5] [--attach-every 60] [--job-kill-at 150]
+[--reward-pause 0.05]``
+
+Each reward call sleeps ``--reward-pause`` seconds (so that a step takes about a second, and a
+killed worker usually holds requests). While the learner takes ``--steps`` steps: a random sampler or reward worker is killed with
+SIGKILL every ``--kill-every`` seconds (uniform in A:B; the runner restarts it), a reward worker
+is attached by hand (``runner.py attach reward --to RUN_DIR``) and the previous one detached
+(SIGTERM) every ``--attach-every`` seconds, and once, at step ``--job-kill-at``, the runner and
+every actor are killed with SIGKILL together and the job is started again with the same run
+directory (crash resume). The resident memory of the long-lived actors (replay, router, learner)
+and of the runner is sampled every 2 s.
+
+At the end it checks and prints: the job finished (exit 0), every step's counters balance
+(issued = trained + dropped + in flight), every step 1..N has exactly one batch in the final
+lineage and no group is in two of them, every issued prompt id is in the recording, and no
+process of the run is left; and each long-lived process's RSS growth per 100 steps (the slope of
+a least-squares line over its samples after step 50 of its incarnation). Exit 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actors.runtime.recording import last_by, read_table  # noqa: E402
+from tests.jobs import TINY, actor_pids, balanced, metrics  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
+
+LONG_LIVED = ("replay", "router", "learner")
+PACED_REWARD = '''
+import time
+
+from actors.scoring.rules import repeat_letter_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep({pause})  # paces the job: steps of about a second instead of milliseconds
+    return repeat_letter_score(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def kind_of(pid: int) -> str:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return args[-3].decode() if len(args) > 3 else ""  # ... actors.main RUN_DIR KIND INDEX ''
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def slope_per_100(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares MB per 100 steps over (step, MB) points."""
+    if len(points) < 3 or len({s for s, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(s for s, _ in points) / n
+    my = sum(m for _, m in points) / n
+    sxx = sum((s - mx) ** 2 for s, _ in points)
+    sxy = sum((s - mx) * (m - my) for s, m in points)
+    return 100 * sxy / sxx
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.run_dir = self.out / "run"
+        self.rng = random.Random(args.seed)
+        self.kills = {"sampler": 0, "reward": 0}
+        self.attached: list[subprocess.Popen] = []
+        self.attach_rc: list[int] = []
+        self.rss: dict[str, list[tuple[int, float]]] = {}  # "KIND#INCARNATION" -> (step, MB)
+        self.incarnation = 0
+
+    def command(self, model: Path) -> list[str]:
+        a = self.args
+        return [sys.executable, "runner.py", "topology.toml", f"model.path={model}",
+                f"run.dir={self.run_dir}", f"run.socket_dir={self.out / 'sockets'}", *TINY,
+                f"learner.total_steps={a.steps}", "learner.save_every=20", "sampler.count=2",
+                "reward.count=2", "sampler.max_restarts=100000", "reward.max_restarts=100000",
+                "router.request_timeout=5", "sampler.score_timeout_s=15",
+                "replay.sampler_timeout_s=10", "reward.timeout_s=5",
+                *([f'reward.functions=[{{path = "{self.out / "paced_reward.py"}"}}]']
+                  if a.reward_pause > 0 else [])]
+
+    def start(self, model: Path) -> subprocess.Popen:
+        self.incarnation += 1
+        log = (self.out / f"runner-{self.incarnation}.log").open("w")
+        return subprocess.Popen(self.command(model), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def steps(self) -> int:
+        return len(metrics(self.run_dir))
+
+    def sample_rss(self, runner: subprocess.Popen) -> None:
+        step = self.steps()
+        for pid in actor_pids(self.run_dir):
+            kind = kind_of(pid)
+            if kind in LONG_LIVED and (mb := rss_mb(pid)) is not None:
+                self.rss.setdefault(f"{kind}#{self.incarnation}", []).append((step, mb))
+        if (mb := rss_mb(runner.pid)) is not None:
+            self.rss.setdefault(f"runner#{self.incarnation}", []).append((step, mb))
+
+    def kill_one(self) -> None:
+        victims = [(pid, k) for pid in actor_pids(self.run_dir)
+                   if (k := kind_of(pid)) in ("sampler", "reward")]
+        if victims:
+            pid, kind = self.rng.choice(victims)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.kills[kind] += 1
+            except ProcessLookupError:
+                pass
+
+    def attach_swap(self) -> None:
+        for p in self.attached:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                self.attach_rc.append(p.wait(timeout=60))
+        self.attached = [subprocess.Popen(
+            [sys.executable, "runner.py", "attach", "reward", "--to", str(self.run_dir),
+             "--name", f"reward-soak-{len(self.attach_rc)}"], cwd=ROOT,
+            stdout=(self.out / f"attached-{len(self.attach_rc)}.log").open("w"),
+            stderr=subprocess.STDOUT)]
+
+    def kill_job(self, runner: subprocess.Popen) -> None:
+        for p in self.attached:  # detached first: it would outlive the job it served
+            p.send_signal(signal.SIGTERM)
+            self.attach_rc.append(p.wait(timeout=60))
+        self.attached = []
+        pids = [runner.pid, *actor_pids(self.run_dir)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        runner.wait()
+        deadline = time.monotonic() + 30
+        while actor_pids(self.run_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def run(self) -> int:
+        a = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        model = build_tiny_model(self.out / "model")
+        (self.out / "paced_reward.py").write_text(PACED_REWARD.format(pause=a.reward_pause))
+        started = time.monotonic()
+        runner = self.start(model)
+        job_killed_at = None
+        next_kill = time.monotonic() + self.rng.uniform(*a.kill_every)
+        next_attach = time.monotonic() + a.attach_every
+        next_rss = 0.0
+        while runner.poll() is None:
+            now = time.monotonic()
+            if now - started > a.limit_s:
+                print(f"!!! soak over its time limit ({a.limit_s:g}s): stopping", flush=True)
+                runner.send_signal(signal.SIGINT)
+                runner.wait(timeout=300)
+                break
+            step = self.steps()
+            if job_killed_at is None and step >= a.job_kill_at > 0:
+                print(f"=== step {step}: kill -9 of the whole job, then resume", flush=True)
+                self.kill_job(runner)
+                job_killed_at = step
+                runner = self.start(model)
+                next_attach = time.monotonic() + a.attach_every
+                continue
+            if now >= next_kill:
+                self.kill_one()
+                next_kill = now + self.rng.uniform(*a.kill_every)
+            if now >= next_attach:
+                self.attach_swap()
+                next_attach = now + a.attach_every
+            if now >= next_rss:
+                self.sample_rss(runner)
+                next_rss = now + 2.0
+            time.sleep(0.2)
+        rc = runner.wait()
+        for p in self.attached:
+            p.send_signal(signal.SIGTERM)
+            self.attach_rc.append(p.wait(timeout=60))
+        return self.audit(rc, job_killed_at, time.monotonic() - started)
+
+    def audit(self, rc: int, job_killed_at: int | None, wall_s: float) -> int:
+        rows = metrics(self.run_dir)
+        final = {r["step"]: r for r in rows}  # a redone step's last line
+        batches = last_by(read_table(self.run_dir, "batches"), "step")
+        trained = [g for s in sorted(batches) for g in batches[s]["group_ids"]]
+        prompts = read_table(self.run_dir, "prompts", ["prompt_id"]).column("prompt_id").to_pylist()
+        last = final[max(final)] if final else {}
+        status = [json.loads(x) for x in (self.run_dir / "status.jsonl").read_text().splitlines()]
+        replay = status[-1].get("replay-0", {})  # its last status, as the job stopped
+        fates = last_by(read_table(self.run_dir, "fates", ["group_id", "fate"]), "group_id")
+        done = {g for g, row in fates.items() if row["fate"] in ("trained", "dropped")}
+        open_prompts = len(set(prompts) - done)  # no fate: held or in flight at the end
+        checks = {
+            "job finished (exit 0)": rc == 0,
+            "every metrics line balances": all(balanced(r) for r in rows),
+            "the final counters balance": replay.get("issued") == replay.get("trained", 0)
+            + replay.get("dropped", 0) + replay.get("in_flight", 0),
+            f"steps 1..{self.args.steps} each have one batch": sorted(batches) == list(
+                range(1, self.args.steps + 1)) and sorted(final) == sorted(batches),
+            "no group trained twice": len(trained) == len(set(trained)),
+            "trained counter = groups in the batches": int(last.get("replay/trained", -1))
+            == len(trained),
+            "prompt ids 0..N-1 recorded once each": sorted(prompts) == list(range(len(prompts))),
+            "no prompt lost (each trained, dropped, or open at the end)":
+                open_prompts <= replay.get("in_flight", 0) and len(prompts) >= replay.get("issued", 0),
+            "attached workers detached with 0": all(c == 0 for c in self.attach_rc),
+            "no process of the run left": not actor_pids(self.run_dir),
+        }
+        growth = {key: slope_per_100([(s, m) for s, m in pts if s >= 50 + (pts[0][0] if pts else 0)])
+                  for key, pts in sorted(self.rss.items())}
+        summary = {
+            "wall_s": round(wall_s), "steps": len(final), "job_killed_at_step": job_killed_at,
+            "kills": self.kills, "attached": len(self.attach_rc),
+            "restarts": {k: v.get("restarts") for k, v in status[-1].items()
+                         if isinstance(v, dict) and "restarts" in v},
+            "router": {k: status[-1].get("router-0", {}).get(k) for k in ("resent", "duplicates")},
+            "replay": {k.removeprefix("replay/"): last.get(k) for k in (
+                "replay/issued", "replay/trained", "replay/dropped", "replay/in_flight",
+                "replay/dropped_stale", "replay/dropped_score_failed")},
+            "groups_trained": len(trained), "prompts_recorded": len(prompts),
+            "prompts_open_at_end": open_prompts, "replay_final": {
+                k: replay.get(k) for k in ("issued", "trained", "dropped", "in_flight",
+                                           "reissued_silent", "rejected")},
+            "rss_mb_first_last": {k: (round(p[0][1], 1), round(p[-1][1], 1), p[0][0], p[-1][0])
+                                  for k, p in sorted(self.rss.items()) if p},
+            "rss_growth_mb_per_100_steps": {k: None if v is None else round(v, 2)
+                                            for k, v in growth.items()},
+            "checks": checks,
+        }
+        (self.out / "soak.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary, indent=1))
+        return 0 if all(checks.values()) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=320)
+    parser.add_argument("--kill-every", default="2:5", help="seconds A:B between kills")
+    parser.add_argument("--attach-every", type=float, default=60.0)
+    parser.add_argument("--job-kill-at", type=int, default=150, help="0: no whole-job kill")
+    parser.add_argument("--limit-s", type=float, default=3600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reward-pause", type=float, default=0.05,
+                        help="seconds each reward call sleeps (0: the built-in scorer alone)")
+    parser.add_argument("--out", default="runs/soak")
+    args = parser.parse_args()
+    args.kill_every = tuple(float(x) for x in args.kill_every.split(":"))
+    return Soak(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
