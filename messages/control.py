@@ -19,6 +19,8 @@ class Ready(msgspec.Struct, tag=True):
 
     actor: str
     pid: int
+    status: dict[str, StatusValue] = {}  # its status as it starts serving (a heartbeat may not
+    # come before a short-lived actor is done)
 
 
 class Heartbeat(msgspec.Struct, tag=True, gc=False):
@@ -48,6 +50,7 @@ class Finished(msgspec.Struct, tag=True):
 
     actor: str
     detail: str = ""
+    status: dict[str, StatusValue] = {}  # its last status
 
 
 class Stop(msgspec.Struct, tag=True):

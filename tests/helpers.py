@@ -129,11 +129,13 @@ FromChild = ChildReady | Outcomes
 # (union, message): one valid message of every type of every union that crosses a process boundary
 CASES = [
     (ToRunner, Ready("sampler-0", 123)),
+    (ToRunner, Ready("learner-0", 124, {"state": "running", "resumed_from": "step_30"})),
     (ToRunner, Heartbeat("replay-0", {"issued": 3, "state": "running", "x": 0.5, "ok": True, "n": None,
                                       "reward-0": {"pool": "reward", "done": 4, "p50_ms": 1.5,
                                                    "leaving": False}})),
     (ToRunner, StepReport(3, {"critic/score/mean": 0.25})),
     (ToRunner, Finished("learner-0", "done")),
+    (ToRunner, Finished("learner-0", "done", {"state": "finished", "step": 32})),
     (ToRunner, ErrorReply("bad")),
     (ToRunner, ValidationReport(10, {"val-core/arithmetic/reward/mean@4": 0.5})),
     (ToActor, Stop("because")),

@@ -147,7 +147,8 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             async def body_then_finish(*, task_status: anyio.abc.TaskStatus[None]) -> None:
                 detail = await body(ctx, task_status=task_status)
                 ctx.status["state"] = "finished"
-                await ctx.report(Finished(actor=ctx.name, detail=str(detail or "")))
+                await ctx.report(Finished(actor=ctx.name, detail=str(detail or ""),
+                                          status=dict(ctx.status)))
                 tg.cancel_scope.cancel()
 
             # heartbeats from the start: a long start (loading a model, starting an engine) shows
@@ -155,7 +156,7 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             tg.start_soon(_heartbeats, ctx, ctx.topology.run.heartbeat_interval)
             await tg.start(body_then_finish)
             ctx.status["state"] = "running"
-            await ctx.report(Ready(actor=ctx.name, pid=os.getpid()))
+            await ctx.report(Ready(actor=ctx.name, pid=os.getpid(), status=dict(ctx.status)))
             task_status.started()
     finally:
         if ctx.control is not None:

@@ -225,8 +225,9 @@ class Job:
                 continue
             p.last_seen = time.monotonic()
             match msg:
-                case Ready():
+                case Ready(status=status):
                     p.ready = True
+                    p.status = status or p.status
                     if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()):
                         self.all_ready.set()
                         print(f"=== job started: all {len(self.procs)} actors ready after "
@@ -247,8 +248,9 @@ class Job:
                     self.record_status("validation", validation_step=report.step)
                     if self.learner_done and report.step == self.topo.learner.total_steps:
                         self.end("finished")
-                case Finished(detail=detail):
+                case Finished(detail=detail, status=status):
                     p.finished = True
+                    p.status = status or p.status
                     self.say(f"=== {p.name} finished: {detail}")
                     if p.remote and p.kind == "learner":  # its own host's runner ends there
                         self.learner_finished()
