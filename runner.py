@@ -98,7 +98,8 @@ def attach_main(argv: list[str]) -> int:
                              "config plus the reward.* overrides given")
     parser.add_argument("--server-key", default="", metavar="Z85",
                         help="with --to ADDRESS of a job with CURVE on: the job's server public "
-                             "key (security.server_key in its topology.json); use with --key")
+                             "key (security.server_key in its topology.json), written --server-key=Z85 "
+                             "(a key may begin with '-'); use with --key")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
     parser.add_argument("--key", default=None, metavar="KEY",
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "

@@ -27,4 +27,11 @@ if [ "${SKIP_VLLM:-0}" != 1 ]; then
     fi
   done
 fi
+# the network-namespace tests (tests/test_netns.py) need `ip` (iproute2) and root; without them
+# they skip, saying why
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q iproute2 >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; } \
+    || echo "setup: iproute2 could not be installed; the network-namespace tests will skip"
+fi
 .venv/bin/python -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', f'torch {v}: expected 2.13.0+cpu'"

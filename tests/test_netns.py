@@ -210,7 +210,7 @@ def test_curve_over_tcp_refuses_an_unknown_key_and_lets_an_authorized_one_attach
         server_key = __import__("json").loads((job.run_dir / "topology.json").read_text())[
             "security"]["server_key"]
         attach = [sys.executable, str(ROOT / "runner.py"), "attach", "reward", "--to",
-                  f"tcp://{net.address('a')}:47462", "--server-key", server_key, "--key"]
+                  f"tcp://{net.address('a')}:47462", f"--server-key={server_key}", "--key"]
         refused = subprocess.run(net.command("b", [*attach, str(tmp_path / "mallory.key_secret")]),
                                  cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1

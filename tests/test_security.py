@@ -178,7 +178,7 @@ def test_secured_job_runs_and_only_authorized_keys_attach(tiny_model, tmp_path):
 
         # as from another machine: the router's address and the job's public key, no run directory
         good = attach(topology["router"]["worker_address"], tmp_path / "good.log",
-                      "--server-key", topology["security"]["server_key"],
+                      f"--server-key={topology['security']['server_key']}",  # Z85 may begin with -
                       "--key", str(tmp_path / "alice.key_secret"), "reward.capacity=1")
         name = f"reward-attached-{good.pid}"
 
