@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+import torch
+
+from actors.learner.batch import build_batch
+from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
 from actors.runtime.config import apply_overrides, decode_topology
-from messages.rollout import SamplingParams
+from actors.runtime.tensors import to_wire
+from messages.rollout import SamplingParams, ScoredGroup
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=6)  # what the test groups were sampled with
 
@@ -16,6 +22,25 @@ def make_trainer(model: Path, run_dir: Path, *overrides: str) -> Trainer:
                                                 "algorithm.n=4", "learner.groups_per_step=2",
                                                 "sampler.max_tokens=6", *overrides]))
     return Trainer(topo, run_dir)
+
+
+def with_behaviour(trainer: Trainer, groups: list[ScoredGroup], behaviour) -> list[ScoredGroup]:
+    """``groups`` with each sample's behaviour log-probs set to ``behaviour(sample, own)``, where
+    ``own`` is the sample's response log-probs under the trainer's current policy."""
+    batch = build_batch(groups, trainer.policy.pad_id)
+    with torch.no_grad():
+        lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
+    out, row = [], 0
+    for g in groups:
+        start = g.prompt_ids.shape[0] - 1
+        samples = []
+        for s in g.samples:
+            own = lp[row, start:start + s.response_ids.shape[0]]
+            samples.append(msgspec.structs.replace(
+                s, behaviour_logprobs=to_wire(behaviour(s, own))))
+            row += 1
+        out.append(msgspec.structs.replace(g, samples=samples))
+    return out
 
 
 OPTIONS = {

@@ -13,11 +13,10 @@ import torch
 
 from actors.data.chat import chat_ids
 from actors.learner.batch import build_batch
-from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
 from actors.runtime.tensors import to_wire
 from messages.rollout import ChatMessage, Prompt, Sample, ScoredGroup, Turn
-from tests.learner_cases import OPTIONS, SAMPLING, make_trainer
+from tests.learner_cases import OPTIONS, SAMPLING, make_trainer, with_behaviour
 
 SKIP = {"grad_ckpt", "cosine_warmup", "lora"}  # nothing about masks
 
@@ -53,26 +52,12 @@ def multi_turn_groups(trainer: Trainer, tool_logprob: float, seed: int = 0) -> l
         groups.append(ScoredGroup(Prompt(g, [ChatMessage("user", "x")], "repeat_letter", "a"),
                                   to_wire(prompt_ids), samples, "s", baseline_reward=0.5,
                                   sampling=SAMPLING))
-    batch = build_batch(groups, trainer.policy.pad_id)
-    with torch.no_grad():
-        lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
-    out, row = [], 0
-    for g in groups:
-        samples = []
-        for s in g.samples:
-            p = g.prompt_ids.shape[0]
-            n = s.response_ids.shape[0]
-            own = lp[row, p - 1:p - 1 + n] - 0.1
-            mask = torch.frombuffer(bytearray(s.loss_mask.data), dtype=torch.int8).bool()
-            behaviour = torch.where(mask, own, torch.full_like(own, tool_logprob))
-            samples.append(Sample(s.response_ids, to_wire(behaviour.float()), 0, "",
-                                  s.finish_reason, s.reward, loss_mask=s.loss_mask,
-                                  token_versions=s.token_versions, reward_extra=s.reward_extra,
-                                  turns=s.turns))
-            row += 1
-        out.append(ScoredGroup(g.prompt, g.prompt_ids, samples, g.sampler,
-                               baseline_reward=g.baseline_reward, sampling=g.sampling))
-    return out
+
+    def behaviour(s: Sample, own: torch.Tensor) -> torch.Tensor:
+        mask = torch.frombuffer(bytearray(s.loss_mask.data), dtype=torch.int8).bool()
+        return torch.where(mask, own - 0.1, torch.full_like(own, tool_logprob)).float()
+
+    return with_behaviour(trainer, groups, behaviour)
 
 
 @pytest.mark.parametrize("name", [n for n in OPTIONS if n not in SKIP])

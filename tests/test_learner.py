@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from actors.data.chat import chat_ids
-from actors.learner.batch import build_batch
-from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
 from actors.runtime.tensors import to_wire
 from messages.rollout import ChatMessage, Prompt, Sample, ScoredGroup
-from tests.learner_cases import OPTIONS, SAMPLING, make_trainer
+from tests.learner_cases import OPTIONS, SAMPLING, make_trainer, with_behaviour
 
 
 def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.0,
@@ -44,23 +42,8 @@ def make_groups(trainer: Trainer, *, seed: int = 0, behaviour_offset: float = 0.
         prompt = Prompt(g, [ChatMessage("user", "x")], "repeat_letter", "a")
         groups.append(ScoredGroup(prompt, to_wire(prompt_ids), samples, "s", baseline_reward=0.5,
                                   sampling=SAMPLING))
-    # fill in the behaviour log-probs with the current policy's (optionally shifted)
-    batch = build_batch(groups, trainer.policy.pad_id)
-    with torch.no_grad():
-        lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
-    out, row = [], 0
-    for g in groups:
-        prompt_len = g.prompt_ids.shape[0]
-        samples = []
-        for s in g.samples:
-            span = slice(prompt_len - 1, prompt_len - 1 + s.response_ids.shape[0])
-            samples.append(Sample(s.response_ids, to_wire(lp[row, span] + behaviour_offset),
-                                  s.policy_version, s.text, s.finish_reason, s.reward,
-                                  loss_mask=s.loss_mask, reward_extra=s.reward_extra))
-            row += 1
-        out.append(ScoredGroup(g.prompt, g.prompt_ids, samples, g.sampler,
-                               baseline_reward=g.baseline_reward, sampling=g.sampling))
-    return out
+    # the behaviour log-probs: the current policy's (optionally shifted)
+    return with_behaviour(trainer, groups, lambda s, own: own + behaviour_offset)
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
