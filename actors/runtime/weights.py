@@ -261,6 +261,8 @@ class WeightsSubscriber:
             if isinstance(exc, FileNotFoundError):
                 raise
             return SharedWeights(path)  # links refused here: read the learner's file itself
+        if own in self.links:  # the same version again (a resumed learner): one entry, so
+            self.links.remove(own)  # trimming an old entry never removes the new link
         self.links.append(own)
         while len(self.links) > SHM_KEEP:
             self.links.pop(0).unlink(missing_ok=True)
