@@ -3,7 +3,14 @@ computes (the runner never imports torch: ``auto`` is answered where the GPU wou
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
@@ -25,3 +32,24 @@ def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch
     if setting == "auto":
         setting = "bfloat16" if device.type == "cuda" else model_dtype
     return getattr(torch, setting)
+
+
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
+    CUDA's current device is per thread: FSDP2, Triton kernels and ``torch.cuda`` calls without
+    an index take it from the thread that runs them, and a fresh worker thread's is device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def on_device(device: torch.device, fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` made to run with ``device`` current in whatever thread calls it: wrap every
+    function handed to a worker thread (``anyio.to_thread.run_sync``, ``run_compute``) that does
+    device work. The wrapper names its device (``.device``) and function (``__wrapped__``)."""
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        set_thread_device(device)
+        return fn(*args, **kwargs)
+
+    run.device = device  # type: ignore[attr-defined]
+    return run

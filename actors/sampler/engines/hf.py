@@ -5,6 +5,14 @@ top-p/top-k truncation: the same quantity the learner recomputes, so importance 
 like with like (vLLM's ``processed_logprobs`` convention minus the truncation). Weights change
 only between calls, so every token of a completion carries the same version.
 
+The log-prob of each sampled token is taken as it is generated (``_TokenLogprobs``, one
+``(B, V)`` row of log-probs held at a time), never the whole ``(B, R, V)`` logits of a
+completion (40 GB for 32 sequences x 1k tokens at V = 152k). ``generate`` runs with the job's
+sampling parameters only (``sampling_config``): the model's own ``generation_config`` (e.g.
+``repetition_penalty = 1.05`` in Qwen2.5-Instruct's) is replaced at load, since the behaviour
+log-probs and the learner's recomputation account for temperature alone. Every tensor made
+during ``generate`` (stopping criteria, the log-prob recorder) is on the input's device.
+
 The tokenizer is loaded only for what ``generate`` itself needs of it (the EOS and padding ids,
 and matching stop strings); prompts arrive as token ids and completions leave as token ids.
 """
@@ -18,11 +26,20 @@ from pathlib import Path
 
 import anyio
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from actors.runtime.actor import run_compute
+from actors.runtime.devices import on_device
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
-from kernels.logprobs import token_logprobs
+from messages.rollout import SamplingParams
 
 
 class _Abort(StoppingCriteria):
@@ -32,7 +49,84 @@ class _Abort(StoppingCriteria):
         self.flag = flag
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool)
+        # on the input's device: transformers ORs it into a tensor there (a CUDA one on a GPU)
+        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class _TokenLogprobs(LogitsProcessor):
+    """Records the behaviour log-prob of each sampled token as ``generate`` runs.
+
+    Called once per step with the raw logits of the next token (before temperature and
+    top-k/top-p, which transformers applies after every custom processor), it keeps that step's
+    ``log_softmax(logits / temperature)`` (``(B, V)``, float32) and, at the next step, gathers it
+    at the token just chosen (the last column of ``input_ids``); ``finish`` gathers the last
+    step's. The scores pass through unchanged."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (B, V) log-probs of the step not yet chosen
+        self.taken: list[torch.Tensor] = []  # (B,) per generated token, on the input's device
+
+    def _take(self, chosen: torch.Tensor) -> None:  # chosen: (B,) token ids
+        if self.pending is not None:
+            self.taken.append(self.pending.gather(1, chosen[:, None].long())[:, 0])
+            self.pending = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.pending = token_logprobs_row(scores, self.temperature)
+        return scores
+
+    def finish(self, sequences: torch.Tensor, width: int) -> torch.Tensor:
+        """``(B, R)`` log-probs of the ``R`` tokens after the prompt's ``width``."""
+        self._take(sequences[:, -1])
+        if not self.taken:
+            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        lps = torch.stack(self.taken, 1)  # (B, R)
+        assert lps.shape[1] == sequences.shape[1] - width, (lps.shape, sequences.shape, width)
+        return lps
+
+
+def token_logprobs_row(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(scores / temperature)`` of one step, ``(B, V)`` float32: the quantity
+    ``kernels.logprobs.token_logprobs`` gives the learner, here for every token of the row."""
+    return (scores.float() / temperature).log_softmax(-1)
+
+
+# Every GenerationConfig field that changes which tokens are sampled or their probabilities,
+# with the value that leaves them alone. ``generate`` fills fields the caller leaves None from
+# the model's own generation_config, so each is set (the engine also drops that config).
+NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+           "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+           "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
+           "length_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0,
+           "renormalize_logits": False, "remove_invalid_values": False}
+# Fields whose neutral value is None: set on a model's generation_config they would act.
+NEUTRAL_NONE = ("min_p", "top_h", "bad_words_ids", "sequence_bias", "suppress_tokens",
+                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                "exponential_decay_length_penalty", "watermarking_config", "penalty_alpha",
+                "dola_layers", "constraints", "force_words_ids")
+
+
+def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | None
+                    ) -> GenerationConfig:
+    """The one GenerationConfig ``generate`` runs with: the job's sampling parameters, every
+    other logit-changing field neutral. Raises ValueError naming the ``sampler`` key of a value
+    the behaviour log-probs (untruncated ``log_softmax(logits / T)``) cannot stand for."""
+    for ok, key, why in ((params.temperature >= 0, "temperature", "must be >= 0"),
+                         (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
+                         (params.top_k >= 0, "top_k", "must be >= 0 (0: off)"),
+                         (params.max_tokens >= 1, "max_tokens", "must be >= 1")):
+        if not ok:
+            raise ValueError(f"sampler.{key}: {why} (got {getattr(params, key)!r})")
+    greedy = params.temperature == 0
+    return GenerationConfig(
+        **NEUTRAL, max_new_tokens=params.max_tokens, do_sample=not greedy,
+        temperature=1.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy else params.top_k, pad_token_id=pad, eos_token_id=eos,
+        output_logits=False, output_scores=False, return_dict_in_generate=True,
+        stop_strings=list(params.stop) or None)
 
 
 class HFEngine:
@@ -48,6 +142,11 @@ class HFEngine:
         self.device = torch.device(device)  # the model, the prompts and the logits live here
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        # generate must not apply the model's own sampling defaults (sampling_config)
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id,
+            eos_token_id=self.model.generation_config.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id)
         self.params = dict(self.model.named_parameters())
         self.version = -1
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
@@ -65,8 +164,8 @@ class HFEngine:
             raise ValueError("the HF engine generates one batch per call: every request of a "
                              "call needs the same sampling parameters and n")
         async with self.lock:
-            return await run_compute(self._generate, [r.prompt_ids for r in requests],
-                                     first, abort=self.abort)
+            return await run_compute(on_device(self.device, self._generate),
+                                     [r.prompt_ids for r in requests], first, abort=self.abort)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], like: GenerateRequest) -> list[list[Generation]]:
@@ -79,20 +178,16 @@ class HFEngine:
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
+        record = _TokenLogprobs(1.0 if greedy else params.temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=params.max_tokens,
-            **({"do_sample": False, "temperature": None, "top_p": None, "top_k": None} if greedy else
-               {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k or None}),
-            pad_token_id=pad, eos_token_id=tok.eos_token_id, output_logits=True,
-            return_dict_in_generate=True, stop_strings=list(params.stop) or None,
+            input_ids=ids, attention_mask=attn,
+            generation_config=sampling_config(params, pad, tok.eos_token_id),
             tokenizer=tok if params.stop else None,
+            logits_processor=LogitsProcessorList([record]),
             stopping_criteria=StoppingCriteriaList([_Abort(self.abort)]),
         )
         seqs = out.sequences[:, width:]  # (B·n, R)
-        logits = torch.stack(out.logits, 1)  # (B·n, R, V) raw logits of each step
-        lps = token_logprobs(logits, seqs, 1.0 if greedy else params.temperature,
-                             chunk_size=1024).cpu()  # (B·n, R), the learner's quantity
+        lps = record.finish(out.sequences, width).cpu()  # (B·n, R), the learner's quantity
         seqs = seqs.cpu()
         groups: list[list[Generation]] = [[] for _ in prompts]
         for row in range(seqs.shape[0]):
@@ -125,7 +220,7 @@ class HFEngine:
         async with self.lock:
             started = time.perf_counter()
             try:
-                await anyio.to_thread.run_sync(self._copy, tensors)
+                await anyio.to_thread.run_sync(on_device(self.device, self._copy), tensors)
             except FileNotFoundError:  # shm: the learner's file was replaced by a newer version
                 return  # (or removed at its exit) before it was opened: the old weights stay
             self.version = version
