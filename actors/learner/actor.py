@@ -61,7 +61,7 @@ class Learner:
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
         if self.group.world > 1:
-            self.group.broadcast_bytes(encode(message))
+            self.group.broadcast_control(encode(message))
 
     def gather_weights(self):
         policy = self.trainer.policy
@@ -227,7 +227,7 @@ def follow(trainer: Trainer) -> int:
     codec: Codec[ToLearnerRanks] = Codec(ToLearnerRanks)
     group, policy = trainer.group, trainer.policy
     while True:
-        match codec.decode(group.broadcast_bytes(None)):
+        match codec.decode(group.broadcast_control(None)):
             case RanksStep(groups=groups):
                 try:
                     trainer.train_step(groups)
