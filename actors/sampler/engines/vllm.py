@@ -153,6 +153,7 @@ class VLLMEngine:
         self.updates = 0
         self.updates_in_flight = 0  # updates that found requests in the engine and kept them
         self.load_s = 0.0  # of which: loading the file into the model
+        self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
 
     @classmethod
     async def start(cls, model_path: Path, dtype: str, seed: int,
@@ -189,7 +190,7 @@ class VLLMEngine:
             worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
-        await self.llm.collective_rpc("flowrl_untruncated_logprobs")
+        (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -290,6 +291,8 @@ class VLLMEngine:
                 return
             await self.llm.update_weight_version(str(version))
             self.version = version
+            if not in_flight:  # the prefix cache holds keys computed with the old weights
+                await self.llm.reset_prefix_cache()
         finally:
             if in_flight:
                 await self.llm.resume_generation()
@@ -311,7 +314,7 @@ class VLLMEngine:
     def statistics(self) -> dict[str, float | int | str]:
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
-                "in_engine": self.running,
+                "in_engine": self.running, "sampler": self.sampler_kind,
                 "clear_cache": str(self.settings.clear_cache).lower()}
 
     async def aclose(self) -> None:
