@@ -67,3 +67,19 @@ def test_on_device_names_its_device_and_function():
     wrapped = on_device(torch.device("cuda:0"), f)
     assert wrapped.device == torch.device("cuda:0") and wrapped.__wrapped__ is f
     assert devices.set_thread_device(torch.device("cpu")) is None
+
+
+def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
+    from actors.learner.policy import Policy
+    from actors.runtime.config import apply_overrides, decode_topology
+
+    topo = decode_topology(apply_overrides({}, [
+        f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16",
+        "algorithm.use_kl_loss=true"]))
+    policy = Policy(topo, tmp_path, None)
+    try:
+        assert {p.dtype for p in policy.model.parameters()} == {torch.float32}  # master weights
+        assert policy.ref is not None
+        assert {p.dtype for p in policy.ref.parameters()} == {torch.bfloat16}
+    finally:
+        policy.group.close()
