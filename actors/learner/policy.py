@@ -24,7 +24,7 @@ from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
 from actors.learner.objective import attach_forward, response_logprobs
 from actors.runtime.config import Topology
-from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 from actors.runtime.ranks import Rank
 from actors.runtime.rundir import (
     PARTIAL_PREFIX,
@@ -285,6 +285,7 @@ def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
     process group of one); otherwise a lone rank with no process group."""
     rank = rank or Rank.from_env({})
     device = resolve_device(topology.learner.device, rank.local_rank)
+    cap_memory(device)
     mixed = compute_dtype(topology, device) != getattr(torch, topology.model.dtype)
     if rank.world_size == 1 and not mixed:
         return Group.lone(device)

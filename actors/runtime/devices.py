@@ -4,10 +4,13 @@ computes (the runner never imports torch: ``auto`` is answered where the GPU wou
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
+
+from actors.runtime.config.gpus import DEVICE_ENV, process_share
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -16,7 +19,11 @@ R = TypeVar("R")
 def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     """``auto`` → ``cuda:LOCAL_RANK`` when torch sees a GPU, else ``cpu``; ``cuda`` →
     ``cuda:LOCAL_RANK``; ``cuda:N`` and ``cpu`` as named (the config check has made sure a
-    CUDA setting has a GPU behind it)."""
+    CUDA setting has a GPU behind it). A process the runner placed (``FLOWRL_DEVICE``) computes
+    on ``cuda:0`` of the GPUs it was given, whatever the setting (but ``cpu``)."""
+    placed = os.environ.get(DEVICE_ENV)
+    if placed and setting != "cpu":  # the runner placed this process: cuda:0 of what it sees
+        setting = placed
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda":
@@ -25,6 +32,15 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def cap_memory(device: torch.device) -> float:
+    """On a GPU this process shares with others, hold its caching allocator to the share of
+    the GPU's memory the runner gave it (``config/gpus.py``); returns the share (0: none)."""
+    share = process_share()
+    if share and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(share, device)
+    return share
 
 
 def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch.dtype:

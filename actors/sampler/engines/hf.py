@@ -37,8 +37,9 @@ from transformers import (
 )
 
 from actors.runtime.actor import run_compute
-from actors.runtime.devices import on_device
+from actors.runtime.devices import cap_memory, on_device
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
+from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
 
 
@@ -59,23 +60,24 @@ class _TokenLogprobs(LogitsProcessor):
 
     Called once per step with the raw logits of the next token (before temperature and
     top-k/top-p, which transformers applies after every custom processor), it keeps that step's
-    ``log_softmax(logits / temperature)`` (``(B, V)``, float32) and, at the next step, gathers it
-    at the token just chosen (the last column of ``input_ids``); ``finish`` gathers the last
-    step's. The scores pass through unchanged."""
+    ``(B, V)`` logits and, at the next step, takes ``log_softmax(logits / temperature)`` at the
+    token just chosen (the last column of ``input_ids``: ``kernels.logprobs.token_logprobs``,
+    the learner's formula); ``finish`` takes the last step's. The scores pass through unchanged."""
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
-        self.pending: torch.Tensor | None = None  # (B, V) log-probs of the step not yet chosen
+        self.pending: torch.Tensor | None = None  # (B, V) logits of the step not yet chosen
         self.taken: list[torch.Tensor] = []  # (B,) per generated token, on the input's device
 
     def _take(self, chosen: torch.Tensor) -> None:  # chosen: (B,) token ids
         if self.pending is not None:
-            self.taken.append(self.pending.gather(1, chosen[:, None].long())[:, 0])
+            self.taken.append(token_logprobs(self.pending[:, None], chosen[:, None].long(),
+                                             self.temperature)[:, 0])
             self.pending = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._take(input_ids[:, -1])
-        self.pending = token_logprobs_row(scores, self.temperature)
+        self.pending = scores.clone()  # (the warpers after this one must not change it)
         return scores
 
     def finish(self, sequences: torch.Tensor, width: int) -> torch.Tensor:
@@ -86,12 +88,6 @@ class _TokenLogprobs(LogitsProcessor):
         lps = torch.stack(self.taken, 1)  # (B, R)
         assert lps.shape[1] == sequences.shape[1] - width, (lps.shape, sequences.shape, width)
         return lps
-
-
-def token_logprobs_row(scores: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(scores / temperature)`` of one step, ``(B, V)`` float32: the quantity
-    ``kernels.logprobs.token_logprobs`` gives the learner, here for every token of the row."""
-    return (scores.float() / temperature).log_softmax(-1)
 
 
 # Every GenerationConfig field that changes which tokens are sampled or their probabilities,
@@ -140,6 +136,7 @@ class HFEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = torch.device(device)  # the model, the prompts and the logits live here
+        cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         # generate must not apply the model's own sampling defaults (sampling_config)
