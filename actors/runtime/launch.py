@@ -25,6 +25,7 @@ import zmq
 
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
+from actors.runtime.config.capacity import check_shm
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.hosts import local_actors, owner, resolve_addresses
 from actors.runtime.config.layout import place
@@ -168,9 +169,10 @@ def with_placement(topology: Topology, home: Path,
                    gpus: Sequence[str] | None = None) -> Topology:
     """``topology`` with the placement of the processes this runner starts on its GPUs
     (``gpus``: default, those it sees: ``visible_gpus``); ConfigError for a layout that cannot
-    work."""
+    work, or for a /dev/shm too small for the weights (``capacity.check_shm``)."""
     names = [p.name for p in job_procs(topology, home).values() if not p.remote]
     placed = place(topology, names, visible_gpus() if gpus is None else gpus)
+    check_shm(topology, learner_on_gpu=any(p.gpus for p in placed if p.name.startswith("learner")))
     return msgspec.structs.replace(topology, placement=placed)
 
 
