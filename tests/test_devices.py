@@ -83,3 +83,17 @@ def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
         assert {p.dtype for p in policy.ref.parameters()} == {torch.bfloat16}
     finally:
         policy.group.close()
+
+
+def test_the_default_suite_pins_the_cpu_and_gpu_sessions_see_the_gpus(pytestconfig):
+    import os
+
+    from tests.conftest import selects_gpu_tests
+
+    assert not selects_gpu_tests("not slow and not gpu and not vllm")  # pyproject's addopts
+    assert selects_gpu_tests("gpu") and selects_gpu_tests("gpu and not slow")
+    assert not selects_gpu_tests("vllm")
+    if selects_gpu_tests(pytestconfig.option.markexpr):
+        pytest.skip("this session runs the gpu tests: the GPUs stay visible")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # so it runs on the CPU, as do its jobs
+    assert not torch.cuda.is_available()
