@@ -332,7 +332,8 @@ async def start_engine(ctx: ActorContext) -> Engine:
     settings = VLLMSettings(vllm_options(cfg.vllm, gpu=device.type == "cuda",
                                          share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
-                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
+                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}",
+                            sleep_idle_s=cfg.sleep_idle_s)
     return await VLLMEngine.start(model, dtype, seed, settings)
 
 
