@@ -111,4 +111,5 @@ def test_the_generation_config_is_the_jobs_parameters_only():
     assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens) == (0.7, 0.9, 5, 9)
     assert cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.no_repeat_ngram_size == 0
     greedy = sampling_config(SamplingParams(temperature=0), 0, 2)
-    assert not greedy.do_sample and greedy.top_k == 0
+    assert not greedy.do_sample
+    greedy.validate(strict=True)  # nothing set that greedy decoding would ignore

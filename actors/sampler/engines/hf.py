@@ -117,10 +117,12 @@ def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | Non
         if not ok:
             raise ValueError(f"sampler.{key}: {why} (got {getattr(params, key)!r})")
     greedy = params.temperature == 0
+    # greedy: no warper runs (do_sample false), and setting one is flagged as invalid
+    warpers = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                 "top_k": params.top_k}
     return GenerationConfig(
-        **NEUTRAL, max_new_tokens=params.max_tokens, do_sample=not greedy,
-        temperature=1.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-        top_k=0 if greedy else params.top_k, pad_token_id=pad, eos_token_id=eos,
+        **NEUTRAL, **warpers, max_new_tokens=params.max_tokens, do_sample=not greedy,
+        pad_token_id=pad, eos_token_id=eos,
         output_logits=False, output_scores=False, return_dict_in_generate=True,
         stop_strings=list(params.stop) or None)
 
