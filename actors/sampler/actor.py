@@ -362,7 +362,9 @@ def vllm_options(v: VLLMOptions, *, gpu: bool, share: float = 0.0) -> dict:
 
 
 def placement(setting: str, index: int) -> torch.device:
-    """``sampler.device``: ``auto``/``cuda`` put sampler i on GPU i (modulo the GPUs there are)."""
+    """``sampler.device``: under the runner, ``cuda:0`` of the GPUs its placement gave this
+    sampler (``FLOWRL_DEVICE``); started otherwise, ``auto``/``cuda`` put sampler i on GPU i
+    (modulo the GPUs there are)."""
     return resolve_device(setting, index % max(1, torch.cuda.device_count()))
 
 
