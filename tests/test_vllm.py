@@ -168,10 +168,10 @@ async def test_a_long_prompt_after_a_between_batches_load_is_computed_with_the_n
     trainer = trainer_for(tiny_vllm_model, tmp_path)
     prompt = ChatTokenizer(tiny_vllm_model).prompt_ids([ChatMessage("user", "say " + "ab" * 100)])
     params = SamplingParams(temperature=1.0, max_tokens=8)
-    await engine.load_weights(20, dict(trainer.policy.snapshot()))
+    await engine.load_weights(trainer.policy.version, dict(trainer.policy.snapshot()))
     (first,) = await engine.generate([GenerateRequest(prompt, params, 2)])  # caches its blocks
     trainer.train_step([scored_group(prompt, first, params, 0)])  # moves the weights
-    await engine.load_weights(21, dict(trainer.policy.snapshot()))
+    await engine.load_weights(trainer.policy.version, dict(trainer.policy.snapshot()))
     (again,) = await engine.generate([GenerateRequest(prompt, params, 2)])
     behaviour, recomputed = learner_logprobs(trainer, [scored_group(prompt, again, params, 0)])
     diff = (behaviour - recomputed).abs()
