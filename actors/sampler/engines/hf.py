@@ -92,19 +92,14 @@ class _TokenLogprobs(LogitsProcessor):
 
 # Every GenerationConfig field that changes which tokens are sampled or their probabilities,
 # with the value that leaves them alone. ``generate`` fills fields the caller leaves None from
-# the model's own generation_config, so each is set (the engine also drops that config).
+# the model's own generation_config, so each is set; fields whose neutral value is None
+# (min_p, suppress_tokens, bad_words_ids, ...) stay None because the engine replaces the model's
+# generation_config at load with one holding only the special token ids.
 NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
            "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
            "length_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0,
            "renormalize_logits": False, "remove_invalid_values": False}
-# Fields whose neutral value is None: set on a model's generation_config they would act.
-NEUTRAL_NONE = ("min_p", "top_h", "bad_words_ids", "sequence_bias", "suppress_tokens",
-                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-                "exponential_decay_length_penalty", "watermarking_config", "penalty_alpha",
-                "dola_layers", "constraints", "force_words_ids")
-
-
 def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | None
                     ) -> GenerationConfig:
     """The one GenerationConfig ``generate`` runs with: the job's sampling parameters, every
