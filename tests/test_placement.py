@@ -38,8 +38,10 @@ def test_every_role_gets_gpus_of_its_own(tmp_path, sockets):
                     "sampler.count=2", "sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=2")
     got = envs(topo, tmp_path, [str(i) for i in range(8)])
     gpu = {"FLOWRL_DEVICE": "cuda:0"}
-    assert got["learner-0"] == {"CUDA_VISIBLE_DEVICES": "0", **gpu}
-    assert got["learner-0.rank1"] == {"CUDA_VISIBLE_DEVICES": "1", **gpu}
+    # a learner rank sees every rank's GPU (torchrun's way: NCCL peer-to-peer needs the peer
+    # visible) and computes on its own
+    assert got["learner-0"] == {"CUDA_VISIBLE_DEVICES": "0,1", "FLOWRL_DEVICE": "cuda:0"}
+    assert got["learner-0.rank1"] == {"CUDA_VISIBLE_DEVICES": "0,1", "FLOWRL_DEVICE": "cuda:1"}
     assert got["sampler-0"] == {"CUDA_VISIBLE_DEVICES": "2,3", **gpu}
     assert got["sampler-1"] == {"CUDA_VISIBLE_DEVICES": "4,5", **gpu}
     for name in ("replay-0", "router-0", "reward-0"):  # they never touch a GPU

@@ -20,7 +20,8 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     """``auto`` → ``cuda:LOCAL_RANK`` when torch sees a GPU, else ``cpu``; ``cuda`` →
     ``cuda:LOCAL_RANK``; ``cuda:N`` and ``cpu`` as named (the config check has made sure a
     CUDA setting has a GPU behind it). A process the runner placed (``FLOWRL_DEVICE``) computes
-    on ``cuda:0`` of the GPUs it was given, whatever the setting (but ``cpu``)."""
+    on the device the runner named, whatever the setting (but ``cpu``): ``cuda:0`` of the GPUs it
+    was given, ``cuda:LOCAL_RANK`` for a learner rank, which sees all of its node's ranks' GPUs."""
     placed = os.environ.get(DEVICE_ENV)
     if placed and setting != "cpu":  # the runner placed this process: cuda:0 of what it sees
         setting = placed

@@ -14,7 +14,9 @@ a tensor-parallel engine wider than the GPUs, more processes on one GPU than ``M
 allows) is a ``ConfigError`` naming the key.
 
 Each process is started with its own ``CUDA_VISIBLE_DEVICES`` (``PlacedProcess.env``); inside it
-its device is ``cuda:0`` of what it sees (``FLOWRL_DEVICE``, read by ``resolve_device``). The
+its device is ``cuda:0`` of what it sees (``FLOWRL_DEVICE``, read by ``resolve_device``), but for
+learner ranks: each sees all of the node's learner GPUs (as under torchrun, so NCCL can use
+peer-to-peer between them) and computes on its own, ``cuda:LOCAL_RANK`` there. The
 resolved placement is printed at start and written into ``topology.json`` (``Topology.placement``).
 
 Torch-free: the runner imports it.
@@ -30,7 +32,7 @@ import msgspec
 
 SHARED_BUDGET = 0.9  # of a shared GPU's memory handed out; the rest is CUDA contexts and slack
 MIN_SHARE = 0.1  # below this a model and its cache or activations do not fit in practice
-DEVICE_ENV = "FLOWRL_DEVICE"  # the process's device as it sees it: cpu or cuda:0
+DEVICE_ENV = "FLOWRL_DEVICE"  # the process's device as it sees it: cpu or cuda:N
 SHARE_ENV = "FLOWRL_GPU_MEMORY_SHARE"  # its share of each of its GPUs' memory, when shared
 
 
@@ -45,11 +47,16 @@ class PlacedProcess(msgspec.Struct, frozen=True, omit_defaults=True):
     """Share of each of its GPUs' memory it may use when it shares one (0: the GPU is its own)."""
     shared_with: list[str] = []
     """The other processes on its GPUs."""
+    visible: list[str] = []
+    """What its CUDA_VISIBLE_DEVICES lists when that is more than its own GPUs (a learner rank
+    sees every GPU of the learner's ranks on its node, as torchrun's do: NCCL's peer-to-peer
+    transport needs the peer GPU visible), its device then being its GPU's index there."""
 
     def env(self) -> dict[str, str]:
         """The variables the runner starts it with."""
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
-               DEVICE_ENV: "cuda:0" if self.gpus else "cpu"}
+        seen = self.visible or self.gpus
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(seen),
+               DEVICE_ENV: f"cuda:{seen.index(self.gpus[0])}" if self.gpus else "cpu"}
         if self.memory_share:
             env[SHARE_ENV] = f"{self.memory_share:.2f}"
         return env

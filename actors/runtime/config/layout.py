@@ -62,6 +62,8 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             for i, name in enumerate(samplers):
                 start = (i * width) % len(order)
                 taken[name] = [order[(start + k) % len(order)] for k in range(width)]
+    # learner ranks see every GPU of the node's ranks (NCCL peer-to-peer needs the peer visible)
+    ranks_gpus = [taken[n][0] for n in _by_rank(learners) if n in taken]
     users: dict[str, list[str]] = {}
     for name, on in taken.items():
         for g in on:
@@ -82,7 +84,8 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "
                                   f"get {share:.0%} of its memory each (at least "
                                   f"{MIN_SHARE:.0%}): use fewer samplers or more GPUs")
-        placed.append(PlacedProcess(name, list(on), share, sharing))
+        placed.append(PlacedProcess(name, list(on), share, sharing,
+                                    ranks_gpus if name in learners and len(learners) > 1 else []))
     return placed
 
 
