@@ -1,7 +1,10 @@
 """Within the learner's group: rank 0 tells the other ranks what to do next.
 
 Not a ZeroMQ socket: rank 0 broadcasts each message's bytes over torch.distributed (a uint8
-tensor, its length first; ``actors/learner/distributed.py``), and every rank decodes it with
+tensor, its length first; ``Group.broadcast_control`` in ``actors/learner/distributed.py``), on a
+gloo side group of CPU tensors with no practical timeout, never on NCCL: a follower may wait
+for the next message as long as rank 0 legitimately takes (vLLM's start, a long first batch, a
+checkpoint write) without a collective watchdog killing it. Every rank decodes it with
 one typed decoder, as on any socket. Each message starts a collective that every rank then
 runs, in the order rank 0 sent them; rank 0 alone talks to the replay buffer, the samplers and
 the runner, so the other ranks learn the batch, and when to publish, save or stop, from here.

@@ -2,13 +2,35 @@ import os
 import tempfile
 
 import pytest
-import torch
 
-# Without a GPU, Triton kernels run under Triton's interpreter. It must be chosen before triton
-# is first imported (torch and transformers may import it while probing for it), so here, at
-# collection start, rather than in a fixture.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether ``-m MARKEXPR`` selects tests marked ``gpu`` (``-m gpu``, ``-m "gpu and not
+    slow"``); the default suite's expression (``not gpu``, from pyproject) does not."""
+    if not markexpr:
+        return True  # no expression at all (-m ''): every test, the gpu ones too
+    try:
+        from _pytest.mark.expression import Expression
+
+        return bool(Expression.compile(markexpr).evaluate(lambda name, **kw: name == "gpu"))
+    except Exception:  # a pytest without that module: read the words
+        return "gpu" in markexpr and "not gpu" not in markexpr
+
+
+def pytest_configure(config):
+    # The default suite runs on the CPU on any machine: its tests and the jobs they start would
+    # otherwise pick a GPU (``auto`` devices: CUDA, bf16) and fail for test reasons. Only a
+    # session that selects the ``gpu`` tests sees the GPUs. Set before anything asks CUDA
+    # (torch reads CUDA_VISIBLE_DEVICES once, at its first CUDA call); jobs inherit it.
+    if not selects_gpu_tests(config.option.markexpr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    # Without a GPU, Triton kernels run under Triton's interpreter. It must be chosen before
+    # triton is first imported (torch and transformers may import it while probing for it), so
+    # here, at collection start, rather than in a fixture.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -157,3 +157,22 @@ async def test_many_long_seeded_prompts_at_once_do_not_kill_the_engine(engine):
     params = SamplingParams(temperature=1.0, max_tokens=4)
     out = await engine.generate([GenerateRequest([5 + k] * 200, params, 8) for k in range(16)])
     assert [len(g) for g in out] == [8] * 16
+
+
+@pytest.mark.anyio
+async def test_a_long_prompt_after_a_between_batches_load_is_computed_with_the_new_weights(
+        engine, tiny_vllm_model, tmp_path):
+    """A prompt longer than a KV block is served from the prefix cache when it comes again: after
+    a weights load the cached blocks hold keys of the old weights, so the load resets the cache
+    (the short prompts above fit in no whole block and never showed it)."""
+    trainer = trainer_for(tiny_vllm_model, tmp_path)
+    prompt = ChatTokenizer(tiny_vllm_model).prompt_ids([ChatMessage("user", "say " + "ab" * 100)])
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    await engine.load_weights(trainer.policy.version, dict(trainer.policy.snapshot()))
+    (first,) = await engine.generate([GenerateRequest(prompt, params, 2)])  # caches its blocks
+    trainer.train_step([scored_group(prompt, first, params, 0)])  # moves the weights
+    await engine.load_weights(trainer.policy.version, dict(trainer.policy.snapshot()))
+    (again,) = await engine.generate([GenerateRequest(prompt, params, 2)])
+    behaviour, recomputed = learner_logprobs(trainer, [scored_group(prompt, again, params, 0)])
+    diff = (behaviour - recomputed).abs()
+    assert float(diff.max()) < TOLERANCE, f"max |diff| {float(diff.max()):.2e}"

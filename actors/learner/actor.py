@@ -29,6 +29,7 @@ from actors.learner.distributed import Group
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
+from actors.runtime.devices import on_device
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
@@ -60,7 +61,7 @@ class Learner:
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
         if self.group.world > 1:
-            self.group.broadcast_bytes(encode(message))
+            self.group.broadcast_control(encode(message))
 
     def gather_weights(self):
         policy = self.trainer.policy
@@ -84,7 +85,7 @@ class Learner:
         (its admission opens for it only once the weights are on their way)."""
         policy = self.trainer.policy
         started = time.monotonic()
-        tensors = await anyio.to_thread.run_sync(self.gather_weights)
+        tensors = await anyio.to_thread.run_sync(on_device(self.group.device, self.gather_weights))
         await self.weights.publish(policy.version, tensors,
                                    bucket_bytes=self.cfg.weights_bucket_mb << 20)
         self.weight_sync_s = time.monotonic() - started
@@ -126,7 +127,7 @@ class Learner:
     async def save(self) -> None:
         policy = self.trainer.policy
         self.ctx.status["state"] = f"writing checkpoint step_{policy.step}"
-        path = await anyio.to_thread.run_sync(self.save_checkpoint)
+        path = await anyio.to_thread.run_sync(on_device(self.group.device, self.save_checkpoint))
         self.ctx.status.update(state="running", checkpoint=str(path))
 
     async def train(self, tg: anyio.abc.TaskGroup) -> None:
@@ -142,8 +143,8 @@ class Learner:
                      "timing_s/weight_publish": self.weight_sync_s,  # of the weights this batch follows
                      **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
                      **{f"replay/{k}": v for k, v in batch.stats.items()}}
-            metrics = await run_compute(self.step_and_record, batch.groups, extra,
-                                        abort=self.trainer.abort)
+            metrics = await run_compute(on_device(self.group.device, self.step_and_record),
+                                        batch.groups, extra, abort=self.trainer.abort)
             tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
             await self.publish()
             await self.report_steps()
@@ -166,7 +167,7 @@ class Learner:
             await self.flush_recording()
             if policy.step > policy.saved_step or policy.step == self.cfg.total_steps:
                 await self.save()
-            await anyio.to_thread.run_sync(self.tell, RanksEnd())
+            await anyio.to_thread.run_sync(on_device(self.group.device, self.tell), RanksEnd())
 
 
 async def learner_actor(ctx: ActorContext, *, task_status) -> str:
@@ -179,12 +180,13 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     ctx.status["state"] = "loading model"
     group = await anyio.to_thread.run_sync(learner_group, topo, rank)  # every rank joins first
     try:
-        trainer = await anyio.to_thread.run_sync(Trainer, topo, ctx.run_dir, "latest", group)
+        trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
+                                                 ctx.run_dir, "latest", group)
         ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
         if not group.leader:
             task_status.started()
             with anyio.CancelScope(shield=True):  # rank 0 ends the group, not a stop of ours
-                steps = await anyio.to_thread.run_sync(follow, trainer)
+                steps = await anyio.to_thread.run_sync(on_device(group.device, follow), trainer)
             return f"rank {group.rank}: trained {steps} steps"
         return await lead(ctx, trainer, task_status)
     finally:
@@ -225,7 +227,7 @@ def follow(trainer: Trainer) -> int:
     codec: Codec[ToLearnerRanks] = Codec(ToLearnerRanks)
     group, policy = trainer.group, trainer.policy
     while True:
-        match codec.decode(group.broadcast_bytes(None)):
+        match codec.decode(group.broadcast_control(None)):
             case RanksStep(groups=groups):
                 try:
                     trainer.train_step(groups)

@@ -31,6 +31,11 @@ from torch import nn
 
 from actors.runtime.ranks import Rank
 
+# How long a follower waits for rank 0's next control message: no bound in practice. Rank 0 may
+# legitimately take hours between two (a long validation, a slow checkpoint), and a rank that
+# dies is not waited for here: the runner stops every rank of the group when any one exits.
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
 
 class Group:
     """This process's view of the learner's ranks (``rank 0`` leads: it alone has a batch to
@@ -42,10 +47,13 @@ class Group:
         self.device = device  # where this rank computes, and where its collectives' tensors live
         self.distributed = distributed  # a process group exists (world > 1, or FSDP on one rank)
         self.mesh = None
+        self.control = None  # the side group control messages travel on (several ranks)
         if distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(device.type, (self.world,))
+            if self.world > 1:  # every rank creates it, in the same order
+                self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     @property
     def leader(self) -> bool:
@@ -81,24 +89,25 @@ class Group:
 
     # -- collectives (no-ops for a lone rank) ---------------------------------------------------
 
+    def broadcast_control(self, data: bytes | None) -> bytes:
+        """Rank 0's control message on every rank (others pass None and wait for it, however
+        long rank 0 takes: ``CONTROL_TIMEOUT``). Travels on the gloo side group as CPU tensors,
+        never on NCCL, whose watchdog would kill a follower waiting past
+        ``learner.collective_timeout_s`` while rank 0 starts a vLLM sampler, waits for a long
+        first batch or writes a big checkpoint."""
+        if self.control is None:
+            assert data is not None
+            return data
+        return _broadcast_bytes(data if self.leader else None, self.leader,
+                                torch.device("cpu"), self.control)
+
+
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` on every rank (others pass None): length, then the bytes."""
         if not self.distributed:
             assert data is not None
             return data
-        size = torch.tensor([len(data) if self.leader and data is not None else 0],
-                            dtype=torch.int64, device=self.device)
-        dist.broadcast(size, 0)
-        n = int(size.item())
-        if n == 0:
-            return b""
-        if self.leader:
-            assert data is not None
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, 0)
-        return data if self.leader and data is not None else buf.cpu().numpy().tobytes()
+        return _broadcast_bytes(data, self.leader, self.device, None)
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (rows each rank filled alone, zeros
@@ -126,6 +135,22 @@ class Group:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+
+def _broadcast_bytes(data: bytes | None, leader: bool, device: torch.device, group) -> bytes:
+    size = torch.tensor([len(data) if leader and data is not None else 0],
+                        dtype=torch.int64, device=device)
+    dist.broadcast(size, 0, group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    if leader:
+        assert data is not None
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, 0, group=group)
+    return data if leader and data is not None else buf.cpu().numpy().tobytes()
 
 
 # -- models over the group ------------------------------------------------------------------------

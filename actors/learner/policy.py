@@ -24,7 +24,7 @@ from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
 from actors.learner.objective import attach_forward, response_logprobs
 from actors.runtime.config import Topology
-from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 from actors.runtime.ranks import Rank
 from actors.runtime.rundir import (
     PARTIAL_PREFIX,
@@ -103,11 +103,12 @@ class Policy:
                                            weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
             self.cfg.lr_scheduler, self.cfg.warmup_steps, updates, self.cfg.min_lr_ratio))
-        # the reference policy is the initial model; with LoRA it is the base without adapters
+        # the reference policy is the initial model; with LoRA it is the base without adapters.
+        # It is never trained: held in the compute dtype (bf16 on a GPU), not model.dtype's fp32
         self.ref = None
         if (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0:
             self.ref = self._load(lambda: AutoModelForCausalLM.from_pretrained(
-                base, dtype=self.dtype), base).eval()
+                base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
             self.ref.requires_grad_(False)
         self.critic = self.critic_optimizer = None
         if self.algo.adv_estimator == "gae":
@@ -130,15 +131,18 @@ class Policy:
 
     # -- models ---------------------------------------------------------------------------------
 
-    def _load(self, full, source: Path):
-        """A causal LM on this policy's device or shards (``distributed.load``), with
-        ``response_logprobs`` as one of its forward methods when sharded."""
+    def _load(self, full, source: Path, dtype: torch.dtype | None = None):
+        """A causal LM on this policy's device or shards (``distributed.load``), its parameters
+        in ``dtype`` (default model.dtype), with ``response_logprobs`` as one of its forward
+        methods when sharded."""
+        params = dtype or self.dtype
+
         def empty():
             config = AutoConfig.from_pretrained(source)
-            return AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            return AutoModelForCausalLM.from_config(config, dtype=params)
 
         model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
-                                 params=self.dtype, keep=self.keep_gathered)
+                                 params=params, keep=self.keep_gathered)
         if distributed.is_sharded(model):
             attach_forward(model)
         return model
@@ -281,6 +285,7 @@ def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
     process group of one); otherwise a lone rank with no process group."""
     rank = rank or Rank.from_env({})
     device = resolve_device(topology.learner.device, rank.local_rank)
+    cap_memory(device)
     mixed = compute_dtype(topology, device) != getattr(torch, topology.model.dtype)
     if rank.world_size == 1 and not mixed:
         return Group.lone(device)

@@ -3,13 +3,28 @@ computes (the runner never imports torch: ``auto`` is answered where the GPU wou
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
+
+from actors.runtime.config.gpus import DEVICE_ENV, process_share
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     """``auto`` → ``cuda:LOCAL_RANK`` when torch sees a GPU, else ``cpu``; ``cuda`` →
     ``cuda:LOCAL_RANK``; ``cuda:N`` and ``cpu`` as named (the config check has made sure a
-    CUDA setting has a GPU behind it)."""
+    CUDA setting has a GPU behind it). A process the runner placed (``FLOWRL_DEVICE``) computes
+    on the device the runner named, whatever the setting (but ``cpu``): ``cuda:0`` of the GPUs it
+    was given, ``cuda:LOCAL_RANK`` for a learner rank, which sees all of its node's ranks' GPUs."""
+    placed = os.environ.get(DEVICE_ENV)
+    if placed and setting != "cpu":  # the runner placed this process: cuda:0 of what it sees
+        setting = placed
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda":
@@ -20,8 +35,38 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def cap_memory(device: torch.device) -> float:
+    """On a GPU this process shares with others, hold its caching allocator to the share of
+    the GPU's memory the runner gave it (``config/gpus.py``); returns the share (0: none)."""
+    share = process_share()
+    if share and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(share, device)
+    return share
+
+
 def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch.dtype:
     """``auto`` → bfloat16 on a GPU, ``model.dtype`` on a CPU (where bf16 matmuls are slow)."""
     if setting == "auto":
         setting = "bfloat16" if device.type == "cuda" else model_dtype
     return getattr(torch, setting)
+
+
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
+    CUDA's current device is per thread: FSDP2, Triton kernels and ``torch.cuda`` calls without
+    an index take it from the thread that runs them, and a fresh worker thread's is device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def on_device(device: torch.device, fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` made to run with ``device`` current in whatever thread calls it: wrap every
+    function handed to a worker thread (``anyio.to_thread.run_sync``, ``run_compute``) that does
+    device work. The wrapper names its device (``.device``) and function (``__wrapped__``)."""
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        set_thread_device(device)
+        return fn(*args, **kwargs)
+
+    run.device = device  # type: ignore[attr-defined]
+    return run

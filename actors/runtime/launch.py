@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -24,13 +25,16 @@ import zmq
 
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
+from actors.runtime.config.capacity import check_shm
+from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.hosts import local_actors, owner, resolve_addresses
+from actors.runtime.config.layout import place
 from actors.runtime.liveview import LiveView
 from actors.runtime.loggers import open_metrics
 from actors.runtime.ranks import free_port
 from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
 from actors.runtime.security import prepare_job_keys
-from actors.runtime.supervisor import Job, learner_ranks
+from actors.runtime.supervisor import Job, job_procs, learner_ranks
 from actors.runtime.trackers import TrackerError
 
 
@@ -104,6 +108,11 @@ def run_job(topology: Topology) -> int:
         except ConfigError as exc:
             print(f"error: bad topology: {exc}", file=sys.stderr)
             return 2
+        try:
+            topology = with_placement(topology, home)
+        except ConfigError as exc:
+            print(f"error: bad topology: {exc}", file=sys.stderr)
+            return 2
         (run_dir / LOGS).mkdir(exist_ok=True)
         ranks = {p.name for p in learner_ranks(topology, home)}
         placed = local_actors(topology)
@@ -125,6 +134,9 @@ def run_job(topology: Topology) -> int:
         elif here:
             counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
         print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+        if any(p.gpus for p in topology.placement):
+            print("=== placement: " + "; ".join(p.describe() for p in topology.placement),
+                  flush=True)
         try:
             if node > 0:  # node 0 records the job: no sinks, no panel here
                 return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")
@@ -151,6 +163,17 @@ def run_job(topology: Topology) -> int:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
         lock.close()
+
+
+def with_placement(topology: Topology, home: Path,
+                   gpus: Sequence[str] | None = None) -> Topology:
+    """``topology`` with the placement of the processes this runner starts on its GPUs
+    (``gpus``: default, those it sees: ``visible_gpus``); ConfigError for a layout that cannot
+    work, or for a /dev/shm too small for the weights (``capacity.check_shm``)."""
+    names = [p.name for p in job_procs(topology, home).values() if not p.remote]
+    placed = place(topology, names, visible_gpus() if gpus is None else gpus)
+    check_shm(topology, learner_on_gpu=any(p.gpus for p in placed if p.name.startswith("learner")))
+    return msgspec.structs.replace(topology, placement=placed)
 
 
 def wait_for_job_keys(topology: Topology, run_dir: Path) -> Topology:

@@ -105,19 +105,11 @@ class Job:
         # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
         # owner: RUN_DIR/hosts/NAME)
         self.home = home or run_dir
-        here = set(local_actors(topology))  # with [hosts]: this host's; without: all
-        is_owner = topology.run.host == owner(topology)
-        self.procs = {
-            p.name: p
-            for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
-            for p in (learner_ranks(topology, self.home) if kind == "learner" else
-                      [Proc(kind, i) for i in range(getattr(topology, kind).count)])
-            # the owner also follows the others' actors; a learner node k > 0 runs its ranks
-            if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
-        }
-        for p in self.procs.values():
-            p.host = host_of(topology, p.kind, p.index)
-            p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
+        self.procs = job_procs(topology, self.home)
+        placed = {p.name: p for p in topology.placement}
+        for p in self.procs.values():  # each process on the GPUs the runner gave it
+            if p.name in placed and not p.remote:
+                p.env = {**p.env, **placed[p.name].env()}
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
         self.metrics = metrics or Metrics([])
@@ -138,6 +130,7 @@ class Job:
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
         self.owner: Owner | None = None  # with [hosts], on the owner: the other hosts' runners
         self.member: Member | None = None  # with [hosts], elsewhere: the link to the owner
+        is_owner = topology.run.host == owner(topology)
         if topology.hosts and topology.learner.node_rank == 0:  # (node k > 0: its ranks alone)
             self.owner, self.member = (Owner(self), None) if is_owner else (None, Member(self))
 
@@ -393,6 +386,24 @@ class Job:
             print(f"    resume with: python runner.py TOPOLOGY run.dir={self.run_dir}", flush=True)
             return 130
         return 1
+
+
+def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
+    """The processes this runner follows, by name (``remote``: another host's runner starts it)."""
+    here = set(local_actors(topology))  # with [hosts]: this host's; without: all
+    is_owner = topology.run.host == owner(topology)
+    procs = {
+        p.name: p
+        for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
+        for p in (learner_ranks(topology, home) if kind == "learner" else
+                  [Proc(kind, i) for i in range(getattr(topology, kind).count)])
+        # the owner also follows the others' actors; a learner node k > 0 runs its ranks
+        if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
+    }
+    for p in procs.values():
+        p.host = host_of(topology, p.kind, p.index)
+        p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
+    return procs
 
 
 def learner_ranks(topology: Topology, home: Path) -> list[Proc]:

@@ -39,6 +39,7 @@ import zmq
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import VLLMOptions
+from actors.runtime.config.gpus import process_share
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
@@ -213,7 +214,8 @@ class ContinuousSampler(Sampler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        limit = self.ctx.topology.sampler.max_concurrent_prompts
+        limit = prompts_in_flight(self.ctx.topology.sampler.max_concurrent_prompts,
+                                  gpu=str(self.ctx.status.get("device", "cpu")).startswith("cuda"))
         self.limit = limit
         self.in_engine = anyio.Semaphore(limit)  # prompts generating now
         self.scoring_slots = anyio.Semaphore(limit)  # generated groups being scored now
@@ -327,18 +329,29 @@ async def start_engine(ctx: ActorContext) -> Engine:
         return await anyio.to_thread.run_sync(HFEngine, model, dtype, seed, device)
     from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
 
-    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
+    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=device.type == "cuda",
+                                         share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
-                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}")
+                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}",
+                            sleep_idle_s=cfg.sleep_idle_s)
     return await VLLMEngine.start(model, dtype, seed, settings)
 
 
-def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
-    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default)."""
-    options = {"gpu_memory_utilization": v.gpu_memory_utilization,
+def prompts_in_flight(setting: int, *, gpu: bool) -> int:
+    """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, as measured there; 64 on a GPU)."""
+    return setting or (64 if gpu else 8)
+
+
+def vllm_options(v: VLLMOptions, *, gpu: bool, share: float = 0.0) -> dict:
+    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default; unset ones take
+    the device's default). ``share``: this sampler's part of a GPU it shares (the runner's
+    split, ``config/gpus.py``) replaces gpu_memory_utilization."""
+    options = {"gpu_memory_utilization": share if gpu and share else v.gpu_memory_utilization,
                "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
-               "enforce_eager": v.enforce_eager, "enable_prefix_caching": v.enable_prefix_caching,
-               "enable_chunked_prefill": v.enable_chunked_prefill}
+               "enforce_eager": not gpu if v.enforce_eager is None else v.enforce_eager,
+               "enable_prefix_caching": v.enable_prefix_caching,
+               "enable_chunked_prefill": gpu if v.enable_chunked_prefill is None
+               else v.enable_chunked_prefill}
     if v.max_model_len:
         options["max_model_len"] = v.max_model_len
     if v.max_num_batched_tokens:
@@ -349,7 +362,9 @@ def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
 
 
 def placement(setting: str, index: int) -> torch.device:
-    """``sampler.device``: ``auto``/``cuda`` put sampler i on GPU i (modulo the GPUs there are)."""
+    """``sampler.device``: under the runner, ``cuda:0`` of the GPUs its placement gave this
+    sampler (``FLOWRL_DEVICE``); started otherwise, ``auto``/``cuda`` put sampler i on GPU i
+    (modulo the GPUs there are)."""
     return resolve_device(setting, index % max(1, torch.cuda.device_count()))
 
 

@@ -68,7 +68,7 @@ def check(topology: Topology) -> None:
     need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
     need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
     need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
-    need(s.max_concurrent_prompts >= 1, "sampler.max_concurrent_prompts", "must be >= 1")
+    need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
     if s.engine == "vllm":
         from actors.sampler.engines.vllm import vllm_problem
 
@@ -77,6 +77,7 @@ def check(topology: Topology) -> None:
     need(s.weight_update == "between_batches" or s.engine != "hf", "sampler.weight_update",
          "in_flight needs a continuous engine (sampler.engine = vllm): the hf engine loads "
          "weights between batches")
+    _check_sleep(s, need)
     VL = s.vllm
     need(0 < VL.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
          "must be in (0, 1]")
@@ -351,3 +352,13 @@ def _reward_model_problem(path: Path) -> str | None:
     if labels != 1:
         return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
     return None
+
+
+def _check_sleep(s: Any, need: Any) -> None:
+    """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
+    need(s.sleep_idle_s >= 0, "sampler.sleep_idle_s", "must be >= 0 (0: never sleeps)")
+    if s.sleep_idle_s > 0:
+        need(s.engine == "vllm", "sampler.sleep_idle_s",
+             "sleeping frees GPU memory through vLLM's sleep mode: needs sampler.engine = vllm")
+        need(s.device != "cpu", "sampler.sleep_idle_s",
+             "vLLM has no sleep mode on a CPU (sampler.device = cpu)")

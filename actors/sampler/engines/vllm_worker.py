@@ -62,14 +62,57 @@ class UntruncatedLogprobs(torch.nn.Module):
         return sampled, logprobs
 
 
+def untruncated_v2(sampler) -> None:
+    """The same for vLLM's V2 model runner (``vllm/v1/worker/gpu/sample/sampler.py``, chosen
+    wherever Triton works, so on every GPU), whose sampler has no ``topk_topp_sampler``: its
+    ``sample`` applies penalties, temperature and min-p, then ``_sample_random`` truncates the
+    logits to top-k/top-p (in place, maybe) and returns them as the processed logits the
+    log-probs are taken from. The instance's ``_sample_random`` is wrapped to return the logits
+    as they were before the truncation (a copy only when a request truncates)."""
+    inner = sampler._sample_random
+
+    def _sample_random(processed_logits, expanded_idx_mapping, idx_mapping_np, pos, top_k,
+                       top_p, use_fused_sampler):
+        # (B, V) logits divided by the temperature
+        kept = processed_logits if top_k is None and top_p is None else processed_logits.clone()
+        sampled, _ = inner(processed_logits, expanded_idx_mapping, idx_mapping_np, pos, top_k,
+                           top_p, use_fused_sampler)
+        return sampled, kept
+
+    _sample_random.flowrl_untruncated = True  # type: ignore[attr-defined]
+    sampler._sample_random = _sample_random
+
+
+def sampler_kind(sampler) -> str:
+    """Which of vLLM's samplers the running model runner has: ``"v1"`` (``topk_topp_sampler``,
+    the V1 runner's, and the CPU's), ``"v2"`` (``_sample_random``, the V2 runner's), or a
+    RuntimeError naming what it is. Decided by the object, not by guessing from the platform."""
+    if hasattr(sampler, "topk_topp_sampler"):
+        return "v1"
+    if callable(getattr(sampler, "_sample_random", None)) and hasattr(sampler, "sampling_states"):
+        return "v2"
+    raise RuntimeError(f"flowrl does not know vLLM's sampler {type(sampler).__module__}."
+                       f"{type(sampler).__qualname__}: it cannot make untruncated behaviour "
+                       "log-probs with it (supported: vLLM 0.32's V1 and V2 model runners)")
+
+
+def make_untruncated(sampler) -> str:
+    """Make ``sampler`` return untruncated log-probs (once); returns its kind."""
+    kind = sampler_kind(sampler)
+    if kind == "v1":
+        if not isinstance(sampler.topk_topp_sampler, UntruncatedLogprobs):
+            sampler.topk_topp_sampler = UntruncatedLogprobs(sampler.topk_topp_sampler)
+    elif not getattr(sampler._sample_random, "flowrl_untruncated", False):
+        untruncated_v2(sampler)
+    return kind
+
+
 class FlowrlWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
 
-    def flowrl_untruncated_logprobs(self) -> bool:
-        sampler = self.model_runner.sampler  # type: ignore[attr-defined]
-        if not isinstance(sampler.topk_topp_sampler, UntruncatedLogprobs):
-            sampler.topk_topp_sampler = UntruncatedLogprobs(sampler.topk_topp_sampler)
-        return True
+    def flowrl_untruncated_logprobs(self) -> str:
+        """Untruncated log-probs from this worker's sampler; returns its kind (v1 or v2)."""
+        return make_untruncated(self.model_runner.sampler)  # type: ignore[attr-defined]
 
     def flowrl_load_weights(self, path: str) -> float:
         """Load the safetensors file ``path`` (HF parameter names) into the running model;

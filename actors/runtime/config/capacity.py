@@ -1,0 +1,93 @@
+"""Checks at start of what a machine holds, from the model's files (torch-free, in the runner).
+
+``check_shm``: with the shared-memory weights transport the learner keeps each published
+version as a file in ``/dev/shm`` (``actors/runtime/weights.py``: the newest ``SHM_KEEP = 2``
+plus the one being written). A ``/dev/shm`` too small for that (Docker's default is 64 MB) would
+crash the learner at its first publish; it is a config error at start instead, naming
+``learner.weights_transport``. A version's bytes are the model's parameter count (read from its
+safetensors headers, or estimated from config.json) times the size of the dtype it is sent in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from actors.runtime.config.schema import ConfigError
+
+SHM_DIR = Path("/dev/shm")
+VERSIONS_AT_ONCE = 3  # weights.SHM_KEEP versions kept, plus the one being written
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Parameters of the model in ``model_dir``: summed from its safetensors headers (exact),
+    or estimated from config.json (a decoder-only transformer) when it has none."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        total = 0
+        for f in files:
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    n = 1
+                    for d in info["shape"]:
+                        n *= d
+                    total += n
+        return total
+    c = json.loads((model_dir / "config.json").read_text())
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    inter = c.get("intermediate_size", 4 * h)
+    heads = c.get("num_attention_heads", 1)
+    kv = c.get("num_key_value_heads", heads)
+    head_dim = c.get("head_dim") or h // heads
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attention + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    return layers * per_layer + embed + h
+
+
+def sent_dtype(topology, learner_on_gpu: bool) -> str:
+    """The dtype weights are published in (``learner.weights_dtype``; auto: the compute dtype)."""
+    L = topology.learner
+    if L.weights_dtype != "auto":
+        return L.weights_dtype
+    if L.lora.rank > 0:
+        return topology.model.dtype
+    if L.dtype != "auto":
+        return L.dtype
+    return "bfloat16" if learner_on_gpu else topology.model.dtype
+
+
+def uses_shm(topology) -> bool:
+    L = topology.learner
+    return L.weights_transport == "shm" or (L.weights_transport == "auto"
+                                            and L.weights_address.startswith("ipc://"))
+
+
+def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
+              shm_bytes: int | None = None) -> None:
+    """ConfigError naming ``learner.weights_transport`` when the shared-memory transport is
+    used and ``shm_dir`` (its size: ``shm_bytes``, default its filesystem's) cannot hold
+    ``VERSIONS_AT_ONCE`` versions of the weights."""
+    if not uses_shm(topology) or topology.learner.node_rank > 0:
+        return
+    if shm_bytes is None:
+        if not shm_dir.is_dir():
+            return  # weights.py falls back to the temp folder, on disk
+        st = os.statvfs(shm_dir)
+        shm_bytes = st.f_frsize * st.f_blocks
+    dtype = sent_dtype(topology, learner_on_gpu)
+    version = parameter_count(Path(topology.model.path)) * DTYPE_BYTES[dtype]
+    need = VERSIONS_AT_ONCE * version
+    if shm_bytes < need:
+        raise ConfigError(
+            f"learner.weights_transport: the shared-memory transport keeps up to "
+            f"{VERSIONS_AT_ONCE} versions of the weights in {shm_dir} ({version / 2**20:.0f} MiB "
+            f"each in {dtype}: {need / 2**20:.0f} MiB), but it holds {shm_bytes / 2**20:.0f} "
+            f"MiB: set learner.weights_transport = \"zmq\", or give the machine a larger "
+            f"{shm_dir} (docker run --shm-size=...)")

@@ -1,0 +1,95 @@
+"""The runner's placement of its processes on GPUs (the rules: ``actors/runtime/config/gpus.py``).
+Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
+from actors.runtime.config.schema import ConfigError
+
+
+def _wants_gpu(setting: str, gpus: Sequence[str]) -> bool:
+    return setting.startswith("cuda") or (setting == "auto" and bool(gpus))
+
+
+def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedProcess]:
+    """The placement of the processes ``names`` (this runner's: ``learner-0``,
+    ``learner-0.rankR``, ``sampler-I``, ``reward-I``, ...) on ``gpus``; raises ConfigError
+    naming the key of a layout that cannot work."""
+    L, S = topology.learner, topology.sampler
+    taken: dict[str, list[str]] = {}  # process -> its GPUs
+    learners = [n for n in names if n.startswith("learner-")]
+    samplers = sorted((n for n in names if n.startswith("sampler-")),
+                      key=lambda n: int(n.split("-")[1]))
+    if learners and _wants_gpu(L.device, gpus):
+        if not gpus:
+            raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees no GPU "
+                              "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+        if ":" in L.device:  # cuda:N, one rank (checked)
+            index = int(L.device.split(":")[1])
+            if index >= len(gpus):
+                raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees "
+                                  f"{len(gpus)} GPU(s)")
+            taken[learners[0]] = [gpus[index]]
+        else:
+            if len(learners) > len(gpus):
+                raise ConfigError(f"learner.nproc_per_node: {len(learners)} ranks need one GPU "
+                                  f"each, but the runner sees {len(gpus)} GPU(s)")
+            for i, name in enumerate(_by_rank(learners)):
+                taken[name] = [gpus[i]]
+    used = {g for v in taken.values() for g in v}
+    if samplers and _wants_gpu(S.device, gpus):
+        width = S.vllm.tensor_parallel_size if S.engine == "vllm" else 1
+        if not gpus:
+            raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
+                              "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+        if width > len(gpus):
+            raise ConfigError(f"sampler.vllm.tensor_parallel_size: {width} GPUs per sampler, but "
+                              f"the runner sees {len(gpus)} GPU(s)")
+        if ":" in S.device:
+            index = int(S.device.split(":")[1])
+            if index + width > len(gpus):
+                raise ConfigError(f"sampler.device: {S.device} with tensor_parallel_size {width} "
+                                  f"needs GPUs {index}..{index + width - 1}, but the runner sees "
+                                  f"{len(gpus)}")
+            for name in samplers:
+                taken[name] = list(gpus[index:index + width])
+        else:
+            free = [g for g in gpus if g not in used]
+            # samplers take the free GPUs in order, then start again from the first GPU
+            order = free + [g for g in gpus if g in used] if len(free) >= width else list(gpus)
+            for i, name in enumerate(samplers):
+                start = (i * width) % len(order)
+                taken[name] = [order[(start + k) % len(order)] for k in range(width)]
+    # learner ranks see every GPU of the node's ranks (NCCL peer-to-peer needs the peer visible)
+    ranks_gpus = [taken[n][0] for n in _by_rank(learners) if n in taken]
+    users: dict[str, list[str]] = {}
+    for name, on in taken.items():
+        for g in on:
+            users.setdefault(g, []).append(name)
+    placed = []
+    for name in names:
+        on = taken.get(name, [])
+        sharing = sorted({u for g in on for u in users[g]} - {name})
+        share = 0.0
+        if sharing:
+            most = max(len(users[g]) for g in on)
+            share = int(SHARED_BUDGET / most * 100) / 100
+            if share < MIN_SHARE:
+                # samplers are what wraps around onto used GPUs
+                key = "sampler.count" if any(u.startswith("sampler") for u in [name, *sharing]) \
+                    else "learner.nproc_per_node"
+                raise ConfigError(f"{key}: {most} processes on GPU "
+                                  f"{','.join(g for g in on if len(users[g]) == most)} would "
+                                  f"get {share:.0%} of its memory each (at least "
+                                  f"{MIN_SHARE:.0%}): use fewer samplers or more GPUs")
+        placed.append(PlacedProcess(name, list(on), share, sharing,
+                                    ranks_gpus if name in learners and len(learners) > 1 else []))
+    return placed
+
+
+def _by_rank(learners: list[str]) -> list[str]:
+    def rank(name: str) -> int:
+        return int(name.rsplit(".rank", 1)[1]) if ".rank" in name else 0
+    return sorted(learners, key=rank)

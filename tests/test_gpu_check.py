@@ -1,0 +1,31 @@
+"""``bench/gpu_check.py --dry-run``: the GPU check's every row on the CPU with tiny shapes, so the
+script a GPU machine runs cannot rot (about 45-70 s on the 2-core machine, most of it the job
+row's two runner starts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.jobs import ROOT
+
+
+def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--json", str(out),
+                           "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "learner step", "job"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert "max" in rows["hf parity"]["detail"] and "tokens/s" in rows["learner step"]["detail"]
+    assert "steps recorded [1, 2]" in rows["job"]["detail"]
+    assert "check" in done.stdout and "status" in done.stdout  # the one table, printed
+
+
+def test_an_unknown_row_is_refused():
+    done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--only", "kernelz"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "kernelz" in done.stderr

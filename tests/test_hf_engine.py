@@ -1,0 +1,115 @@
+"""The transformers engine on devices and settings the CPU suite otherwise never shows: every
+tensor it makes during ``generate`` on the input's device, only the sampled tokens' log-probs
+kept, and only the job's sampling parameters applied."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from actors.data.chat import ChatMessage, ChatTokenizer
+from actors.sampler.engines.base import GenerateRequest
+from actors.sampler.engines.hf import HFEngine, _Abort, _TokenLogprobs, sampling_config
+from kernels.logprobs import token_logprobs
+from messages.rollout import SamplingParams
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_the_abort_criterion_answers_on_the_inputs_device(device):
+    # meta stands for a device other than the default one (a CUDA tensor on a GPU): what the
+    # criterion returns is ORed by transformers into a tensor on the input's device
+    ids = torch.zeros(3, 5, dtype=torch.long, device=device)
+    flag = threading.Event()
+    done = _Abort(flag)(ids, None)
+    assert done.device == ids.device and done.dtype == torch.bool and done.shape == (3,)
+    assert StoppingCriteriaList([_Abort(flag)])(ids, None).device == ids.device
+
+
+def test_the_logprob_recorder_keeps_its_rows_on_the_inputs_device():
+    rec = _TokenLogprobs(0.7)
+    ids = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    scores = torch.zeros(2, 11, device="meta")
+    assert rec(ids, scores) is scores  # the scores pass through unchanged
+    rec(torch.zeros(2, 5, dtype=torch.long, device="meta"), scores)
+    out = rec.finish(torch.zeros(2, 6, dtype=torch.long, device="meta"), width=4)
+    assert out.device.type == "meta" and out.shape == (2, 2)
+
+
+def test_the_recorder_gives_the_log_prob_of_each_chosen_token():
+    torch.manual_seed(0)
+    steps = torch.randn(3, 2, 7)  # (R, B, V) raw logits of three steps
+    chosen = torch.randint(0, 7, (2, 3))  # (B, R)
+    prompt = torch.zeros(2, 4, dtype=torch.long)
+    rec = _TokenLogprobs(0.7)
+    for r in range(3):
+        rec(torch.cat([prompt, chosen[:, :r]], 1), steps[r])
+    got = rec.finish(torch.cat([prompt, chosen], 1), width=4)
+    want = token_logprobs(steps.transpose(0, 1), chosen, 0.7)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.anyio
+async def test_generate_keeps_no_per_step_logits(tiny_model):
+    engine = HFEngine(tiny_model, "float32", seed=0)
+    outputs = []
+    real = engine.model.generate
+
+    def generate(*args, **kwargs):
+        outputs.append(out := real(*args, **kwargs))
+        return out
+
+    engine.model.generate = generate
+    ids = ChatTokenizer(tiny_model).prompt_ids([ChatMessage("user", "say a")])
+    (gens,) = await engine.generate([GenerateRequest(ids, SamplingParams(max_tokens=12), 3)])
+    assert len(gens) == 3 and all(len(g.token_ids) == len(g.logprobs) for g in gens)
+    (out,) = outputs
+    assert out.logits is None and out.scores is None  # nothing (B, R, V) was held
+
+
+def _greedy_picks_the_argmax(engine: HFEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy completions of ``ids`` and, at each token, the log-prob of the model's argmax."""
+    gens = engine._generate([ids], GenerateRequest(ids, SamplingParams(temperature=0,
+                                                                        max_tokens=24), 1))[0]
+    seq = torch.tensor(ids + gens[0].token_ids.tolist())[None]
+    with torch.no_grad():
+        logits = engine.model(seq).logits[0, len(ids) - 1:-1]  # (R, V) before each token
+    best = logits.log_softmax(-1).max(-1).values
+    return gens[0].logprobs, best
+
+
+def test_the_models_own_generation_config_does_not_change_sampling(tiny_model, tmp_path):
+    # Qwen2.5-Instruct ships repetition_penalty = 1.05: generate would apply it, while the
+    # behaviour log-probs (and the learner) account for the temperature only
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    GenerationConfig(do_sample=True, repetition_penalty=1.05, top_k=20, no_repeat_ngram_size=2,
+                     eos_token_id=2).save_pretrained(model)
+    engine = HFEngine(model, "float32", seed=0)
+    ids = ChatTokenizer(model).prompt_ids([ChatMessage("user", "say aaaa")])
+    behaviour, best = _greedy_picks_the_argmax(engine, ids)
+    # greedy under the job's parameters only: every token is the model's argmax
+    torch.testing.assert_close(behaviour, best, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("key", "params"), [
+    ("temperature", SamplingParams(temperature=-0.5)),
+    ("top_p", SamplingParams(top_p=0.0)),
+    ("top_k", SamplingParams(top_k=-1)),
+    ("max_tokens", SamplingParams(max_tokens=0)),
+])
+def test_sampling_parameters_the_log_probs_cannot_stand_for_are_refused(key, params):
+    with pytest.raises(ValueError, match=f"sampler.{key}"):
+        sampling_config(params, 0, 2)
+
+
+def test_the_generation_config_is_the_jobs_parameters_only():
+    cfg = sampling_config(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=9), 0, 2)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens) == (0.7, 0.9, 5, 9)
+    assert cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.no_repeat_ngram_size == 0
+    greedy = sampling_config(SamplingParams(temperature=0), 0, 2)
+    assert not greedy.do_sample
+    greedy.validate(strict=True)  # nothing set that greedy decoding would ignore

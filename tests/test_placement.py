@@ -1,0 +1,112 @@
+"""What the runner resolves, before anything starts, about where each process computes: its
+CUDA_VISIBLE_DEVICES, its device and its share of a shared GPU, for a pretend number of GPUs
+(the count is the runner's, so the resolution runs here without one)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import msgspec
+import pytest
+
+from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.launch import with_placement
+from actors.runtime.supervisor import Job
+
+
+def topology(sockets: str, *extra: str):
+    return decode_topology(apply_overrides({}, [f"control_address=ipc://{sockets}/control",
+                                                *extra]))
+
+
+def envs(topo, tmp_path, gpus: list[str]) -> dict[str, dict[str, str]]:
+    """The placement variables each process of the job is started with (the runner's Job)."""
+    placed = with_placement(topo, tmp_path, gpus)
+    job = Job(placed, tmp_path, home=tmp_path)
+    try:
+        keys = ("CUDA_VISIBLE_DEVICES", "FLOWRL_DEVICE", "FLOWRL_GPU_MEMORY_SHARE")
+        return {name: {k: v for k, v in p.env.items() if k in keys}
+                for name, p in job.procs.items()}
+    finally:
+        job.control.close()
+        job.zmq.term()
+
+
+def test_every_role_gets_gpus_of_its_own(tmp_path, sockets):
+    topo = topology(sockets, "learner.nproc_per_node=2", "learner.groups_per_step=4",
+                    "sampler.count=2", "sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=2")
+    got = envs(topo, tmp_path, [str(i) for i in range(8)])
+    gpu = {"FLOWRL_DEVICE": "cuda:0"}
+    # a learner rank sees every rank's GPU (torchrun's way: NCCL peer-to-peer needs the peer
+    # visible) and computes on its own
+    assert got["learner-0"] == {"CUDA_VISIBLE_DEVICES": "0,1", "FLOWRL_DEVICE": "cuda:0"}
+    assert got["learner-0.rank1"] == {"CUDA_VISIBLE_DEVICES": "0,1", "FLOWRL_DEVICE": "cuda:1"}
+    assert got["sampler-0"] == {"CUDA_VISIBLE_DEVICES": "2,3", **gpu}
+    assert got["sampler-1"] == {"CUDA_VISIBLE_DEVICES": "4,5", **gpu}
+    for name in ("replay-0", "router-0", "reward-0"):  # they never touch a GPU
+        assert got[name] == {"CUDA_VISIBLE_DEVICES": "", "FLOWRL_DEVICE": "cpu"}
+
+
+def test_two_roles_on_one_gpu_split_its_memory(tmp_path, sockets):
+    got = envs(topology(sockets, "sampler.engine=hf"), tmp_path, ["0"])
+    assert got["learner-0"] == {"CUDA_VISIBLE_DEVICES": "0", "FLOWRL_DEVICE": "cuda:0",
+                                "FLOWRL_GPU_MEMORY_SHARE": "0.45"}
+    assert got["sampler-0"] == got["learner-0"]
+
+
+def test_the_runners_own_visible_gpus_are_handed_out_by_name(tmp_path, sockets):
+    gpus = visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"})
+    got = envs(topology(sockets, "sampler.engine=hf"), tmp_path, gpus)
+    assert got["learner-0"]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert got["sampler-0"]["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "FLOWRL_GPU_MEMORY_SHARE" not in got["sampler-0"]
+
+
+def test_without_gpus_everything_computes_on_the_cpu(tmp_path, sockets):
+    got = envs(topology(sockets), tmp_path, [])
+    assert all(e == {"CUDA_VISIBLE_DEVICES": "", "FLOWRL_DEVICE": "cpu"} for e in got.values())
+
+
+def test_a_cpu_setting_stays_on_the_cpu_beside_gpus(tmp_path, sockets):
+    got = envs(topology(sockets, "sampler.device=cpu", "sampler.engine=hf"), tmp_path, ["0"])
+    assert got["sampler-0"]["FLOWRL_DEVICE"] == "cpu"
+    assert got["learner-0"] == {"CUDA_VISIBLE_DEVICES": "0", "FLOWRL_DEVICE": "cuda:0"}
+
+
+@pytest.mark.parametrize(("extra", "gpus", "key"), [
+    (["sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=4"], 2,
+     "sampler.vllm.tensor_parallel_size"),
+    (["learner.nproc_per_node=4", "learner.groups_per_step=4"], 2, "learner.nproc_per_node"),
+    (["sampler.engine=hf", "sampler.count=12"], 1, "sampler.count"),
+    (["sampler.engine=hf", "sampler.device=cuda:1"], 1, "sampler.device"),
+])
+def test_a_layout_that_cannot_fit_is_an_error_naming_the_key(tmp_path, sockets, extra, gpus,
+                                                              key):
+    with pytest.raises(ConfigError, match=key):
+        with_placement(topology(sockets, *extra), tmp_path, [str(i) for i in range(gpus)])
+
+
+def test_the_placement_is_written_with_the_topology(tmp_path, sockets):
+    placed = with_placement(topology(sockets, "sampler.engine=hf"), tmp_path, ["0", "1"])
+    again = msgspec.json.decode(msgspec.json.encode(placed), type=type(placed))
+    rows = {p.name: p for p in again.placement}
+    assert rows["sampler-0"].gpus == ["1"] and rows["learner-0"].gpus == ["0"]
+    assert rows["sampler-0"].describe() == "sampler-0: GPU 1"
+
+
+def test_the_gpu_count_comes_without_torch():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == ["0"]  # CUDA stops at -1
+
+    def smi(cmd, **kwargs):
+        assert cmd == ["nvidia-smi", "-L"]
+        return subprocess.CompletedProcess(cmd, 0, stdout="GPU 0: NVIDIA H200 (UUID: a)\n"
+                                           "GPU 1: NVIDIA H200 (UUID: b)\n")
+
+    assert visible_gpus({}, run=smi) == ["0", "1"]
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError(cmd[0])
+
+    assert visible_gpus({}, run=missing) == []
