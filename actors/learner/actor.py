@@ -32,6 +32,7 @@ from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
+from actors.runtime.transports.base import resolve_transport
 from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -198,11 +199,9 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status) -> str:
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
-    transport = cfg.weights_transport
-    if transport == "auto":  # ipc:// means every sampler shares this host, and its /dev/shm
-        transport = "shm" if cfg.weights_address.startswith("ipc://") else "zmq"
+    transport = resolve_transport(cfg.weights_transport, weights_address=cfg.weights_address)
     remove_orphaned_shm()
-    weights = WeightsPublisher(weights_sock, transport)
+    weights = WeightsPublisher(weights_sock, transport, **sender_options(transport, cfg))
     ctx.status["weights_transport"] = transport
     learner = Learner(ctx, trainer, replay, weights)
     if trainer.policy.resumed_from is not None:
@@ -237,6 +236,15 @@ def follow(trainer: Trainer) -> int:
                 policy.save_checkpoint()
             case RanksEnd():
                 return policy.step
+
+
+def sender_options(transport: str, cfg) -> dict:
+    """What a GPU transport's sender needs from the learner's section."""
+    if transport != "nccl":
+        return {}
+    host = cfg.weights_address.removeprefix("tcp://").rpartition(":")[0]
+    return {"address": host if host and host != "*" else "127.0.0.1",
+            "timeout_s": cfg.collective_timeout_s}
 
 
 def weights_dtype(setting: str, compute: torch.dtype) -> torch.dtype:

