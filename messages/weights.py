@@ -18,6 +18,10 @@ class WeightsPoll(msgspec.Struct, tag=True, gc=False):
     """Sampler -> Learner: send me weights newer than ``have_version`` when there are some."""
 
     have_version: int
+    ranks: int = 1  # GPU transports: this sampler's receiving ranks (its engine's TP workers)
+    receiver: str = ""  # GPU transports: "" a torch.distributed group, "vllm": vLLM's own
+    # weight-transfer engine in the engine's workers
+    group: int = 0  # GPU transports: the port of the transfer group it holds (0: none)
 
 
 class TransferGroup(msgspec.Struct, gc=False):
@@ -29,6 +33,7 @@ class TransferGroup(msgspec.Struct, gc=False):
     port: int
     world: int
     rank: int = 1  # this sampler's first rank (its engine's workers take rank .. rank + TP - 1)
+    bucket_bytes: int = 0  # tensors travel in broadcasts of at most this many bytes (0: one)
 
 
 class CudaIpcHandle(msgspec.Struct, array_like=True, gc=False):

@@ -62,6 +62,9 @@ class WeightsPublisher:
         self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
         self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
+        self.transfers = 0  # GPU transports: transfers under way
+        self._idle = anyio.Event()  # set and replaced whenever transfers drops to 0
+        self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
 
     @property
     def shm_dir(self):
@@ -91,7 +94,8 @@ class WeightsPublisher:
                 del self.waiting[peer]
                 version = self.version
                 try:
-                    for frames in self.messages:  # this version's, even if a newer one comes
+                    # this version's, even if a newer one comes
+                    for frames in self.sender.messages_for(peer, self.messages):
                         await self.sock.send_multipart([peer, *frames], copy=False)
                 except zmq.ZMQError as exc:
                     if exc.errno != errno.EHOSTUNREACH:
@@ -99,11 +103,37 @@ class WeightsPublisher:
                     self.sender.forget(peer)
                     continue  # the sampler is gone; a restarted one polls again
                 self.sent += 1
-                if not await self.sender.transfer(version, peer):
-                    self.failed += 1  # its receiver polls again (a new group) or is gone
+                if self.sender.moves_bytes and self._tg is not None:  # beside the training
+                    self._tg.start_soon(self._transfer, version, peer)  # (a snapshot is sent)
+                elif self.sender.moves_bytes:
+                    await self._transfer(version, peer)
+
+    async def _transfer(self, version: int, peer: bytes) -> None:
+        self.transfers += 1
+        try:
+            if not await self.sender.transfer(version, peer):
+                self.failed += 1  # its receiver polls again (a new group) or is gone
+        finally:
+            self.transfers -= 1
+            if not self.transfers:
+                self._idle.set()
+                self._idle = anyio.Event()
+
+    async def wait_transfers(self) -> None:
+        """Return once no transfer is under way (GPU transports move bytes after a publish)."""
+        while self.transfers:
+            await self._idle.wait()
 
     async def serve(self) -> None:
         """Take polls until cancelled (run it beside the training loop)."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg  # GPU transports' transfers run here, one per sampler answered
+            try:
+                await self._serve()
+            finally:
+                self._tg = None
+
+    async def _serve(self) -> None:
         codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights)
         while True:
             peer, *frames = await self.sock.recv_multipart()
@@ -113,6 +143,7 @@ class WeightsPublisher:
                 await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
                 continue
             if isinstance(poll, WeightsPoll):
+                self.sender.polled(peer, poll)
                 self.waiting[peer] = poll.have_version
                 self.have[peer] = poll.have_version
                 self._polled.set()
@@ -136,17 +167,18 @@ class WeightsSubscriber:
     newest not yet applied to the engine (older ones it replaced are never applied).
 
     ``device``: where a GPU transport's receiver puts the tensors it receives for an engine
-    that loads them itself (hf); ``in_worker``: the engine's own worker receives GPU transfers
-    (vllm), so the receiver hands it a ``WorkerTransfer`` instead."""
+    that loads them itself (hf); ``in_worker``: the engine's own workers (``ranks`` of them)
+    receive GPU transfers (vllm), so the receiver hands it a ``WorkerTransfer`` instead."""
 
     def __init__(self, sock: AsyncSocket, *, device: torch.device | str = "cpu",
-                 in_worker: bool = False) -> None:
+                 in_worker: bool = False, ranks: int = 1, timeout_s: float = 600.0) -> None:
         self.sock = sock  # a DEALER connected to the learner's weights ROUTER
         self.received = -1  # newest version received (applied or not); -1: none yet
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
-        self.options = {"device": torch.device(device), "in_worker": in_worker}
+        self.options = {"device": torch.device(device), "in_worker": in_worker, "ranks": ranks,
+                        "timeout_s": timeout_s}  # for a GPU transport's receiver
         self.receivers: dict[str, Receiver] = {"shm": receiver_for("shm")}  # by transport
 
     @property
@@ -169,6 +201,13 @@ class WeightsSubscriber:
         newest, self._newest = self._newest, None
         return newest
 
+    def poll(self) -> WeightsPoll:
+        fields: dict[str, Any] = {"ranks": self.options["ranks"],
+                                  "receiver": "vllm" if self.options["in_worker"] else ""}
+        for receiver in self.receivers.values():
+            fields.update(receiver.poll_fields())
+        return WeightsPoll(have_version=self.received, **fields)
+
     def receiver(self, header: WeightsHeader) -> Receiver:
         name = header.transport or ("shm" if header.path else "zmq")
         if name not in self.receivers:
@@ -182,7 +221,7 @@ class WeightsSubscriber:
         poll = True
         while True:
             if poll:
-                await self.sock.send_multipart([encode(WeightsPoll(have_version=self.received))])
+                await self.sock.send_multipart([encode(self.poll())])
             poll = True
             try:
                 header, parts = _bucket(codec, await self.sock.recv_multipart(copy=False))

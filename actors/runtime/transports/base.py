@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from actors.runtime.transports.sources import WeightsSource
-    from messages.weights import WeightsHeader
+    from messages.weights import WeightsHeader, WeightsPoll
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class Sender(ABC):
     """Learner side of a transport (rank 0). ``prepare`` runs once per version."""
 
     name: ClassVar[str]
+    moves_bytes: ClassVar[bool] = False  # transfer() moves the bytes (GPU transports)
 
     @abstractmethod
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
@@ -102,6 +103,14 @@ class Sender(ABC):
         (GPU transports: a broadcast in its group); False when the sampler did not take them
         (its group is dropped: it polls again and joins a new one). Others move nothing."""
         return True
+
+    def polled(self, peer: bytes, poll: WeightsPoll) -> None:
+        """The sampler ``peer`` polled (GPU transports read its ranks and group from it)."""
+        return None
+
+    def messages_for(self, peer: bytes, messages: list[list[Any]]) -> list[list[Any]]:
+        """The messages that carry the version to ``peer`` (default: the same for all)."""
+        return messages
 
     def forget(self, peer: bytes) -> None:
         """The sampler ``peer`` is gone: drop what is held for it."""
@@ -121,6 +130,10 @@ class Receiver(ABC):
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
                       ) -> WeightsSource:
         """The engine's source of ``header.version`` (``parts``: tensors that came in frames)."""
+
+    def poll_fields(self) -> dict[str, Any]:
+        """What this receiver adds to the sampler's polls (GPU transports: the group held)."""
+        return {}
 
     def close(self) -> None:
         """Release what the receiver holds (links, groups)."""
