@@ -34,8 +34,8 @@ def tensors(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def start(address: str, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.transfer_worker", address, str(out),
-                             *extra], cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "tests.transfer_worker", address,
+                             f"{address}-reports", str(out), *extra], cwd=ROOT)
 
 
 async def until(publisher: WeightsPublisher, done: Callable[[], bool]) -> None:
@@ -44,13 +44,19 @@ async def until(publisher: WeightsPublisher, done: Callable[[], bool]) -> None:
         await publisher._polled.wait()
 
 
-async def received(out: Path, proc: subprocess.Popen, version: int) -> dict[str, torch.Tensor]:
-    """What the sampler process wrote of ``version`` (it writes after it polls again, so the
-    file is waited for: another process's file has no event to wait on)."""
-    path = out / f"{proc.pid}-v{version}.safetensors"
-    while not path.exists():
-        await anyio.sleep(0.02)
-    return load_file(str(path))
+class Reports:
+    """What the sampler processes say they wrote (``PID VERSION``), as they say it."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.seen = sock, set()
+
+    async def received(self, out: Path, proc: subprocess.Popen, version: int
+                       ) -> dict[str, torch.Tensor]:
+        """What ``proc`` received of ``version`` (once it has reported writing it)."""
+        while (proc.pid, version) not in self.seen:
+            pid, v = (await self.sock.recv_multipart())[0].decode().split()
+            self.seen.add((int(pid), int(v)))
+        return load_file(str(out / f"{proc.pid}-v{version}.safetensors"))
 
 
 def same(got: dict[str, torch.Tensor], version: int) -> bool:
@@ -69,7 +75,9 @@ async def test_versions_a_failing_receiver_and_a_restarted_sampler(sockets, tmp_
     address = f"ipc://{sockets}/weights"
     procs: list[subprocess.Popen] = []
     try:
-        with anyio.fail_after(240), make_socket(zctx, zmq.ROUTER, bind=address) as sock:
+        with anyio.fail_after(240), make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
+             make_socket(zctx, zmq.PULL, bind=f"{address}-reports") as pull:
+            reports = Reports(pull)
             # gloo cannot be interrupted while it waits for a peer whose process is alive: the
             # learner's side of a failed transfer ends at this timeout (NCCL's abort ends it)
             publisher = WeightsPublisher(sock, "nccl", address="127.0.0.1", timeout_s=5)
@@ -80,7 +88,7 @@ async def test_versions_a_failing_receiver_and_a_restarted_sampler(sockets, tmp_
                 procs.append(start(address, tmp_path, "1"))
                 for version in (0, 1, 2):
                     await publish_all(publisher, version)
-                    assert same(await received(tmp_path, procs[0], version), version)
+                    assert same(await reports.received(tmp_path, procs[0], version), version)
                 await publisher.wait_transfers()
                 assert publisher.failed == 1  # version 1's first transfer
                 assert sender.groups_made == 2  # its first group, then the one after the failure
@@ -93,10 +101,10 @@ async def test_versions_a_failing_receiver_and_a_restarted_sampler(sockets, tmp_
                 procs.append(start(address, tmp_path))
                 await until(publisher, lambda: len(publisher.have) == 2)
                 await until(publisher, lambda: publisher.have[list(publisher.have)[1]] >= 3)
-                assert same(await received(tmp_path, procs[1], 3), 3)
+                assert same(await reports.received(tmp_path, procs[1], 3), 3)
                 await publisher.publish(4, tensors(4), bucket_bytes=BUCKET)  # the dead one's
                 await until(publisher, lambda: publisher.have[list(publisher.have)[1]] >= 4)
-                assert same(await received(tmp_path, procs[1], 4), 4)
+                assert same(await reports.received(tmp_path, procs[1], 4), 4)
                 assert sender.groups_made == 3 and len(sender.peers) == 1  # the dead one dropped
                 tg.cancel_scope.cancel()
             publisher.close()

@@ -1,7 +1,8 @@
 """A sampler's side of the nccl weights transport in a test, over gloo on the CPU:
-``python -m tests.transfer_worker ADDRESS OUT [FAIL_VERSION]``. It subscribes to the learner's
-weights channel at ADDRESS and writes every version it receives to
-``OUT/PID-vVERSION.safetensors``. With FAIL_VERSION, its receiver fails once in the middle of
+``python -m tests.transfer_worker ADDRESS REPORTS OUT [FAIL_VERSION]``. It subscribes to the
+learner's weights channel at ADDRESS, writes every version it receives to
+``OUT/PID-vVERSION.safetensors`` and then reports ``PID VERSION`` to the test (a PUSH socket
+connected to REPORTS). With FAIL_VERSION, its receiver fails once in the middle of
 that version's broadcast (after the first bucket), as a receiver whose device ran out of memory
 would: it must close its group, and receive the version in a new one."""
 
@@ -42,9 +43,10 @@ def inject_failure(version: int) -> None:
     nccl.TorchGroup.broadcast = failing_broadcast  # type: ignore[method-assign]
 
 
-async def main(address: str, out: Path) -> None:
+async def main(address: str, reports: str, out: Path) -> None:
     zctx = zmq.Context()
-    with make_socket(zctx, zmq.DEALER, connect=address) as sock:
+    with make_socket(zctx, zmq.DEALER, connect=address) as sock, \
+         make_socket(zctx, zmq.PUSH, connect=reports) as report:
         sub = WeightsSubscriber(sock, device="cpu", timeout_s=30)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sub.serve)
@@ -56,10 +58,11 @@ async def main(address: str, out: Path) -> None:
                 path = out / f"{os.getpid()}-v{version}.safetensors"
                 save_file({n: t.clone() for n, t in tensors.items()}, str(path) + ".partial")
                 os.replace(str(path) + ".partial", path)
+                await report.send_multipart([f"{os.getpid()} {version}".encode()])
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if len(sys.argv) > 3:
-        inject_failure(int(sys.argv[3]))
-    anyio.run(main, sys.argv[1], Path(sys.argv[2]), backend="trio")
+    if len(sys.argv) > 4:
+        inject_failure(int(sys.argv[4]))
+    anyio.run(main, sys.argv[1], sys.argv[2], Path(sys.argv[3]), backend="trio")

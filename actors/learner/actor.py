@@ -32,7 +32,7 @@ from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
-from actors.runtime.transports.base import resolve_transport
+from actors.runtime.transports.base import TRANSPORTS, resolve_transport
 from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -64,10 +64,13 @@ class Learner:
             self.group.broadcast_bytes(encode(message))
 
     def gather_weights(self):
+        """The weights in the samplers' dtype: on the learner's device for a GPU transport,
+        on the CPU otherwise."""
         policy = self.trainer.policy
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
-        return policy.snapshot(dtype)
+        on_gpu = TRANSPORTS[self.weights.transport].gpu
+        return policy.snapshot(dtype, policy.device if on_gpu else "cpu")
 
     def save_checkpoint(self):
         self.tell(RanksSave())
@@ -201,7 +204,8 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status) -> str:
                          identity=ctx.name.encode(), curve=ctx.curve)
     transport = resolve_transport(cfg.weights_transport, weights_address=cfg.weights_address)
     remove_orphaned_shm()
-    weights = WeightsPublisher(weights_sock, transport, **sender_options(transport, cfg))
+    weights = WeightsPublisher(weights_sock, transport,
+                               **sender_options(transport, cfg, trainer.group.device))
     ctx.status["weights_transport"] = transport
     learner = Learner(ctx, trainer, replay, weights)
     if trainer.policy.resumed_from is not None:
@@ -238,13 +242,16 @@ def follow(trainer: Trainer) -> int:
                 return policy.step
 
 
-def sender_options(transport: str, cfg) -> dict:
-    """What a GPU transport's sender needs from the learner's section."""
+def sender_options(transport: str, cfg, device: torch.device) -> dict:
+    """What a GPU transport's sender needs: where samplers reach the learner's rendezvous (the
+    weights address's host; 127.0.0.1 for ipc:// or a wildcard), the device and a timeout."""
+    if transport == "ipc":
+        return {"device": device}
     if transport != "nccl":
         return {}
     host = cfg.weights_address.removeprefix("tcp://").rpartition(":")[0]
-    return {"address": host if host and host != "*" else "127.0.0.1",
-            "timeout_s": cfg.collective_timeout_s}
+    return {"address": host if host and host not in ("*", "0.0.0.0") else "127.0.0.1",
+            "timeout_s": cfg.collective_timeout_s, "device": device}
 
 
 def weights_dtype(setting: str, compute: torch.dtype) -> torch.dtype:

@@ -356,7 +356,9 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     weights_sock = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
                                curve=ctx.curve)
     weights = WeightsSubscriber(weights_sock, device=placement(cfg.device, ctx.index),
-                                in_worker=registry.ENGINES[cfg.engine].in_worker)
+                                in_worker=registry.ENGINES[cfg.engine].in_worker,
+                                ranks=registry.receiving_ranks(cfg.engine, cfg),
+                                timeout_s=topo.learner.collective_timeout_s)
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
     agent = AgentLoop(engine, tokenizer, topo.agent) if topo.agent.enabled else None
     if agent is not None:

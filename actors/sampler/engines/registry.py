@@ -29,13 +29,14 @@ class EngineRow:
     continuous: bool = False  # takes prompts one by one and can load weights in flight
     prefer_on_gpu: bool = False  # auto picks it when the sampler has a GPU and it can run
     in_worker: bool = False  # its own worker receives GPU weight transfers (WorkerTransfer)
+    ranks: str = ""  # the sampler key giving its receiving workers ("": one), dotted
 
 
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow("hf", "actors.sampler.engines.hf"),
     EngineRow("vllm", "actors.sampler.engines.vllm",
               problem="actors.sampler.engines.vllm:vllm_problem", continuous=True,
-              prefer_on_gpu=True, in_worker=True),
+              prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size"),
 )}
 
 
@@ -50,6 +51,14 @@ class EngineSpec:
     sampler: SamplerConfig  # the sampler's section (the engine's own section is a key of it)
     label: str = ""  # names the engine's processes (sampler name and run directory)
     transport: str = "zmq"  # the weights transport (GPU ones configure the engine's worker)
+
+
+def receiving_ranks(name: str, sampler: SamplerConfig) -> int:
+    """The processes of engine ``name`` that receive a GPU weights transfer."""
+    value: Any = sampler
+    for key in ENGINES[name].ranks.split(".") if ENGINES[name].ranks else ():
+        value = getattr(value, key)
+    return value if isinstance(value, int) else 1
 
 
 def engine_problem(name: str) -> str | None:
