@@ -249,7 +249,8 @@ def sender_options(transport: str, cfg, device: torch.device) -> dict:
         return {"device": device}
     if transport != "nccl":
         return {}
-    host = cfg.weights_address.removeprefix("tcp://").rpartition(":")[0]
+    address = cfg.weights_address
+    host = address.removeprefix("tcp://").rpartition(":")[0] if address.startswith("tcp://") else ""
     return {"address": host if host and host not in ("*", "0.0.0.0") else "127.0.0.1",
             "timeout_s": cfg.collective_timeout_s, "device": device}
 

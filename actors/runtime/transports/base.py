@@ -37,25 +37,30 @@ class Transport:
     module: str  # the file holding its Sender and Receiver (imported only when used)
     summary: str  # one line for the README, errors and the status
     same_host: bool  # every sampler shares the learner's host
-    gpu: bool  # the bytes go GPU to GPU: learner and samplers compute on CUDA
+    cuda: tuple[str, ...]  # the engines for which it needs CUDA on learner and samplers
     engines: tuple[str, ...]  # the engines that have a receiver for it
+
+    @property
+    def gpu(self) -> bool:
+        """Its sender gathers on the learner's device (the bytes stay on GPUs there)."""
+        return bool(self.cuda)
 
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     Transport("zmq", "actors.runtime.transports.zmq",
               "the tensors in the weights messages (buckets of zero-copy frames)",
-              same_host=False, gpu=False, engines=("hf", "vllm")),
+              same_host=False, cuda=(), engines=("hf", "vllm")),
     Transport("shm", "actors.runtime.transports.shm",
               "one safetensors file per version in /dev/shm; the message carries its path",
-              same_host=True, gpu=False, engines=("hf", "vllm")),
+              same_host=True, cuda=(), engines=("hf", "vllm")),
     Transport("nccl", "actors.runtime.transports.nccl",
-              "a broadcast group of learner rank 0 and every sampler (vLLM's NCCL "
-              "weight-transfer engine for vllm, a torch.distributed group for hf)",
-              same_host=False, gpu=True, engines=("hf", "vllm")),
+              "a broadcast group per sampler: vLLM's NCCL weight-transfer engine for vllm, a "
+              "torch.distributed group for hf (NCCL on GPUs, gloo on CPUs)",
+              same_host=False, cuda=("vllm",), engines=("hf", "vllm")),
     Transport("ipc", "actors.runtime.transports.ipc",
               "CUDA IPC handles of the learner's gathered tensors (vLLM's IPC weight-transfer "
               "engine for vllm, torch's CUDA tensor reductions for hf); one host",
-              same_host=True, gpu=True, engines=("hf", "vllm")),
+              same_host=True, cuda=("hf", "vllm"), engines=("hf", "vllm")),
 )}
 
 
@@ -81,9 +86,11 @@ def transport_problem(name: str, *, engine: str, weights_address: str,
         return (f"{name} needs every sampler on the learner's host: learner.weights_address "
                 f"must be ipc:// (it is {weights_address})")
     devices = (learner_device, sampler_device)
-    if t.gpu and "auto" not in devices and not all(d.startswith("cuda") for d in devices):
-        return (f"{name} moves weights GPU to GPU: set learner.device and sampler.device to "
-                f"cuda (they are {learner_device} and {sampler_device})")
+    if (engine in t.cuda or engine == "auto" and len(t.cuda) == len(t.engines)) and \
+            "auto" not in devices and not all(d.startswith("cuda") for d in devices):
+        return (f"{name} moves weights GPU to GPU for sampler.engine = {engine}: set "
+                f"learner.device and sampler.device to cuda (they are {learner_device} and "
+                f"{sampler_device})")
     return None
 
 
