@@ -2,7 +2,7 @@
 ``python -m tests.transfer_worker ADDRESS REPORTS OUT [FAIL_VERSION]``. It subscribes to the
 learner's weights channel at ADDRESS, writes every version it receives to
 ``OUT/PID-vVERSION.safetensors`` and then reports ``PID VERSION`` to the test (a PUSH socket
-connected to REPORTS). With FAIL_VERSION, its receiver fails once in the middle of
+connected to REPORTS). ``FLOWRL_TEST_DEVICE`` (default cpu) is where it receives. With FAIL_VERSION, its receiver fails once in the middle of
 that version's broadcast (after the first bucket), as a receiver whose device ran out of memory
 would: it must close its group, and receive the version in a new one."""
 
@@ -47,7 +47,8 @@ async def main(address: str, reports: str, out: Path) -> None:
     zctx = zmq.Context()
     with make_socket(zctx, zmq.DEALER, connect=address) as sock, \
          make_socket(zctx, zmq.PUSH, connect=reports) as report:
-        sub = WeightsSubscriber(sock, device="cpu", timeout_s=30)
+        sub = WeightsSubscriber(sock, device=os.environ.get("FLOWRL_TEST_DEVICE", "cpu"),
+                                timeout_s=30)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sub.serve)
             while True:
@@ -56,7 +57,8 @@ async def main(address: str, reports: str, out: Path) -> None:
                 assert got is not None
                 version, tensors = got
                 path = out / f"{os.getpid()}-v{version}.safetensors"
-                save_file({n: t.clone() for n, t in tensors.items()}, str(path) + ".partial")
+                save_file({n: t.to("cpu", copy=True) for n, t in tensors.items()},
+                          str(path) + ".partial")
                 os.replace(str(path) + ".partial", path)
                 await report.send_multipart([f"{os.getpid()} {version}".encode()])
 

@@ -5,12 +5,15 @@ Each sampler gets a group of its own with the learner's rank 0: world ``1 + rank
 engine's receiving workers, ``WeightsPoll.ranks``), the learner at rank 0 hosting the rendezvous
 on a fresh port. Per version the channel sends the sampler a header (the tensors' names, dtypes
 and shapes, and the group) and then the learner broadcasts the tensors in buckets of
-``bucket_bytes``, followed by one all-reduce in which every receiver says it has them all: a
-receiver that failed (it closes its group) or died makes that all-reduce fail or time out on
-the learner, which drops the group; the sampler polls again and the next header brings a new
-group (new port). A restarted sampler is a new peer and so gets a new group; a gone one's group
-is closed when its send fails. Per-sampler groups cost one send per sampler (the learner's link
-is shared) but need no re-forming of one big group whenever a sampler comes or goes.
+``bucket_bytes``, followed by one all-reduce in which every receiver says it has them all.
+Transfers run beside training (the channel starts each in its own task; the snapshot they send
+is a copy). A receiver that fails drops its group and polls again saying it holds none
+(``WeightsPoll.group = 0``): the learner drops its side and the next header brings a new group
+(new port), while the learner's half of the failed transfer ends with an error when the peer's
+process is gone, or at ``timeout_s`` when it is alive (gloo cannot be interrupted; NCCL's
+``abort`` would end it at once). A restarted sampler is a new peer and so gets a new group; a
+gone one's group is dropped when a send to it fails. Per-sampler groups cost one send per
+sampler but need no re-forming of one big group whenever a sampler comes or goes.
 
 Receivers: with ``receiver = ""`` (the hf engine) the sampler itself joins a torch.distributed
 group (``ProcessGroupNCCL`` on CUDA, ``ProcessGroupGloo`` on the CPU, neither the default group)

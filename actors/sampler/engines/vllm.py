@@ -21,18 +21,22 @@ truncation (``vllm_worker.UntruncatedLogprobs``), the learner's quantity. Per-to
 from vLLM's own weight-version spans: the engine core stamps every step's output with the
 version it was computed with, and the version is changed only while generation is paused.
 
-Weight updates: the tensors reach the engine as a safetensors file in ``/dev/shm`` (written by
-the learner when it shares the host, else here), loaded by the worker extension into the
-running model (``collective_rpc``). ``weight_update = "between_batches"`` waits until no
-request is running (new ones wait for the load); ``"in_flight"`` pauses the engine keeping its
+Weight updates: ``load_weights`` matches on the typed source the weights transport hands it
+(``actors/runtime/transports/sources.py``): a safetensors file in ``/dev/shm`` (shm; tensors
+from zmq are written to one here first), loaded by the worker extension into the running model
+(``collective_rpc``); or a GPU transfer (nccl, ipc) that vLLM's own weight-transfer engine in
+the worker receives (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``), written against vLLM 0.32 and not run here.
+``weight_update = "between_batches"`` waits until no request is running (new ones wait for the
+load; the learner's broadcast of a GPU transfer waits with it); ``"in_flight"`` pauses the
+engine keeping its
 requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after the swap carry
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
 requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
 
-GPU note: the same code runs on a GPU with vLLM's CUDA build; only the transfer differs in
-principle (vLLM's NCCL/CUDA-IPC weight-transfer engines). On a GPU the file in ``/dev/shm`` is
-read by the worker and copied to the device by ``load_weights``; ``_die_with_parent``, the
-``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
+GPU note: the same code runs on a GPU with vLLM's CUDA build. With the shm or zmq transport the
+file in ``/dev/shm`` is read by the worker and copied to the device by ``load_weights``;
+``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
 and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour no test here
 exercises.
 """
