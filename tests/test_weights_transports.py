@@ -72,3 +72,46 @@ def test_a_job_on_the_nccl_transport_over_gloo(tiny_model, tmp_path):
     # version 0 and a trained one at least went through the group and into the engine
     assert last["sampler-0"]["weight_loads"] >= 2 and last["sampler-0"]["version"] >= 1
     assert "weights_error" not in last["sampler-0"]
+
+
+@pytest.mark.anyio
+async def test_a_header_naming_no_usable_transport_costs_its_version_not_the_channel(sockets):
+    """An unknown transport, or an nccl header without its group, is reported in the
+    sampler's status and the next version (zmq) is taken whole."""
+    import anyio
+    import torch
+    import zmq
+
+    from actors.runtime.tensors import meta, raw_bytes
+    from actors.runtime.weights import WeightsSubscriber
+    from actors.runtime.zmq_bridge import make_socket
+    from messages.codec import encode
+    from messages.weights import WeightsHeader
+
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    t = torch.arange(6, dtype=torch.float32)
+    try:
+        with anyio.fail_after(30), make_socket(zctx, zmq.ROUTER, bind=address) as learner, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
+            subscriber = WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(subscriber.serve)
+                for good, bad, error in (
+                        (2, WeightsHeader(version=1, tensors=[], transport="carrier"),
+                         "unknown transport 'carrier'"),
+                        (3, WeightsHeader(version=3, tensors=[meta("w", t)], transport="nccl"),
+                         "without a group")):
+                    before = subscriber.received
+                    peer, _ = await learner.recv_multipart()
+                    await learner.send_multipart([peer, encode(bad)])
+                    peer, _ = await learner.recv_multipart()  # polled again, after a second
+                    assert error in subscriber.error and subscriber.received == before
+                    await learner.send_multipart([peer, encode(WeightsHeader(
+                        version=good, tensors=[meta("w", t)])), raw_bytes(t)])
+                    await subscriber.wait_for(good)
+                    version, got = subscriber.take()
+                    assert version == good and torch.equal(got["w"], t)
+                tg.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)

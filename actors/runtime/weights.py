@@ -23,7 +23,7 @@ import zmq
 from safetensors import SafetensorError
 
 from actors.runtime.tensors import from_buffer
-from actors.runtime.transports.base import Receiver, receiver_for, sender_for
+from actors.runtime.transports.base import TRANSPORTS, Receiver, receiver_for, sender_for
 from actors.runtime.transports.shm import (  # noqa: F401 - the channel's names for the shm parts
     SHM_KEEP,
     SHM_PREFIX,
@@ -210,6 +210,8 @@ class WeightsSubscriber:
 
     def receiver(self, header: WeightsHeader) -> Receiver:
         name = header.transport or ("shm" if header.path else "zmq")
+        if name not in TRANSPORTS:
+            raise DecodeError(f"weights: unknown transport {name!r}")
         if name not in self.receivers:
             options = self.options if name in ("nccl", "ipc") else {}
             self.receivers[name] = receiver_for(name, **options)
