@@ -99,10 +99,13 @@ def check(topology: Topology) -> None:
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
+        from actors.sampler.engines.registry import ENGINES, auto_engine
 
-        problem = transport_problem(L.weights_transport, engine=s.engine, weights_address=
-                                    L.weights_address, learner_device=L.device,
-                                    sampler_device=s.device)
+        engine = s.engine if s.engine != "auto" else auto_engine()
+        row = ENGINES[engine]
+        problem = transport_problem(L.weights_transport, engine=engine, receives=row.receives,
+                                    needs_cuda=row.needs_cuda, weights_address=L.weights_address,
+                                    learner_device=L.device, sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)

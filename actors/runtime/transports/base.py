@@ -31,36 +31,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Transport:
-    """One row of the table: a transport's name, its file and what it needs."""
+    """One row of the table: a transport's name, its file and what it needs. Which engines
+    receive it (and where they need CUDA for it) is the engines' own rows
+    (``actors/sampler/engines/registry.py``)."""
 
     name: str
     module: str  # the file holding its Sender and Receiver (imported only when used)
     summary: str  # one line for the README, errors and the status
     same_host: bool  # every sampler shares the learner's host
-    cuda: tuple[str, ...]  # the engines for which it needs CUDA on learner and samplers
-    engines: tuple[str, ...]  # the engines that have a receiver for it
-
-    @property
-    def gpu(self) -> bool:
-        """Its sender gathers on the learner's device (the bytes stay on GPUs there)."""
-        return bool(self.cuda)
+    gpu: bool  # the learner gathers on its device: the bytes go from there (GPU to GPU on GPUs)
 
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     Transport("zmq", "actors.runtime.transports.zmq",
               "the tensors in the weights messages (buckets of zero-copy frames)",
-              same_host=False, cuda=(), engines=("hf", "vllm")),
+              same_host=False, gpu=False),
     Transport("shm", "actors.runtime.transports.shm",
               "one safetensors file per version in /dev/shm; the message carries its path",
-              same_host=True, cuda=(), engines=("hf", "vllm")),
+              same_host=True, gpu=False),
     Transport("nccl", "actors.runtime.transports.nccl",
               "a broadcast group per sampler: vLLM's NCCL weight-transfer engine for vllm, a "
               "torch.distributed group for hf (NCCL on GPUs, gloo on CPUs)",
-              same_host=False, cuda=("vllm",), engines=("hf", "vllm")),
+              same_host=False, gpu=True),
     Transport("ipc", "actors.runtime.transports.ipc",
               "CUDA IPC handles of the learner's gathered tensors (vLLM's IPC weight-transfer "
               "engine for vllm, torch's CUDA tensor reductions for hf); one host",
-              same_host=True, cuda=("hf", "vllm"), engines=("hf", "vllm")),
+              same_host=True, gpu=True),
 )}
 
 
@@ -73,21 +69,23 @@ def resolve_transport(setting: str, *, weights_address: str) -> str:
     return "shm" if weights_address.startswith("ipc://") else "zmq"
 
 
-def transport_problem(name: str, *, engine: str, weights_address: str,
-                      learner_device: str, sampler_device: str) -> str | None:
-    """Why transport ``name`` cannot carry this job's weights, or None (a config check; an
-    ``auto`` address or device is not judged here: it is resolved later)."""
+def transport_problem(name: str, *, engine: str, receives: tuple[str, ...],
+                      needs_cuda: tuple[str, ...], weights_address: str, learner_device: str,
+                      sampler_device: str) -> str | None:
+    """Why transport ``name`` cannot carry this job's weights to ``engine`` (which receives
+    ``receives``, and needs CUDA for ``needs_cuda``), or None. A config check; an ``auto``
+    address or device is not judged here: it is resolved later."""
     t = TRANSPORTS.get(name)
     if t is None:
         return f"unknown transport {name!r} (known: {', '.join(TRANSPORTS)}, auto)"
-    if engine != "auto" and engine not in t.engines:
-        return f"{name} has no receiver for sampler.engine = {engine}"
+    if name not in receives:
+        return f"{name} has no receiver in sampler.engine = {engine}"
     if t.same_host and weights_address != "auto" and not weights_address.startswith("ipc://"):
         return (f"{name} needs every sampler on the learner's host: learner.weights_address "
                 f"must be ipc:// (it is {weights_address})")
     devices = (learner_device, sampler_device)
-    if (engine in t.cuda or engine == "auto" and len(t.cuda) == len(t.engines)) and \
-            "auto" not in devices and not all(d.startswith("cuda") for d in devices):
+    if name in needs_cuda and "auto" not in devices and \
+            not all(d.startswith("cuda") for d in devices):
         return (f"{name} moves weights GPU to GPU for sampler.engine = {engine}: set "
                 f"learner.device and sampler.device to cuda (they are {learner_device} and "
                 f"{sampler_device})")

@@ -30,13 +30,17 @@ class EngineRow:
     prefer_on_gpu: bool = False  # auto picks it when the sampler has a GPU and it can run
     in_worker: bool = False  # its own worker receives GPU weight transfers (WorkerTransfer)
     ranks: str = ""  # the sampler key giving its receiving workers ("": one), dotted
+    receives: tuple[str, ...] = ("zmq", "shm")  # the weights transports it has a receiver for
+    needs_cuda: tuple[str, ...] = ()  # of those, the ones it can take only on CUDA
 
 
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    EngineRow("hf", "actors.sampler.engines.hf"),
+    EngineRow("hf", "actors.sampler.engines.hf", receives=("zmq", "shm", "nccl", "ipc"),
+              needs_cuda=("ipc",)),  # nccl: gloo on a CPU
     EngineRow("vllm", "actors.sampler.engines.vllm",
               problem="actors.sampler.engines.vllm:vllm_problem", continuous=True,
-              prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size"),
+              prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
+              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("nccl", "ipc")),
 )}
 
 
