@@ -202,8 +202,9 @@ class WeightsSubscriber:
         return newest
 
     def poll(self) -> WeightsPoll:
-        fields: dict[str, Any] = {"ranks": self.options["ranks"],
-                                  "receiver": "vllm" if self.options["in_worker"] else ""}
+        vllm_nccl = self.options["in_worker"] and self.options["device"].type == "cuda"
+        fields: dict[str, Any] = {"ranks": self.options["ranks"],  # as nccl's poll_fields
+                                  "receiver": "vllm" if vllm_nccl else ""}
         for receiver in self.receivers.values():
             fields.update(receiver.poll_fields())
         return WeightsPoll(have_version=self.received, **fields)

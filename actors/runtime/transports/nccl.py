@@ -218,8 +218,14 @@ class BroadcastReceiver(Receiver):
         self.group: TransferGroup | None = None  # the group held (joined, or handed to vLLM)
         self.joined: TorchGroup | None = None
 
+    @property
+    def vllm_nccl(self) -> bool:
+        """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU they use
+        ``engines/vllm_transfer.py``'s engine, which speaks this module's torch protocol."""
+        return self.in_worker and self.device.type == "cuda"
+
     def poll_fields(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "receiver": "vllm" if self.in_worker else "",
+        return {"ranks": self.ranks, "receiver": "vllm" if self.vllm_nccl else "",
                 "group": self.group.port if self.group is not None else 0}
 
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
@@ -256,19 +262,22 @@ class BroadcastReceiver(Receiver):
         return out
 
     def _worker_transfer(self, header: WeightsHeader, g: TransferGroup) -> WorkerTransfer:
-        init = None
+        init: dict[str, Any] | None = None
         if self.group != g:  # a new group: the worker joins it at rank_offset 1
             init = {"master_address": g.address, "master_port": g.port, "rank_offset": g.rank,
-                    "world_size": g.world, "packed": True,
-                    "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
-                    "packed_num_buffers": PACKED_BUFFERS}
+                    "world_size": g.world}
+            if self.vllm_nccl:
+                init.update(packed=True, packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
+                            packed_num_buffers=PACKED_BUFFERS)
+            else:
+                init.update(bucket_bytes=g.bucket_bytes, timeout_s=self.timeout_s)
             self.group = g
 
         def done(exc: BaseException | None) -> None:
             if exc is not None:
                 self.group = None  # the next header brings a new group
 
-        return WorkerTransfer("nccl", init, {
+        return WorkerTransfer("nccl" if self.vllm_nccl else "flowrl_gloo", init, {
             "names": [m.name for m in header.tensors],
             "dtype_names": [m.dtype for m in header.tensors],
             "shapes": [list(m.shape) for m in header.tensors]}, done)

@@ -40,7 +40,7 @@ ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow("vllm", "actors.sampler.engines.vllm",
               problem="actors.sampler.engines.vllm:vllm_problem", continuous=True,
               prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
-              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("nccl", "ipc")),
+              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",)),  # nccl: gloo on CPU
 )}
 
 

@@ -200,7 +200,10 @@ class VLLMEngine:
         args = AsyncEngineArgs(
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
+            worker_extension_cls=(
+                "actors.sampler.engines.vllm_transfer.FlowrlTransferWorkerExtension"
+                if self.settings.weight_transfer else
+                "actors.sampler.engines.vllm_worker.FlowrlWorkerExtension"),
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
         await self.llm.collective_rpc("flowrl_untruncated_logprobs")
@@ -308,6 +311,7 @@ class VLLMEngine:
                 await self.llm.start_weight_update()
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
                 await self.llm.finish_weight_update()
+                await self.llm.collective_rpc("flowrl_redispatch_head")
             except BaseException as exc:
                 transfer.done(exc)
                 raise
@@ -392,9 +396,16 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     settings = VLLMSettings(vllm_options(cfg.vllm, gpu=torch.cuda.is_available()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
-                            weight_transfer=spec.transport if spec.transport in ("nccl", "ipc")
-                            else "")
+                            weight_transfer=weight_transfer(spec.transport))
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
+
+
+def weight_transfer(transport: str) -> str:
+    """vLLM's weight-transfer backend for a weights transport ("": files): its NCCL and IPC
+    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``vllm_transfer.py``)."""
+    if transport == "nccl" and not torch.cuda.is_available():
+        return "flowrl_gloo"
+    return transport if transport in ("nccl", "ipc") else ""
 
 
 async def _shutdown(llm: Any) -> None:
