@@ -177,8 +177,9 @@ class WeightsSubscriber:
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
-        self.options = {"device": torch.device(device), "in_worker": in_worker, "ranks": ranks,
-                        "timeout_s": timeout_s}  # for a GPU transport's receiver
+        self.device = torch.device(device)
+        self.options: dict[str, Any] = {"device": self.device, "in_worker": in_worker,
+                                        "ranks": ranks, "timeout_s": timeout_s}  # GPU receivers
         self.receivers: dict[str, Receiver] = {"shm": receiver_for("shm")}  # by transport
 
     @property
@@ -202,7 +203,7 @@ class WeightsSubscriber:
         return newest
 
     def poll(self) -> WeightsPoll:
-        vllm_nccl = self.options["in_worker"] and self.options["device"].type == "cuda"
+        vllm_nccl = self.options["in_worker"] and self.device.type == "cuda"
         fields: dict[str, Any] = {"ranks": self.options["ranks"],  # as nccl's poll_fields
                                   "receiver": "vllm" if vllm_nccl else ""}
         for receiver in self.receivers.values():
