@@ -153,7 +153,8 @@ class Learner:
             await self.report_steps()
             self.ctx.status.update(step=policy.step, version=policy.version,
                                    reward=round(metrics["critic/score/mean"], 3),
-                                   weights_sent=self.weights.sent)
+                                   weights_sent=self.weights.sent,
+                                   weights_failed=self.weights.failed)
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
                 await self.save()
