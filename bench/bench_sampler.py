@@ -17,7 +17,7 @@ Parts (each prints a table; results go in BENCHMARKS.md):
   (a reward of 0), so what is measured is the actor, not its peers. Target: the actor reaches
   90% of vLLM alone.
 - ``weights``: one weight update of the default model into the running vLLM engine, as the job
-  does it: the learner writes the version to /dev/shm (``WeightsPublisher``, shm transport),
+  does it: the learner writes the version to /dev/shm (``ShmSender``, the shm transport),
   the engine loads it (``load_weights``: file into the model, layerwise), and from tensors in
   memory (the zmq transport: the sampler writes the file itself first).
 
@@ -224,12 +224,13 @@ async def bench_weights(args, model: Path, engine) -> None:
     import anyio
     from transformers import AutoModelForCausalLM
 
-    from actors.runtime.weights import SharedWeights, WeightsPublisher
+    from actors.runtime.transports.shm import ShmSender
+    from actors.runtime.transports.sources import SharedWeights
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype="float32")
     tensors = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
     mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
-    publisher = WeightsPublisher(None, "shm")  # type: ignore[arg-type]
+    publisher = ShmSender()
     rows: dict[str, list[float]] = {"learner: write to /dev/shm": [],
                                     "engine: load from /dev/shm": [],
                                     "engine: load from memory (zmq)": []}
@@ -238,7 +239,7 @@ async def bench_weights(args, model: Path, engine) -> None:
         for _ in range(args.rounds):
             version += 1
             started = time.perf_counter()
-            path = await anyio.to_thread.run_sync(publisher._write, version, tensors)
+            path = await anyio.to_thread.run_sync(publisher.write, version, tensors)
             rows["learner: write to /dev/shm"].append(time.perf_counter() - started)
             started = time.perf_counter()
             await engine.load_weights(version, SharedWeights(str(path)))
@@ -257,8 +258,8 @@ async def main_async(args) -> None:
 
     from actors.model_store import resolve_model_path
     from actors.runtime.config import VLLMOptions
-    from actors.sampler.actor import vllm_options
     from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
+    from actors.sampler.engines.vllm_settings import vllm_options
 
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")

@@ -18,6 +18,40 @@ class WeightsPoll(msgspec.Struct, tag=True, gc=False):
     """Sampler -> Learner: send me weights newer than ``have_version`` when there are some."""
 
     have_version: int
+    ranks: int = 1  # GPU transports: this sampler's receiving ranks (its engine's TP workers)
+    receiver: str = ""  # GPU transports: "" a torch.distributed group, "vllm": vLLM's own
+    # weight-transfer engine in the engine's workers
+    group: int = 0  # GPU transports: the port of the transfer group it holds (0: none)
+
+
+class TransferGroup(msgspec.Struct, gc=False):
+    """Where a sampler joins its transfer group with the learner (GPU transports): the
+    learner is rank 0 of a group of ``world``; a new ``port`` is a new group (a restarted
+    sampler's, or one re-formed after a failed transfer)."""
+
+    address: str
+    port: int
+    world: int
+    rank: int = 1  # this sampler's first rank (its engine's workers take rank .. rank + TP - 1)
+    bucket_bytes: int = 0  # tensors travel in broadcasts of at most this many bytes (0: one)
+
+
+class CudaIpcHandle(msgspec.Struct, array_like=True, gc=False):
+    """A CUDA tensor of the learner shared with a process on the same host (the arguments of
+    torch's ``rebuild_cuda_tensor``, classes left out: always a plain tensor and storage)."""
+
+    size: list[int]
+    stride: list[int]
+    offset: int
+    dtype: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
 
 
 class WeightsHeader(msgspec.Struct, tag=True, gc=False):
@@ -29,6 +63,11 @@ class WeightsHeader(msgspec.Struct, tag=True, gc=False):
     # holds the tensors (``tensors`` is then empty and no tensor frames follow)
     bucket: int = 0  # this message's place among the version's messages
     buckets: int = 1  # messages the version is sent in, each one bucket of tensors
+    transport: str = ""  # the transport that carries the tensors ("": shm with a path, else zmq)
+    group: TransferGroup | None = None  # nccl: the group the tensors are broadcast in, after
+    # this message, in ``tensors`` order (no tensor frames follow)
+    handles: list[CudaIpcHandle] = []  # ipc: one per tensor of ``tensors``
+    gpu: str = ""  # ipc: the UUID of the learner's GPU the handles live on
 
 
 ToLearnerWeights = WeightsPoll

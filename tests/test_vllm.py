@@ -17,9 +17,9 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.learner.trainer import Trainer
 from actors.runtime.config import VLLMOptions, apply_overrides, decode_topology
-from actors.sampler.actor import vllm_options
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
+from actors.sampler.engines.vllm_settings import vllm_options
 from messages.rollout import ChatMessage, SamplingParams
 from tests.test_sampler import learner_logprobs, scored_group
 

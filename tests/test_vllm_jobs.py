@@ -133,3 +133,20 @@ def test_kill_9_of_the_sampler_or_its_engine_loses_no_prompt_and_leaves_no_engin
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(balanced(r) for r in rows)
     assert not actor_pids(run_dir) and not engine_pids(run_dir)
+
+
+def test_a_vllm_job_on_the_nccl_transport_receives_in_the_engines_worker(tiny_vllm_model,
+                                                                          tmp_path):
+    """``learner.weights_transport=nccl`` with vLLM on a CPU: every version goes through vLLM's
+    weight-transfer API into the running worker (``init_weight_transfer_engine``, start,
+    ``update_weights``, finish), received by flowrl's ``flowrl_gloo`` engine over gloo (vLLM's
+    own NCCL engine is CUDA only), in flight, and the job trains on what it generates."""
+    run_dir = tmp_path / "run"
+    rows = run_job(tiny_vllm_model, run_dir, "learner.total_steps=4",
+                   "learner.weights_transport=nccl", "sampler.weight_update=in_flight")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    last = status_lines(run_dir)[-1]
+    assert last["learner-0"]["weights_transport"] == "nccl"
+    sampler = last["sampler-0"]
+    assert sampler["weight_updates"] >= 3 and sampler["version"] >= 2
+    assert "weights_error" not in sampler

@@ -33,6 +33,7 @@ from actors.runtime.devices import on_device
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
+from actors.runtime.transports.base import TRANSPORTS, resolve_transport
 from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -64,10 +65,13 @@ class Learner:
             self.group.broadcast_control(encode(message))
 
     def gather_weights(self):
+        """The weights in the samplers' dtype: on the learner's device for a GPU transport,
+        on the CPU otherwise."""
         policy = self.trainer.policy
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
-        return policy.snapshot(dtype)
+        on_gpu = TRANSPORTS[self.weights.transport].gpu
+        return policy.snapshot(dtype, policy.device if on_gpu else "cpu")
 
     def save_checkpoint(self):
         self.tell(RanksSave())
@@ -150,7 +154,8 @@ class Learner:
             await self.report_steps()
             self.ctx.status.update(step=policy.step, version=policy.version,
                                    reward=round(metrics["critic/score/mean"], 3),
-                                   weights_sent=self.weights.sent)
+                                   weights_sent=self.weights.sent,
+                                   weights_failed=self.weights.failed)
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
                 await self.save()
@@ -200,11 +205,10 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status) -> str:
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
-    transport = cfg.weights_transport
-    if transport == "auto":  # ipc:// means every sampler shares this host, and its /dev/shm
-        transport = "shm" if cfg.weights_address.startswith("ipc://") else "zmq"
+    transport = resolve_transport(cfg.weights_transport, weights_address=cfg.weights_address)
     remove_orphaned_shm()
-    weights = WeightsPublisher(weights_sock, transport)
+    weights = WeightsPublisher(weights_sock, transport,
+                               **sender_options(transport, cfg, trainer.group.device))
     ctx.status["weights_transport"] = transport
     learner = Learner(ctx, trainer, replay, weights)
     if trainer.policy.resumed_from is not None:
@@ -239,6 +243,19 @@ def follow(trainer: Trainer) -> int:
                 policy.save_checkpoint()
             case RanksEnd():
                 return policy.step
+
+
+def sender_options(transport: str, cfg, device: torch.device) -> dict:
+    """What a GPU transport's sender needs: where samplers reach the learner's rendezvous (the
+    weights address's host; 127.0.0.1 for ipc:// or a wildcard), the device and a timeout."""
+    if transport == "ipc":
+        return {"device": device}
+    if transport != "nccl":
+        return {}
+    address = cfg.weights_address
+    host = address.removeprefix("tcp://").rpartition(":")[0] if address.startswith("tcp://") else ""
+    return {"address": host if host and host not in ("*", "0.0.0.0") else "127.0.0.1",
+            "timeout_s": cfg.collective_timeout_s, "device": device}
 
 
 def weights_dtype(setting: str, compute: torch.dtype) -> torch.dtype:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -249,14 +250,72 @@ def unwrapped_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-def full_parameters(model: nn.Module, group: Group) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """Every parameter (tied ones once) whole, one at a time: an all-gather per sharded
-    parameter. Rank 0 gets the tensor (on the device; copy it before the next), the others None."""
+def full_parameters(model: nn.Module, group: Group, dtype: torch.dtype | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Every parameter (tied ones once) whole, in ``dtype`` (None: as stored), gathered layer by
+    layer on the group's device: each rank casts its own shards to ``dtype`` first (a bf16
+    sampler's gather moves half an fp32 one's bytes), and one layer's parameters travel in one
+    all-gather. Rank 0 gets each tensor on the device (copy or send it before the next layer),
+    the others None. A device holds one layer whole beyond its shards, never the model."""
     from torch.distributed.tensor import DTensor
 
-    for name, p in model.named_parameters():
-        value = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, value.detach() if group.leader else None
+    for layer in _layers(model.named_parameters()):
+        sharded = [p for _, p in layer if isinstance(p, DTensor)]
+        whole = iter(_gather_layer(sharded, dtype) if sharded else [])
+        for name, p in layer:
+            value = next(whole) if isinstance(p, DTensor) else p.detach().to(dtype or p.dtype)
+            yield name, value if group.leader else None
+
+
+def _layers(named: Iterator[tuple[str, nn.Parameter]]) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """Consecutive parameters of one decoder layer (names keyed on their first integer segment,
+    ``model.layers.3.``) together; every other parameter alone."""
+    layer: list[tuple[str, nn.Parameter]] = []
+    key = None
+    for name, p in named:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        this = ".".join(parts[:index + 1]) if index is not None else None
+        if layer and (this is None or this != key):
+            yield layer
+            layer = []
+        layer.append((name, p))
+        key = this
+    if layer:
+        yield layer
+
+
+def _gather_layer(params: list, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The whole tensors of FSDP2-sharded ``params`` (dim-0 shards, ``torch.chunk`` sizes: rank r
+    holds rows ``r·c .. (r+1)·c`` of ``c = ceil(rows / world)``) in one all-gather: every rank
+    lays out its shards cast to ``dtype``, each padded to ``c`` rows, side by side."""
+    from torch.distributed.tensor import Shard
+
+    mesh = params[0].device_mesh
+    world = mesh.size()
+    dtype = dtype or params[0].dtype
+    if any(p.placements != (Shard(0),) or p.dtype != params[0].dtype for p in params):
+        return [p.full_tensor().to(dtype) for p in params]  # not FSDP's layout: one by one
+    sizes, parts = [], []
+    for p in params:
+        rows = p.shape[0]
+        per = -(-rows // world)  # rows of a full shard
+        inner = math.prod(p.shape[1:])
+        local = p.to_local().detach().to(dtype).reshape(-1)  # (local_rows·inner,)
+        pad = per * inner - local.numel()
+        parts.append(torch.nn.functional.pad(local, (0, pad)) if pad else local)
+        sizes.append((per, inner))
+    flat = torch.cat(parts)  # (S,) this rank's shards of the layer
+    out = torch.empty(world * flat.numel(), dtype=dtype, device=flat.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=mesh.get_group())
+    table = out.view(world, -1)  # (world, S)
+    whole, offset = [], 0
+    for p, (per, inner) in zip(params, sizes, strict=True):
+        block = table[:, offset:offset + per * inner]  # (world, per·inner)
+        whole.append(block.reshape(world * per, *p.shape[1:])[:p.shape[0]])
+        offset += per * inner
+    return whole
 
 
 def full_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:

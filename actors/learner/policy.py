@@ -191,14 +191,17 @@ class Policy:
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
-    def snapshot(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
-        """A CPU copy of every policy parameter (tied ones once), LoRA merged, in the base names,
-        in ``dtype`` (default: as trained). Sharded, it is a collective: the parameters are
-        gathered one at a time (a device holds one whole parameter beyond its shards) and only
-        rank 0 gets the list (the others an empty one)."""
+    def snapshot(self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+                 ) -> list[tuple[str, torch.Tensor]]:
+        """A copy of every policy parameter (tied ones once) on ``device`` (the CPU for the
+        shm and zmq transports, the learner's own device for the GPU ones), LoRA merged, in the
+        base names, in ``dtype`` (default: as trained). Sharded, it is a collective: the shards
+        are cast to ``dtype`` and gathered layer by layer on the learner's device (one layer
+        whole beyond its shards at a time) and only rank 0 gets the list (the others an
+        empty one)."""
         if self.cfg.lora.rank == 0:
-            return [(name, value.to("cpu", dtype or value.dtype, copy=True))
-                    for name, value in distributed.full_parameters(self.model, self.group)
+            return [(name, value.to(device, copy=True))
+                    for name, value in distributed.full_parameters(self.model, self.group, dtype)
                     if value is not None]
         from peft.tuners.lora import LoraLayer
         merged = {}
@@ -214,7 +217,7 @@ class Policy:
                     continue
                 clean = name.replace(".base_layer", "")
                 value = merged.get(clean, p).detach()
-                out.append((clean, value.to("cpu", dtype or value.dtype, copy=True)))
+                out.append((clean, value.to(device, dtype or value.dtype, copy=True)))
         return out
 
     def save_checkpoint(self) -> Path:

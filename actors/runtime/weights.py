@@ -3,39 +3,35 @@
 The learner binds a ROUTER (``learner.weights_address``), each sampler connects a DEALER and
 long-polls with ``WeightsPoll(have_version)``; the learner answers as soon as it holds a newer
 version (at once for a sampler that has none). A slow sampler therefore only ever receives the
-newest weights, never a queue of stale ones. Two transports carry the tensors:
+newest weights, never a queue of stale ones.
 
-- ``zmq`` (across hosts): one message per bucket of tensors (``learner.weights_bucket_mb``),
-  each a header frame and one zero-copy frame per tensor; the sampler assembles the version and
-  hands it to its engine whole.
-- ``shm`` (samplers on the learner's host): the learner writes each version once as a
-  safetensors file in ``/dev/shm`` and the header carries only its path; every sampler maps the
-  file (``SharedWeights``), and a vLLM engine loads it straight from there. One write per step
-  instead of one 540 MB message per sampler. The newest ``SHM_KEEP`` versions are kept (a
-  sampler that took an older one finds it gone and waits for the next); the folder is removed
-  when the learner exits, and a killed learner's folder by the next one. A sampler hard-links
-  each version it receives into a folder of its own (no copy), so the version it holds stays
-  loadable after the learner drops it.
-
-NCCL or CUDA IPC on GPUs would plug in behind ``WeightsPublisher.publish`` and
-``WeightsSubscriber.take`` the same way, without either actor changing.
+What carries the tensors is a transport (``actors/runtime/transports/``): its learner-side
+sender makes the messages of a version (and, for a GPU transport, moves the bytes after them),
+its sampler-side receiver turns what arrived into the typed source the engine loads. The
+learner's transport is ``learner.weights_transport`` (``auto`` resolved once, in
+``transports/base.resolve_transport``); a sampler takes whatever transport each message names.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
 import zmq
 from safetensors import SafetensorError
 
-from actors.runtime.tensors import from_buffer, meta, raw_bytes
+from actors.runtime.tensors import from_buffer
+from actors.runtime.transports.base import TRANSPORTS, Receiver, receiver_for, sender_for
+from actors.runtime.transports.shm import (  # noqa: F401 - the channel's names for the shm parts
+    SHM_KEEP,
+    SHM_PREFIX,
+    SHM_ROOT,
+    remove_orphaned_shm,
+)
+from actors.runtime.transports.sources import SharedWeights, WeightsSource
+from actors.runtime.transports.zmq import split_buckets
 from actors.runtime.zmq_bridge import AsyncSocket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
@@ -46,102 +42,49 @@ from messages.weights import (
     WeightsPoll,
 )
 
-SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-SHM_PREFIX = "flowrl-weights-"
-SHM_KEEP = 2  # versions kept in shared memory
-
-
-class SharedWeights(Mapping[str, torch.Tensor]):
-    """The tensors of a safetensors file in shared memory, read on access (``path`` lets an
-    engine that reads files itself skip the tensors)."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        self.path = path
-        if not Path(path).is_file():
-            raise FileNotFoundError(path)  # removed: a newer version replaced it
-        with safe_open(path, framework="pt") as f:
-            self._names = list(f.keys())  # noqa: SIM118 - safe_open is not a dict
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="pt") as f:
-            return f.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def items(self):  # one open for all tensors
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="pt") as f:
-            for name in self._names:
-                yield name, f.get_tensor(name)
-
-
-def remove_orphaned_shm() -> None:
-    """Remove the shared-memory folders of learners and samplers that are gone (kill -9)."""
-    for d in SHM_ROOT.glob(f"{SHM_PREFIX}*"):
-        pid = d.name.removeprefix(SHM_PREFIX).split("-")[0]  # a learner's, or a sampler's links
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(d, ignore_errors=True)
+__all__ = ["SharedWeights", "WeightsPublisher", "WeightsSubscriber", "remove_orphaned_shm",
+           "split_buckets"]
 
 
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, transport: str = "zmq") -> None:
+    def __init__(self, sock: AsyncSocket, transport: str = "zmq", **options: Any) -> None:
         self.sock = sock  # a ROUTER the samplers connect to
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
         sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.transport = transport  # "zmq" or "shm"
+        self.transport = transport  # a row of transports.base.TRANSPORTS, resolved
+        self.sender = sender_for(transport, **options)
         self.version = -1  # the version of ``messages``; -1 until the first publish
-        self.messages: list[list] = []  # per bucket: [header, tensor bytes...] of ``version``
+        self.messages: list[list] = []  # per message: [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
         self.have: dict[bytes, int] = {}  # every poller -> the newest version it said it has
         self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
-        self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}"  # shm: this learner's files
-        self.shm_files: list[Path] = []  # shm: the versions kept, oldest first
+        self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
+        self.transfers = 0  # GPU transports: transfers under way
+        self._idle = anyio.Event()  # set and replaced whenever transfers drops to 0
+        self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
+
+    @property
+    def shm_dir(self):
+        return self.sender.shm_dir  # type: ignore[attr-defined]  # shm only
+
+    @property
+    def shm_files(self):
+        return self.sender.shm_files  # type: ignore[attr-defined]  # shm only
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = 0) -> None:
-        """Make ``tensors`` the newest weights and send them to every poller waiting for them:
-        zmq in messages of at most ``bucket_bytes`` of tensor data each (0: one message; a
-        larger tensor travels alone), shm as one file whose path is the one message."""
-        if self.transport == "shm":
-            path = await anyio.to_thread.run_sync(self._write, version, tensors)
-            self.messages = [[encode(WeightsHeader(version=version, tensors=[], path=str(path)))]]
-        else:
-            buckets = split_buckets(tensors, bucket_bytes)
-            self.messages = [[encode(WeightsHeader(version=version,
-                                                   tensors=[meta(n, t) for n, t in b],
-                                                   bucket=i, buckets=len(buckets))),
-                              *(raw_bytes(t) for _, t in b)] for i, b in enumerate(buckets)]
+        """Make ``tensors`` the newest weights and send them to every poller waiting for them
+        (zmq: in messages of at most ``bucket_bytes`` of tensor data each; 0: one message)."""
+        self.messages = await self.sender.prepare(version, tensors, bucket_bytes=bucket_bytes)
         self.version = version
         await self._answer()
 
-    def _write(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> Path:
-        from safetensors.torch import save_file
-
-        self.shm_dir.mkdir(exist_ok=True)
-        path = self.shm_dir / f"v{version}.safetensors"
-        tmp = path.with_suffix(".partial")
-        save_file({n: t.contiguous() for n, t in tensors}, str(tmp))
-        os.replace(tmp, path)  # a sampler never maps a half-written file
-        self.shm_files.append(path)
-        while len(self.shm_files) > SHM_KEEP:
-            self.shm_files.pop(0).unlink(missing_ok=True)
-        return path
-
     def close(self) -> None:
-        """Remove the shared-memory files (the samplers that mapped one keep their mapping)."""
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        """Release the transport's files or groups (samplers keep what they hold)."""
+        self.sender.close()
 
     async def _answer(self) -> None:
         # a second _answer (a poll served while this one awaits a send) may have answered a
@@ -149,17 +92,48 @@ class WeightsPublisher:
         for peer, have in list(self.waiting.items()):
             if self.version > have and self.waiting.get(peer) == have:
                 del self.waiting[peer]
+                version = self.version
                 try:
-                    for frames in self.messages:  # this version's, even if a newer one comes
+                    # this version's, even if a newer one comes
+                    for frames in self.sender.messages_for(peer, self.messages):
                         await self.sock.send_multipart([peer, *frames], copy=False)
                 except zmq.ZMQError as exc:
                     if exc.errno != errno.EHOSTUNREACH:
                         raise
+                    self.sender.forget(peer)
                     continue  # the sampler is gone; a restarted one polls again
                 self.sent += 1
+                if self.sender.moves_bytes and self._tg is not None:  # beside the training
+                    self._tg.start_soon(self._transfer, version, peer)  # (a snapshot is sent)
+                elif self.sender.moves_bytes:
+                    await self._transfer(version, peer)
+
+    async def _transfer(self, version: int, peer: bytes) -> None:
+        self.transfers += 1
+        try:
+            if not await self.sender.transfer(version, peer):
+                self.failed += 1  # its receiver polls again (a new group) or is gone
+        finally:
+            self.transfers -= 1
+            if not self.transfers:
+                self._idle.set()
+                self._idle = anyio.Event()
+
+    async def wait_transfers(self) -> None:
+        """Return once no transfer is under way (GPU transports move bytes after a publish)."""
+        while self.transfers:
+            await self._idle.wait()
 
     async def serve(self) -> None:
         """Take polls until cancelled (run it beside the training loop)."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg  # GPU transports' transfers run here, one per sampler answered
+            try:
+                await self._serve()
+            finally:
+                self._tg = None
+
+    async def _serve(self) -> None:
         codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights)
         while True:
             peer, *frames = await self.sock.recv_multipart()
@@ -169,6 +143,7 @@ class WeightsPublisher:
                 await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
                 continue
             if isinstance(poll, WeightsPoll):
+                self.sender.polled(peer, poll)
                 self.waiting[peer] = poll.have_version
                 self.have[peer] = poll.have_version
                 self._polled.set()
@@ -189,30 +164,60 @@ class WeightsPublisher:
 
 class WeightsSubscriber:
     """Sampler side: receives every newer version as it is published; ``take`` hands the
-    newest not yet applied to the engine (older ones it replaced are never applied)."""
+    newest not yet applied to the engine (older ones it replaced are never applied).
 
-    def __init__(self, sock: AsyncSocket) -> None:
+    ``device``: where a GPU transport's receiver puts the tensors it receives for an engine
+    that loads them itself (hf); ``in_worker``: the engine's own workers (``ranks`` of them)
+    receive GPU transfers (vllm), so the receiver hands it a ``WorkerTransfer`` instead."""
+
+    def __init__(self, sock: AsyncSocket, *, device: torch.device | str = "cpu",
+                 in_worker: bool = False, ranks: int = 1, timeout_s: float = 600.0) -> None:
         self.sock = sock  # a DEALER connected to the learner's weights ROUTER
         self.received = -1  # newest version received (applied or not); -1: none yet
-        self._newest: tuple[int, Mapping[str, torch.Tensor]] | None = None  # received, not taken
+        self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
-        # shm: this sampler's own links to the learner's files, the newest SHM_KEEP kept, so a
-        # version received stays loadable when the learner drops it (a newer one, or its exit)
-        self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}-links"
-        self.links: list[Path] = []
+        self.device = torch.device(device)
+        self.options: dict[str, Any] = {"device": self.device, "in_worker": in_worker,
+                                        "ranks": ranks, "timeout_s": timeout_s}  # GPU receivers
+        self.receivers: dict[str, Receiver] = {"shm": receiver_for("shm")}  # by transport
+
+    @property
+    def shm_dir(self):
+        return self.receivers["shm"].shm_dir  # type: ignore[attr-defined]
+
+    @property
+    def links(self):
+        return self.receivers["shm"].links  # type: ignore[attr-defined]
 
     async def wait_for(self, version: int) -> None:
         """Return once weights of ``version`` or newer have been received."""
         while self.received < version:
             await self._arrived.wait()
 
-    def take(self) -> tuple[int, Mapping[str, torch.Tensor]] | None:
-        """The newest received weights not taken yet, or None. The tensors are read-only
+    def take(self) -> tuple[int, WeightsSource] | None:
+        """The newest received weights not taken yet, or None. Tensors in it are read-only
         views of the received frames (or of a shared-memory file: ``SharedWeights``): copy
         them into the engine, never write to them."""
         newest, self._newest = self._newest, None
         return newest
+
+    def poll(self) -> WeightsPoll:
+        vllm_nccl = self.options["in_worker"] and self.device.type == "cuda"
+        fields: dict[str, Any] = {"ranks": self.options["ranks"],  # as nccl's poll_fields
+                                  "receiver": "vllm" if vllm_nccl else ""}
+        for receiver in self.receivers.values():
+            fields.update(receiver.poll_fields())
+        return WeightsPoll(have_version=self.received, **fields)
+
+    def receiver(self, header: WeightsHeader) -> Receiver:
+        name = header.transport or ("shm" if header.path else "zmq")
+        if name not in TRANSPORTS:
+            raise DecodeError(f"weights: unknown transport {name!r}")
+        if name not in self.receivers:
+            options = self.options if name in ("nccl", "ipc") else {}
+            self.receivers[name] = receiver_for(name, **options)
+        return self.receivers[name]
 
     async def serve(self) -> None:
         """Long-poll for newer weights until cancelled."""
@@ -220,9 +225,8 @@ class WeightsSubscriber:
         poll = True
         while True:
             if poll:
-                await self.sock.send_multipart([encode(WeightsPoll(have_version=self.received))])
+                await self.sock.send_multipart([encode(self.poll())])
             poll = True
-            tensors: Mapping[str, torch.Tensor]
             try:
                 header, parts = _bucket(codec, await self.sock.recv_multipart(copy=False))
                 if header.bucket != 0:  # the rest of a version given up on: not an answer
@@ -236,66 +240,37 @@ class WeightsSubscriber:
                                           f"{header.buckets} expected, got {more.bucket} of "
                                           f"version {more.version}")
                     parts.update(part)
-                tensors = (await anyio.to_thread.run_sync(self._claim, header.path)
-                           if header.path else parts)
+                source = await self.receiver(header).receive(header, parts)
             except FileNotFoundError:  # shm: a newer version replaced it already; poll again
                 continue
-            except (DecodeError, ValueError, OSError, SafetensorError) as exc:
-                self.error = str(exc)[:200]
+            except (DecodeError, ValueError, OSError, SafetensorError, RuntimeError) as exc:
+                self.error = str(exc)[:200]  # RuntimeError: a GPU transfer that failed
                 await anyio.sleep(1.0)  # a broken learner: do not spin on it
                 continue
-            self._newest = (header.version, tensors)
+            self._newest = (header.version, source)
             self.received = header.version
             self._arrived.set()
             self._arrived = anyio.Event()
 
-    def _claim(self, path: str) -> SharedWeights:
-        """The learner's file of a version, through a hard link of this sampler's own (same
-        filesystem: no copy), so that the learner removing its file cannot take it away."""
-        own = self.shm_dir / Path(path).name
-        self.shm_dir.mkdir(exist_ok=True)
-        own.unlink(missing_ok=True)
-        try:
-            os.link(path, own)  # FileNotFoundError: gone already (a newer version replaced it)
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                raise
-            return SharedWeights(path)  # links refused here: read the learner's file itself
-        if own in self.links:  # the same version again (a resumed learner): one entry, so
-            self.links.remove(own)  # trimming an old entry never removes the new link
-        self.links.append(own)
-        while len(self.links) > SHM_KEEP:
-            self.links.pop(0).unlink(missing_ok=True)
-        return SharedWeights(str(own))
-
     def close(self) -> None:
-        """Remove this sampler's links (an engine that mapped one keeps its mapping)."""
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-
-def split_buckets(tensors: list[tuple[str, torch.Tensor]], limit: int
-                  ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each (0: all in one); a
-    tensor larger than ``limit`` is a bucket of its own. Always at least one bucket."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        if limit and buckets[-1] and size + n > limit:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, t))
-        size += n
-    return buckets
+        """Release every receiver's links or groups (an engine keeps what it mapped)."""
+        for receiver in self.receivers.values():
+            receiver.close()
 
 
 def _bucket(codec: Codec[FromLearnerWeights], frames: list) -> tuple[WeightsHeader,
                                                                      dict[str, torch.Tensor]]:
     """One message of a version: its header and its tensors (read-only views of the frames)."""
     header = codec.decode(frames[0].buffer)
-    if not isinstance(header, WeightsHeader) or len(frames) != len(header.tensors) + 1:
+    if not isinstance(header, WeightsHeader):
+        raise DecodeError("weights header does not match its frames")
+    framed = header.transport in ("", "zmq")  # the others carry no tensor frames
+    if len(frames) != (len(header.tensors) if framed else 0) + 1:
         raise DecodeError("weights header does not match its frames")
     if not 0 <= header.bucket < header.buckets:
         raise DecodeError(f"weights bucket {header.bucket} of {header.buckets}")
+    if not framed:
+        return header, {}
     return header, {m.name: from_buffer(m.dtype, m.shape, f.buffer)
                     for m, f in zip(header.tensors, frames[1:], strict=True)}
+

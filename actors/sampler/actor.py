@@ -38,13 +38,13 @@ import zmq
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
-from actors.runtime.config import VLLMOptions
-from actors.runtime.config.gpus import process_share
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
+from actors.runtime.transports.base import resolve_transport
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.sampler.agent.loop import AgentLoop
+from actors.sampler.engines import registry
 from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
@@ -318,47 +318,22 @@ async def start_engine(ctx: ActorContext) -> Engine:
     ``sampler.device`` in ``sampler.dtype``."""
     topo = ctx.topology
     cfg = topo.sampler
-    seed = topo.run.seed * 1009 + ctx.index
-    model = Path(topo.model.path)
     device = placement(cfg.device, ctx.index)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
     ctx.status.update(device=str(device), dtype=dtype)
-    if cfg.engine != "vllm":
-        from actors.sampler.engines.hf import HFEngine
+    return await registry.start_engine(cfg.engine, registry.EngineSpec(
+        Path(topo.model.path), dtype, topo.run.seed * 1009 + ctx.index, device, cfg,
+        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx)))
 
-        return await anyio.to_thread.run_sync(HFEngine, model, dtype, seed, device)
-    from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
 
-    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=device.type == "cuda",
-                                         share=process_share()),
-                            weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
-                            threads=cfg.threads, label=f"{ctx.name} {ctx.run_dir}",
-                            sleep_idle_s=cfg.sleep_idle_s)
-    return await VLLMEngine.start(model, dtype, seed, settings)
+def weights_transport(ctx: ActorContext) -> str:
+    L = ctx.topology.learner
+    return resolve_transport(L.weights_transport, weights_address=L.weights_address)
 
 
 def prompts_in_flight(setting: int, *, gpu: bool) -> int:
     """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, as measured there; 64 on a GPU)."""
     return setting or (64 if gpu else 8)
-
-
-def vllm_options(v: VLLMOptions, *, gpu: bool, share: float = 0.0) -> dict:
-    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default; unset ones take
-    the device's default). ``share``: this sampler's part of a GPU it shares (the runner's
-    split, ``config/gpus.py``) replaces gpu_memory_utilization."""
-    options = {"gpu_memory_utilization": share if gpu and share else v.gpu_memory_utilization,
-               "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
-               "enforce_eager": not gpu if v.enforce_eager is None else v.enforce_eager,
-               "enable_prefix_caching": v.enable_prefix_caching,
-               "enable_chunked_prefill": gpu if v.enable_chunked_prefill is None
-               else v.enable_chunked_prefill}
-    if v.max_model_len:
-        options["max_model_len"] = v.max_model_len
-    if v.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = v.max_num_batched_tokens
-    if v.kv_cache_memory_bytes or not gpu:  # on a CPU the utilization would be a share of RAM
-        options["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
-    return options
 
 
 def placement(setting: str, index: int) -> torch.device:
@@ -387,7 +362,10 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     router = make_socket(ctx.zmq, zmq.DEALER, connect=topo.router.address, curve=ctx.curve)
     weights_sock = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
                                curve=ctx.curve)
-    weights = WeightsSubscriber(weights_sock)
+    weights = WeightsSubscriber(weights_sock, device=placement(cfg.device, ctx.index),
+                                in_worker=registry.ENGINES[cfg.engine].in_worker,
+                                ranks=registry.receiving_ranks(cfg.engine, cfg),
+                                timeout_s=topo.learner.collective_timeout_s)
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
     agent = AgentLoop(engine, tokenizer, topo.agent) if topo.agent.enabled else None
     if agent is not None:

@@ -69,14 +69,14 @@ def check(topology: Topology) -> None:
     need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
     need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
     need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
-    if s.engine == "vllm":
-        from actors.sampler.engines.vllm import vllm_problem
+    if s.engine != "auto":
+        from actors.sampler.engines.registry import ENGINES, engine_problem
 
-        problem = vllm_problem()
-        need(problem is None, "sampler.engine", f"vllm: {problem}")
-    need(s.weight_update == "between_batches" or s.engine != "hf", "sampler.weight_update",
-         "in_flight needs a continuous engine (sampler.engine = vllm): the hf engine loads "
-         "weights between batches")
+        problem = engine_problem(s.engine)
+        need(problem is None, "sampler.engine", f"{s.engine}: {problem}")
+        need(s.weight_update == "between_batches" or ENGINES[s.engine].continuous,
+             "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine "
+             f"= vllm): the {s.engine} engine loads weights between batches")
     _check_sleep(s, need)
     VL = s.vllm
     need(0 < VL.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
@@ -98,6 +98,16 @@ def check(topology: Topology) -> None:
     need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
+    if L.weights_transport != "auto":
+        from actors.runtime.transports.base import transport_problem
+        from actors.sampler.engines.registry import ENGINES, auto_engine
+
+        engine = s.engine if s.engine != "auto" else auto_engine()
+        row = ENGINES[engine]
+        problem = transport_problem(L.weights_transport, engine=engine, receives=row.receives,
+                                    needs_cuda=row.needs_cuda, weights_address=L.weights_address,
+                                    learner_device=L.device, sampler_device=s.device)
+        need(problem is None, "learner.weights_transport", str(problem))
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as

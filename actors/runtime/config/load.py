@@ -79,6 +79,8 @@ def _derived(topology: Topology) -> Topology:
         timeout = topology.router.request_timeout + topology.reward.timeout_s + 10.0
         s = msgspec.structs.replace(s, score_timeout_s=timeout)
     if s.engine == "auto":
+        from actors.sampler.engines.registry import auto_engine
+
         s = msgspec.structs.replace(s, engine=auto_engine())
     v = topology.validation  # validation samples like the sampler unless told otherwise
     v = msgspec.structs.replace(
@@ -86,20 +88,6 @@ def _derived(topology: Topology) -> Topology:
         top_p=s.top_p if v.top_p is None else v.top_p,
         max_tokens=s.max_tokens if v.max_tokens is None else v.max_tokens)
     return msgspec.structs.replace(topology, sampler=s, validation=v)
-
-
-def auto_engine() -> str:
-    """``sampler.engine = "auto"``: vllm when the sampler has a GPU and a usable vLLM is
-    installed, hf otherwise. On the 2-core CPU both were measured in the default job, side by
-    side: hf 542 s, vllm 559 s for 10 steps (BENCHMARKS.md, "In the default job"), so a CPU
-    keeps hf."""
-    from actors.sampler.engines.vllm import vllm_problem
-
-    if vllm_problem() is not None:
-        return "hf"
-    import torch  # only with vLLM installed: a config check stays torch-free without it
-
-    return "vllm" if torch.cuda.is_available() else "hf"
 
 
 def _absolute_paths(topology: Topology) -> Topology:

@@ -275,10 +275,11 @@ class ReplayConfig(ActorCommon, frozen=True):
 class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
-    weights_transport: Literal["auto", "zmq", "shm"] = "auto"
+    weights_transport: Literal["auto", "zmq", "shm", "nccl", "ipc"] = "auto"
     """How weights travel: zmq (the tensors in the message), shm (a safetensors file in
-    /dev/shm, only its path in the message: samplers on the same host), or auto (shm when
-    weights_address is ipc://, zmq otherwise)."""
+    /dev/shm, only its path in the message: samplers on the same host), nccl (GPU to GPU, a
+    broadcast group per sampler), ipc (CUDA IPC on one host), or auto (shm when
+    weights_address is ipc://, zmq otherwise). Table: actors/runtime/transports/base.py."""
     total_steps: int = 40
     """Optimizer steps before the job ends."""
     groups_per_step: int = 4

@@ -39,6 +39,7 @@ from transformers import (
 from actors.runtime.actor import run_compute
 from actors.runtime.devices import cap_memory, on_device
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
+from actors.sampler.engines.registry import EngineSpec
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
 
@@ -234,3 +235,9 @@ class HFEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+async def start(spec: EngineSpec) -> HFEngine:
+    """The engine of ``sampler.engine = "hf"`` (registry row ``hf``): no section of its own."""
+    return await anyio.to_thread.run_sync(on_device(spec.device, HFEngine), spec.model,
+                                          spec.dtype, spec.seed, spec.device)

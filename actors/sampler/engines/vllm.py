@@ -21,10 +21,15 @@ truncation (``vllm_worker.UntruncatedLogprobs``), the learner's quantity. Per-to
 from vLLM's own weight-version spans: the engine core stamps every step's output with the
 version it was computed with, and the version is changed only while generation is paused.
 
-Weight updates: the tensors reach the engine as a safetensors file in ``/dev/shm`` (written by
-the learner when it shares the host, else here), loaded by the worker extension into the
-running model (``collective_rpc``). ``weight_update = "between_batches"`` waits until no
-request is running (new ones wait for the load); ``"in_flight"`` pauses the engine keeping its
+Weight updates: ``load_weights`` matches on the typed source the weights transport hands it
+(``actors/runtime/transports/sources.py``): a safetensors file in ``/dev/shm`` (shm; tensors
+from zmq are written to one here first), loaded by the worker extension into the running model
+(``collective_rpc``); or a GPU transfer (nccl, ipc) that vLLM's own weight-transfer engine in
+the worker receives (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``), written against vLLM 0.32 and not run here.
+``weight_update = "between_batches"`` waits until no request is running (new ones wait for the
+load; the learner's broadcast of a GPU transfer waits with it); ``"in_flight"`` pauses the
+engine keeping its
 requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after the swap carry
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
 requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
@@ -37,10 +42,9 @@ runner (every GPU where Triton works), told apart by the running sampler
 that long and wakes for the next request or load (``SleepPolicy``); vLLM's CPU build has no
 sleep mode, so on a CPU only the control flow is tested.
 
-GPU note: the same code runs on a GPU with vLLM's CUDA build; only the transfer differs in
-principle (vLLM's NCCL/CUDA-IPC weight-transfer engines). On a GPU the file in ``/dev/shm`` is
-read by the worker and copied to the device by ``load_weights``; ``_die_with_parent``, the
-``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
+GPU note: the same code runs on a GPU with vLLM's CUDA build. With the shm or zmq transport the
+file in ``/dev/shm`` is read by the worker and copied to the device by ``load_weights``;
+``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
 and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour no test here
 exercises.
 """
@@ -53,7 +57,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -62,7 +66,11 @@ import anyio
 import torch
 import trio
 
+from actors.runtime.config.gpus import process_share
+from actors.runtime.transports.sources import SharedWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
+from actors.sampler.engines.registry import EngineSpec
+from actors.sampler.engines.vllm_settings import SleepControl, SleepPolicy, vllm_options
 from messages.rollout import SamplingParams
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -105,38 +113,7 @@ class VLLMSettings:
     threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
     sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
-
-
-class SleepPolicy:
-    """When an engine on a GPU shared with the learner sleeps (pure state; takes ``now``).
-
-    The engine is idle from the moment its last request ends; once idle for ``idle_s`` it may
-    sleep, and anything that needs it (a request, a weights load) wakes it first. Invariant:
-    ``asleep`` implies no request is in the engine (only ``due`` while idle leads to sleep, and
-    ``busy`` ends the idle time before any request is submitted)."""
-
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
-        self.idle_since: float | None = None  # None: busy (a request or a load in progress)
-        self.asleep = False
-
-    def busy(self) -> bool:
-        """Work is coming: True when the engine must wake for it first."""
-        self.idle_since = None
-        return self.asleep
-
-    def woke(self) -> None:
-        self.asleep = False
-
-    def idle(self, now: float) -> None:
-        self.idle_since = now
-
-    def due(self, now: float) -> bool:
-        return (self.idle_s > 0 and not self.asleep and self.idle_since is not None
-                and now - self.idle_since >= self.idle_s)
-
-    def slept(self) -> None:
-        self.asleep = True
+    weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
 
 
 class _Loop:
@@ -175,7 +152,7 @@ class _Loop:
         self.thread.join(timeout=10)
 
 
-class VLLMEngine:
+class VLLMEngine(SleepControl):
     """One ``AsyncLLM`` holding the policy weights of one sampler. Build it with ``start``."""
 
     continuous = True
@@ -222,6 +199,8 @@ class VLLMEngine:
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_LOGGING_LEVEL", "ERROR")):
             os.environ.setdefault(key, value)
+        if self.settings.weight_transfer == "ipc":  # vLLM's IPC engine takes pickled handles
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (its own child)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -231,10 +210,15 @@ class VLLMEngine:
                    **self.settings.options}
         if self.settings.sleep_idle_s > 0:
             options["enable_sleep_mode"] = True
+        if self.settings.weight_transfer:  # the worker builds vLLM's transfer engine at start
+            options["weight_transfer_config"] = {"backend": self.settings.weight_transfer}
         args = AsyncEngineArgs(
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="actors.sampler.engines.vllm_worker.FlowrlWorkerExtension",
+            worker_extension_cls=(
+                "actors.sampler.engines.vllm_transfer.FlowrlTransferWorkerExtension"
+                if self.settings.weight_transfer else
+                "actors.sampler.engines.vllm_worker.FlowrlWorkerExtension"),
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
         (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
@@ -307,23 +291,55 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load ``tensors`` into the running engine. A mapping backed by a file in shared
-        memory (``path`` attribute, the weights channel's shared-memory transport) is loaded
-        from there; anything else is written to a file in ``/dev/shm`` first."""
-        path = getattr(tensors, "path", None)
-        written = None
-        if path is None:
-            written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
-            await anyio.to_thread.run_sync(_save, dict(tensors), written)
-            path = written
-        try:
-            await self.loop.call(self._swap(version, str(path)))
-        finally:
-            if written is not None:
-                written.unlink(missing_ok=True)
+    async def load_weights(self, version: int, source: WeightsSource) -> None:
+        """Load ``source`` into the running engine: a file in shared memory (the shm
+        transport) from there, a GPU transfer through vLLM's weight-transfer API (the worker
+        receives the bytes), and tensors in this process through a file in ``/dev/shm``."""
+        match source:
+            case SharedWeights(path=path):
+                await self.loop.call(self._swap(version, self._load_file(str(path))))
+            case WorkerTransfer():
+                await self.loop.call(self._swap(version, self._receive(source)))
+            case _:
+                written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
+                await anyio.to_thread.run_sync(_save, dict(source), written)
+                try:
+                    await self.loop.call(self._swap(version, self._load_file(str(written))))
+                finally:
+                    written.unlink(missing_ok=True)
 
-    async def _swap(self, version: int, path: str) -> None:
+    def _load_file(self, path: str) -> Callable[[], Awaitable[float]]:
+        async def load() -> float:
+            (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            return seconds
+        return load
+
+    def _receive(self, transfer: WorkerTransfer) -> Callable[[], Awaitable[float]]:
+        """vLLM's own weight-transfer round, while the learner sends (``transports/nccl.py``,
+        ``ipc.py``): joining a new group first when the transfer brings one."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        async def receive() -> float:
+            started = time.perf_counter()
+            try:
+                if transfer.init is not None:
+                    await self.llm.init_weight_transfer_engine(
+                        WeightTransferInitRequest(init_info=transfer.init))
+                await self.llm.start_weight_update()
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
+                await self.llm.finish_weight_update()
+                await self.llm.collective_rpc("flowrl_redispatch_head")
+            except BaseException as exc:
+                transfer.done(exc)
+                raise
+            transfer.done(None)
+            return time.perf_counter() - started
+        return receive
+
+    async def _swap(self, version: int, load: Callable[[], Awaitable[float]]) -> None:
         assert self.gate is not None and self.idle is not None
         in_flight = self.settings.weight_update == "in_flight" and self.running > 0
         if in_flight:
@@ -339,7 +355,7 @@ class VLLMEngine:
             started = time.perf_counter()
         try:
             await self._wake()  # the weights must be resident to be replaced
-            (seconds,) = await self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            seconds = await load()
             if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
                 return
             await self.llm.update_weight_version(str(version))
@@ -356,27 +372,6 @@ class VLLMEngine:
         self.load_s += seconds
         self.updates += 1
         self.updates_in_flight += in_flight
-
-    # -- sleep (sampler.sleep_idle_s) ------------------------------------------------------------
-
-    async def _wake(self) -> None:
-        assert self.waking is not None
-        async with self.waking:
-            if self.sleep.busy():
-                await self.llm.wake_up()
-                self.sleep.woke()
-
-    async def _sleeper(self) -> None:
-        """Put the engine to sleep once it has been idle ``sleep_idle_s`` (checked 4 times per
-        period); level 1: its weights go to host memory and its KV cache is freed."""
-        assert self.waking is not None
-        while True:
-            await asyncio.sleep(self.settings.sleep_idle_s / 4)
-            async with self.waking:
-                if self.running == 0 and self.sleep.due(asyncio.get_running_loop().time()):
-                    await self.llm.sleep(level=1)
-                    self.sleep.slept()
-                    self.sleeps += 1
 
     async def watch(self) -> None:
         """Raise once vLLM's engine process has died (checked every second): requests waiting
@@ -404,6 +399,28 @@ class VLLMEngine:
                     lambda: asyncio.run_coroutine_threadsafe(_shutdown(llm), self.loop.loop)
                     .result(timeout=30))
         self.loop.close()
+
+
+async def start(spec: EngineSpec) -> VLLMEngine:
+    """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
+    ``sampler.vllm`` and the sampler's keys; a GPU weights transport (nccl, ipc) makes its
+    worker build vLLM's weight-transfer engine of the same name."""
+    cfg = spec.sampler
+    gpu = torch.device(spec.device).type == "cuda"
+    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=gpu, share=process_share()),
+                            weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
+                            threads=cfg.threads, label=spec.label,
+                            sleep_idle_s=cfg.sleep_idle_s,
+                            weight_transfer=weight_transfer(spec.transport))
+    return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
+
+
+def weight_transfer(transport: str) -> str:
+    """vLLM's weight-transfer backend for a weights transport ("": files): its NCCL and IPC
+    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``vllm_transfer.py``)."""
+    if transport == "nccl" and not torch.cuda.is_available():
+        return "flowrl_gloo"
+    return transport if transport in ("nccl", "ipc") else ""
 
 
 async def _shutdown(llm: Any) -> None:

@@ -1,0 +1,294 @@
+"""``nccl``: weights broadcast GPU to GPU in a transfer group per sampler (written against
+vLLM 0.32 and torch 2.13; on a CPU the same control flow runs over gloo, which the tests use).
+
+Each sampler gets a group of its own with the learner's rank 0: world ``1 + ranks`` (its
+engine's receiving workers, ``WeightsPoll.ranks``), the learner at rank 0 hosting the rendezvous
+on a fresh port. Per version the channel sends the sampler a header (the tensors' names, dtypes
+and shapes, and the group) and then the learner broadcasts the tensors in buckets of
+``bucket_bytes``, followed by one all-reduce in which every receiver says it has them all.
+Transfers run beside training (the channel starts each in its own task; the snapshot they send
+is a copy). A receiver that fails drops its group and polls again saying it holds none
+(``WeightsPoll.group = 0``): the learner drops its side and the next header brings a new group
+(new port), while the learner's half of the failed transfer ends with an error when the peer's
+process is gone, or at ``timeout_s`` when it is alive (gloo cannot be interrupted; NCCL's
+``abort`` would end it at once). A restarted sampler is a new peer and so gets a new group; a
+gone one's group is dropped when a send to it fails. Per-sampler groups cost one send per
+sampler but need no re-forming of one big group whenever a sampler comes or goes.
+
+Receivers: with ``receiver = ""`` (the hf engine) the sampler itself joins a torch.distributed
+group (``ProcessGroupNCCL`` on CUDA, ``ProcessGroupGloo`` on the CPU, neither the default group)
+and receives into fresh tensors on its device, handed to the engine as a mapping while the old
+weights keep generating. With ``receiver = "vllm"`` the engine's own workers receive: vLLM's
+``NCCLWeightTransferEngine`` (``init_weight_transfer_engine`` with ``rank_offset`` 1, packed
+buffers), straight into the running model through its layerwise reload; the learner then sends
+with vLLM's own trainer side (``nccl_common.trainer_init``, ``packed_nccl_broadcast_producer``),
+since vLLM's PyNccl communicator and a torch process group cannot share a group. vLLM's NCCL
+engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from actors.runtime.ranks import free_port
+from actors.runtime.tensors import _TORCH, meta
+from actors.runtime.transports.base import Receiver, Sender
+from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
+from messages.codec import encode
+from messages.tensor import TensorMeta
+from messages.weights import TransferGroup, WeightsHeader, WeightsPoll
+
+PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed broadcast: bytes per buffer (its default)
+PACKED_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight (its default)
+
+
+class TorchGroup:
+    """A torch.distributed process group of its own (not the default group, which is the
+    learner's FSDP group), over a TCPStore that rank 0 hosts."""
+
+    def __init__(self, g: TransferGroup, rank: int, device: torch.device, timeout_s: float):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(g.address, g.port, g.world, is_master=rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore(f"flowrl-weights-{g.port}", store)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, g.world, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, g.world, timeout)
+        self.store = store  # the rendezvous lives as long as the group
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def all_have(self, ok: bool, device: torch.device) -> bool:
+        """True when every member says it has the version (raises when one is gone)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+        self.pg.allreduce([flag], opts).wait()
+        return bool(flag.item())
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except (RuntimeError, AttributeError):
+            pass
+
+
+def buckets_of(metas: list[TensorMeta], limit: int) -> list[list[TensorMeta]]:
+    """``metas`` in consecutive runs of at most ``limit`` bytes (0: one run); both sides cut the
+    stream the same way from the header alone."""
+    out: list[list[TensorMeta]] = [[]]
+    size = 0
+    for m in metas:
+        n = nbytes(m)
+        if limit and out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += n
+    return out
+
+
+def nbytes(m: TensorMeta) -> int:
+    n = torch.empty((), dtype=_TORCH[m.dtype]).element_size()
+    for d in m.shape:
+        n *= d
+    return n
+
+
+@dataclass
+class _Peer:
+    """The learner's side of one sampler's group."""
+
+    group: TransferGroup
+    ranks: int = 1
+    receiver: str = ""
+    joined: Any = None  # the open group (TorchGroup or vLLM's PyNcclCommunicator), once joined
+
+
+class BroadcastSender(Sender):
+    name = "nccl"
+    moves_bytes = True
+
+    def __init__(self, address: str = "127.0.0.1", timeout_s: float = 600.0,
+                 device: torch.device | str = "cpu") -> None:
+        self.address = address  # where samplers reach this learner's rendezvous
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.peers: dict[bytes, _Peer] = {}
+        self.polls: dict[bytes, WeightsPoll] = {}  # the latest poll of each sampler
+        self.tensors: list[tuple[str, torch.Tensor]] = []  # the version being sent
+        self.bucket_bytes = 0
+        self.version = -1
+        self.groups_made = 0  # groups formed, all samplers together (rejoins included)
+
+    async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
+                      bucket_bytes: int = 0) -> list[list]:
+        self.tensors = [(n, t.contiguous()) for n, t in tensors]
+        self.bucket_bytes, self.version = bucket_bytes, version
+        return []  # each sampler's header names its own group: ``messages_for``
+
+    def polled(self, peer: bytes, poll: WeightsPoll) -> None:
+        self.polls[peer] = poll
+        held = self.peers.get(peer)
+        if held is not None and poll.group != held.group.port and held.joined is not None:
+            self.forget(peer)  # it lost the group (its side failed): form a new one
+
+    def messages_for(self, peer: bytes, messages: list[list]) -> list[list]:
+        held = self.peers.get(peer)
+        if held is None:
+            poll = self.polls.get(peer, WeightsPoll(have_version=-1))
+            held = self.peers[peer] = _Peer(
+                TransferGroup(address=self.address, port=free_port(), world=1 + poll.ranks,
+                              bucket_bytes=self.bucket_bytes), poll.ranks, poll.receiver)
+            self.groups_made += 1
+        return [[encode(WeightsHeader(version=self.version, transport=self.name,
+                                      tensors=[meta(n, t) for n, t in self.tensors],
+                                      group=held.group))]]
+
+    async def transfer(self, version: int, peer: bytes) -> bool:
+        held = self.peers[peer]
+        try:
+            await anyio.to_thread.run_sync(self._send, held, abandon_on_cancel=True)
+            return True
+        except (RuntimeError, OSError, ValueError, TimeoutError):
+            if self.peers.get(peer) is held:  # (a poll may have replaced it meanwhile)
+                self.forget(peer)  # failed or gone: its next poll forms a new group
+            return False
+
+    def _send(self, held: _Peer) -> None:
+        if held.receiver == "vllm":
+            return self._send_vllm(held)
+        if held.joined is None:
+            held.joined = TorchGroup(held.group, 0, self.device, self.timeout_s)
+        metas = [meta(n, t) for n, t in self.tensors]
+        values = dict(self.tensors)
+        for bucket in buckets_of(metas, held.group.bucket_bytes):
+            flat = torch.cat([values[m.name].reshape(-1).view(torch.uint8) for m in bucket])
+            held.joined.broadcast(flat)
+        if not held.joined.all_have(True, self.device):
+            raise RuntimeError("a receiver did not take the version")
+
+    def _send_vllm(self, held: _Peer) -> None:
+        """vLLM's trainer side: PyNccl at rank 0 of the group, packed broadcast in the order of
+        the header's names (the worker's ``packed_nccl_broadcast_consumer`` mirrors it)."""
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        if held.joined is None:
+            g = held.group
+            held.joined = trainer_init({"master_address": g.address, "master_port": g.port,
+                                        "world_size": g.world})
+        packed_nccl_broadcast_producer(iterator=iter(self.tensors), group=held.joined, src=0,
+                                       post_iter_func=lambda item: item[1],
+                                       buffer_size_bytes=PACKED_BUFFER_BYTES,
+                                       num_buffers=PACKED_BUFFERS)
+        torch.cuda.current_stream().synchronize()
+
+    def forget(self, peer: bytes) -> None:
+        held = self.peers.pop(peer, None)
+        if held is not None and held.joined is not None:
+            close = getattr(held.joined, "close", None) or held.joined.destroy
+            close()
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.forget(peer)
+
+
+class BroadcastReceiver(Receiver):
+    name = "nccl"
+
+    def __init__(self, device: torch.device | str = "cpu", in_worker: bool = False,
+                 ranks: int = 1, timeout_s: float = 600.0) -> None:
+        self.device = torch.device(device)  # where received tensors go (not in_worker)
+        self.in_worker = in_worker  # the engine's workers receive (vLLM)
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.group: TransferGroup | None = None  # the group held (joined, or handed to vLLM)
+        self.joined: TorchGroup | None = None
+
+    @property
+    def vllm_nccl(self) -> bool:
+        """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU they use
+        ``engines/vllm_transfer.py``'s engine, which speaks this module's torch protocol."""
+        return self.in_worker and self.device.type == "cuda"
+
+    def poll_fields(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "receiver": "vllm" if self.vllm_nccl else "",
+                "group": self.group.port if self.group is not None else 0}
+
+    async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
+                      ) -> WeightsSource:
+        g = header.group
+        if g is None:
+            raise ValueError("nccl weights header without a group")
+        if self.in_worker:
+            return self._worker_transfer(header, g)
+        try:
+            return await anyio.to_thread.run_sync(self._receive, header, g,
+                                                  abandon_on_cancel=True)
+        except BaseException:
+            self.drop()  # the learner sees the group close and forms a new one
+            raise
+
+    def _receive(self, header: WeightsHeader, g: TransferGroup) -> dict[str, torch.Tensor]:
+        if self.group != g:
+            self.drop()
+            self.joined = TorchGroup(g, g.rank, self.device, self.timeout_s)
+            self.group = g
+        assert self.joined is not None
+        out: dict[str, torch.Tensor] = {}
+        for bucket in buckets_of(header.tensors, g.bucket_bytes):
+            flat = torch.empty(sum(nbytes(m) for m in bucket), dtype=torch.uint8,
+                               device=self.device)
+            self.joined.broadcast(flat)
+            offset = 0
+            for m in bucket:
+                n = nbytes(m)
+                out[m.name] = flat[offset:offset + n].view(_TORCH[m.dtype]).view(m.shape)
+                offset += n
+        self.joined.all_have(True, self.device)
+        return out
+
+    def _worker_transfer(self, header: WeightsHeader, g: TransferGroup) -> WorkerTransfer:
+        init: dict[str, Any] | None = None
+        if self.group != g:  # a new group: the worker joins it at rank_offset 1
+            init = {"master_address": g.address, "master_port": g.port, "rank_offset": g.rank,
+                    "world_size": g.world}
+            if self.vllm_nccl:
+                init.update(packed=True, packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
+                            packed_num_buffers=PACKED_BUFFERS)
+            else:
+                init.update(bucket_bytes=g.bucket_bytes, timeout_s=self.timeout_s)
+            self.group = g
+
+        def done(exc: BaseException | None) -> None:
+            if exc is not None:
+                self.group = None  # the next header brings a new group
+
+        return WorkerTransfer("nccl" if self.vllm_nccl else "flowrl_gloo", init, {
+            "names": [m.name for m in header.tensors],
+            "dtype_names": [m.dtype for m in header.tensors],
+            "shapes": [list(m.shape) for m in header.tensors]}, done)
+
+    def drop(self) -> None:
+        if self.joined is not None:
+            self.joined.close()
+        self.joined, self.group = None, None
+
+    def close(self) -> None:
+        self.drop()
+
+
+SENDER, RECEIVER = BroadcastSender, BroadcastReceiver

@@ -1,0 +1,117 @@
+"""The transport and engine tables, and a whole job on the nccl transport over gloo.
+
+``learner.weights_transport = auto`` resolves in one function; a transport that cannot carry a
+job's weights stops the runner naming the key; every engine the schema accepts has one row; and
+a job whose weights go through the nccl transport's per-sampler broadcast group (gloo on this
+CPU: the learner's and the sampler's real processes, the actors' own wiring) trains and ends."""
+
+from __future__ import annotations
+
+import subprocess
+import typing
+
+import pytest
+
+from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config.schema import LearnerConfig, SamplerConfig
+from actors.runtime.transports.base import TRANSPORTS, resolve_transport
+from actors.sampler.engines.registry import ENGINES, auto_engine, engine_problem, start_engine
+from tests.jobs import ROOT, command, metrics, status_lines
+
+
+def test_auto_is_shm_on_one_host_and_zmq_across_hosts():
+    assert resolve_transport("auto", weights_address="ipc:///tmp/x/weights") == "shm"
+    assert resolve_transport("auto", weights_address="tcp://10.0.0.1:5555") == "zmq"
+    assert resolve_transport("nccl", weights_address="ipc:///tmp/x/weights") == "nccl"
+
+
+def test_every_choice_in_the_schema_has_one_row():
+    choices = typing.get_args(typing.get_type_hints(LearnerConfig)["weights_transport"])
+    assert set(choices) == {"auto", *TRANSPORTS}
+    engines = typing.get_args(typing.get_type_hints(SamplerConfig)["engine"])
+    assert set(engines) == {"auto", *ENGINES}
+    assert engine_problem("hf") is None
+    assert auto_engine() == "hf"  # no GPU here
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["learner.weights_transport=ipc", "learner.device=cpu", "sampler.device=cpu"],
+     "learner.weights_transport: ipc moves weights GPU to GPU for sampler.engine = hf"),
+    (["learner.weights_transport=shm", "learner.weights_address=tcp://10.0.0.1:5555"],
+     "learner.weights_transport: shm needs every sampler on the learner's host"),
+])
+def test_a_transport_that_cannot_carry_the_weights_names_the_key(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        decode_topology(apply_overrides({}, overrides))  # sampler.engine = auto: hf here
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.anyio
+async def test_an_engine_starts_from_its_row(tiny_model):
+    import torch
+
+    from actors.sampler.engines.hf import HFEngine
+    from actors.sampler.engines.registry import EngineSpec
+
+    topo = decode_topology(apply_overrides({}, ["sampler.engine=hf"]))
+    engine = await start_engine("hf", EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
+                                                 topo.sampler))
+    assert isinstance(engine, HFEngine) and engine.version == -1 and not engine.continuous
+
+
+def test_a_job_on_the_nccl_transport_over_gloo(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=3",
+                                 "learner.weights_transport=nccl"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    status = status_lines(run_dir)
+    last = status[-1]  # the runner's last record of each actor
+    assert last["event"] == "stopped" and last["learner-0"]["weights_transport"] == "nccl"
+    # version 0 and a trained one at least went through the group and into the engine
+    assert last["sampler-0"]["weight_loads"] >= 2 and last["sampler-0"]["version"] >= 1
+    assert "weights_error" not in last["sampler-0"]
+
+
+@pytest.mark.anyio
+async def test_a_header_naming_no_usable_transport_costs_its_version_not_the_channel(sockets):
+    """An unknown transport, or an nccl header without its group, is reported in the
+    sampler's status and the next version (zmq) is taken whole."""
+    import anyio
+    import torch
+    import zmq
+
+    from actors.runtime.tensors import meta, raw_bytes
+    from actors.runtime.weights import WeightsSubscriber
+    from actors.runtime.zmq_bridge import make_socket
+    from messages.codec import encode
+    from messages.weights import WeightsHeader
+
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    t = torch.arange(6, dtype=torch.float32)
+    try:
+        with anyio.fail_after(30), make_socket(zctx, zmq.ROUTER, bind=address) as learner, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
+            subscriber = WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(subscriber.serve)
+                for good, bad, error in (
+                        (2, WeightsHeader(version=1, tensors=[], transport="carrier"),
+                         "unknown transport 'carrier'"),
+                        (3, WeightsHeader(version=3, tensors=[meta("w", t)], transport="nccl"),
+                         "without a group")):
+                    before = subscriber.received
+                    peer, _ = await learner.recv_multipart()
+                    await learner.send_multipart([peer, encode(bad)])
+                    peer, _ = await learner.recv_multipart()  # polled again, after a second
+                    assert error in subscriber.error and subscriber.received == before
+                    await learner.send_multipart([peer, encode(WeightsHeader(
+                        version=good, tensors=[meta("w", t)])), raw_bytes(t)])
+                    await subscriber.wait_for(good)
+                    version, got = subscriber.take()
+                    assert version == good and torch.equal(got["w"], t)
+                tg.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)
