@@ -282,7 +282,13 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     ppo_epochs: int = 1
     """Passes over the batch per step."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    """Most sequences per forward/backward; gradients accumulate over a mini-batch."""
+    max_tokens_per_micro_batch: int = 8192
+    """Most tokens (prompt + response, padding not counted) per forward/backward, besides
+    micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own."""
+    packing: bool = True
+    """Concatenate a micro-batch's sequences into one row without padding (position ids restart
+    per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
