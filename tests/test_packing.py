@@ -35,13 +35,19 @@ def gradients(trainer) -> list[dict[str, torch.Tensor]]:
         def recording(*args, _step=step, _model=model, _prefix=prefix, **kwargs):
             if not _prefix:  # the policy steps first: a new update
                 updates.append({})
-            updates[-1].update({_prefix + name: p.grad.detach().clone()
+            updates[-1].update({_prefix + name: whole(p.grad)
                                 for name, p in _model.named_parameters() if p.grad is not None})
             return _step(*args, **kwargs)
 
         optimizer.step = recording
         optimizer.step._wrapped_by_lr_sched = True  # the scheduler's own marker: no warning
     return updates
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, gathered whole when it is a shard (a DTensor: FSDP2)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().clone()
 
 
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float, float]:

@@ -299,8 +299,12 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """linear/cosine: final learning rate as a fraction of lr."""
     critic_lr: float = 1e-5
     """gae: the critic's AdamW learning rate."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute each layer's activations in backward (keep only its input): auto is on on a
+    GPU, off on a CPU (memory is plentiful there and recomputing costs the cores)."""
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and
+    each layer is copied to the device when it runs (a 7B model on one 141 GB GPU)."""
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters instead of full fine-tuning."""
     weight_decay: float = 0.0
