@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModel
 
 from actors.learner.packing import micro_batches, pack, refine
+from kernels import varlen_attention
 from tests.learner_cases import OPTIONS, make_trainer, with_behaviour
 from tests.test_learner import make_groups
 
@@ -92,10 +93,12 @@ def test_packed_step_equals_padded_step(tiny_model, tmp_path, name):
         assert abs(v - m_packed[k]) <= tol, (k, v, m_packed[k])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_transformers_packed_position_ids_isolate_sequences(tiny_model, attn):
+@pytest.mark.parametrize("attn", ["sdpa", "eager", varlen_attention.NAME])
+def test_packed_rows_isolate_sequences(tiny_model, attn):
     """The packed row's hidden states are each sequence's own, run alone (no attention across a
-    boundary): transformers builds the block-diagonal mask from the restarting position ids."""
+    boundary): for SDPA and eager, transformers builds a block-diagonal mask from the restarting
+    position ids; ``flowrl_varlen`` attends within each sequence's bounds."""
+    varlen_attention.register()
     model = AutoModel.from_pretrained(tiny_model, attn_implementation=attn).eval()
     gen = torch.Generator().manual_seed(1)
     lengths = [5, 9, 1, 7]
@@ -106,16 +109,43 @@ def test_transformers_packed_position_ids_isolate_sequences(tiny_model, attn):
         attention[i, :n] = 1
     rows = pack(ids, attention)
     assert rows.position_ids.tolist() == [[*range(5), *range(9), 0, *range(7)]]
+    call = varlen_attention.packed_call(model.config, rows.input_ids, rows.position_ids)
+    assert ("flowrl_bounds" in call) == (attn == varlen_attention.NAME)
     with torch.no_grad():
-        packed = model(input_ids=rows.input_ids, position_ids=rows.position_ids,
-                       use_cache=False).last_hidden_state[0]  # (T, H)
+        packed = model(**call).last_hidden_state[0]  # (T, H)
         for i, n in enumerate(lengths):
             alone = model(input_ids=ids[i:i + 1, :n]).last_hidden_state[0]  # (n, H)
             got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
             assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5), (attn, i)
+        # padded rows through the same implementation: as before (its masks are SDPA's)
+        padded = model(input_ids=ids, attention_mask=attention).last_hidden_state
+        for i, n in enumerate(lengths):
+            got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
+            assert torch.allclose(padded[i, :n], got, atol=1e-5, rtol=1e-5), (attn, i)
         # without restarting positions the same row is one causal sequence: the check can fail
         plain = model(input_ids=rows.input_ids, use_cache=False).last_hidden_state[0]
         assert not torch.allclose(plain[5:14], packed[5:14], atol=1e-3)
+
+
+def test_the_packed_learner_attends_per_sequence(tiny_model, tmp_path, monkeypatch):
+    """learner.packing switches the policy to ``flowrl_varlen`` (no flash-attention on a CPU),
+    and its step calls it with each micro-batch's sequence bounds."""
+    seen = []
+    real = varlen_attention.varlen_sdpa
+
+    def spy(*args, flowrl_bounds=None, **kwargs):
+        seen.append(flowrl_bounds)
+        return real(*args, flowrl_bounds=flowrl_bounds, **kwargs)
+
+    t = make_trainer(tiny_model, tmp_path, BUDGET)
+    assert t.policy.model.config._attn_implementation == varlen_attention.NAME
+    from transformers import AttentionInterface
+    monkeypatch.setitem(AttentionInterface._global_mapping, varlen_attention.NAME, spy)
+    groups = make_groups(t)  # reads the policy's log-probs on padded rows (no bounds)
+    seen.clear()
+    t.train_step(groups)
+    assert seen and all(b is not None and b[0] == 0 and len(b) >= 2 for b in seen)
+    assert max(len(b) - 1 for b in seen) >= 3  # several sequences in one row
 
 
 def test_micro_batches_follow_the_budget_and_ranks_get_as_many():

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModel
 
 from actors.learner.batch import RolloutBatch
 from actors.learner.packing import pack
+from kernels.varlen_attention import packed_call
 
 
 class ValueModel(nn.Module):
@@ -40,8 +41,7 @@ class ValueModel(nn.Module):
         if position_ids is None:
             hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             return self.head(hidden[:, :-1]).squeeze(-1).float()  # (B, W-1)
-        hidden = self.body(input_ids=input_ids, position_ids=position_ids,
-                           use_cache=False).last_hidden_state
+        hidden = self.body(**packed_call(self.body.config, input_ids, position_ids)).last_hidden_state
         return self.head(hidden).squeeze(-1).float()  # (1, T)
 
     def save(self, path: Path, state: dict[str, torch.Tensor]) -> None:

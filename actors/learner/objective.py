@@ -18,6 +18,7 @@ from kernels.lm_head_logprobs import lm_head_logprobs
 from kernels.losses import aggregate, policy_loss, value_loss
 from kernels.rollout_corr import rollout_correction
 from kernels.rollout_options import RejectionRule, parse_rs_preset
+from kernels.varlen_attention import packed_call
 
 FORWARD = "flowrl_response_logprobs"  # the method a sharded model computes log-probs with
 
@@ -70,9 +71,9 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if position_ids is None:
         hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         hidden, targets = hidden[:, :-1][at], input_ids[:, 1:][at]  # (R, H), (R,)
-    else:  # no cache: with one, transformers would not look for packed position ids
-        hidden = core.base_model(input_ids=input_ids, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state[0]  # (T, H)
+    else:  # kernels/varlen_attention.py: per-sequence attention, or transformers' own path
+        hidden = core.base_model(**packed_call(core.config, input_ids, position_ids)
+                                 ).last_hidden_state[0]  # (T, H)
         hidden, targets = hidden[at], input_ids[0, at + 1]  # (R, H), (R,)
     return lm_head_logprobs(hidden, head.weight, targets,
                             temperature=temperature, with_entropy=with_entropy,

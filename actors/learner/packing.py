@@ -9,14 +9,14 @@ collectives pair them), so each rank's split is refined to the largest count any
 rank holds the whole batch, so each computes that count alone, without a collective.
 
 Packed (``learner.packing``, the default), a micro-batch's sequences are concatenated into one
-row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence and no
-attention mask: transformers then detects the packed format from the position ids
-(``masking_utils.find_packed_sequence_indices``) and builds a block-diagonal causal mask for
-SDPA and eager attention, or runs flash-attention's varlen kernel where it is installed, so no
-token attends across a boundary. Only the model's forward changes: its outputs are read back
-into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss, aggregation,
-correction and advantage is computed exactly as on the padded path (the reference, kept behind
-``learner.packing = false``; ``tests/test_packing.py`` compares the two).
+row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence, and the model
+attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
+kernel on CUDA where it is installed, else SDPA once per sequence (``flowrl_varlen``; the
+reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
+the position ids, and each sequence run alone). Only the model's forward changes: its outputs
+are read back into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss,
+aggregation, correction and advantage is computed exactly as on the padded path (the reference,
+kept behind ``learner.packing = false``; ``tests/test_packing.py`` compares the two).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from actors.runtime.rundir import (
     prune_checkpoints,
     read_state,
 )
+from kernels import varlen_attention
 from kernels.kl import AdaptiveKLController, FixedKLController
 
 
@@ -120,6 +121,8 @@ class Policy:
                 lambda: ValueModel(source, self.dtype, weights=False),
                 compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered,
                 offload=self.cfg.offload)
+            if self.cfg.packing:
+                varlen_attention.choose(self.critic.body, self.device)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
                                                       betas=self.cfg.betas)
         k = self.algo.kl_ctrl
@@ -143,6 +146,9 @@ class Policy:
         model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
                                  params=self.dtype, keep=self.keep_gathered,
                                  offload=self.cfg.offload)
+        if self.cfg.packing:  # attention over packed rows without a (T, T) mask
+            varlen_attention.choose(model.get_base_model() if hasattr(model, "get_base_model")
+                                    else model, self.device)
         if distributed.is_sharded(model):
             attach_forward(model)
         return model
