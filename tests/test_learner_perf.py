@@ -49,3 +49,15 @@ def test_dense_parameters_are_the_models_matrices():
     flops = train_flops(config, [10, 30])
     assert flops == 6 * matrices * 40 + 6 * (100 + 900) * 16 * 8 * 3
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_the_live_panel_shows_where_the_step_went():
+    from actors.runtime.liveview import View
+    from tests.test_liveview import STEP, text_of
+
+    view = View(total_steps=30, max_staleness=1, run_dir="runs/x", started=0.0)
+    view.record("train", 1, {**STEP, "timing_s/adv": 0.01, "timing_s/update_actor": 14.2,
+                             "timing_s/wait_batch": 2.0, "timing_s/weight_publish": 0.4,
+                             "timing_s/gen": 9.5}, now=20.0)
+    text, _ = text_of(view, now=21.0)
+    assert "step time (s): adv 0.0 upd 14.2 | wait 2.0 pub 0.4 gen 9.5" in text
