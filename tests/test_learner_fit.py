@@ -49,3 +49,10 @@ def test_checkpointing_is_on_by_default_on_a_gpu_only():
     assert not gradient_checkpointing("auto", torch.device("cpu"))
     assert gradient_checkpointing(True, torch.device("cpu"))
     assert not gradient_checkpointing(False, torch.device("cuda", 0))
+
+
+def test_offload_with_lora_is_a_config_error():
+    from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+
+    with pytest.raises(ConfigError, match="learner.offload: needs full fine-tuning"):
+        decode_topology(apply_overrides({}, ["learner.offload=true", "learner.lora.rank=4"]))

@@ -98,6 +98,8 @@ def check(topology: Topology) -> None:
     need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
     need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
+    need(not (L.offload and L.lora.rank > 0), "learner.offload",
+         "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)
