@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from actors.learner.perf import dense_parameters, peak_flops, train_flops
+from actors.learner.perf import dense_parameters, peak_flops, peak_of, train_flops
 from actors.runtime.metrics import format_step, time_breakdown
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
@@ -49,6 +49,8 @@ def test_dense_parameters_are_the_models_matrices():
     flops = train_flops(config, [10, 30])
     assert flops == 6 * matrices * 40 + 6 * (100 + 900) * 16 * 8 * 3
     assert peak_flops(torch.device("cpu")) is None
+    assert peak_of("NVIDIA H200") == 989e12 and peak_of("NVIDIA H20") == 148e12
+    assert peak_of("NVIDIA A100-SXM4-80GB") == 312e12 and peak_of("Some GPU") is None
 
 
 def test_the_live_panel_shows_where_the_step_went():

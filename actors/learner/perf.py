@@ -43,7 +43,11 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak in FLOP/s, or None (a CPU, an unknown GPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(name: str) -> float | None:
+    """The table's peak for a device named ``name`` (e.g. "NVIDIA H200"), or None."""
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         if key in name:
             return PEAK_FLOPS[key]
