@@ -2,6 +2,7 @@
 
     python bench/bench_learner.py --ranks 1 2 --threads 1 --steps 4          # CPU, gloo
     python bench/bench_learner.py --ranks 1 --device cuda --dtype bfloat16   # one GPU
+    python bench/bench_learner.py --ranks 1 --layouts packed padded --min-response 4 --response 24
 
 Each configuration runs in fresh processes (``--ranks N``: N processes started the way the
 runner starts learner ranks), builds the learner of the default job (``topology.toml``: the
@@ -10,9 +11,12 @@ embedded SmolLM2-135M-Instruct unless ``--model``), and takes ``--warmup`` untim
 sequences of an arithmetic prompt plus ``--response`` random tokens). Rank 0 prints seconds per
 step and learner tokens/s (prompt and response tokens per second of step time), and the CPU seconds
 all ranks used per step (their compute and their collectives' copies: on a shared machine the
-figure other tenants change least). Configurations
-run one after another, in the order given, ``--rounds`` times, interleaved: on a shared machine
-compare rounds, not a single number.
+figure other tenants change least), where the step's time went (``timing_s/update_actor`` and
+the rest), and the padding share: the share of the padded micro-batches' cells (rows × their
+longest sequence) that are padding, which the packed layout does not compute. ``--layouts``
+runs each rank count packed (``learner.packing = true``) and padded (the reference path).
+Configurations run one after another, in the order given, ``--rounds`` times, interleaved: on
+a shared machine compare rounds, not a single number.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def batches(trainer, count: int, groups: int, n: int, response: int, seed: int):
+def batches(trainer, count: int, groups: int, n: int, response: int, seed: int,
+            min_response: int | None = None):
     import torch
 
     from actors.data.chat import chat_ids
@@ -48,7 +53,8 @@ def batches(trainer, count: int, groups: int, n: int, response: int, seed: int):
             ids = chat_ids(trainer.policy.tokenizer, [ChatMessage("user", f"What is {a} + {c}?")])
             samples = []
             for i in range(n):
-                length = response - (i % 4)
+                length = (response - (i % 4) if min_response is None else
+                          int(torch.randint(min_response, response + 1, (1,), generator=gen)))
                 resp = torch.randint(100, vocab - 1, (length,), generator=gen, dtype=torch.int32)
                 lp = -torch.rand(length, generator=gen) * 3
                 samples.append(Sample(to_wire(resp), to_wire(lp), b, "", "length",
@@ -63,6 +69,7 @@ def batches(trainer, count: int, groups: int, n: int, response: int, seed: int):
 def rank_main(args) -> None:
     import torch
 
+    from actors.learner.packing import micro_batches
     from actors.learner.policy import learner_group
     from actors.learner.trainer import Trainer
     from actors.runtime.config import load_topology
@@ -70,7 +77,8 @@ def rank_main(args) -> None:
 
     torch.set_num_threads(args.threads)
     overrides = [f"learner.device={args.device}", f"learner.dtype={args.dtype}",
-                 f"learner.micro_batch_size={args.micro}",
+                 f"learner.micro_batch_size={args.micro}", f"learner.packing={str(args.layout == 'packed').lower()}",
+                 f"learner.max_tokens_per_micro_batch={args.max_tokens}",
                  f"learner.groups_per_step={args.groups}", f"algorithm.n={args.n}",
                  f"learner.nproc_per_node={Rank.from_env().world_size}",
                  f"model.path={args.model}", f"run.dir={args.run_dir}"]
@@ -78,8 +86,9 @@ def rank_main(args) -> None:
     group = learner_group(topo, Rank.from_env())
     try:
         trainer = Trainer(topo, Path(args.run_dir) / f"r{group.rank}", None, group)
-        data = batches(trainer, args.warmup + args.steps, args.groups, args.n, args.response, 0)
-        times, cpu, tokens = [], [], 0
+        data = batches(trainer, args.warmup + args.steps, args.groups, args.n, args.response, 0,
+                       args.min_response)
+        times, cpu, tokens, parts, cells, real = [], [], 0, {}, 0, 0
         for i, b in enumerate(data):
             group.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -91,6 +100,14 @@ def rank_main(args) -> None:
                 cpu.append(time.process_time() - start_cpu)
                 tokens += sum(g.prompt_ids.shape[0] * len(g.samples)
                               + sum(s.response_ids.shape[0] for s in g.samples) for g in b)
+                for k, v in m.items():
+                    if k.startswith("timing_s/") and k not in ("timing_s/gen", "timing_s/weight_sync"):
+                        parts[k.removeprefix("timing_s/")] = parts.get(k.removeprefix("timing_s/"), 0) + v
+                lengths = [g.prompt_ids.shape[0] + s.response_ids.shape[0] for g in b for s in g.samples]
+                for sl in micro_batches(lengths, 0, len(lengths), trainer.cfg.micro_batch_size,
+                                        trainer.cfg.max_tokens_per_micro_batch):
+                    cells += (sl.stop - sl.start) * max(lengths[sl])
+                    real += sum(lengths[sl])
         # CPU seconds (every thread of every rank: compute and the collectives' copies) per
         # step: on a shared machine, the cost that does not depend on the other tenants
         total_cpu = group.sum_floats([sum(cpu) / len(cpu)])[0]
@@ -98,13 +115,15 @@ def rank_main(args) -> None:
             print(json.dumps({"ranks": group.world, "threads": args.threads, "cpu_s": total_cpu,
                               "device": str(trainer.policy.device), "dtype": args.dtype,
                               "step_s": sum(times) / len(times), "tokens_per_s": tokens / sum(times),
-                              "steps": [round(t, 3) for t in times],
+                              "steps": [round(t, 3) for t in times], "layout": args.layout,
+                              "padding_share": 1 - real / cells,
+                              "parts": {k: round(v / len(times), 3) for k, v in parts.items()},
                               "grad_norm": m["actor/grad_norm"]}), flush=True)
     finally:
         group.close()
 
 
-def run_config(args, ranks: int, port: int) -> dict:
+def run_config(args, ranks: int, layout: str, port: int) -> dict:
     from actors.runtime.ranks import node_ranks
 
     procs = []
@@ -116,7 +135,9 @@ def run_config(args, ranks: int, port: int) -> dict:
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device",
                  args.device, "--dtype", args.dtype, "--micro", str(args.micro), "--groups",
                  str(args.groups), "--n", str(args.n), "--response", str(args.response),
-                 "--model", args.model, "--run-dir", run_dir],
+                 "--model", args.model, "--run-dir", run_dir, "--layout", layout,
+                 "--max-tokens", str(args.max_tokens),
+                 *(["--min-response", str(args.min_response)] if args.min_response else [])],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
         outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -137,6 +158,11 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--response", type=int, default=20, help="response tokens (±3)")
+    p.add_argument("--min-response", type=int, default=None,
+                   help="response tokens uniform in [this, --response] instead of ±3")
+    p.add_argument("--layouts", nargs="+", default=["packed"], choices=["packed", "padded"])
+    p.add_argument("--max-tokens", type=int, default=8192, help="learner.max_tokens_per_micro_batch")
+    p.add_argument("--layout", default="packed", help=argparse.SUPPRESS)
     p.add_argument("--model", default="default")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
@@ -151,11 +177,13 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     for rnd in range(args.rounds):
         for ranks in args.ranks:
-            r = run_config(args, ranks, free_port())
-            print(f"round {rnd + 1}: ranks={ranks} threads/rank={args.threads} {r['device']} "
-                  f"{r['dtype']}: {r['step_s']:.2f} s/step, {r['tokens_per_s']:.0f} tokens/s, "
-                  f"{r['cpu_s']:.2f} CPU-s/step (all ranks) "
-                  f"(steps {r['steps']}; load {os.getloadavg()[0]:.2f})", flush=True)
+            for layout in args.layouts:
+                r = run_config(args, ranks, layout, free_port())
+                print(f"round {rnd + 1}: ranks={ranks} {layout} threads/rank={args.threads} "
+                      f"{r['device']} {r['dtype']}: {r['step_s']:.2f} s/step, "
+                      f"{r['tokens_per_s']:.0f} tokens/s, {r['cpu_s']:.2f} CPU-s/step (all ranks), "
+                      f"padding share {r['padding_share']:.1%} (steps {r['steps']}; "
+                      f"parts {r['parts']}; load {os.getloadavg()[0]:.2f})", flush=True)
 
 
 if __name__ == "__main__":

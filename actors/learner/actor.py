@@ -19,6 +19,7 @@ rank dies.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import anyio
@@ -26,6 +27,7 @@ import torch
 import zmq
 
 from actors.learner.distributed import Group
+from actors.learner.memory import describe
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
@@ -187,6 +189,8 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     try:
         trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
                                                  ctx.run_dir, "latest", group)
+        if group.leader:  # what this learner will hold, before the first step shows it
+            print(f"[{ctx.name}] {describe(trainer.policy)}", file=sys.stderr, flush=True)
         ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
         if not group.leader:
             task_status.started()

@@ -34,6 +34,7 @@ class RolloutBatch:
     group_size: int
     token_versions: torch.Tensor | None = None  # (N, W-1) long, each response token's policy
     # version (the sample's version outside the response)
+    packed: bool = False  # the model reads these rows packed into one (actors/learner/packing.py)
 
     @property
     def size(self) -> int:

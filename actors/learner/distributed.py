@@ -177,15 +177,21 @@ def mixed_precision(compute: torch.dtype, params: torch.dtype):
 
 
 def shard(model: nn.Module, group: Group, compute: torch.dtype, params: torch.dtype,
-          keep: bool = False) -> None:
+          keep: bool = False, offload: bool = False) -> None:
     """``fully_shard`` each decoder layer, then the root; gradients summed over ranks. ``keep``:
-    gathered parameters stay gathered from forward to backward (``keep_gathered``)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    gathered parameters stay gathered from forward to backward (``keep_gathered``). ``offload``:
+    the shards, their gradients and so the optimizer state live in host memory
+    (``CPUOffloadPolicy``; pinned when the device is a GPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mp = mixed_precision(compute, params)
+    policy = (CPUOffloadPolicy(pin_memory=group.device.type == "cuda") if offload
+              else OffloadPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
-    fully_shard(model, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep)
+        fully_shard(layer, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep,
+                    offload_policy=policy)
+    fully_shard(model, mesh=group.mesh, mp_policy=mp, reshard_after_forward=not keep,
+                offload_policy=policy)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the losses are already global means
@@ -209,7 +215,8 @@ def sync_gradients(module: nn.Module | None, last: bool) -> None:
 
 
 def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Module], *,
-         compute: torch.dtype, params: torch.dtype, keep: bool = False) -> nn.Module:
+         compute: torch.dtype, params: torch.dtype, keep: bool = False,
+         offload: bool = False) -> nn.Module:
     """A model on the group's device: ``full()`` builds it with its weights (on the CPU), and
     ``empty()`` builds the same architecture without them (called under the meta device).
 
@@ -226,7 +233,7 @@ def load(group: Group, full: Callable[[], nn.Module], empty: Callable[[], nn.Mod
         with torch.device("meta"):
             model = empty()
         state = {}
-    shard(model, group, compute, params, keep)  # moves rank 0's shards to the device
+    shard(model, group, compute, params, keep, offload)  # rank 0's shards to the device (or host)
     if group.world > 1:
         if not group.leader:
             model.to_empty(device=group.device)

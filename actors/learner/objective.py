@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from actors.learner.batch import RolloutBatch
+from actors.learner.packing import pack
 from actors.runtime.config import AlgorithmConfig
 from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs
 from kernels.losses import aggregate, policy_loss, value_loss
 from kernels.rollout_corr import rollout_correction
 from kernels.rollout_options import RejectionRule, parse_rs_preset
+from kernels.varlen_attention import packed_call
 
 FORWARD = "flowrl_response_logprobs"  # the method a sharded model computes log-probs with
 
@@ -32,11 +34,20 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     (tokens, V) logits exist at once (a fused Triton kernel on CUDA). A model sharded with FSDP
     runs this as one of its forward methods (``attach_forward``), so its parameters are gathered
     for it and its gradients reduced after it.
+
+    A ``packed`` batch runs the model on its rows packed into one (``actors/learner/packing.py``);
+    the values come back in the same padded layout.
     """
     at = batch.response_mask.bool()  # (N, W-1)
     forward = getattr(model, FORWARD, None)
-    args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
-            with_sum_pi_squared)
+    if batch.packed:
+        rows = pack(batch.input_ids, batch.attention_mask)
+        where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
+        args = (rows.input_ids, None, where, temperature, with_entropy, with_sum_pi_squared,
+                rows.position_ids)
+    else:
+        args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
+                with_sum_pi_squared, None)
     out = forward(*args) if forward is not None else _forward(model, *args)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
@@ -47,15 +58,24 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     return tuple(scatter(t) for t in out)
 
 
-def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: torch.Tensor,
-             temperature: float, with_entropy: bool, with_sum_pi_squared: bool):
-    """The values at the response positions ``at`` (N, W-1), each (R,)."""
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             at: torch.Tensor, temperature: float, with_entropy: bool, with_sum_pi_squared: bool,
+             position_ids: torch.Tensor | None):
+    """The values at the response positions ``at`` (N, W-1), each (R,). Packed
+    (``position_ids`` given): ``input_ids`` and ``position_ids`` are (1, T), ``attention_mask``
+    is None (transformers' packed path needs it so) and ``at`` holds the R packed positions."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
-    hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     head = core.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
-    return lm_head_logprobs(hidden[:, :-1][at], head.weight, input_ids[:, 1:][at],
+    if position_ids is None:
+        hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden, targets = hidden[:, :-1][at], input_ids[:, 1:][at]  # (R, H), (R,)
+    else:  # kernels/varlen_attention.py: per-sequence attention, or transformers' own path
+        hidden = core.base_model(**packed_call(core.config, input_ids, position_ids)
+                                 ).last_hidden_state[0]  # (T, H)
+        hidden, targets = hidden[at], input_ids[0, at + 1]  # (R, H), (R,)
+    return lm_head_logprobs(hidden, head.weight, targets,
                             temperature=temperature, with_entropy=with_entropy,
                             with_sum_pi_squared=with_sum_pi_squared)  # (R,) each
 

@@ -34,6 +34,7 @@ from actors.runtime.rundir import (
     prune_checkpoints,
     read_state,
 )
+from kernels import varlen_attention
 from kernels.kl import AdaptiveKLController, FixedKLController
 
 
@@ -60,7 +61,8 @@ class Policy:
     directory, or ``None`` (the base model with a fresh optimizer: the state before step 1).
     Only ``save_checkpoint`` writes into ``run_dir``. Without ``group``, a lone rank on
     ``learner.device`` (in a process group of its own when its compute dtype needs FSDP's mixed
-    precision). With a group, every method below that touches the models is a collective.
+    precision, or ``learner.offload`` FSDP's CPU offload). With a group, every method below that
+    touches the models is a collective.
     """
 
     def __init__(self, topology: Topology, run_dir: Path,
@@ -93,7 +95,8 @@ class Policy:
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.model = self._load(lambda: self._load_policy(base, ckpt), ckpt or base)
-        if self.cfg.gradient_checkpointing:
+        self.checkpointing = gradient_checkpointing(self.cfg.gradient_checkpointing, self.device)
+        if self.checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.config.use_cache = False
         self.model.train()
@@ -117,7 +120,10 @@ class Policy:
             self.critic = distributed.load(
                 self.group, lambda: ValueModel(source, self.dtype),
                 lambda: ValueModel(source, self.dtype, weights=False),
-                compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered)
+                compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered,
+                offload=self.cfg.offload)
+            if self.cfg.packing:
+                varlen_attention.choose(self.critic.body, self.device)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
                                                       betas=self.cfg.betas)
         k = self.algo.kl_ctrl
@@ -142,7 +148,11 @@ class Policy:
             return AutoModelForCausalLM.from_config(config, dtype=params)
 
         model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
-                                 params=params, keep=self.keep_gathered)
+                                 params=params, keep=self.keep_gathered,
+                                 offload=self.cfg.offload)
+        if self.cfg.packing:  # attention over packed rows without a (T, T) mask
+            varlen_attention.choose(model.get_base_model() if hasattr(model, "get_base_model")
+                                    else model, self.device)
         if distributed.is_sharded(model):
             attach_forward(model)
         return model
@@ -284,15 +294,20 @@ def _save_pretrained(model, path: Path, state: dict[str, torch.Tensor], lead: bo
 
 def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
     """This process's place among the learner's ranks (default: a learner of its own): joined
-    to the group when there are several ranks, or when one needs FSDP's mixed precision (a
-    process group of one); otherwise a lone rank with no process group."""
+    to the group when there are several ranks, or when one needs FSDP's mixed precision or CPU
+    offload (a process group of one); otherwise a lone rank with no process group."""
     rank = rank or Rank.from_env({})
     device = resolve_device(topology.learner.device, rank.local_rank)
     cap_memory(device)
     mixed = compute_dtype(topology, device) != getattr(torch, topology.model.dtype)
-    if rank.world_size == 1 and not mixed:
+    if rank.world_size == 1 and not mixed and not topology.learner.offload:
         return Group.lone(device)
     return Group.join(rank, device, timeout_s=topology.learner.collective_timeout_s)
+
+
+def gradient_checkpointing(setting: bool | str, device: torch.device) -> bool:
+    """``learner.gradient_checkpointing``: auto is on on a GPU, off on a CPU."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def compute_dtype(topology: Topology, device: torch.device) -> torch.dtype:

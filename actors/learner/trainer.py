@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 
 from actors.learner.batch import RolloutBatch, build_batch, reward_components
+from actors.learner.critic import critic_values
 from actors.learner.distributed import Group, sync_gradients
 from actors.learner.objective import (
     Correction,
@@ -59,6 +60,8 @@ from actors.learner.objective import (
     rejection_rules,
     response_logprobs,
 )
+from actors.learner.packing import micro_batches, refine
+from actors.learner.perf import StepTimes, perf_metrics
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import Topology
@@ -104,15 +107,16 @@ class Trainer:
         self.abort = threading.Event()
         self._updated = False  # this step has taken an optimizer update (it can no longer abort)
 
-    def _micro_slices(self, lo: int, hi: int) -> list[slice]:
-        size = self.cfg.micro_batch_size
-        return [slice(i, min(i + size, hi)) for i in range(lo, hi, size)]
-
-    def _share(self, lo: int, hi: int) -> tuple[int, int]:
-        """This rank's rows of rows ``[lo, hi)``: equal contiguous parts, one per rank (the
-        config check makes them whole groups), so every rank runs as many micro-batches."""
+    def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
+        """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
+        one per rank (the config check makes them whole groups), cut by ``micro_batch_size`` and
+        the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
+        share needs, so that every rank runs as many forward passes."""
         part = (hi - lo) // self.group.world
-        return lo + self.group.rank * part, lo + (self.group.rank + 1) * part
+        splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part,
+                                self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+                  for r in range(self.group.world)]
+        return refine(splits[self.group.rank], lengths, max(map(len, splits)))
 
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so
@@ -140,6 +144,7 @@ class Trainer:
         the first epoch's forward) and ``is_weights``. Left ``None``, nothing extra is kept.
         """
         started = time.monotonic()
+        times = StepTimes(self.policy.device)
         torch.manual_seed(self.step_seed())
         self._updated = False
         algo, cfg = self.algo, self.cfg
@@ -147,6 +152,8 @@ class Trainer:
         temp = sampling.temperature
         trained_at = self.policy.version  # the weights this step starts from
         batch = build_batch(groups, self.policy.pad_id).to(self.policy.device)
+        batch.packed = cfg.packing
+        lengths = batch.attention_mask.sum(1).tolist()  # tokens of each row
         N, mask = batch.size, batch.response_mask
         c = algo.correction
         otb = algo.adv_estimator in OPTIMAL_TOKEN_BASELINES  # needs π_old before advantages
@@ -162,24 +169,29 @@ class Trainer:
         ref = torch.zeros_like(mask) if need_ref else None
         values = torch.zeros_like(mask) if self.policy.critic is not None else None
         with torch.no_grad():
-            for s in self._micro_slices(*self._share(0, N)):
+            for s in self._micro_slices(lengths, 0, N):
                 self._check_abort()
                 mb = batch.rows(s)
                 w = mb.response_mask.shape[1]
                 if sum_pi_sq is not None:
-                    old[s, :w], sum_pi_sq[s, :w] = response_logprobs(
-                        self.policy.model, mb, temp, with_sum_pi_squared=True)
+                    with times("old_log_prob"):
+                        old[s, :w], sum_pi_sq[s, :w] = response_logprobs(
+                            self.policy.model, mb, temp, with_sum_pi_squared=True)
                 elif need_old:
-                    old[s, :w] = response_logprobs(self.policy.model, mb, temp)
+                    with times("old_log_prob"):
+                        old[s, :w] = response_logprobs(self.policy.model, mb, temp)
                 if need_ref:
-                    ref[s, :w] = self.policy.reference_logprobs(mb, temp)
+                    with times("ref"):
+                        ref[s, :w] = self.policy.reference_logprobs(mb, temp)
                 if values is not None:
-                    values[s, :w] = self.policy.critic(mb.input_ids, mb.attention_mask) * mb.response_mask
+                    with times("values"):
+                        values[s, :w] = critic_values(self.policy.critic, mb) * mb.response_mask
         for shared in (old if need_old or otb else None, sum_pi_sq, ref, values):
             if shared is not None:
                 self.group.sum_(shared)  # each row from the rank that computed it
 
         metrics: dict[str, float] = {}
+        adv_started = time.perf_counter()
         rewards = batch.token_rewards
         if algo.use_kl_in_reward:
             source = old if c.mode == "decoupled" else batch.behaviour_logprobs
@@ -202,6 +214,7 @@ class Trainer:
             algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
             norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
+        times.seconds["adv"] = time.perf_counter() - adv_started  # host tensors: no device sync
 
         # optimizer updates: mini-batches hold whole groups
         groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
@@ -213,12 +226,13 @@ class Trainer:
         grad_norms, critic_sums = [], {}
         old_seen = torch.zeros_like(mask)  # the PPO old log-probs used
         current = torch.zeros_like(mask)  # π_θ in the first epoch's forward passes
+        times.begin("update_actor")  # the critic's share is moved to update_critic below
         for epoch in range(cfg.ppo_epochs):
             for lo, hi in bounds:
                 keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
                 token_count = float(keep_mb.sum())
                 self.policy.optimizer.zero_grad(set_to_none=True)
-                micro = self._micro_slices(*self._share(lo, hi))
+                micro = self._micro_slices(lengths, lo, hi)
                 for s in micro:
                     self._check_abort()
                     for module in (self.policy.model, self.policy.critic):
@@ -247,11 +261,12 @@ class Trainer:
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v * n_tok
                     if self.policy.critic is not None:
-                        v_new = self.policy.critic(mb.input_ids, mb.attention_mask)
-                        vloss, vm = critic_loss(algo, v_new, values[s, :w], returns[s, :w],
-                                                mb.response_mask, token_count=token_count,
-                                                seq_count=hi - lo)
-                        vloss.backward()
+                        with times("update_critic"):
+                            v_new = critic_values(self.policy.critic, mb)
+                            vloss, vm = critic_loss(algo, v_new, values[s, :w], returns[s, :w],
+                                                    mb.response_mask, token_count=token_count,
+                                                    seq_count=hi - lo)
+                            vloss.backward()
                         for k, v in vm.items():
                             critic_sums[k] = critic_sums.get(k, 0.0) + v * n_tok
                 self._check_abort()
@@ -261,9 +276,13 @@ class Trainer:
                 self._updated = True
                 self.policy.scheduler.step()
                 if self.policy.critic is not None:
-                    torch.nn.utils.clip_grad_norm_(self.policy.critic.parameters(), cfg.max_grad_norm)
-                    self.policy.critic_optimizer.step()
-                    self.policy.critic_optimizer.zero_grad(set_to_none=True)
+                    with times("update_critic"):
+                        torch.nn.utils.clip_grad_norm_(self.policy.critic.parameters(),
+                                                       cfg.max_grad_norm)
+                        self.policy.critic_optimizer.step()
+                        self.policy.critic_optimizer.zero_grad(set_to_none=True)
+        times.end("update_actor")
+        times.seconds["update_actor"] -= times.seconds.get("update_critic", 0.0)
         self.policy.optimizer.zero_grad(set_to_none=True)
         self.policy.step += 1
         if algo.use_kl_in_reward:  # after the step: an abandoned step leaves β as it was
@@ -281,6 +300,12 @@ class Trainer:
         metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
         metrics.update(token_staleness(trained_at, batch, mask))
         metrics["timing_s/weight_sync"] = sum(g.weight_sync_s for g in groups)
+        # the sampler's side: its longest generation call among the batch's groups (a call
+        # generates a request's prompts together); in async mode it overlaps the learner's step
+        metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
+        metrics.update(times.metrics())
+        metrics.update(perf_metrics(self.policy.model.config, self.policy.device, lengths,
+                                    cfg.ppo_epochs, times.seconds["update_actor"], self.group.world))
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]
         elapsed = time.monotonic() - started

@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from actors.runtime.metrics import Kind, format_step, format_validation, headline
+from actors.runtime.metrics import Kind, format_step, format_validation, headline, time_breakdown
 
 IDLE_STATES = ("running", "finished")  # states that need no mention
 
@@ -167,6 +167,8 @@ def render(view: View, now: float) -> RenderableType:
             f"  stale {m.get('staleness/mean', 0):.2f}/{view.max_staleness}"
             f"  {m.get('perf/throughput', 0):.1f} tok/s"
             f"  {m.get('timing_s/step', 0):.1f}s"))
+        if breakdown := time_breakdown(m):
+            lines.append(Text(f"step time (s): {breakdown}", style="dim"))
     if view.validation is not None:
         step, metrics = view.validation
         figures = "  ".join(f"{source} " + " ".join(f"{k} {v:.3f}" for k, v in f.items())

@@ -125,7 +125,25 @@ def format_step(step: int, metrics: Mapping[str, float], total: int, max_stalene
         f" clip {100 * m.get('rollout_corr/is_clip_frac', 0):.1f}%"
         f" | stale {m.get('staleness/mean', 0):.2f}/{max_staleness}"
         f" | {m.get('perf/throughput', 0):6.1f} tok/s | {m.get('timing_s/step', 0):5.1f}s"
+        + (f" ({breakdown})" if (breakdown := time_breakdown(m)) else "")
     )
+
+
+# the parts of a step's time, in the order a step runs them, with their short console names
+STEP_PARTS = (("old_log_prob", "old"), ("ref", "ref"), ("values", "val"), ("adv", "adv"),
+              ("update_actor", "upd"), ("update_critic", "crit"))
+
+
+def time_breakdown(metrics: Mapping[str, float]) -> str:
+    """Where the learner's step went, compactly (``old 1.2 ref 0.4 adv 0.0 upd 8.1``), then the
+    time around it: waiting for the batch, publishing the weights, the sampler's generation of
+    the batch (which overlaps the step in async mode); empty for a step without ``timing_s/*``."""
+    parts = [f"{short} {metrics[f'timing_s/{key}']:.1f}" for key, short in STEP_PARTS
+             if f"timing_s/{key}" in metrics]
+    around = [f"{short} {metrics[key]:.1f}" for key, short in (
+        ("timing_s/wait_batch", "wait"), ("timing_s/weight_publish", "pub"),
+        ("timing_s/gen", "gen")) if key in metrics]
+    return " ".join(parts) + (" | " if parts and around else "") + " ".join(around)
 
 
 def headline(metrics: Mapping[str, float]) -> dict[str, dict[str, float]]:

@@ -90,6 +90,8 @@ def check(topology: Topology) -> None:
     need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
     need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
     need(L.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
+    need(L.max_tokens_per_micro_batch >= 0, "learner.max_tokens_per_micro_batch",
+         "must be >= 0 (0: no token budget)")
     need(L.lr > 0, "learner.lr", "must be > 0")
     need(L.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
     need(1 <= L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
@@ -97,6 +99,8 @@ def check(topology: Topology) -> None:
     need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
     need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
     need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
+    need(not (L.offload and L.lora.rank > 0), "learner.offload",
+         "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem

@@ -289,7 +289,13 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     ppo_epochs: int = 1
     """Passes over the batch per step."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    """Most sequences per forward/backward; gradients accumulate over a mini-batch."""
+    max_tokens_per_micro_batch: int = 8192
+    """Most tokens (prompt + response, padding not counted) per forward/backward, besides
+    micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own."""
+    packing: bool = True
+    """Concatenate a micro-batch's sequences into one row without padding (position ids restart
+    per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
     lr: float = 1e-5
     """AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
@@ -300,8 +306,12 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """linear/cosine: final learning rate as a fraction of lr."""
     critic_lr: float = 1e-5
     """gae: the critic's AdamW learning rate."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute each layer's activations in backward (keep only its input): auto is on on a
+    GPU, off on a CPU (memory is plentiful there and recomputing costs the cores)."""
+    offload: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and
+    each layer is copied to the device when it runs (a 7B model on one 141 GB GPU)."""
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters instead of full fine-tuning."""
     weight_decay: float = 0.0

@@ -1,0 +1,181 @@
+"""What the learner will hold per rank: a memory estimate from the model's config, printed at start.
+
+Per rank, in bytes, for a model of ``P`` parameters (``P_t`` of them trainable) sharded over
+``world`` ranks by FSDP2, parameters and AdamW state in the parameter dtype (``p`` bytes each),
+forward and backward in the compute dtype (``c`` bytes):
+
+- parameters ``P·p/world``; gradients ``P_t·p/world``; optimizer ``2·P_t·p/world`` (AdamW's
+  ``exp_avg`` and ``exp_avg_sq``). With ``learner.offload`` the three live in host memory
+  (FSDP2's ``CPUOffloadPolicy``) and the device holds none of them.
+- gathered: FSDP2's compute-dtype copies of gathered parameters (when the model is sharded, or
+  computes in another dtype): the whole model when they stay gathered from forward to backward
+  (``learner.reshard_after_forward = false``), else two decoder layers (the one running and the
+  one prefetched) and the root's embedding and head; plus one layer's unsharded gradients.
+- reference: the reference model's parameters (a KL term), sharded like the policy's.
+- activations, for ``T`` tokens in a micro-batch (the token budget): per token and layer
+  transformers' Llama/Qwen2 layer saves for backward about ``(10h + 2·kv + 4i)·c`` bytes (the
+  two RMSNorms' input, normalised and scaled tensors, attention's q, k, v, output and the
+  output projection's input, the SwiGLU's gate, up, activation and product; within 10% of the
+  tensors autograd saves, ``saved_bytes`` below, which ``tests/test_memory.py`` compares). With
+  gradient checkpointing a layer keeps only its input (``h·c``), and one layer is recomputed
+  at a time (the first layer's input is the embedding's output); the final norm's ``3h·c``
+  per token comes on top.
+- logits: the chunked LM head (``kernels/lm_head_logprobs.py``) holds at most a few
+  ``(chunk, V)`` blocks: three float32 ones and one in the compute dtype.
+
+Not counted: the CUDA context and allocator slack (a few GB on a GPU), the samplers, the
+critic (GAE), the batch's own tensors, and anything a longer sequence than the budget adds
+(such a sequence is a micro-batch of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank, on the device unless said otherwise."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    reference: float
+    activations: float
+    logits: float
+    host: float  # offloaded parameters, gradients and optimizer state, in host memory
+
+    @property
+    def device_total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "host")
+
+    def row(self) -> str:
+        cells = [f"{getattr(self, f.name) / GB:7.2f}" for f in fields(self)]
+        return " ".join(cells) + f" {self.device_total / GB:8.2f}"
+
+
+HEADER = ("params   grads   optim  gather     ref    acts  logits    host   device  (GB per rank; "
+          "device = all but host)")
+
+
+def shape(config) -> tuple[int, int, int, int, int, int]:
+    """(hidden, kv width, intermediate, layers, vocab, head_dim) of a Llama/Qwen2-like config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (config.hidden_size, config.num_key_value_heads * head_dim, config.intermediate_size,
+            config.num_hidden_layers, config.vocab_size, head_dim)
+
+
+def count_parameters(config) -> tuple[int, int]:
+    """(all parameters, one decoder layer's) of the causal LM ``config`` describes, counted on
+    the meta device (tied embeddings once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0]
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in layer.parameters()))
+
+
+def layer_activation_bytes(config, compute_bytes: int) -> int:
+    """What one decoder layer saves for backward, per token (the module docstring's formula)."""
+    h, kv, i, *_ = shape(config)
+    return (10 * h + 2 * kv + 4 * i) * compute_bytes
+
+
+def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
+             offload: bool = False, checkpointing: bool = False, keep_gathered: bool = False,
+             reference: bool = False, reference_bytes: int | None = None,
+             trainable: int | None = None, chunk: int = 1024) -> MemoryEstimate:
+    """The estimate for ``tokens`` tokens per micro-batch (see the module docstring)."""
+    h, kv, i, layers, vocab, _ = shape(config)
+    total, per_layer = count_parameters(config)
+    trainable = total if trainable is None else trainable
+    states = (total * param_bytes + 3 * trainable * param_bytes) / world
+    sharded = world > 1 or offload or compute_bytes != param_bytes
+    gathered = 0.0
+    if sharded:
+        root = total - layers * per_layer
+        held = total if keep_gathered else 2 * per_layer + root
+        gathered = (held + per_layer) * compute_bytes
+    layer_acts = layer_activation_bytes(config, compute_bytes)  # per token
+    if checkpointing:
+        acts = tokens * (layers * h * compute_bytes + layer_acts)
+    else:
+        acts = tokens * layers * layer_acts
+    acts += tokens * 3 * h * compute_bytes  # the final norm's input, normalised and scaled
+    return MemoryEstimate(
+        parameters=0.0 if offload else total * param_bytes / world,
+        gradients=0.0 if offload else trainable * param_bytes / world,
+        optimizer=0.0 if offload else 2 * trainable * param_bytes / world,
+        gathered=gathered,
+        reference=total * (reference_bytes or param_bytes) / world if reference else 0.0,
+        activations=float(acts), logits=float(min(chunk, tokens) * vocab * (3 * 4 + compute_bytes)),
+        host=states if offload else 0.0)
+
+
+def saved_bytes(run, parameters) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while ``run()`` runs (the
+    activations a forward pass keeps), each storage counted once, ``parameters`` left out."""
+    own = {p.untyped_storage().data_ptr() for p in parameters}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(seen.values()) if out is not None else 0
+
+
+def dtype_bytes(name: str) -> int:
+    return torch.finfo(getattr(torch, name)).bits // 8
+
+
+def describe(policy) -> str:
+    """The estimate for a learner's ``Policy`` as it was built, with offload off and on (the
+    table the learner prints at start)."""
+    cfg = policy.cfg
+    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+    config = core.config
+    tokens = cfg.max_tokens_per_micro_batch or cfg.micro_batch_size * 1024
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    common = dict(tokens=tokens, world=policy.group.world,
+                  param_bytes=torch.finfo(policy.dtype).bits // 8,
+                  compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
+                  checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
+                  reference=policy.ref is not None, trainable=trainable)
+    budget = ("" if cfg.max_tokens_per_micro_batch else
+              " (no token budget: micro_batch_size x 1024 assumed)")
+    lines = [f"memory estimate per rank (actors/learner/memory.py): {tokens} tokens per "
+             f"micro-batch{budget}, {policy.group.world} rank(s), gradient checkpointing "
+             f"{'on' if policy.checkpointing else 'off'}",
+             f"             {HEADER}"]
+    for offload in (False, True):
+        mark = " <- this run" if offload == cfg.offload else ""
+        lines.append(f"offload {'on ' if offload else 'off'}  "
+                     f"{estimate(config, offload=offload, **common).row()}{mark}")
+    return "\n".join(lines)
+
+
+def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """torch's own byte counts of what ``estimate`` predicts for states: every parameter, every
+    gradient held now, and the optimizer's per-parameter state tensors (not its step counters)."""
+    def nbytes(t: torch.Tensor) -> int:
+        local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
+        return (local() if local is not None else t).nbytes
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [v for s in optimizer.state.values() for k, v in s.items()
+             if isinstance(v, torch.Tensor) and k != "step"]
+    return {"parameters": sum(nbytes(p) for p in model.parameters()),
+            "gradients": sum(nbytes(g) for g in grads),
+            "optimizer": sum(nbytes(v) for v in state)}

@@ -1,0 +1,100 @@
+"""Micro-batches by a token budget, and their sequences packed into one row without padding.
+
+A micro-batch is a run of contiguous rows of the batch (``micro_batches``): at most
+``learner.micro_batch_size`` sequences and, when ``learner.max_tokens_per_micro_batch`` is set,
+at most that many tokens (prompt + response, padding not counted). A sequence longer than the
+budget is never split nor dropped: it is a micro-batch of its own (the budget is a target, not a
+limit the batch must meet). With several ranks every rank must run as many forward passes (FSDP's
+collectives pair them), so each rank's split is refined to the largest count any rank needs; every
+rank holds the whole batch, so each computes that count alone, without a collective.
+
+Packed (``learner.packing``, the default), a micro-batch's sequences are concatenated into one
+row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence, and the model
+attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
+kernel on CUDA where it is installed, else SDPA once per sequence (``flowrl_varlen``; the
+reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
+the position ids, and each sequence run alone). Only the model's forward changes: its outputs
+are read back into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss,
+aggregation, correction and advantage is computed exactly as on the padded path (the reference,
+kept behind ``learner.packing = false``; ``tests/test_packing.py`` compares the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int) -> list[slice]:
+    """Rows ``[lo, hi)`` cut into contiguous micro-batches of at most ``max_rows`` rows and,
+    when ``max_tokens > 0``, at most ``max_tokens`` tokens (``lengths[i]``: row i's tokens); a
+    row longer than ``max_tokens`` is a micro-batch alone."""
+    out: list[slice] = []
+    start, tokens = lo, 0
+    for i in range(lo, hi):
+        full = i - start >= max_rows or (max_tokens > 0 and tokens + lengths[i] > max_tokens)
+        if i > start and full:
+            out.append(slice(start, i))
+            start, tokens = i, 0
+        tokens += lengths[i]
+    if hi > start:
+        out.append(slice(start, hi))
+    return out
+
+
+def refine(parts: list[slice], lengths: list[int], count: int) -> list[slice]:
+    """``parts`` split further until there are ``count`` of them (so that every rank runs as many
+    micro-batches): the part of most tokens that has two rows or more is halved by tokens."""
+    parts = list(parts)
+    while len(parts) < count:
+        splittable = [p for p in parts if p.stop - p.start > 1]
+        if not splittable:
+            raise ValueError(f"cannot cut {len(parts)} micro-batches into {count}: too few rows")
+        p = max(splittable, key=lambda s: sum(lengths[s]))
+        half, run, cut = sum(lengths[p]) / 2, 0, p.start + 1
+        for i in range(p.start, p.stop - 1):
+            run += lengths[i]
+            cut = i + 1
+            if run >= half:
+                break
+        at = parts.index(p)
+        parts[at:at + 1] = [slice(p.start, cut), slice(cut, p.stop)]
+    return parts
+
+
+@dataclass
+class PackedRows:
+    """The rows of a (padded) micro-batch packed into one row of ``T`` tokens."""
+
+    input_ids: torch.Tensor  # (1, T) long, the sequences back to back
+    position_ids: torch.Tensor  # (1, T) long, restarting at 0 for each sequence
+    offsets: torch.Tensor  # (B,) long, where row i starts in the packed row
+    lengths: torch.Tensor  # (B,) long, row i's tokens
+
+    def index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index, valid)``, each (B, width): the packed position of column ``t`` of row ``i``
+        (``offsets[i] + t``, clamped into the row) and whether it is one of row i's tokens."""
+        cols = torch.arange(width, device=self.offsets.device)  # (width,)
+        valid = cols.unsqueeze(0) < self.lengths.unsqueeze(1)  # (B, width)
+        index = (self.offsets.unsqueeze(1) + cols).clamp_max(self.input_ids.shape[1] - 1)
+        return index, valid
+
+    def unpack(self, packed: torch.Tensor, width: int) -> torch.Tensor:
+        """Per-position values ``packed`` (T, ...) in the padded layout (B, width, ...), 0 on
+        the columns past each row's end."""
+        index, valid = self.index(width)
+        out = packed[index]  # (B, width, ...)
+        shape = valid.shape + (1,) * (out.dim() - 2)
+        return out * valid.view(shape).to(out.dtype)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+    """Right-padded rows ``input_ids`` (B, W) with ``attention_mask`` (B, W), packed."""
+    lengths = attention_mask.sum(1)  # (B,)
+    keep = attention_mask.bool()  # right padding: each row's tokens come first
+    offsets = torch.cumsum(lengths, 0) - lengths  # (B,)
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+    positions = cols.expand_as(input_ids)[keep]  # (T,) 0.. for each row
+    return PackedRows(input_ids=input_ids[keep].unsqueeze(0), position_ids=positions.unsqueeze(0),
+                      offsets=offsets, lengths=lengths)

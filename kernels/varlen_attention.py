@@ -1,0 +1,82 @@
+"""Attention over packed sequences without a mask: SDPA once per sequence (varlen on any device).
+
+A packed row of ``T`` tokens holds several sequences back to back (``actors/learner/packing.py``).
+transformers' own packed path for SDPA and eager attention builds a ``(T, T)`` block-diagonal
+mask and attends over the whole row, so its cost grows with ``T²`` where the sequences need
+``Σ L_i²``: on a CPU that waste ate the padding saved (measured in BENCHMARKS.md).
+flash-attention's varlen kernel has no such waste, but it is CUDA-only and not always installed.
+
+``flowrl_varlen`` is an attention implementation registered with transformers that runs
+``scaled_dot_product_attention`` with ``is_causal=True`` on each sequence's slice of q, k and v
+(the sequence bounds arrive as the ``flowrl_bounds`` keyword, which transformers hands every
+attention call of the forward pass, and again when gradient checkpointing recomputes a layer),
+and concatenates the outputs: no token attends across a boundary, and no mask is built.
+Without ``flowrl_bounds`` (padded rows) it is transformers' SDPA, with the same masks: a model
+switched to it computes padded batches exactly as before.
+
+``packed_call`` gives the keyword arguments of a packed forward for the model's implementation:
+this one's bounds, or for any other (flash-attention, SDPA, eager) no attention mask and the
+position ids, from which transformers detects the packed format itself. The reference for both is
+each sequence run alone (``tests/test_packing.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import torch
+from torch.nn import functional as F
+
+NAME = "flowrl_varlen"
+
+
+def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                scaling: float | None = None, flowrl_bounds: tuple[int, ...] | None = None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q (1, Hq, T, D), k and v (1, Hkv, T, D);
+    returns (1, T, Hq, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if flowrl_bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    outs = [F.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, scale=scaling,
+        is_causal=True, enable_gqa=gqa) for a, b in itertools.pairwise(flowrl_bounds)]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # (1, T, Hq, D)
+
+
+def register() -> None:
+    """Make ``flowrl_varlen`` a name transformers accepts (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, varlen_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # padded rows: SDPA's masks
+
+
+def choose(model: torch.nn.Module, device: torch.device) -> str:
+    """Switch ``model`` to the packed-friendly implementation for ``device``: flash-attention 2
+    on CUDA where the ``flash_attn`` package is installed, ``flowrl_varlen`` otherwise. Returns
+    the name chosen."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        name = "flash_attention_2"
+    else:
+        register()
+        name = NAME
+    model.set_attn_implementation(name)
+    return name
+
+
+def packed_call(config, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """The keyword arguments of a transformers forward over one packed row (1, T)."""
+    if config._attn_implementation != NAME:
+        return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()  # each sequence starts at 0
+    bounds = (*starts, position_ids.shape[1])
+    # an all-ones mask: transformers' SDPA mask then reduces to none (no (T, T) mask is built)
+    return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                attention_mask=torch.ones_like(input_ids), flowrl_bounds=bounds)

@@ -1,0 +1,58 @@
+"""What makes a large model fit: gradient checkpointing and FSDP2's CPU offload change where
+memory goes, not the step (the same gradients, on the CPU, on gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.learner.policy import gradient_checkpointing
+from tests.learner_cases import make_trainer
+from tests.test_learner import make_groups
+from tests.test_packing import compare, gradients
+
+REL = 1e-6
+
+
+@pytest.mark.parametrize("option", ["learner.gradient_checkpointing=true", "learner.offload=true"])
+def test_option_takes_the_same_step(tiny_model, tmp_path, option):
+    plain = make_trainer(tiny_model, tmp_path / "plain", "learner.gradient_checkpointing=false")
+    other = make_trainer(tiny_model, tmp_path / "other", option)
+    assert other.policy.model.is_gradient_checkpointing == ("checkpointing" in option)
+    g_plain, g_other = gradients(plain), gradients(other)
+    groups = make_groups(plain, behaviour_offset=-0.2)
+    m_plain, m_other = plain.train_step(groups), other.train_step(groups)
+    worst, mean, scale = compare(g_plain[0], g_other[0])
+    print(f"\n{option}: gradients max diff {worst:.2e} mean {mean:.2e} (largest {scale:.2e})")
+    assert scale > 1e-4 and worst <= REL * scale
+    assert m_other["actor/pg_loss"] == pytest.approx(m_plain["actor/pg_loss"], rel=REL, abs=REL)
+    after = dict(other.policy.snapshot())
+    for name, value in plain.policy.snapshot():
+        assert torch.allclose(after[name], value, atol=1e-6), name
+
+
+def test_offload_reaches_fully_shard(tiny_model, tmp_path):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    t = make_trainer(tiny_model, tmp_path, "learner.offload=true")
+    assert t.group.distributed  # a process group of one: FSDP2 holds the offload
+    policies = {name: type(m._get_fsdp_state()._fsdp_param_group.offload_policy)
+                for name, m in t.policy.model.named_modules() if hasattr(m, "_get_fsdp_state")}
+    assert set(policies) >= {"", "model.layers.0", "model.layers.1"}
+    assert set(policies.values()) == {CPUOffloadPolicy}
+    shard = next(t.policy.model.parameters())
+    assert shard.device.type == "cpu"
+
+
+def test_checkpointing_is_on_by_default_on_a_gpu_only():
+    assert gradient_checkpointing("auto", torch.device("cuda", 0))
+    assert not gradient_checkpointing("auto", torch.device("cpu"))
+    assert gradient_checkpointing(True, torch.device("cpu"))
+    assert not gradient_checkpointing(False, torch.device("cuda", 0))
+
+
+def test_offload_with_lora_is_a_config_error():
+    from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+
+    with pytest.raises(ConfigError, match="learner.offload: needs full fine-tuning"):
+        decode_topology(apply_overrides({}, ["learner.offload=true", "learner.lora.rank=4"]))

@@ -1,0 +1,160 @@
+"""Packed micro-batches against the padded reference path: the same loss, metrics and gradients.
+
+Each case trains one step on the same batch twice, ``learner.packing`` true and false, in float32
+on the CPU, and compares every metric and every gradient (the policy's, and the critic's for
+GAE); the largest and mean differences are printed (``pytest -s``) and must be within 1e-6 of
+the largest value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from actors.learner.packing import micro_batches, pack, refine
+from kernels import varlen_attention
+from tests.learner_cases import OPTIONS, make_trainer, with_behaviour
+from tests.test_learner import make_groups
+
+REL = 1e-6
+BUDGET = "learner.max_tokens_per_micro_batch=100"  # 3 or 4 of the test's sequences
+CASES = {**OPTIONS,
+         "seq-mean-token-mean": ["algorithm.loss_agg_mode=seq-mean-token-mean"],
+         "rows_only": ["learner.max_tokens_per_micro_batch=0", "learner.micro_batch_size=3"]}
+
+
+def gradients(trainer) -> list[dict[str, torch.Tensor]]:
+    """The gradients of the policy (and the critic) at each optimizer update, in order."""
+    updates: list[dict[str, torch.Tensor]] = []
+    models = [("", trainer.policy.model, trainer.policy.optimizer)]
+    if trainer.policy.critic is not None:
+        models.append(("critic.", trainer.policy.critic, trainer.policy.critic_optimizer))
+    for prefix, model, optimizer in models:
+        step = optimizer.step
+
+        def recording(*args, _step=step, _model=model, _prefix=prefix, **kwargs):
+            if not _prefix:  # the policy steps first: a new update
+                updates.append({})
+            updates[-1].update({_prefix + name: whole(p.grad)
+                                for name, p in _model.named_parameters() if p.grad is not None})
+            return _step(*args, **kwargs)
+
+        optimizer.step = recording
+        optimizer.step._wrapped_by_lr_sched = True  # the scheduler's own marker: no warning
+    return updates
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, gathered whole when it is a shard (a DTensor: FSDP2)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach().clone()
+
+
+def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """(largest difference, mean difference, largest value) over every entry of ``a``."""
+    assert a.keys() == b.keys() and a
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    scale = max(float(v.abs().max()) for v in a.values())
+    return float(diffs.max()), float(diffs.mean()), scale
+
+
+LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_step_equals_padded_step(tiny_model, tmp_path, name):
+    """The first update's gradients and the losses within 1e-6 relative, every metric within
+    1e-5. An update after the first starts from weights that AdamW moved by about ``lr`` on
+    every coordinate whatever the gradient's size, so two paths whose first gradients differ by
+    rounding (or two micro-batch sizes on one path) start it from different weights: its
+    gradients are reported, not compared."""
+    opts = [BUDGET, "learner.max_grad_norm=1e9", *CASES[name]]
+    padded = make_trainer(tiny_model, tmp_path / "padded", "learner.packing=false", *opts)
+    packed = make_trainer(tiny_model, tmp_path / "packed", "learner.packing=true", *opts)
+    g_padded, g_packed = gradients(padded), gradients(packed)
+    noise = torch.Generator().manual_seed(3)  # behaviour log-probs off the policy's, per token
+    groups = with_behaviour(padded, make_groups(padded), lambda s, own: own - 0.4 * torch.rand(
+        own.shape, generator=noise))
+    m_padded, m_packed = padded.train_step(groups), packed.train_step(groups)
+    assert len(g_padded) == len(g_packed) >= 1
+    diffs = [compare(a, b) for a, b in zip(g_padded, g_packed, strict=True)]
+    g_max, g_mean, g_scale = diffs[0]
+    values = {k: v for k, v in m_padded.items() if not k.startswith(("timing_s/", "perf/"))}
+    worst = max(values, key=lambda k: abs(values[k] - m_packed[k]) / max(1.0, abs(values[k])))
+    print(f"\n{name}: gradients max diff {g_max:.2e} mean {g_mean:.2e} (largest {g_scale:.2e})"
+          + "".join(f"; update {i + 2} max {d[0]:.2e}" for i, d in enumerate(diffs[1:]))
+          + f"; pg_loss {m_padded['actor/pg_loss']:+.8e} vs {m_packed['actor/pg_loss']:+.8e}"
+          + f"; worst metric {worst} {values[worst]:.8g} vs {m_packed[worst]:.8g}")
+    assert g_scale > 1e-4
+    assert g_max <= REL * g_scale, (g_max, g_scale)
+    for k, v in values.items():
+        tol = (REL if k in LOSSES else 10 * REL) * max(1.0, abs(v))
+        assert abs(v - m_packed[k]) <= tol, (k, v, m_packed[k])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", varlen_attention.NAME])
+def test_packed_rows_isolate_sequences(tiny_model, attn):
+    """The packed row's hidden states are each sequence's own, run alone (no attention across a
+    boundary): for SDPA and eager, transformers builds a block-diagonal mask from the restarting
+    position ids; ``flowrl_varlen`` attends within each sequence's bounds."""
+    varlen_attention.register()
+    model = AutoModel.from_pretrained(tiny_model, attn_implementation=attn).eval()
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 9, 1, 7]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, 30, (n,), generator=gen)
+        attention[i, :n] = 1
+    rows = pack(ids, attention)
+    assert rows.position_ids.tolist() == [[*range(5), *range(9), 0, *range(7)]]
+    call = varlen_attention.packed_call(model.config, rows.input_ids, rows.position_ids)
+    assert ("flowrl_bounds" in call) == (attn == varlen_attention.NAME)
+    with torch.no_grad():
+        packed = model(**call).last_hidden_state[0]  # (T, H)
+        for i, n in enumerate(lengths):
+            alone = model(input_ids=ids[i:i + 1, :n]).last_hidden_state[0]  # (n, H)
+            got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
+            assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5), (attn, i)
+        # padded rows through the same implementation: as before (its masks are SDPA's)
+        padded = model(input_ids=ids, attention_mask=attention).last_hidden_state
+        for i, n in enumerate(lengths):
+            got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
+            assert torch.allclose(padded[i, :n], got, atol=1e-5, rtol=1e-5), (attn, i)
+        # without restarting positions the same row is one causal sequence: the check can fail
+        plain = model(input_ids=rows.input_ids, use_cache=False).last_hidden_state[0]
+        assert not torch.allclose(plain[5:14], packed[5:14], atol=1e-3)
+
+
+def test_the_packed_learner_attends_per_sequence(tiny_model, tmp_path, monkeypatch):
+    """learner.packing switches the policy to ``flowrl_varlen`` (no flash-attention on a CPU),
+    and its step calls it with each micro-batch's sequence bounds."""
+    seen = []
+    real = varlen_attention.varlen_sdpa
+
+    def spy(*args, flowrl_bounds=None, **kwargs):
+        seen.append(flowrl_bounds)
+        return real(*args, flowrl_bounds=flowrl_bounds, **kwargs)
+
+    t = make_trainer(tiny_model, tmp_path, BUDGET)
+    assert t.policy.model.config._attn_implementation == varlen_attention.NAME
+    from transformers import AttentionInterface
+    monkeypatch.setitem(AttentionInterface._global_mapping, varlen_attention.NAME, spy)
+    groups = make_groups(t)  # reads the policy's log-probs on padded rows (no bounds)
+    seen.clear()
+    t.train_step(groups)
+    assert seen and all(b is not None and b[0] == 0 and len(b) >= 2 for b in seen)
+    assert max(len(b) - 1 for b in seen) >= 3  # several sequences in one row
+
+
+def test_micro_batches_follow_the_budget_and_ranks_get_as_many():
+    lengths = [30, 30, 30, 120, 10, 10, 10, 10]
+    parts = micro_batches(lengths, 0, 8, max_rows=8, max_tokens=64)
+    assert parts == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 8)]  # 120 alone
+    assert micro_batches(lengths, 0, 8, max_rows=3, max_tokens=0) == [
+        slice(0, 3), slice(3, 6), slice(6, 8)]
+    four = refine([slice(0, 4), slice(4, 8)], lengths, 4)
+    assert len(four) == 4 and [i for p in four for i in range(p.start, p.stop)] == list(range(8))
+    with pytest.raises(ValueError, match="too few rows"):
+        refine([slice(0, 1)], lengths, 2)
