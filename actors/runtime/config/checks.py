@@ -292,13 +292,19 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
 def _dataset_columns(path: Path) -> set[str]:
     """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
     if path.suffix == ".parquet":
+        import pyarrow as pa  # type: ignore[import-untyped]
         import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
-        return set(pq.read_schema(path).names)
+        try:
+            return set(pq.read_schema(path).names)
+        except (pa.ArrowException, OSError) as exc:  # junk, truncated or unreadable
+            raise ConfigError(f"not a parquet file ({exc})") from None
     try:
         return set(next(jsonl_rows(path), {}))
     except DataFileError as exc:  # a line that is not a JSON object
         raise ConfigError(str(exc)) from None
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+        raise ConfigError(f"cannot read {path} as jsonl text ({exc})") from None
 
 
 def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
