@@ -130,6 +130,7 @@ def check(topology: Topology) -> None:
         need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
         need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
     need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(0 <= R.max_error_share <= 1, "reward.max_error_share", "must be in [0, 1]")
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
