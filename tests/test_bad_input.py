@@ -227,3 +227,53 @@ def test_a_function_that_hangs_is_killed_at_its_timeout_and_counted(tiny_model, 
     assert errors and all("timed out after 2 s (reward.timeout_s); child killed" in e
                           for e in errors)
     assert status_lines(run_dir)[-1]["reward-0"]["score_timeouts"] == len(errors)
+
+
+@pytest.mark.anyio
+async def test_a_tool_failing_every_call_is_broken_while_the_models_bad_calls_are_not(tmp_path):
+    from actors.runtime.config import load_topology
+    from actors.sampler.agent.parsers import ToolCall
+    from actors.sampler.agent.toolbox import ToolBox
+
+    tool = tmp_path / "tools.py"
+    tool.write_text("def lookup(query: str) -> str:\n"
+                    "    if query == 'raise':\n        raise KeyError(query)\n    return query\n")
+    cfg = load_topology(ROOT / "topology.toml", [
+        f"agent.tools=[{{path='{tool}', name='lookup'}}]", "agent.max_tool_failures=3",
+        "agent.processes=1"]).agent
+    box = ToolBox(cfg)
+    try:
+        await box.start()
+        calls = [ToolCall("lookup", {"query": "raise"}, ""), ToolCall("lookup", {"query": "raise"}, ""),
+                 ToolCall("lookup", {"query": "ok"}, "")]  # a success resets the count
+        calls += [ToolCall("nope", {}, ""), ToolCall("lookup", {"q": 1}, "")] * 3  # the model's
+        calls += [ToolCall("lookup", {"query": "raise"}, "")] * 2
+        for call in calls:
+            await box.call(call)
+        assert box.broken == ""  # 2 in a row, a success, the model's 6 bad calls, 2 in a row
+        result = await box.call(ToolCall("lookup", {"query": "raise"}, ""))
+        assert result.text == "Error: KeyError: 'raise'"  # still an answer the model reads
+        assert box.broken == ("tool agent.tools[0] (lookup) failed on 3 calls in a row "
+                              "(agent.max_tool_failures = 3); last: KeyError: 'raise'")
+        assert box.statistics().errors == 11
+    finally:
+        await box.aclose()
+
+
+def test_a_tool_failing_every_call_stops_the_job(tmp_path):
+    """The tiny model with ``<lookup>`` tokens calls its tool by chance in about a quarter of its
+    samples (tests/test_agent_job.py); this tool raises on every call."""
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", words=("<lookup>", "</lookup>"))
+    tool = tmp_path / "tools.py"
+    tool.write_text("def lookup(query: str) -> str:\n    raise ConnectionError('no service')\n")
+    res = run(["topology.toml", f"model.path={model}", f"run.dir={tmp_path / 'run'}", *TINY,
+               "run.heartbeat_interval=0.5", "learner.total_steps=20", "sampler.max_tokens=48",
+               f"agent.tools=[{{path='{tool}', name='lookup'}}]", "agent.parser=xml",
+               "agent.max_turns=3", "agent.max_tool_failures=5"], timeout=240)
+    output = res.stdout + res.stderr
+    assert res.returncode == 1, output
+    assert "tool agent.tools[0] (lookup) failed on 5 calls in a row (agent.max_tool_failures " \
+        "= 5); last: ConnectionError: no service" in output
+    assert len(metrics(tmp_path / "run")) < 20

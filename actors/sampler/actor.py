@@ -48,6 +48,7 @@ from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
+from messages.control import Abort
 from messages.rollout import (
     FromReplay,
     GroupsDone,
@@ -75,6 +76,7 @@ class Sampler:
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
         self.groups = self.tokens = self.weight_loads = self.score_errors = self.rejected = 0
         self.first_score_error = ""  # the first sample's scoring error, shown on the panel
+        self.aborted = False  # asked the runner to stop the job (a broken tool)
         self.gen_s = 0.0
         self.started = time.monotonic()
         self.sync_sent = 0.0  # of the engine's weight_sync_s, what groups sent already carry
@@ -124,6 +126,10 @@ class Sampler:
                     self.multi_version += 1
         await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
         self.groups += len(groups)
+        agent = self.rollout.agent
+        if agent is not None and agent.broken and not self.aborted:
+            self.aborted = True  # once: the runner stops the job
+            await self.ctx.report(Abort(actor=self.ctx.name, reason=agent.broken))
 
     def note_score_errors(self, groups: list[ScoredGroup]) -> None:
         """Count the samples whose scoring failed; keep the first one's error for the panel."""

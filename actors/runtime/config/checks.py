@@ -261,6 +261,7 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
     need(A.memory_mb == 0 or A.memory_mb >= 128, "agent.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     need(A.cpu_s >= 0, "agent.cpu_s", "must be >= 0")
+    need(A.max_tool_failures >= 0, "agent.max_tool_failures", "must be >= 0 (0: never stop)")
     need(not (A.tools and A.env.path), "agent.env.path",
          "an environment replaces tools: set agent.tools or agent.env, not both")
     names: dict[str, int] = {}
