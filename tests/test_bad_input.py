@@ -277,3 +277,21 @@ def test_a_tool_failing_every_call_stops_the_job(tmp_path):
     assert "tool agent.tools[0] (lookup) failed on 5 calls in a row (agent.max_tool_failures " \
         "= 5); last: ConnectionError: no service" in output
     assert len(metrics(tmp_path / "run")) < 20
+
+
+def test_validation_scoring_failing_past_the_bound_stops_the_job(tiny_model, tmp_path):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"say {c}", "data_source": "val_src",
+                                       "reward_model": {"ground_truth": c}}) + "\n"
+                           for c in "abcd"))
+    function = tmp_path / "val_only.py"
+    function.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                        "    if data_source == 'val_src':\n"
+                        "        raise RuntimeError('no validation scorer')\n"
+                        "    return float(ground_truth in solution_str)\n")
+    res = job(tiny_model, tmp_path / "run", function, "learner.total_steps=20",
+              f"validation.datasets=[{{path='{val}'}}]", "validation.every=10")
+    output = res.stdout + res.stderr
+    assert res.returncode == 1, output
+    assert "scoring failed on 16 of 16 samples (100%) of the validation round of step 0" in output
+    assert "RuntimeError: no validation scorer" in output
