@@ -13,6 +13,9 @@ RUN_DIR --rescore FILE.py[:NAME]`` re-scores the recorded completions; ``python 
 inspect RUN_DIR`` summarises the run and plots it; ``python runner.py validate RUN_DIR
 [--checkpoint step_N] [validation.*=...]`` validates a saved checkpoint (no learner).
 
+Check a topology without starting anything: ``python runner.py check topology.toml
+[dotted.key=value ...]`` runs every check a start runs (keys, model, data files, user code).
+
 This file is the command line only: the job itself is started and supervised by
 ``actors/runtime/launch.py`` (resolution) and ``actors/runtime/supervisor.py`` (processes, watching). Exit status: 0 when the
 learner finished, 130 on Ctrl-C, 1 on failure, 2 on a bad topology.
@@ -222,6 +225,30 @@ def keygen_main(argv: list[str]) -> int:
     return 0
 
 
+def check_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py check",
+        description="Run every check a job runs before it starts (the topology's keys, the model, "
+                    "the data files, the user's reward functions, tools and environment, each "
+                    "loaded in a sandboxed child) and start nothing. Exit status: 0 ready to "
+                    "run, 2 bad topology (one line naming the key).",
+        epilog="example: python runner.py check topology.toml "
+               "'reward.functions=[{path=\"my_reward.py\"}]'")
+    parser.add_argument("topology", help="topology TOML file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
+    args = parser.parse_intermixed_args(argv)
+    from actors.runtime.config.preflight import preflight
+
+    try:
+        topology = load_topology(args.topology, args.overrides)
+        preflight(topology)
+    except ConfigError as exc:
+        print(f"error: bad topology: {exc}", file=sys.stderr)
+        return 2
+    print(f"ok: {args.topology} is ready to run (model {topology.model.path})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":
@@ -234,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         return keygen_main(argv[1:])
     if argv and argv[0] == "validate":
         return validate_main(argv[1:])
+    if argv and argv[0] == "check":
+        return check_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
@@ -241,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                "python runner.py replay RUN_DIR --step N | --rescore FILE.py[:NAME] and "
                "python runner.py inspect RUN_DIR debug a recorded run; "
                "python runner.py validate RUN_DIR [--checkpoint step_N] validates a checkpoint; "
+               "python runner.py check TOPOLOGY [overrides] runs the checks before a start; "
                "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")

@@ -79,8 +79,8 @@ def resolve_model_path(path: str) -> Path:
         return out
     local = Path(path).expanduser()
     if not (local / "config.json").is_file():
+        what = "does not exist" if not local.exists() else \
+            "is not a Hugging Face model directory (no config.json)"
         raise FileNotFoundError(
-            f"model.path = {path!r} is not a Hugging Face model directory (no config.json); "
-            "no hub is used, so give a local directory or 'default'"
-        )
+            f"{path!r} {what}; no hub is used, so give a local model directory or 'default'")
     return local

@@ -65,5 +65,13 @@ class ErrorReply(msgspec.Struct, tag=True):
     error: str
 
 
-ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply | ValidationReport
+class Abort(msgspec.Struct, tag=True):
+    """Actor -> Runner: the job cannot go on (scoring fails past ``reward.max_error_share``):
+    stop every actor; the job fails, ``reason`` (its first line is the outcome) is shown."""
+
+    actor: str
+    reason: str
+
+
+ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply | ValidationReport | Abort
 ToActor = Stop | ErrorReply

@@ -38,6 +38,7 @@ class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     extra: dict[str, float] = {}
     answer: str = ""  # the answer the scorer extracted (verl's ``pred``; majority votes count
     # them), "" when it extracts none
+    trace: str = ""  # with an error a user's function raised: its traceback (its own frames)
 
 
 class ScoreReply(msgspec.Struct, tag=True, gc=False):

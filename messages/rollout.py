@@ -86,6 +86,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     seed: int = -1  # the engine's sampling seed of this completion: the same prompt, sampling
     # parameters, weights and seed regenerate it exactly (-1: the engine has no per-sample seed)
     answer: str = ""  # the answer the scorer extracted from ``text`` ("" when it extracts none)
+    reward_trace: str = ""  # with reward_error, when a user's function raised: its traceback
+    # (the user code's frames), which the message that stops a job whose scoring fails shows
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

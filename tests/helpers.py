@@ -19,6 +19,7 @@ from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup
 from actors.sandbox.protocol import Ready as ChildReady
 from messages.codec import encode
 from messages.control import (
+    Abort,
     ErrorReply,
     Finished,
     Heartbeat,
@@ -138,6 +139,7 @@ CASES = [
     (ToRunner, Finished("learner-0", "done", {"state": "finished", "step": 32})),
     (ToRunner, ErrorReply("bad")),
     (ToRunner, ValidationReport(10, {"val-core/arithmetic/reward/mean@4": 0.5})),
+    (ToRunner, Abort("replay-0", "scoring failed on 32 of 32 samples\nfirst failure: ...")),
     (ToActor, Stop("because")),
     (ToReplay, PromptRequest(4, "pid-1")),
     (ToReplay, GroupsDone([sample_group()])),

@@ -122,3 +122,20 @@ def test_the_live_logger_prints_step_and_validation_lines_above_the_panel():
     assert "step    1/3 | reward 0.469" in text
     assert format_validation(1, VAL) in text
     assert view.step == 1 and view.validation == (1, VAL)
+
+
+def test_scoring_failures_show_in_red_with_their_count_and_the_first_error():
+    view = view_at_step_12()
+    view.actors = rows(sampler_0={"score_errors": 2, "first_score_error":
+                                  "flaky.compute_score: ValueError: flaky"},
+                       replay_0={"dropped_score_errors": 4, "stopped_for":
+                                 "scoring failed on 32 of 32 samples (100%) of the batch of step 1"})
+    text, console = text_of(view, now=253.0)
+    problems = " ".join(text[text.index("problems: "):text.index("run directory")].split())
+    for expected in ("sampler-0: score errors 2",
+                     "sampler-0: first: flaky.compute_score: ValueError: flaky",
+                     "replay-0: scoring failed on 32 of 32 samples (100%) of the batch of step 1",
+                     "replay-0: dropped score errors 4"):
+        assert expected in problems, problems
+    html = console.export_html(inline_styles=True)
+    assert re.search('<span style="color: #800000[^"]*">sampler-0 *</span>', html)

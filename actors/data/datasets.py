@@ -128,7 +128,8 @@ class FileDataset(Task):
         if not isinstance(source, str) or not source:
             raise ValueError(f"{where}: no data_source (set {self.key}.data_source)")
         extra = data.get("extra_info")
-        extra_info = {"index": at, **{str(k): _scalar(v) for k, v in extra.items()}} \
+        extra_info: dict[str, str | int | float] = {
+            "index": at, **{str(k): _scalar(v) for k, v in extra.items()}} \
             if isinstance(extra, dict) else {"index": at}
         return Prompt(prompt_id=prompt_id, messages=messages, data_source=source,
                       ground_truth=truth if isinstance(truth, str) else json.dumps(truth),

@@ -24,6 +24,7 @@ import zmq
 
 from actors.data.chat import prompt_token_counter
 from actors.data.sources import make_task
+from actors.replay.errors import batch_ahead, count_errors, over_bound, stop_reason
 from actors.replay.state import ReplayState
 from actors.runtime.actor import ActorContext
 from actors.runtime.recording import Recorder, read_table
@@ -32,7 +33,7 @@ from actors.validation.metrics import ScoredPrompt, validation_metrics
 from actors.validation.prompts import validation_prompts, validation_sampling
 from actors.validation.rounds import Round, ValidationRounds
 from messages.codec import Codec, DecodeError, encode
-from messages.control import ErrorReply, ValidationReport
+from messages.control import Abort, ErrorReply, ValidationReport
 from messages.rollout import (
     BatchRequest,
     GroupsDone,
@@ -113,6 +114,18 @@ class ReplayServer:
         self.heard: dict[bytes, float] = {}  # sampler -> when it last sent anything
         self.silent: set[bytes] = set()  # samplers past the timeout: issued nothing until heard
         self.reissued_silent = 0  # prompts taken back from silent samplers and issued again
+        self.max_error_share = ctx.topology.reward.max_error_share if ctx is not None else 1.0
+        self.aborted = False  # scoring failed past its bound: no batch is served any more
+
+    async def abort(self, reason: str) -> None:
+        """Scoring failed past reward.max_error_share: drop the failed groups (recorded), keep
+        serving nothing, and ask the runner to stop the job (actors/replay/errors.py)."""
+        self.aborted = True
+        self.state.drop_failed()
+        await self.record()
+        if self.ctx is not None:
+            self.ctx.status["stopped_for"] = reason.splitlines()[0]
+            await self.ctx.report(Abort(actor=self.ctx.name, reason=reason))
 
     async def record(self, tables: tuple[str, ...] | None = None) -> None:
         """Hand the state's rows to the recorder and write ``tables`` (default all) in a worker
@@ -130,10 +143,19 @@ class ReplayServer:
     async def serve_waiting(self) -> None:
         """Answer the batch request and the prompt requests that can be answered now."""
         state = self.state
-        if self.batch_waiter is not None:
+        if self.batch_waiter is not None and not self.aborted:
             peer, req = self.batch_waiter
+            state.drop_stale()
+            ahead = batch_ahead(state.held, state.reusable, req.num_groups)
+            count = count_errors(ahead or [])
+            if over_bound(count, self.max_error_share):
+                await self.abort(stop_reason(count, f"the batch of step {req.step + 1}",
+                                             self.max_error_share))
+                return
             groups = state.take_batch(req.num_groups, step=req.step + 1)
             if groups is not None:
+                state.batch_stats.update(score_errors=float(count.failed),
+                                         score_error_share=count.share)
                 self.batch_waiter = None
                 await self.record()  # what this batch consumed is on disk before it is sent
                 msg = TrainBatch(step=req.step, groups=groups, counters=state.counters(),
@@ -206,7 +228,9 @@ class ReplayServer:
             [s.reward_extra for s in g.samples]) for g in groups if not g.score_error]
         metrics = await anyio.to_thread.run_sync(validation_metrics, scored,
                                                  self.setup.pass_threshold)
-        metrics.update({"timing_s/validation": seconds,
+        count = count_errors(groups)
+        metrics.update({"val-aux/score_errors": float(count.failed),
+                        "timing_s/validation": seconds,
                         "timing_s/validation_generate": r.generate_s,
                         "val-aux/score_failed": float(sum(bool(g.score_error) for g in groups))})
         if self.recorder.enabled:
@@ -218,6 +242,9 @@ class ReplayServer:
                 await anyio.to_thread.run_sync(self.recorder.flush, VALIDATION_TABLES)
         if self.ctx is not None:
             await self.ctx.report(ValidationReport(step=r.step, metrics=metrics))
+        if over_bound(count, self.max_error_share) and not self.aborted:
+            await self.abort(stop_reason(count, f"the validation round of step {r.step}",
+                                         self.max_error_share))
 
     async def watch_samplers(self, ctx: ActorContext, timeout_s: float) -> None:
         """Issue again the prompts of a sampler silent past ``timeout_s`` (hung, or its host cut

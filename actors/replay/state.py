@@ -85,6 +85,9 @@ class ReplayState:
     # to its Recorder and flushes before it serves a batch (see actors/runtime/recording.py)
     records: list[tuple[str, dict]] = field(default_factory=list)
     record: bool = True  # run.record; off: groups rows are not even built (nothing is written)
+    # set once scoring failed past reward.max_error_share (actors/replay/errors.py): groups with
+    # a failed sample are dropped as score_errors from then on, so none is ever served
+    refuse_failed: bool = False
 
     @property
     def in_flight(self) -> int:
@@ -147,6 +150,9 @@ class ReplayState:
         if group.score_error:  # no reward worker answered: its rewards are not rewards
             self._drop(group, "score_failed")
             return True
+        if self.refuse_failed and any(s.reward_error for s in group.samples):
+            self._drop(group, "score_errors")
+            return True
         if self.filter_groups and len({s.reward for s in group.samples}) <= 1:
             self._drop(group, "filtered")
             self.step_filtered += 1
@@ -166,6 +172,20 @@ class ReplayState:
         self.records.append(("fates", {
             "group_id": group.prompt.prompt_id, "fate": "dropped", "reason": reason, "step": -1,
             "position": -1, "served": 0, "version": self.version}))
+
+    def drop_failed(self) -> int:
+        """Scoring failed past its bound: drop every held group with a failed sample (recorded,
+        reason ``score_errors``), now and as they come in; returns how many were held."""
+        self.refuse_failed = True
+        keep: collections.deque[ScoredGroup] = collections.deque()
+        for g in self.held:
+            if any(s.reward_error for s in g.samples):
+                self._drop(g, "score_errors")
+            else:
+                keep.append(g)
+        n = len(self.held) - len(keep)
+        self.held = keep
+        return n
 
     def drop_stale(self) -> int:
         """Drop held groups more than ``max_staleness`` versions behind the learner, and retire
@@ -238,6 +258,7 @@ class ReplayState:
             "dropped_filtered": self.dropped["filtered"],
             "dropped_score_failed": self.dropped["score_failed"],
             "dropped_rejected": self.dropped["rejected"],
+            "dropped_score_errors": self.dropped["score_errors"],
             "in_flight": self.in_flight,
             "held": len(self.held),
             "at_samplers": len(self.at_samplers) + len(self.requeued),

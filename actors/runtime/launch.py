@@ -29,6 +29,7 @@ from actors.runtime.config.capacity import check_shm
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.hosts import local_actors, owner, resolve_addresses
 from actors.runtime.config.layout import place
+from actors.runtime.config.preflight import preflight
 from actors.runtime.liveview import LiveView
 from actors.runtime.loggers import open_metrics
 from actors.runtime.ranks import free_port
@@ -50,7 +51,10 @@ def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, 
     def addr(value: str, name: str) -> str:
         return f"ipc://{sockets}/{name}" if value == "auto" else value
 
-    model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
+    try:
+        model = str(resolve_model_path(topology.model.path)) if model_ready else topology.model.path
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model.path: {exc}") from None
     resolved = msgspec.structs.replace(
         topology,
         run=msgspec.structs.replace(topology.run, dir=str(run_dir), socket_dir=sockets),
@@ -81,6 +85,8 @@ def run_job(topology: Topology) -> int:
               "one runner on each with --host NAME", file=sys.stderr)
         return 2
     try:
+        print("=== checking the model, the data files and the user code", flush=True)
+        preflight(topology)  # before anything is started or written: a bad input stops here
         topology, run_dir = resolve(topology)
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)

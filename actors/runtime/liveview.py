@@ -113,6 +113,8 @@ def actor_figures(row: ActorRow, heartbeat_interval: float) -> tuple[str, list[s
         for key, label in (("score_errors", "score errors"), ("score_failed", "unscored groups")):
             if _num(s, key):
                 problems.append(f"{label} {int(_num(s, key))}")
+        if _num(s, "score_errors") and s.get("first_score_error"):  # the first one says why
+            problems.append(f"first: {str(s['first_score_error']).splitlines()[0][:100]}")
     elif row.kind == "router":
         for key, w in sorted(s.items()):
             if key.startswith("worker/") and isinstance(w, Mapping):
@@ -133,7 +135,10 @@ def actor_figures(row: ActorRow, heartbeat_interval: float) -> tuple[str, list[s
         if _num(s, "val_step") >= 0 and _num(s, "val_total"):
             parts.append(f"validating @{int(_num(s, 'val_step'))}: "
                          f"{int(_num(s, 'val_done'))}/{int(_num(s, 'val_total'))}")
-        for key in ("dropped_stale", "dropped_filtered", "dropped_score_failed"):
+        if s.get("stopped_for"):  # scoring failed past reward.max_error_share
+            problems.append(str(s["stopped_for"])[:120])
+        for key in ("dropped_stale", "dropped_filtered", "dropped_score_failed",
+                    "dropped_score_errors"):
             if _num(s, key):
                 problems.append(f"{key.replace('_', ' ')} {int(_num(s, key))}")
     elif row.kind == "learner":

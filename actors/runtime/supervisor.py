@@ -47,6 +47,7 @@ from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import (
+    Abort,
     Finished,
     Heartbeat,
     Ready,
@@ -241,6 +242,10 @@ class Job:
                     self.record_status("validation", validation_step=report.step)
                     if self.learner_done and report.step == self.topo.learner.total_steps:
                         self.end("finished")
+                case Abort(reason=reason):
+                    p.status = {**p.status, "state": "stopping the job"}
+                    self.say(f"!!! {p.name}: {reason}")
+                    self.end(f"failed: {reason.splitlines()[0]}")
                 case Finished(detail=detail, status=status):
                     p.finished = True
                     p.status = status or p.status
@@ -382,8 +387,9 @@ class Job:
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
             return 0
-        if self.outcome == "interrupted":
+        if self.outcome == "interrupted" or (self.outcome or "").startswith("failed: scoring"):
             print(f"    resume with: python runner.py TOPOLOGY run.dir={self.run_dir}", flush=True)
+        if self.outcome == "interrupted":
             return 130
         return 1
 

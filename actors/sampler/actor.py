@@ -49,6 +49,7 @@ from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
+from messages.control import Abort
 from messages.rollout import (
     FromReplay,
     GroupsDone,
@@ -75,6 +76,8 @@ class Sampler:
         self.slots = anyio.Semaphore(MAX_SCORING)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
         self.groups = self.tokens = self.weight_loads = self.score_errors = self.rejected = 0
+        self.first_score_error = ""  # the first sample's scoring error, shown on the panel
+        self.aborted = False  # asked the runner to stop the job (a broken tool)
         self.gen_s = 0.0
         self.started = time.monotonic()
         self.sync_sent = 0.0  # of the engine's weight_sync_s, what groups sent already carry
@@ -124,12 +127,22 @@ class Sampler:
                     self.multi_version += 1
         await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
         self.groups += len(groups)
+        agent = self.rollout.agent
+        if agent is not None and agent.broken and not self.aborted:
+            self.aborted = True  # once: the runner stops the job
+            await self.ctx.report(Abort(actor=self.ctx.name, reason=agent.broken))
+
+    def note_score_errors(self, groups: list[ScoredGroup]) -> None:
+        """Count the samples whose scoring failed; keep the first one's error for the panel."""
+        for s in (s for g in groups for s in g.samples if s.reward_error):
+            self.score_errors += 1
+            self.first_score_error = self.first_score_error or s.reward_error[:200]
 
     async def score_and_send(self, generated: list[Generated], rollout: Rollout | None = None,
                              validation_step: int | None = None) -> None:
         try:
             groups = await (rollout or self.rollout).score(generated)
-            self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
+            self.note_score_errors(groups)
             if validation_step is None:
                 await self.send(groups)
             else:
@@ -172,6 +185,7 @@ class Sampler:
             version=self.engine.version, groups=self.groups,
             tokens_per_s=round(self.tokens / max(self.gen_s, 1e-9), 1),
             weight_loads=self.weight_loads, score_errors=self.score_errors,
+            first_score_error=self.first_score_error,
             weight_sync_s=round(self.engine.weight_sync_s, 3),
             weight_sync_share=round(self.engine.weight_sync_s / wall, 4),
             multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
@@ -305,7 +319,7 @@ class ContinuousSampler(Sampler):
         try:
             self.tokens += sum(len(c.token_ids) for c in generated.completions)
             groups = await self.rollout.score([generated])
-            self.score_errors += sum(bool(s.reward_error) for g in groups for s in g.samples)
+            self.note_score_errors(groups)
             await self.send(groups)
             self.in_flight -= 1
             self.publish()

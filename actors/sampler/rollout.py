@@ -137,7 +137,7 @@ class Rollout:
                    zip(results, [*g.completions, *([g.greedy] if g.greedy else [])], strict=True)]
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),
                           policy_version=c.version, text=text, finish_reason=c.finish_reason,
-                          reward=reward, reward_error=r.error,
+                          reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
                           answer=r.answer)

@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import struct
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,9 @@ import msgspec
 HEADER = struct.Struct("<I")  # frame length, then the msgpack body
 MAX_FRAME = 256 * 1024 * 1024
 ERROR_CHARS = 500  # errors travel with every sample: keep them short
+TRACE_CHARS = 2000  # a traceback's last characters kept (its innermost frames and the error)
+_OWN_FILES = (__file__.rsplit("/", 1)[0], asyncio.__file__.rsplit("/", 1)[0])  # the sandbox's
+# and asyncio's frames are left out of a user's traceback
 
 
 class FunctionSpec(msgspec.Struct, frozen=True):
@@ -76,6 +80,8 @@ class Outcome(msgspec.Struct, array_like=True, omit_defaults=True):
     failure: str = ""  # with an error: "raised" (an exception or a bad value), "timeout" or
     # "crash" (the child was killed or died), "" when the function loaded badly
     answer: str = ""  # a string ``pred`` the function returned (verl's name for its answer)
+    trace: str = ""  # with failure "raised" by an exception: its traceback, the user code's own
+    # frames only (``user_trace``), for the message that stops a job whose scoring fails
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -171,6 +177,16 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
+def user_trace(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, without the sandbox's own frames (the call into
+    the user's function, an ``async def``'s event loop), cut to its last ``TRACE_CHARS``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_OWN_FILES)]
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + \
+        "".join(traceback.format_exception_only(exc))
+    return text if len(text) <= TRACE_CHARS else "..." + text[-TRACE_CHARS:]
+
+
 def _resolve(value: Any) -> Any:
     if inspect.isawaitable(value):  # ``async def`` scorers run to completion on a fresh loop
 
@@ -191,7 +207,7 @@ def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Out
         try:
             values = _resolve(fn(**call.arguments[0], **spec.kwargs))
         except (Exception, SystemExit) as exc:
-            return [Outcome(error=describe(exc), failure="raised")] * n
+            return [Outcome(error=describe(exc), failure="raised", trace=user_trace(exc))] * n
         if not isinstance(values, list | tuple) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
             return [Outcome(error=f"batch function returned {got} for {n} items",
@@ -202,7 +218,7 @@ def run_call(fn: Callable[..., Any], spec: FunctionSpec, call: Call) -> list[Out
         try:
             outcomes.append(_raised(convert(_resolve(fn(**arguments, **spec.kwargs)))))
         except (Exception, SystemExit) as exc:
-            outcomes.append(Outcome(error=describe(exc), failure="raised"))
+            outcomes.append(Outcome(error=describe(exc), failure="raised", trace=user_trace(exc)))
     return outcomes
 
 

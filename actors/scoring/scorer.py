@@ -132,7 +132,7 @@ class Scoring:
             results = [self._combine([per_function[k][i] for k in range(len(self._components))])
                        for i in range(len(items))]
         else:
-            results = [ScoreResult(o.score, o.error, o.extra, o.answer)
+            results = [ScoreResult(o.score, o.error, o.extra, o.answer, o.trace)
                        for o in await self._by_source(items)]
         max_length = self.cfg.max_response_length or max_response_length
         for item, result in zip(items, results, strict=True):
@@ -152,7 +152,8 @@ class Scoring:
         errors = [f"{c.label}: {o.error}" for c, o in zip(self._components, outcomes, strict=True)
                   if o.error]
         if errors:
-            return ScoreResult(0.0, error="; ".join(errors))
+            trace = next((o.trace for o in outcomes if o.trace), "")
+            return ScoreResult(0.0, error="; ".join(errors), trace=trace)
         total = sum(c.weight * o.score for c, o in zip(self._components, outcomes, strict=True))
         answer = next((o.answer for o in outcomes if o.answer), "")  # the first function's
         if len(self._components) == 1:

@@ -65,6 +65,10 @@ class AgentConfig(_Section, frozen=True):
     """Address-space limit (RLIMIT_AS) of each tool child in MiB (0: none)."""
     cpu_s: int = 30
     """CPU seconds one tool call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
+    max_tool_failures: int = 20
+    """A tool that fails (raises, times out or crashes its child; not the model's bad calls)
+    this many calls in a row is broken: the job stops (0: never). Below it every failure is an
+    error the model reads, counted in the sampler's ``tool_errors``."""
 
     @property
     def enabled(self) -> bool:

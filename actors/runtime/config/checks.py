@@ -145,6 +145,7 @@ def check(topology: Topology) -> None:
         need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
         need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
     need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(0 <= R.max_error_share <= 1, "reward.max_error_share", "must be in [0, 1]")
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
@@ -275,6 +276,7 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
     need(A.memory_mb == 0 or A.memory_mb >= 128, "agent.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     need(A.cpu_s >= 0, "agent.cpu_s", "must be >= 0")
+    need(A.max_tool_failures >= 0, "agent.max_tool_failures", "must be >= 0 (0: never stop)")
     need(not (A.tools and A.env.path), "agent.env.path",
          "an environment replaces tools: set agent.tools or agent.env, not both")
     names: dict[str, int] = {}
@@ -307,13 +309,19 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
 def _dataset_columns(path: Path) -> set[str]:
     """Top-level column names of a dataset file (parquet schema, or the first jsonl row)."""
     if path.suffix == ".parquet":
+        import pyarrow as pa  # type: ignore[import-untyped]
         import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
-        return set(pq.read_schema(path).names)
+        try:
+            return set(pq.read_schema(path).names)
+        except (pa.ArrowException, OSError) as exc:  # junk, truncated or unreadable
+            raise ConfigError(f"not a parquet file ({exc})") from None
     try:
         return set(next(jsonl_rows(path), {}))
     except DataFileError as exc:  # a line that is not a JSON object
         raise ConfigError(str(exc)) from None
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+        raise ConfigError(f"cannot read {path} as jsonl text ({exc})") from None
 
 
 def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,

@@ -257,6 +257,11 @@ class RewardConfig(ActorCommon, frozen=True):
     """DAPO overlong penalty at max_response_length (it falls linearly from 0 to -factor)."""
     max_response_length: int = 0
     """L_max of the overlong penalty (0: sampler.max_tokens)."""
+    max_error_share: float = 0.5
+    """The job stops when scoring failed (an exception, a bad value, a timeout, a crash) on more
+    than this share of a step's samples, or of a validation round's; below it the failures are
+    counted (``replay/score_errors``) and shown. 0.5: a systematic bug stops the first step, one
+    flaky item in 100 never does (1.0: never stop)."""
 
 
 class ReplayConfig(ActorCommon, frozen=True):

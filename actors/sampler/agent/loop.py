@@ -162,16 +162,22 @@ class AgentLoop:
         self.stop: tuple[str, ...] = ()  # stop strings added to the sampling parameters
 
     @property
+    def broken(self) -> str:
+        """Why the job must stop (a tool failing every call), or ""."""
+        return self.tools.broken if self.tools is not None else ""
+
+    @property
     def env_reward_only(self) -> bool:
         """The environment's rewards are the samples' rewards: no scoring request is sent."""
         return bool(self.cfg.env.path) and self.cfg.env.reward == "replace"
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int | str]:
         """Counters since start, for the sampler's status."""
         if self.tools is not None:
             s = self.tools.statistics()
+            broken = {"tool_broken": self.tools.broken} if self.tools.broken else {}
             return {"tool_calls": s.calls, "tool_errors": s.errors, "tool_timeouts": s.timeouts,
-                    "tool_crashes": s.crashes}
+                    "tool_crashes": s.crashes, **broken}
         assert self.env is not None
         return {"env_steps": self.env.steps, "env_errors": self.env.errors}
 

@@ -97,6 +97,9 @@ class ToolBox:
                               timeout_key="tool_timeout_s")
         self.schemas: list[dict[str, Any]] = []
         self._calls = self._errors = 0
+        self.max_failures = cfg.max_tool_failures
+        self._in_a_row = [0] * len(self.names)  # per tool: failures since its last success
+        self.broken = ""  # set once a tool failed max_failures calls in a row: the job stops
 
     async def start(self) -> None:
         """Build every tool's schema in a child; a tool that does not load stops the sampler
@@ -116,7 +119,18 @@ class ToolBox:
         self._calls += 1
         result = await self._call(call)
         self._errors += bool(result.error)
+        if result.failure in ("raised", "timeout", "crash", "") and call.name in self.names:
+            self.note(self.names.index(call.name), result)
         return result
+
+    def note(self, index: int, result: ToolResult) -> None:
+        """Count a call that reached tool ``index``'s code: its failures in a row, past
+        ``agent.max_tool_failures`` a broken tool (``broken`` says which and why)."""
+        self._in_a_row[index] = self._in_a_row[index] + 1 if result.error else 0
+        if self.max_failures and self._in_a_row[index] >= self.max_failures and not self.broken:
+            self.broken = (f"tool agent.tools[{index}] ({self.names[index]}) failed on "
+                           f"{self._in_a_row[index]} calls in a row (agent.max_tool_failures = "
+                           f"{self.max_failures}); last: {result.error}")
 
     async def _call(self, call: ToolCall) -> ToolResult:
         if call.error:

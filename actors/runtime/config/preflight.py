@@ -1,0 +1,151 @@
+"""Checks before any actor starts, of what the topology's types and ranges cannot show: that the
+model, the data files and the user's code will load the way the actors load them.
+
+``preflight(topology)`` raises ``ConfigError`` naming the key (``error: bad topology: KEY:
+reason``, exit 2 from the runner) when:
+
+- ``model.path`` is not a model directory, is not a causal LM, its tokenizer does not load, or
+  it has no chat template (every prompt is chat messages rendered by it);
+- a file of ``task.datasets`` or ``validation.datasets`` does not read whole the way the replay
+  buffer reads it (not a parquet file, a jsonl line that is not a JSON object, a first prompt
+  that is not a prompt);
+- a user's reward function, tool or environment does not import (the file's own error with its
+  line), does not define the name, or cannot be called as its role calls it (verl's
+  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` for rewards).
+
+The model and user code are checked in sandboxed children (``actors/sandbox/preflight.py``,
+through ``ChildPool``): the runner never imports a user's file or transformers. Results are
+kept per input in this process, so checking many topologies that share a model and code (the
+property test) starts the children once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+
+from actors.runtime.config.schema import ConfigError, Topology
+
+PREFLIGHT_TIMEOUT_S = 120.0  # per child call: importing torch-heavy user code, loading a tokenizer
+_MODULE = "actors.sandbox.preflight"
+_done: dict[tuple, list[str]] = {}  # (what was checked) -> problems, per key: "" when fine
+
+
+def user_code(topology: Topology) -> list[tuple[str, dict[str, Any]]]:
+    """(key, check_function's arguments) of every piece of user code the topology names."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, fn in enumerate(topology.reward.functions):
+        if fn.path and not fn.builtin:
+            out.append((f"reward.functions[{i}].path", {
+                "path": fn.path, "module": "", "name": fn.name,
+                "role": "reward_batch" if fn.batch else "reward", "kwargs": sorted(fn.kwargs)}))
+    A = topology.agent
+    for i, tool in enumerate(A.tools):
+        if tool.path:
+            out.append((f"agent.tools[{i}].path", {
+                "path": tool.path, "module": "", "name": tool.name, "role": "tool",
+                "kwargs": sorted(tool.kwargs)}))
+    if A.env.path:
+        out.append(("agent.env.path", {"path": A.env.path, "module": "", "name": A.env.name,
+                                       "role": "env", "kwargs": sorted(A.env.kwargs)}))
+    return [(key, {**args, "index": n}) for n, (key, args) in enumerate(out)]
+
+
+async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Each (key, function, arguments) run in a sandboxed child; the problems found, in order."""
+    from actors.sandbox.pool import ChildPool
+    from actors.sandbox.protocol import Call, FunctionSpec
+
+    names = sorted({fn for _, fn, _ in checks})
+    pool = ChildPool([FunctionSpec(module=_MODULE, name=n, returns="text") for n in names],
+                     size=len(names), timeout_s=PREFLIGHT_TIMEOUT_S, memory_mb=0, cpu_s=0,
+                     limits_key="preflight")
+    problems = [""] * len(checks)
+    try:
+        async def run(name: str) -> None:
+            mine = [i for i, (_, fn, _) in enumerate(checks) if fn == name]
+            outcomes = await pool.call(Call(names.index(name), [checks[i][2] for i in mine],
+                                            len(mine)))
+            for i, o in zip(mine, outcomes, strict=True):
+                if o.failure == "timeout":
+                    problems[i] = (f"loading it took longer than {PREFLIGHT_TIMEOUT_S:g} s "
+                                   "(does the file run something at import?)")
+                else:
+                    problems[i] = o.error or o.text
+
+        async with anyio.create_task_group() as tg:
+            for name in names:
+                tg.start_soon(run, name)
+    finally:
+        await pool.aclose()
+    return problems
+
+
+def _check_in_children(topology: Topology, model_path: str) -> None:
+    checks = [("model.path", "check_model", {"path": model_path, "needs_chat": True})]
+    checks += [(key, "check_function", args) for key, args in user_code(topology)]
+    todo = [c for c in checks if _memo(c) not in _done]
+    if todo:
+        for c, problem in zip(todo, anyio.run(_in_children, todo, backend="trio"), strict=True):
+            _done[_memo(c)] = [problem]
+    for c in checks:
+        problem = _done[_memo(c)][0]
+        if problem:
+            raise ConfigError(f"{c[0]}: {problem}")
+
+
+def _memo(check: tuple[str, str, dict[str, Any]]) -> tuple:
+    return check[1], msgspec.json.encode(check[2])
+
+
+def check_data(topology: Topology) -> None:
+    """Every dataset file read whole as the replay buffer reads it, and its first prompt built."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    from actors.data.datasets import FileDataset
+    from actors.validation.prompts import validation_prompts
+
+    for where, datasets in (("task.datasets", topology.task.datasets),
+                            ("validation.datasets", topology.validation.datasets)):
+        for i, d in enumerate(datasets):
+            if not d.path:
+                continue
+            key = f"{where}[{i}]"
+            try:
+                data = FileDataset(d, topology.run.seed, key)
+                data.prompt_at(data.name, 0, prompt_id=0)
+            except pa.ArrowException as exc:
+                suffix = ".parquet" if d.path.endswith(".parquet") else ""
+                raise ConfigError(f"{key}.path: {'not a parquet file' if suffix else 'unreadable'}"
+                                  f" ({str(exc).strip()})") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{key}.path: cannot read {d.path}: {exc}") from None
+            except ValueError as exc:  # FileDataset's and prompt_at's errors name the key
+                text = str(exc)
+                raise ConfigError(text if text.startswith(where) else f"{key}.path: {text}") \
+                    from None
+    if topology.validation.datasets:
+        try:
+            validation_prompts(topology)  # every row of every file, as the replay buffer does
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def model_directory(topology: Topology) -> str:
+    """``model.path`` as a local directory (the embedded default converted once), or the
+    ConfigError naming the key."""
+    from actors.model_store import resolve_model_path
+
+    try:
+        return str(resolve_model_path(topology.model.path))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model.path: {exc}") from None
+
+
+def preflight(topology: Topology) -> None:
+    """Raise ``ConfigError`` (naming the key) for a model, data file or user code the job's
+    actors would fail to load; nothing is started."""
+    check_data(topology)
+    _check_in_children(topology, model_directory(topology))
