@@ -70,9 +70,11 @@ from messages.routing import (
 )
 from messages.tensor import Tensor
 from messages.weights import (
+    CudaIpcHandle,
     FromLearnerWeights,
     TensorMeta,
     ToLearnerWeights,
+    TransferGroup,
     WeightsHeader,
     WeightsPoll,
 )
@@ -174,6 +176,12 @@ CASES = [
     (ToLearnerRanks, RanksSave()),
     (ToLearnerRanks, RanksEnd()),
     (FromLearnerWeights, WeightsHeader(2, [TensorMeta("w", "float32", (2, 3))])),
+    (FromLearnerWeights, WeightsHeader(3, [TensorMeta("w", "bfloat16", (2, 3))], transport="nccl",
+                                       group=TransferGroup("127.0.0.1", 29500, 2, bucket_bytes=64))),
+    (FromLearnerWeights, WeightsHeader(4, [TensorMeta("w", "bfloat16", (2, 3))], transport="ipc",
+                                       handles=[CudaIpcHandle([2, 3], [3, 1], 0, "bfloat16", 0,
+                                                              b"h", 12, 0, b"r", 0, b"e", True)],
+                                       gpu="GPU-0")),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
                                   preload=("math_verify.parser",)),
                      FunctionSpec(path="/x/my_reward.py", batch=True, kwargs={"bonus": 0.5})],

@@ -11,9 +11,11 @@ the learner's or one it can peer-map: the hf engine copies the tensors into its 
 layerwise reload. The learner keeps the newest version's tensors alive; torch's IPC reference
 counting keeps an older one's memory until every receiver has let its tensors go.
 
-vLLM's worker takes the handles as ``ipc_handles_pickled`` (its own base64 pickle, accepted
-only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): that pickle travels only from the sampler to
-its own vLLM engine process, never on flowrl's sockets, which carry the msgspec handles above.
+vLLM's worker takes the handles as ``ipc_handles`` (torch's rebuild arguments, as objects):
+flowrl pickles nothing; vLLM's own call from the sampler to its engine process serializes them
+(its msgpack with a pickle fallback for torch types, allowed by
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in that process only). flowrl's sockets carry the
+msgspec handles above.
 """
 
 from __future__ import annotations
@@ -93,9 +95,6 @@ class IpcReceiver(Receiver):
                 for m, h in zip(header.tensors, header.handles, strict=True)}
 
     def _worker_transfer(self, header: WeightsHeader) -> WorkerTransfer:
-        import base64
-        import pickle  # vLLM's format for handles it receives (see the module's docstring)
-
         handles = [{header.gpu: rebuild_args(h, h.device)} for h in header.handles]
         init = None if self.initialised else {"packed": False}
         self.initialised = True
@@ -103,7 +102,7 @@ class IpcReceiver(Receiver):
             "names": [m.name for m in header.tensors],
             "dtype_names": [m.dtype for m in header.tensors],
             "shapes": [list(m.shape) for m in header.tensors],
-            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
+            "ipc_handles": handles})
 
 
 SENDER, RECEIVER = IpcSender, IpcReceiver

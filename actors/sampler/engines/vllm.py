@@ -199,7 +199,7 @@ class VLLMEngine(SleepControl):
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_LOGGING_LEVEL", "ERROR")):
             os.environ.setdefault(key, value)
-        if self.settings.weight_transfer == "ipc":  # vLLM's IPC engine takes pickled handles
+        if self.settings.weight_transfer == "ipc":  # vLLM's RPC pickles torch's handle types
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (its own child)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
