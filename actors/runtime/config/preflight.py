@@ -16,11 +16,16 @@ reason``, exit 2 from the runner) when:
 The model and user code are checked in sandboxed children (``actors/sandbox/preflight.py``,
 through ``ChildPool``): the runner never imports a user's file or transformers. Results are
 kept per input in this process, so checking many topologies that share a model and code (the
-property test) starts the children once.
+property test) starts the children once; a model directory that passed is remembered on disk
+(``FLOWRL_CACHE/checked/``, keyed by its files' names, sizes and times and the transformers
+version), so a restart or resume of the same job does not load its tokenizer again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -86,14 +91,38 @@ async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[st
 def _check_in_children(topology: Topology, model_path: str) -> None:
     checks = [("model.path", "check_model", {"path": model_path, "needs_chat": True})]
     checks += [(key, "check_function", args) for key, args in user_code(topology)]
+    passed = _passed_marker(model_path)
+    if passed is not None and passed.exists():
+        _done.setdefault(_memo(checks[0]), [""])
     todo = [c for c in checks if _memo(c) not in _done]
     if todo:
         for c, problem in zip(todo, anyio.run(_in_children, todo, backend="trio"), strict=True):
             _done[_memo(c)] = [problem]
+            if c is checks[0] and not problem and passed is not None:
+                try:
+                    passed.parent.mkdir(parents=True, exist_ok=True)
+                    passed.touch()
+                except OSError:
+                    pass  # only a cache: the check runs again next time
     for c in checks:
         problem = _done[_memo(c)][0]
         if problem:
             raise ConfigError(f"{c[0]}: {problem}")
+
+
+def _passed_marker(model_path: str) -> Path | None:
+    """Where a pass of the model check for this directory, as its files are now, is noted."""
+    from actors.model_store import cache_dir
+
+    try:
+        root = Path(model_path).resolve()
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                       for f in root.iterdir() if f.is_file())
+        version = importlib.metadata.version("transformers")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    stamp = msgspec.json.encode([str(root), files, version])
+    return cache_dir() / "checked" / hashlib.sha256(stamp).hexdigest()
 
 
 def _memo(check: tuple[str, str, dict[str, Any]]) -> tuple:
