@@ -51,13 +51,14 @@ def shapes():
 
 def tables(tokens: list[int]) -> None:
     for name, config in shapes().items():
-        total, _ = count_parameters(config)
+        counts = count_parameters(config)
+        total = counts[0]
         print(f"\n{name}: {total / 1e9:.2f}B parameters; one rank, fp32 states, bf16 compute")
         print(f"{'tokens ckpt offload':>22} {HEADER}")
         for t in tokens:
             for ckpt, offload in ((True, False), (True, True), (False, False), (False, True)):
                 e = estimate(config, tokens=t, world=1, param_bytes=4, compute_bytes=2,
-                             offload=offload, checkpointing=ckpt)
+                             offload=offload, checkpointing=ckpt, counts=counts)
                 need = e.device_total / GB + MARGIN_GB
                 verdict = ("fits" if need <= 0.9 * GPU_GB else
                            "tight (within 10%)" if need <= GPU_GB else "does not fit")

@@ -34,6 +34,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from actors.learner.perf import head_dim_of
+
 GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
 
 
@@ -65,7 +67,7 @@ HEADER = ("params   grads   optim  gather     ref    acts  logits    host   devi
 
 def shape(config) -> tuple[int, int, int, int, int, int]:
     """(hidden, kv width, intermediate, layers, vocab, head_dim) of a Llama/Qwen2-like config."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     return (config.hidden_size, config.num_key_value_heads * head_dim, config.intermediate_size,
             config.num_hidden_layers, config.vocab_size, head_dim)
 
@@ -91,10 +93,12 @@ def layer_activation_bytes(config, compute_bytes: int) -> int:
 def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
              offload: bool = False, checkpointing: bool = False, keep_gathered: bool = False,
              reference: bool = False, reference_bytes: int | None = None,
-             trainable: int | None = None, chunk: int = 1024) -> MemoryEstimate:
-    """The estimate for ``tokens`` tokens per micro-batch (see the module docstring)."""
+             trainable: int | None = None, chunk: int = 1024,
+             counts: tuple[int, int] | None = None) -> MemoryEstimate:
+    """The estimate for ``tokens`` tokens per micro-batch (see the module docstring);
+    ``counts``: ``count_parameters(config)`` when the caller has it already."""
     h, kv, i, layers, vocab, _ = shape(config)
-    total, per_layer = count_parameters(config)
+    total, per_layer = counts or count_parameters(config)
     trainable = total if trainable is None else trainable
     states = (total * param_bytes + 3 * trainable * param_bytes) / world
     sharded = world > 1 or offload or compute_bytes != param_bytes
@@ -152,7 +156,8 @@ def describe(policy) -> str:
                   param_bytes=torch.finfo(policy.dtype).bits // 8,
                   compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
                   checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
-                  reference=policy.ref is not None, trainable=trainable)
+                  reference=policy.ref is not None, trainable=trainable,
+                  counts=count_parameters(config))  # once for both rows below
     budget = ("" if cfg.max_tokens_per_micro_batch else
               " (no token budget: micro_batch_size x 1024 assumed)")
     lines = [f"memory estimate per rank (actors/learner/memory.py): {tokens} tokens per "

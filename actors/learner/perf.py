@@ -54,10 +54,15 @@ def peak_of(name: str) -> float | None:
     return None
 
 
+def head_dim_of(config) -> int:
+    """Width of one attention head (``head_dim`` when the config sets it)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def dense_parameters(config) -> int:
     """verl's dense ``N`` of a Qwen2/Llama-shaped config: per layer the SwiGLU MLP (3 matrices)
     and the attention projections (q, k, v, o), plus the embedding and the LM head."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
     mlp = config.hidden_size * config.intermediate_size * 3
@@ -67,7 +72,7 @@ def dense_parameters(config) -> int:
 
 def train_flops(config, lengths: list[int]) -> float:
     """FLOPs of one forward and backward pass over sequences of ``lengths`` tokens (verl's)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     dense = 6 * dense_parameters(config) * sum(lengths)
     attention = (6 * sum(n * n for n in lengths) * head_dim * config.num_attention_heads
                  * config.num_hidden_layers)
