@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from actors.runtime.config.schema import ConfigError
+from actors.runtime.transports.base import resolve_transport
 
 SHM_DIR = Path("/dev/shm")
 VERSIONS_AT_ONCE = 3  # weights.SHM_KEEP versions kept, plus the one being written
@@ -63,18 +64,14 @@ def sent_dtype(topology, learner_on_gpu: bool) -> str:
     return "bfloat16" if learner_on_gpu else topology.model.dtype
 
 
-def uses_shm(topology) -> bool:
-    L = topology.learner
-    return L.weights_transport == "shm" or (L.weights_transport == "auto"
-                                            and L.weights_address.startswith("ipc://"))
-
-
 def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
               shm_bytes: int | None = None) -> None:
     """ConfigError naming ``learner.weights_transport`` when the shared-memory transport is
     used and ``shm_dir`` (its size: ``shm_bytes``, default its filesystem's) cannot hold
     ``VERSIONS_AT_ONCE`` versions of the weights."""
-    if not uses_shm(topology) or topology.learner.node_rank > 0:
+    L = topology.learner
+    if (resolve_transport(L.weights_transport, weights_address=L.weights_address) != "shm"
+            or L.node_rank > 0):
         return
     if shm_bytes is None:
         if not shm_dir.is_dir():
