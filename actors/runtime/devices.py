@@ -30,8 +30,7 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     if setting == "cuda":
         setting = f"cuda:{local_rank}"
     device = torch.device(setting)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    set_thread_device(device)
     return device
 
 

@@ -101,6 +101,8 @@ NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_rep
            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
            "length_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0,
            "renormalize_logits": False, "remove_invalid_values": False}
+
+
 def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | None
                     ) -> GenerationConfig:
     """The one GenerationConfig ``generate`` runs with: the job's sampling parameters, every
