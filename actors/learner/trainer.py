@@ -191,7 +191,7 @@ class Trainer:
                 self.group.sum_(shared)  # each row from the rank that computed it
 
         metrics: dict[str, float] = {}
-        adv_started = time.perf_counter()
+        times.begin("adv")
         rewards = batch.token_rewards
         if algo.use_kl_in_reward:
             source = old if c.mode == "decoupled" else batch.behaviour_logprobs
@@ -214,7 +214,7 @@ class Trainer:
             algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
             norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
-        times.seconds["adv"] = time.perf_counter() - adv_started  # host tensors: no device sync
+        times.end("adv")  # the advantages are on the policy's device: synchronised like the rest
 
         # optimizer updates: mini-batches hold whole groups
         groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
