@@ -24,7 +24,7 @@ import zmq
 
 from actors.data.chat import prompt_token_counter
 from actors.data.sources import make_task
-from actors.replay.errors import batch_ahead, count_errors, over_bound, stop_reason
+from actors.replay.errors import count_errors, over_bound, stop_reason
 from actors.replay.state import ReplayState
 from actors.runtime.actor import ActorContext
 from actors.runtime.recording import Recorder, read_table
@@ -146,7 +146,7 @@ class ReplayServer:
         if self.batch_waiter is not None and not self.aborted:
             peer, req = self.batch_waiter
             state.drop_stale()
-            ahead = batch_ahead(state.held, state.reusable, req.num_groups)
+            ahead = state.peek_batch(req.num_groups)
             count = count_errors(ahead or [])
             if over_bound(count, self.max_error_share):
                 await self.abort(stop_reason(count, f"the batch of step {req.step + 1}",

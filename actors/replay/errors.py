@@ -66,10 +66,3 @@ def stop_reason(count: ErrorCount, what: str, max_share: float) -> str:
             f"({100 * count.share:.0f}%) of {what}, over reward.max_error_share = {max_share:g}"
             f"\nfirst failure: {count.first}")
 
-
-def batch_ahead(held: Iterable[ScoredGroup], reusable: Iterable[tuple[ScoredGroup, int]],
-                num_groups: int) -> list[ScoredGroup] | None:
-    """The groups ``ReplayState.take_batch`` would take next (reusable ones first), or None."""
-    ahead = [g for g, _ in reusable][:num_groups]
-    ahead += list(held)[:num_groups - len(ahead)]
-    return ahead if len(ahead) == num_groups else None

@@ -35,6 +35,7 @@ counted in ``filtered_prompts``; they are never issued, so no other counter sees
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,14 @@ class ReplayState:
                 fresh.append((g, served))
         self.reusable = fresh
         return n
+
+    def peek_batch(self, num_groups: int) -> list[ScoredGroup] | None:
+        """The groups ``take_batch(num_groups)`` would take now, in its order (reusable ones
+        first, then fresh ones), or None while fewer are held; nothing changes."""
+        if len(self.reusable) + len(self.held) < num_groups:
+            return None
+        ahead = [g for g, _ in itertools.islice(self.reusable, num_groups)]
+        return ahead + list(itertools.islice(self.held, num_groups - len(ahead)))
 
     def take_batch(self, num_groups: int, step: int = 0) -> list[ScoredGroup] | None:
         """``num_groups`` groups for learner step ``step`` (the step about to be taken, counted
