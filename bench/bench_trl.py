@@ -20,8 +20,9 @@ overrides say), without the default job's validation rounds (TRL runs none here;
 
 Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
-run: seconds, samples/s (``steps × 32 / seconds``), the mean reward of the first and last 5
-steps, and the load average.
+run: seconds, samples/s (``steps × 32 / seconds``), the CPU the whole job used over that time
+(user + system seconds of every process of it per wall second: 2.00 is both cores busy), the
+mean reward of the first and last 5 steps, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
                f"learner.total_steps={steps}", "run.status_interval=0",
                f"learner.save_every={steps}", "validation.every=0", *overrides]
         started = last = None
+        cpu_start = cpu_end = 0.0
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         tail = []
@@ -55,14 +57,39 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
         for line in proc.stdout:
             tail = (tail + [line])[-40:]
             if line.startswith("=== job started"):
-                started = time.monotonic()
+                started, cpu_start = time.monotonic(), tree_cpu_seconds(proc.pid)
             elif line.startswith(f"step {steps:>4}/{steps}"):
-                last = time.monotonic()
+                last, cpu_end = time.monotonic(), tree_cpu_seconds(proc.pid)
         if proc.wait() != 0 or started is None or last is None:
             raise SystemExit(f"flowrl {' '.join(overrides)} failed ({proc.returncode}):\n"
                              + "".join(tail))
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {"seconds": last - started, "rewards": [r["critic/score/mean"] for r in rows]}
+        return {"seconds": last - started, "rewards": [r["critic/score/mean"] for r in rows],
+                "cpu_seconds": cpu_end - cpu_start}
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and every live descendant, including the
+    children each of them has already reaped (their ``cutime``/``cstime``), from /proc: the
+    difference of two readings is what the whole job computed in between."""
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            stats[int(entry.name)] = text.rpartition(")")[2].split()
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += sum(int(x) for x in stats[pid][11:15])  # utime stime cutime cstime
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def run_trl(bf16: bool, threads: int, steps: int) -> dict:
@@ -113,11 +140,12 @@ def trl_child(out: Path, steps: int, bf16: bool, threads: int) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_list(rows),
                           processing_class=AutoTokenizer.from_pretrained(model))
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()  # every thread of this process
     trainer.train()
     seconds = time.monotonic() - started
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    out.write_text(json.dumps({"seconds": seconds, "rewards": rewards}))
+    out.write_text(json.dumps({"seconds": seconds, "rewards": rewards,
+                               "cpu_seconds": time.process_time() - cpu}))
 
 
 def main() -> None:
@@ -145,8 +173,9 @@ def main() -> None:
                  else run_flowrl(rest, args.steps))
             rewards = r["rewards"]
             first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
-            print(f"round {rnd + 1} | {spec:<60} | {r['seconds']:7.1f} s | "
-                  f"{args.steps * SAMPLES_PER_STEP / r['seconds']:5.2f} samples/s | reward first 5 "
+            print(f"round {rnd + 1} | {spec:<40} | {r['seconds']:7.1f} s | "
+                  f"{args.steps * SAMPLES_PER_STEP / r['seconds']:5.2f} samples/s | CPU "
+                  f"{r['cpu_seconds'] / r['seconds']:4.2f} of {os.cpu_count()} | reward first 5 "
                   f"{first:.3f}, last 5 {last:.3f} | load {load:.1f} -> {os.getloadavg()[0]:.1f}",
                   flush=True)
 

@@ -63,6 +63,13 @@ def test_replay_right_after_a_checkpoint_matches_exactly(run_dir):
     check_match(out.getvalue(), [])
 
 
+def test_the_recorded_learner_borrowed_the_samplers_idle_thread(run_dir):
+    """The replays here are exact although the live learner computed on a varying number of
+    threads (the sampler's, lent while it waited: actors/runtime/cores.py)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["perf/borrowed_share"] > 0 for r in rows), [r["perf/borrowed_share"] for r in rows]
+
+
 def test_replay_with_forward_steps_matches_exactly(run_dir):
     res = runner("replay", str(run_dir), "--step", "6")  # the command line, as a user runs it
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

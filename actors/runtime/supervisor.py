@@ -38,6 +38,7 @@ import zmq
 from actors.registry import NAMES
 from actors.runtime.config import Topology
 from actors.runtime.config.hosts import host_of, local_actors, owner
+from actors.runtime.cores import remove_table
 from actors.runtime.liveview import ActorRow, View
 from actors.runtime.metrics import Metrics, Resume
 from actors.runtime.multihost import PREFIX, Member, Owner
@@ -370,6 +371,7 @@ class Job:
             finally:
                 with trio.CancelScope(shield=True):
                     await self.shutdown()
+                    remove_table(self.run_dir)  # this host's core table (actors/runtime/cores.py)
                     await trio.sleep(0.1)  # the last reports of the actors just reaped
                     if self.member is not None:
                         await self.member.closing()

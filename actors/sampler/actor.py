@@ -46,6 +46,7 @@ from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.sampler.agent.loop import AgentLoop
 from actors.sampler.engines import registry
 from actors.sampler.engines.base import Engine, Rejected
+from actors.sampler.lending import lend_idle
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
 from messages.codec import Codec, DecodeError, encode
@@ -369,7 +370,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     torch.set_num_threads(cfg.threads)
     ctx.status["state"] = "loading model"
     model = Path(topo.model.path)
-    engine = await start_engine(ctx)
+    engine = lend_idle(await start_engine(ctx), ctx.run_dir, ctx.index, cfg.threads,
+                       placement(cfg.device, ctx.index))
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)

@@ -1,0 +1,186 @@
+"""Cores lent between the actors of one host: a sampler with nothing to generate lends its
+threads, the learner takes them until the sampler has work again.
+
+Why: on a small machine the sampler generates the next batch in a fraction of the learner's
+step and then waits on admission (the staleness bound), its core idle, while the learner
+trains on one thread. A fixed ``learner.threads = 2`` is worse than 1 there: its second thread
+(and OpenMP's spin-waiting between operations) competes with the sampler whenever the sampler
+generates. So the split follows the work instead: each lender has a slot in a small shared
+table saying how many threads it lends now, and the learner, before every decoder layer's
+forward and backward, sets its torch thread count to its own plus its share of what is lent.
+A lender that starts generating takes its threads back within one layer of the learner's
+work (tens of milliseconds on a CPU), without a message, a lock or a system call on either
+side: the table is a memory-mapped file of int32 slots, each written by one process only.
+
+The table is host-local (in the temporary directory, named by the run directory and the host
+name), so actors of other hosts never see each other's slots. A lender that dies while lending
+leaves its slot set until its restart clears it; the cost is threads competing, never a wrong
+result. On a GPU the same table can say "the sampler's device share is free" (a sleeping
+engine); nothing uses it that way yet: there the learner does not borrow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SLOTS = 256  # lenders per host (sampler i uses slot i % SLOTS)
+_SIZE = SLOTS * 4
+
+
+def table_path(run_dir: Path) -> Path:
+    """The host-local table of the run in ``run_dir``."""
+    key = f"{Path(run_dir).resolve()}|{socket.gethostname()}".encode()
+    return Path(tempfile.gettempdir()) / f"flowrl-cores-{hashlib.sha1(key).hexdigest()[:16]}"
+
+
+class CoreTable:
+    """The shared table: ``lend`` writes this process's slot, ``lent`` sums the others'."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < _SIZE:  # every opener grows it to the same size: no race
+                os.ftruncate(fd, _SIZE)
+            self._map = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        self.slots = memoryview(self._map).cast("i")  # (SLOTS,) int32, one writer each
+
+    def lend(self, slot: int, threads: int) -> None:
+        self.slots[slot % SLOTS] = threads
+
+    def lent(self, among: range) -> int:
+        """Threads lent now by the slots in ``among``."""
+        return sum(self.slots[i % SLOTS] for i in among)
+
+    def close(self) -> None:
+        self.slots.release()
+        self._map.close()
+
+
+def remove_table(run_dir: Path) -> None:
+    """At the end of a job: the table is gone with it (a later run makes a new one)."""
+    Path(table_path(run_dir)).unlink(missing_ok=True)
+
+
+class Lender:
+    """A sampler's side: its threads are lent while no generation (or weights load) runs.
+
+    ``working()`` brackets every call that computes; calls may overlap (a continuous engine
+    runs many at once): the threads are lent only while none runs."""
+
+    def __init__(self, table: CoreTable | None, slot: int, threads: int) -> None:
+        self.table, self.slot, self.threads = table, slot, threads
+        self.active = 0  # calls computing now
+        self.lent_s = 0.0  # total time lent (the sampler's status shows it)
+        self._since: float | None = None
+        if table is not None:
+            table.lend(slot, 0)  # a restarted lender: whatever its predecessor left is stale
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        import time
+
+        if self.active == 0 and self.table is not None:
+            self.table.lend(self.slot, 0)
+            if self._since is not None:
+                self.lent_s += time.monotonic() - self._since
+                self._since = None
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0 and self.table is not None:
+                self.table.lend(self.slot, self.threads)
+                self._since = time.monotonic()
+
+    def close(self) -> None:
+        if self.table is not None:
+            self.table.lend(self.slot, 0)
+            self.table.close()
+            self.table = None
+
+
+class Borrower:
+    """The learner's side: before each decoder layer's forward and backward (and each optimizer
+    step), its torch thread count becomes ``own`` plus its share of the lent threads.
+
+    ``rank``/``ranks``: the learner ranks on this host split what is lent (rank r gets one more
+    of the remainder when r is below it)."""
+
+    def __init__(self, table: CoreTable, lenders: range, own: int, rank: int = 0,
+                 ranks: int = 1) -> None:
+        self.table, self.lenders, self.own = table, lenders, own
+        self.rank, self.ranks = rank, ranks
+        self.now = own  # the thread count set last
+        self.changes = 0  # how often it changed (a test and the status read it)
+        self.borrowed_calls = 0  # checks that found threads to borrow
+        self.checks = 0
+        self._handles: list[Any] = []
+
+    def share(self) -> int:
+        lent = self.table.lent(self.lenders)
+        return lent // self.ranks + (1 if self.rank < lent % self.ranks else 0)
+
+    def check(self, *_: Any) -> None:
+        """Set the calling thread's torch threads to what is free now (a hook's signature)."""
+        import torch
+
+        want = self.own + self.share()
+        self.checks += 1
+        if want > self.own:
+            self.borrowed_calls += 1
+        # the calling thread's own count (OpenMP's is per thread, and steps may run in
+        # different worker threads), not the last one set
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+            self.changes += 1
+        self.now = want
+
+    def attach(self, model: Any, optimizer: Any | None = None) -> None:
+        """Hooks on every layer of the model's layer lists (a transformer's decoder layers):
+        a forward pre-hook checks before the layer's forward, and a hook on its output's
+        gradient before its backward; one on the optimizer's step."""
+        import torch
+
+        def after_forward(_module: Any, _inputs: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(self._before_backward)
+
+        for module in model.modules():
+            if isinstance(module, torch.nn.ModuleList):
+                for layer in module:
+                    self._handles.append(layer.register_forward_pre_hook(self.check))
+                    self._handles.append(layer.register_forward_hook(after_forward))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self.check))
+
+    def _before_backward(self, _grad: Any) -> None:
+        self.check()
+
+    def detach(self) -> None:
+        import torch
+
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if torch.get_num_threads() != self.own:
+            torch.set_num_threads(self.own)
+        self.now = self.own
+
+    def take_share(self) -> float:
+        """The share of the checks since the last call that found threads to borrow (a
+        step's ``perf/borrowed_share``: roughly the share of its layers run on more threads)."""
+        share = self.borrowed_calls / max(self.checks, 1)
+        self.borrowed_calls = self.checks = 0
+        return share
