@@ -242,3 +242,17 @@ def test_gdpo_reads_its_components_from_the_scorers_extras(tiny_model, tmp_path)
     with pytest.raises(ValueError, match="gdpo reward key 'acc' is not in the scorer's result of "
                                          "prompt 1 sample 2"):
         reward_components(groups, ["format", "acc"])
+
+
+def test_a_live_snapshot_on_one_rank_gives_the_parameters_uncopied(tiny_model, tmp_path):
+    """The shm transport writes the weights out before the next step: it reads the parameters
+    themselves (one copy per publish less); every other sender gets copies."""
+    t = make_trainer(tiny_model, tmp_path)
+    params = {n: p for n, p in t.policy.model.named_parameters()}
+    live, copied = dict(t.policy.snapshot(live=True)), dict(t.policy.snapshot())
+    assert sorted(live) == sorted(copied)
+    for name, value in live.items():
+        assert value.data_ptr() == params[name].data_ptr(), name
+        assert copied[name].data_ptr() != params[name].data_ptr() and torch.equal(copied[name], value)
+    halves = dict(t.policy.snapshot(torch.bfloat16, live=True))  # another dtype: a cast, a copy
+    assert all(v.data_ptr() != params[n].data_ptr() for n, v in halves.items())

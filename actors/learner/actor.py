@@ -75,7 +75,8 @@ class Learner:
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
         on_gpu = TRANSPORTS[self.weights.transport].gpu
-        return policy.snapshot(dtype, policy.device if on_gpu else "cpu")
+        return policy.snapshot(dtype, policy.device if on_gpu else "cpu",
+                               live=self.weights.sender.reads_at_prepare)
 
     def save_checkpoint(self):
         self.tell(RanksSave())

@@ -201,16 +201,19 @@ class Policy:
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
-    def snapshot(self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
-                 ) -> list[tuple[str, torch.Tensor]]:
+    def snapshot(self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 live: bool = False) -> list[tuple[str, torch.Tensor]]:
         """A copy of every policy parameter (tied ones once) on ``device`` (the CPU for the
         shm and zmq transports, the learner's own device for the GPU ones), LoRA merged, in the
         base names, in ``dtype`` (default: as trained). Sharded, it is a collective: the shards
         are cast to ``dtype`` and gathered layer by layer on the learner's device (one layer
         whole beyond its shards at a time) and only rank 0 gets the list (the others an
-        empty one)."""
+        empty one). ``live``: the caller is done reading the tensors before the parameters
+        change next (the shm transport writes them out at once), so on one rank a parameter
+        already on ``device`` in ``dtype`` is given as is, not copied."""
         if self.cfg.lora.rank == 0:
-            return [(name, value.to(device, copy=True))
+            copy = not live or self.group.world > 1  # gathered shards: buffers reused per layer
+            return [(name, value.to(device, copy=copy))
                     for name, value in distributed.full_parameters(self.model, self.group, dtype)
                     if value is not None]
         from peft.tuners.lora import LoraLayer

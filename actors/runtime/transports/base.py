@@ -97,6 +97,8 @@ class Sender(ABC):
 
     name: ClassVar[str]
     moves_bytes: ClassVar[bool] = False  # transfer() moves the bytes (GPU transports)
+    reads_at_prepare: ClassVar[bool] = False  # prepare() has read every tensor when it returns
+    # (so they may be the live parameters: the next optimizer step comes after it)
 
     @abstractmethod
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,

@@ -39,6 +39,7 @@ def remove_orphaned_shm() -> None:
 
 class ShmSender(Sender):
     name = "shm"
+    reads_at_prepare = True  # the file is written before prepare returns
 
     def __init__(self) -> None:
         self.shm_dir = SHM_ROOT / f"{SHM_PREFIX}{os.getpid()}"  # this learner's files
