@@ -144,18 +144,24 @@ class Learner:
     async def train(self, tg: anyio.abc.TaskGroup) -> None:
         policy = self.trainer.policy
         await self.publish()
+        stepped = None  # when the last step's computation ended
         while policy.step < self.cfg.total_steps:
             waited = time.monotonic()
             self.ctx.status["state"] = "waiting for batch"
             batch = await self.next_batch()
             self.ctx.status.update(state=f"training step {policy.step + 1}",
                                    wait_batch_s=round(time.monotonic() - waited, 2))
-            extra = {"timing_s/wait_batch": time.monotonic() - waited,
+            arrived = time.monotonic()
+            extra = {"timing_s/wait_batch": arrived - waited,
                      "timing_s/weight_publish": self.weight_sync_s,  # of the weights this batch follows
+                     # the learner's own work between the last step and this one, waiting
+                     # for the batch left out: the publish, reports, status, the request
+                     "timing_s/between_steps": (waited - stepped if stepped is not None else 0.0),
                      **{f"replay/{k}": float(v) for k, v in batch.counters.items()},
                      **{f"replay/{k}": v for k, v in batch.stats.items()}}
             metrics = await run_compute(on_device(self.group.device, self.step_and_record),
                                         batch.groups, extra, abort=self.trainer.abort)
+            stepped = time.monotonic()
             tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
             await self.publish()
             await self.report_steps()

@@ -145,6 +145,7 @@ class Trainer:
         """
         started = time.monotonic()
         times = StepTimes(self.policy.device)
+        times.begin("prepare")  # the batch's arrival to the first forward
         torch.manual_seed(self.step_seed())
         self._updated = False
         algo, cfg = self.algo, self.cfg
@@ -163,6 +164,7 @@ class Trainer:
         need_old = c.mode == "decoupled" and not inline_old
         need_ref = algo.use_kl_loss or algo.use_kl_in_reward
 
+        times.end("prepare")
         # batch-wide quantities, computed with the weights of the start of the step
         old = batch.behaviour_logprobs.clone() if c.mode == "bypass" else torch.zeros_like(mask)
         sum_pi_sq = torch.zeros_like(mask) if otb else None
