@@ -1,7 +1,9 @@
 """Threads lent between the actors of one host (actors/runtime/cores.py): the table is shared
 between real processes, a lender lends only while none of its calls runs, and the learner's
 hooks take the lent threads before each layer's forward and backward and give them back as
-soon as the lender has work, with the same loss and gradients as without borrowing."""
+soon as the lender has work, with the same loss and gradients as without borrowing; a
+sampler's transformers engine lends between its calls and borrows what a waiting learner
+lends."""
 
 from __future__ import annotations
 
@@ -9,10 +11,23 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from actors.runtime.cores import Borrower, CoreTable, Lender, remove_table, table_path
+from actors.runtime.cores import (
+    LEARNERS,
+    SAMPLERS,
+    Borrower,
+    CoreTable,
+    Lender,
+    remove_table,
+    table_path,
+)
+from actors.sampler.engines.base import GenerateRequest
+from actors.sampler.engines.hf import HFEngine
+from actors.sampler.lending import lend_idle
+from messages.rollout import SamplingParams
 from tests.tiny_model import tiny_config
 
 
@@ -48,10 +63,13 @@ def test_a_lender_lends_only_while_none_of_its_calls_runs(tmp_path):
             assert table.lent(range(1)) == 0
         assert lender.lent_s > 0.0
         lender.close()
-        other = CoreTable(table_path(tmp_path))
-        assert other.lent(range(1)) == 0  # closed: nothing lent
-        other.close()
+        assert table.lent(range(1)) == 0  # closed: nothing lent
+        waiting = Lender(table, LEARNERS[0], threads=1)  # the other way: lent while idle
+        with waiting.idle():
+            assert table.lent(LEARNERS) == 1 and table.lent(SAMPLERS) == 0
+        assert table.lent(LEARNERS) == 0
     finally:
+        table.close()
         remove_table(tmp_path)
 
 
@@ -135,5 +153,34 @@ def test_the_learner_takes_lent_threads_per_layer_and_gives_them_back(tmp_path):
         assert reclaimed == [("forward", 2)] * 2 + [("forward", 1)] * 2 + [("backward", 1)] * 4
         assert borrower.changes == 2  # up at the first layer, down at the third
     finally:
+        table.close()
+        remove_table(tmp_path)
+
+
+@pytest.mark.anyio
+async def test_a_sampler_engine_lends_between_calls_and_borrows_a_waiting_learners(tiny_model,
+                                                                                    tmp_path):
+    engine = HFEngine(tiny_model, "float32", seed=0)
+    seen: list[int] = []
+    for layer in engine.model.model.layers:
+        layer.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+    lending = lend_idle(engine, tmp_path, index=0, count=1, threads=1,
+                        device=torch.device("cpu"))
+    table = CoreTable(table_path(tmp_path))
+    learner = Lender(table, LEARNERS[0], threads=1)
+    request = [GenerateRequest([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=4), n=2)]
+    try:
+        assert table.lent(SAMPLERS) == 0  # nothing lent before the first call ends
+        await lending.generate(request)
+        assert seen and set(seen) == {1}
+        assert table.lent(SAMPLERS) == 1  # between calls: lent
+        seen.clear()
+        with learner.idle():  # the learner waits for its batch
+            await lending.generate(request)
+        assert seen and set(seen) == {2}
+        assert lending.share.lender.lent_s > 0 and "lent_s" in lending.statistics()
+    finally:
+        await lending.aclose()
+        assert table.lent(SAMPLERS) == 0  # closed: nothing lent any more
         table.close()
         remove_table(tmp_path)

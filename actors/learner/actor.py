@@ -19,6 +19,7 @@ rank dies.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -31,7 +32,7 @@ from actors.learner.memory import describe
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
-from actors.runtime.cores import Borrower, CoreTable, table_path
+from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import on_device
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
@@ -61,7 +62,7 @@ class Learner:
         self.flushing = anyio.Lock()  # one recording flush at a time
         self.group: Group = trainer.group
         self.weight_sync_s = 0.0  # the last publish: gathering the weights and handing them out
-        self.borrower: Borrower | None = None  # takes the samplers' idle threads (a CPU)
+        self.share: Share | None = None  # the samplers' idle threads taken, its own lent (CPU)
 
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
@@ -120,8 +121,8 @@ class Learner:
         version = policy.version
         self.tell(RanksStep(groups=groups))
         metrics = {**self.trainer.train_step(groups), **extra}
-        if self.borrower is not None:
-            metrics["perf/borrowed_share"] = self.borrower.take_share()
+        if self.share is not None and self.share.borrower is not None:
+            metrics["perf/borrowed_share"] = self.share.borrower.take_share()
         self.unreported.append(StepReport(step=policy.step, metrics=metrics))
         self.recorder.append("batches", {"step": policy.step, "version": version,
                                          "group_ids": [g.prompt.prompt_id for g in groups]})
@@ -141,6 +142,10 @@ class Learner:
         path = await anyio.to_thread.run_sync(on_device(self.group.device, self.save_checkpoint))
         self.ctx.status.update(state="running", checkpoint=str(path))
 
+    def lending(self) -> contextlib.AbstractContextManager[None]:
+        """This rank's threads lent to the samplers of its host while it waits (a CPU)."""
+        return self.share.lender.idle() if self.share is not None else contextlib.nullcontext()
+
     async def train(self, tg: anyio.abc.TaskGroup) -> None:
         policy = self.trainer.policy
         await self.publish()
@@ -148,7 +153,8 @@ class Learner:
         while policy.step < self.cfg.total_steps:
             waited = time.monotonic()
             self.ctx.status["state"] = "waiting for batch"
-            batch = await self.next_batch()
+            with self.lending():
+                batch = await self.next_batch()
             self.ctx.status.update(state=f"training step {policy.step + 1}",
                                    wait_batch_s=round(time.monotonic() - waited, 2))
             arrived = time.monotonic()
@@ -175,7 +181,8 @@ class Learner:
         V = self.ctx.topology.validation
         if V.datasets and V.every > 0:  # the last step is validated: its weights must arrive
             self.ctx.status["state"] = "sending the last weights"
-            await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S)
+            with self.lending():  # the last validation generates meanwhile
+                await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S)
 
     async def finish(self) -> None:
         """At exit, whatever ended the loop: the recording, and a checkpoint of the last step."""
@@ -197,41 +204,43 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
         remove_partial(ctx.run_dir)  # a checkpoint write killed half-way (kill -9) left a temp folder
     ctx.status["state"] = "loading model"
     group = await anyio.to_thread.run_sync(learner_group, topo, rank)  # every rank joins first
-    borrower = None
+    share = None
     try:
         trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
                                                  ctx.run_dir, "latest", group)
         if group.leader:  # what this learner will hold, before the first step shows it
             print(f"[{ctx.name}] {describe(trainer.policy)}", file=sys.stderr, flush=True)
         ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
-        borrower = borrow_threads(ctx, trainer, rank)
+        share = share_threads(ctx, trainer, rank)
         if not group.leader:
             task_status.started()
             with anyio.CancelScope(shield=True):  # rank 0 ends the group, not a stop of ours
                 steps = await anyio.to_thread.run_sync(on_device(group.device, follow), trainer)
             return f"rank {group.rank}: trained {steps} steps"
-        return await lead(ctx, trainer, task_status, borrower)
+        return await lead(ctx, trainer, task_status, share)
     finally:
-        if borrower is not None:
-            borrower.detach()
-            borrower.table.close()
+        if share is not None:
+            share.close()
         group.close()
 
 
-def borrow_threads(ctx: ActorContext, trainer: Trainer, rank: Rank) -> Borrower | None:
-    """``learner.borrow_threads``: on a CPU, the policy computes also on the threads the
+def share_threads(ctx: ActorContext, trainer: Trainer, rank: Rank) -> Share | None:
+    """``learner.share_threads``: on a CPU, the policy computes also on the threads the
     samplers of this host lend while they wait (split between this host's ranks)."""
     cfg = ctx.topology.learner
-    if not cfg.borrow_threads or trainer.group.device.type != "cpu":
+    if not cfg.share_threads or trainer.group.device.type != "cpu":
         return None
-    borrower = Borrower(CoreTable(table_path(ctx.run_dir)), range(ctx.topology.sampler.count),
-                        cfg.threads, rank=rank.local_rank, ranks=rank.local_world_size)
+    table = CoreTable(table_path(ctx.run_dir))
+    borrower = Borrower(table, SAMPLERS, cfg.threads, rank=rank.local_rank,
+                        ranks=rank.local_world_size)
     borrower.attach(trainer.policy.model, trainer.policy.optimizer)
-    return borrower
+    # and its own threads, lent while it waits for a batch (a sampler's engine takes them)
+    return Share(table, Lender(table, LEARNERS[rank.local_rank % len(LEARNERS)], cfg.threads),
+                 borrower)
 
 
 async def lead(ctx: ActorContext, trainer: Trainer, task_status,
-               borrower: Borrower | None = None) -> str:
+               share: Share | None = None) -> str:
     """Rank 0 (the whole learner when it has one rank)."""
     topo, cfg = ctx.topology, ctx.topology.learner
     weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8,
@@ -244,7 +253,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
                                **sender_options(transport, cfg, trainer.group.device))
     ctx.status["weights_transport"] = transport
     learner = Learner(ctx, trainer, replay, weights)
-    learner.borrower = borrower
+    learner.share = share
     if trainer.policy.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.policy.resumed_from.name
     task_status.started()

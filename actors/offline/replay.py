@@ -8,7 +8,7 @@ recorded order), with no sampler or reward worker, and every metric is compared 
 recorded one. On the CPU they match exactly: a step's inputs are the recorded bytes, its RNG is
 seeded from (run seed, step) (``Trainer.step_seed``), the thread count is ``learner.threads``
 and the step runs on a worker thread as in the learner actor. A live learner that also computed
-on a sampler's lent threads (``learner.borrow_threads``) replays exactly as well: torch's CPU
+on a sampler's lent threads (``learner.share_threads``) replays exactly as well: torch's CPU
 kernels split these computations by rows, not their sums, so one or two threads give the same
 bits (tests/test_offline.py's run borrows; the embedded model's step 6 matched too). A run whose learner had several
 ranks is replayed on one (its checkpoints load with any number of ranks): the same computation

@@ -1,5 +1,6 @@
 """Cores lent between the actors of one host: a sampler with nothing to generate lends its
-threads, the learner takes them until the sampler has work again.
+threads, the learner takes them until the sampler has work again (and the other way round: a
+learner waiting for its batch lends its threads to a sampler's in-process engine).
 
 Why: on a small machine the sampler generates the next batch in a fraction of the learner's
 step and then waits on admission (the staleness bound), its core idle, while the learner
@@ -28,10 +29,13 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SLOTS = 256  # lenders per host (sampler i uses slot i % SLOTS)
+SLOTS = 256
+SAMPLERS = range(0, 128)  # sampler i lends in slot SAMPLERS[i % 128]
+LEARNERS = range(128, 256)  # learner rank r of this host in LEARNERS[r]
 _SIZE = SLOTS * 4
 
 
@@ -55,11 +59,11 @@ class CoreTable:
         self.slots = memoryview(self._map).cast("i")  # (SLOTS,) int32, one writer each
 
     def lend(self, slot: int, threads: int) -> None:
-        self.slots[slot % SLOTS] = threads
+        self.slots[slot] = threads
 
     def lent(self, among: range) -> int:
         """Threads lent now by the slots in ``among``."""
-        return sum(self.slots[i % SLOTS] for i in among)
+        return sum(self.slots[i] for i in among)
 
     def close(self) -> None:
         self.slots.release()
@@ -72,10 +76,12 @@ def remove_table(run_dir: Path) -> None:
 
 
 class Lender:
-    """A sampler's side: its threads are lent while no generation (or weights load) runs.
+    """One process's threads, lent while none of its calls computes.
 
-    ``working()`` brackets every call that computes; calls may overlap (a continuous engine
-    runs many at once): the threads are lent only while none runs."""
+    ``working()`` brackets every call that computes (a sampler's generations and weight
+    loads); calls may overlap (a continuous engine runs many at once): the threads are lent
+    only while none runs. ``idle()`` is the other way round: lent while it lasts (a learner
+    waiting for its batch)."""
 
     def __init__(self, table: CoreTable | None, slot: int, threads: int) -> None:
         self.table, self.slot, self.threads = table, slot, threads
@@ -103,19 +109,30 @@ class Lender:
                 self.table.lend(self.slot, self.threads)
                 self._since = time.monotonic()
 
+    @contextmanager
+    def idle(self) -> Iterator[None]:
+        if self.table is not None:
+            self.table.lend(self.slot, self.threads)
+        try:
+            yield
+        finally:
+            if self.table is not None:
+                self.table.lend(self.slot, 0)
+
     def close(self) -> None:
+        """Nothing lent from now on (the table stays open: it is ``Share``'s)."""
         if self.table is not None:
             self.table.lend(self.slot, 0)
-            self.table.close()
             self.table = None
 
 
 class Borrower:
-    """The learner's side: before each decoder layer's forward and backward (and each optimizer
-    step), its torch thread count becomes ``own`` plus its share of the lent threads.
+    """The borrowing side: before each decoder layer's forward and backward (and each
+    optimizer step), the calling thread's torch thread count becomes ``own`` plus its share of
+    what ``lenders`` lend now.
 
-    ``rank``/``ranks``: the learner ranks on this host split what is lent (rank r gets one more
-    of the remainder when r is below it)."""
+    ``rank``/``ranks``: the borrowers of this host split what is lent (the learner's ranks, or
+    the samplers; rank r gets one more of the remainder when r is below it)."""
 
     def __init__(self, table: CoreTable, lenders: range, own: int, rank: int = 0,
                  ranks: int = 1) -> None:
@@ -184,3 +201,19 @@ class Borrower:
         share = self.borrowed_calls / max(self.checks, 1)
         self.borrowed_calls = self.checks = 0
         return share
+
+
+@dataclass
+class Share:
+    """One process's part in its host's table: the threads it lends, and the borrower that
+    takes others' (None: it only lends)."""
+
+    table: CoreTable
+    lender: Lender
+    borrower: Borrower | None = None
+
+    def close(self) -> None:
+        if self.borrower is not None:
+            self.borrower.detach()
+        self.lender.close()
+        self.table.close()

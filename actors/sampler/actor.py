@@ -370,7 +370,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     torch.set_num_threads(cfg.threads)
     ctx.status["state"] = "loading model"
     model = Path(topo.model.path)
-    engine = lend_idle(await start_engine(ctx), ctx.run_dir, ctx.index, cfg.threads,
+    engine = lend_idle(await start_engine(ctx), ctx.run_dir, ctx.index, cfg.count, cfg.threads,
                        placement(cfg.device, ctx.index))
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,

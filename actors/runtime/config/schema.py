@@ -285,10 +285,11 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     /dev/shm, only its path in the message: samplers on the same host), nccl (GPU to GPU, a
     broadcast group per sampler), ipc (CUDA IPC on one host), or auto (shm when
     weights_address is ipc://, zmq otherwise). Table: actors/runtime/transports/base.py."""
-    borrow_threads: bool = True
-    """On a CPU, also compute on the threads a sampler of this host lends while it has nothing
-    to generate (its cores would idle): checked before every layer, so the sampler has them
-    back within one layer of work when its next prompts come (actors/runtime/cores.py)."""
+    share_threads: bool = True
+    """On a CPU, share threads with the samplers of this host: compute also on the threads a
+    sampler lends while it has nothing to generate, and lend the learner's own while it waits
+    for a batch (a transformers engine takes them). Checked before every layer, so a lender has
+    its threads back within one layer of work (actors/runtime/cores.py)."""
     total_steps: int = 40
     """Optimizer steps before the job ends."""
     groups_per_step: int = 4
