@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -174,10 +175,11 @@ class HFEngine:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
+        cache = self._shared_prompts(ids, attn, n) if n > 1 and width > 1 else None
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
         record = _TokenLogprobs(1.0 if greedy else params.temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn,
+            input_ids=ids, attention_mask=attn, past_key_values=cache,
             generation_config=sampling_config(params, pad, tok.eos_token_id),
             tokenizer=tok if params.stop else None,
             logits_processor=LogitsProcessorList([record]),
@@ -193,6 +195,18 @@ class HFEngine:
                                                     lps[row, :length].clone(), self.version,
                                                     reason))
         return groups
+
+    def _shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor, n: int) -> Any:
+        """The KV cache of every prompt but its last token, computed once per prompt and
+        repeated for its ``n`` completions (``generate`` then starts from it): the prompt's
+        forward is not done ``n`` times over (a third of a default-job batch's time on a CPU).
+        Positions as ``generate`` numbers left-padded rows (from 0 at the first real token)."""
+        position = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)  # (B, P)
+        out = self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                         position_ids=position[:, :-1], use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)  # (B·n, ...) in the order of repeat_interleave
+        return cache
 
     def _length(self, seq: torch.Tensor, stop: tuple[str, ...]) -> tuple[int, str]:
         """Tokens the model generated: up to and including the first EOS, or up to the end of
