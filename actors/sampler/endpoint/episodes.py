@@ -50,7 +50,6 @@ class Episode:
     calls: int = 0
     branches: int = 0  # segments left behind by a call that did not extend them
     last: list[Segment] = field(default_factory=list)  # one per choice of the last call
-    requests: list[str] = field(default_factory=list)  # each call's request body, as sent
 
     def base(self, text: str, encode, role: str) -> Segment:
         """The segment a call on ``text`` continues (a copy, with the new tokens as the

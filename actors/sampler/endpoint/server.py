@@ -98,7 +98,6 @@ class Calls:
     async def chat(self, request: Request) -> Response:
         ep = self.episode(request)
         req: ChatRequest = decode_body(await request.body(), ChatRequest)
-        ep.requests.append(json.dumps(req.messages)[-2000:])
         text = render(self.r.tok.tokenizer, req)
         role = "tool" if req.messages[-1].get("role") == "tool" else "user"
         seg = ep.base(text, self.encode, role)
