@@ -52,7 +52,6 @@ async def main(args: argparse.Namespace) -> None:
     rows, ids = prompts(tok, args.prompts)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
     r = EndpointRollout(engine, tok, AgentConfig())
-    r.params = params
     alone: list[float] = []
     through: list[float] = []
     added: list[float] = []
@@ -73,7 +72,7 @@ async def main(args: argparse.Namespace) -> None:
         async def endpoint() -> float:
             tokens, started = 0, time.perf_counter()
             for row in rows:
-                r.episodes["bench"] = Episode(budget=args.max_tokens, max_calls=1)
+                r.episodes["bench"] = Episode(params, max_calls=1)
                 engine_before = r.call_seconds
                 t0 = time.perf_counter()
                 out = await client.chat.completions.create(

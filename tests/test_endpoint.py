@@ -88,8 +88,8 @@ async def with_endpoint(r: EndpointRollout, body) -> None:
 
 
 def open_episode(r: EndpointRollout, eid: str, budget: int = 32, max_calls: int = 8) -> Episode:
-    r.params = SamplingParams(temperature=1.0, max_tokens=budget)
-    ep = r.episodes[eid] = Episode(budget=budget, max_calls=max_calls)
+    params = SamplingParams(temperature=1.0, max_tokens=budget)
+    ep = r.episodes[eid] = Episode(params, max_calls=max_calls)
     return ep
 
 
@@ -263,5 +263,31 @@ async def test_an_episode_past_its_timeout_is_killed_and_recorded(model, rollout
         assert g.turns[-1].failure == "timeout" and "rollout.episode_timeout_s" in g.turns[-1].error
         assert g.turns[0].role == "assistant" and g.own.score == 0.0  # its one call is kept
         assert r.stats["episode_timeouts"] == 1
+
+    await with_endpoint(r, body)
+
+
+@pytest.mark.anyio
+async def test_a_call_past_the_budget_is_cut_with_length(model):
+    r = make(model)
+
+    async def body():
+        ep = open_episode(r, "e", budget=3)
+        client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/e/v1", api_key="x",
+                                    max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="max_tokens: must be at least 1"):
+            await client.chat.completions.create(model="policy", messages=USER, max_tokens=0)
+        # greedy, so the answer is the same whatever else runs: the budget cuts it
+        first = await client.chat.completions.create(model="policy", messages=USER,
+                                                     max_tokens=50, temperature=0)
+        c = first.choices[0]
+        assert len(c.token_ids) <= 3 and (c.finish_reason == "length") == (len(c.token_ids) == 3)
+        messages = USER + [{"role": "assistant", "content": c.message.content},
+                           {"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model="policy", messages=messages)
+        assert ep.branches == 0  # the segment goes on with nothing left of its budget
+        assert second.choices[0].token_ids == [] and second.choices[0].finish_reason == "length"
+        seg = ep.last[0]
+        assert seg.t.mask[:len(c.token_ids)] == [1] * len(c.token_ids) and len(seg.t.ids) <= 3
 
     await with_endpoint(r, body)

@@ -58,6 +58,10 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise BadRequest(f"bad request body: {exc}") from None
     if not 1 <= request.n <= 16:
         raise BadRequest("n: must be 1 to 16")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, key, None)
+        if value is not None and value < 1:
+            raise BadRequest(f"{key}: must be at least 1")
     for key in ("temperature", "top_p"):
         value = getattr(request, key)
         if value is not None and not 0 <= value <= (2 if key == "temperature" else 1):

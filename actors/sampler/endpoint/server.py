@@ -37,8 +37,8 @@ from actors.sampler.endpoint.api import (
     render,
     stops_of,
 )
-from actors.sampler.endpoint.episodes import Episode
-from actors.sampler.engines.base import full_generation
+from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.engines.base import Rejected, full_generation
 from messages.rollout import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,8 +69,10 @@ class Calls:
                              f"{ep.max_calls} calls")
         return ep
 
-    def params(self, req: Any, room: int) -> SamplingParams:
-        d = self.r.params
+    def params(self, ep: Episode, req: Any, seg: Segment) -> SamplingParams:
+        """The call's sampling: the request's, else the rollout's; at most what is left of the
+        segment's budget."""
+        d, room = ep.params, ep.room(seg)
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return SamplingParams(
             temperature=d.temperature if req.temperature is None else req.temperature,
@@ -101,7 +103,7 @@ class Calls:
         text = render(self.r.tok.tokenizer, req)
         role = "tool" if req.messages[-1].get("role") == "tool" else "user"
         seg = ep.base(text, self.encode, role)
-        params = self.params(req, ep.room(seg))
+        params = self.params(ep, req, seg)
         gens = await self.generate(seg.context, params, req.n)
         raws, contents, finishes = self.texts(gens, params.stop)
         ep.answered(seg, gens, raws)
@@ -132,7 +134,7 @@ class Calls:
                 raise BadRequest(f"prompt: token ids must be 0 to {vocab - 1}, at least one")
             seg = ep.base_ids(req.prompt, self.r.tok.tokenizer.decode(
                 req.prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False))
-        params = self.params(req, ep.room(seg))
+        params = self.params(ep, req, seg)
         gens = await self.generate(seg.context, params, req.n)
         raws, contents, finishes = self.texts(gens, params.stop)
         ep.answered(seg, gens, raws)
@@ -207,6 +209,9 @@ def app(rollout: EndpointRollout) -> Starlette:
                 return error(400, str(exc))
             except LookupError as exc:
                 return error(404, str(exc))
+            except Rejected as exc:  # the engine refuses the context for good (too long)
+                rollout.stats["bad_calls"] += 1
+                return error(400, f"the engine refuses this prompt: {exc}")
         return route
 
     async def models(request: Request) -> Response:

@@ -27,7 +27,7 @@ import anyio
 from actors.data.chat import ChatTokenizer, as_dicts
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
-from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.endpoint.episodes import Episode
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sandbox.pool import ChildPool
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
@@ -97,7 +97,6 @@ class EndpointRollout:
         self._prefix = f"{os.getpid():x}{time.time_ns() % 10**6:x}"
         self.base_url = ""  # http://HOST:PORT, once serving
         self.serving = anyio.Event()
-        self.params = SamplingParams()  # the rollout's defaults, for calls that name none
         self.stats = dict.fromkeys(("episodes", "episode_errors", "episode_timeouts", "calls",
                                     "bad_calls", "branches", "call_tokens"), 0)
         self.call_seconds = 0.0  # engine time of the calls, all together
@@ -144,8 +143,7 @@ class EndpointRollout:
                        params: SamplingParams) -> list[list[EndpointGeneration]]:
         """``n`` episodes of each prompt, all at once; samples in prompt order."""
         await self.serving.wait()
-        self.params = params
-        out: list[list[tuple[Segment | None, Outcome]]] = [[] for _ in prompts]
+        out: list[list[tuple[Episode, Outcome]]] = [[] for _ in prompts]
 
         async def one(i: int) -> None:
             out[i].append(await self.episode(prompts[i], params))
@@ -156,9 +154,9 @@ class EndpointRollout:
                     tg.start_soon(one, i)
         return [self.group(ids[i], out[i]) for i in range(len(prompts))]
 
-    async def episode(self, prompt: Prompt, params: SamplingParams) -> tuple[Segment | None, Outcome]:
+    async def episode(self, prompt: Prompt, params: SamplingParams) -> tuple[Episode, Outcome]:
         eid = f"{self._prefix}-{next(self._ids)}"
-        ep = Episode(budget=params.max_tokens, max_calls=self.cfg.rollout.max_calls)
+        ep = Episode(params, max_calls=self.cfg.rollout.max_calls)
         self.episodes[eid] = ep
         row = {"prompt": as_dicts(prompt.messages), "data_source": prompt.data_source,
                "reward_model": {"ground_truth": prompt.ground_truth, "style": "rule"},
@@ -176,21 +174,22 @@ class EndpointRollout:
         if o.error:
             self.stats["episode_errors"] += 1
             self.stats["episode_timeouts"] += o.failure == "timeout"
-        return ep.sample(), o
+        return ep, o
 
-    def group(self, ids: list[int], episodes: list[tuple[Segment | None, Outcome]]
+    def group(self, ids: list[int], episodes: list[tuple[Episode, Outcome]]
               ) -> list[EndpointGeneration]:
         """The group's samples on the common prefix of their prompts (the dataset prompt's
         tokens when no episode made a call)."""
-        prompts = [s.prompt for s, _ in episodes if s is not None] or [ids]
+        prompts = [s.prompt for s in (ep.sample() for ep, _ in episodes) if s is not None] or [ids]
         k = len(prompts[0])
         for p in prompts[1:]:
             k = min(k, len(p))
             k = next((j for j in range(k) if p[j] != prompts[0][j]), k)
         prefix = prompts[0][:k]
-        return [self.sample(prefix, seg, o) for seg, o in episodes]
+        return [self.sample(prefix, ep, o) for ep, o in episodes]
 
-    def sample(self, prefix: list[int], seg: Segment | None, o: Outcome) -> EndpointGeneration:
+    def sample(self, prefix: list[int], ep: Episode, o: Outcome) -> EndpointGeneration:
+        seg = ep.sample()
         t = Transcript()
         if seg is not None and len(seg.prompt) > len(prefix):  # its own prompt's remainder
             rest = seg.prompt[len(prefix):]
@@ -210,7 +209,7 @@ class EndpointRollout:
             t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
                                 error=o.error, failure=o.failure or "raised"))
         finish = "stop"
-        if seg is not None and seg.t.turns and len(seg.t.ids) >= self.params.max_tokens:
+        if seg is not None and seg.t.turns and ep.room(seg) == 0:
             finish = "length"
         if o.error:
             own: ScoreResult | None = ScoreResult(
