@@ -4,6 +4,10 @@ with the real ``openai`` client (the second sends the first answer back with a n
 so the two merge into one sample token in and token out) and returns its own reward; the job
 learns it, the counters balance, the recording keeps every turn, and ``replay --step`` is exact.
 
+A second job kills the sampler with SIGKILL while episodes are between their two calls:
+nothing of them is recorded, the runner restarts the sampler, their prompts are issued again,
+and every recorded group is whole.
+
 The reward is the share of the answers' characters among ``a`` to ``m`` (about a third by
 chance on the random model's character vocabulary): smooth enough to go up in a short run.
 """
@@ -11,8 +15,11 @@ chance on the random model's character vocabulary): smooth enough to go up in a 
 from __future__ import annotations
 
 import io
+import os
+import signal
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +27,17 @@ import torch
 
 from actors.offline.replay import replay
 from actors.runtime.recording import decode_group, read_table
-from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
+from tests.jobs import (
+    FAST,
+    ROOT,
+    actor_pids,
+    alive,
+    balanced,
+    command,
+    metrics,
+    pids_of,
+    status_lines,
+)
 from tests.tiny_model import build_tiny_model
 
 STEPS = 30
@@ -98,3 +115,70 @@ def test_replay_of_an_endpoint_step_is_exact(run_dir):
     out = io.StringIO()
     assert replay(run_dir, STEPS, out=out) == 0, out.getvalue()
     assert "result: match — all" in out.getvalue()
+
+
+BLOCKING_AGENT = '''
+import asyncio
+import os
+from pathlib import Path
+
+FLAG = Path({flag!r})
+
+
+async def rollout(client, row):
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    if FLAG.exists():  # mid-episode: one call served, the second waits for FLAG to go
+        (FLAG.parent / f"in_flight-{{os.getpid()}}").touch()
+        while FLAG.exists():
+            await asyncio.sleep(0.05)
+    messages += [{{"role": "assistant", "content": first.choices[0].message.content}},
+                 {{"role": "user", "content": "more"}}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return 1.0
+'''
+
+
+def test_a_sampler_killed_mid_episode_leaves_nothing_half_recorded(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    flag = tmp_path / "block"
+    flag.touch()
+    agent = tmp_path / "blocking_agent.py"
+    agent.write_text(BLOCKING_AGENT.format(flag=str(flag)))
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = command(model, run_dir, *FAST, "learner.total_steps=6", "sampler.max_tokens=16",
+                  f"agent.rollout.path={agent}", "agent.processes=2")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("in_flight-*")):  # an episode is between its calls now
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.05)
+        children = [int(p.name.split("-")[1]) for p in tmp_path.glob("in_flight-*")]
+        (sampler,) = pids_of(run_dir, "sampler")
+        os.kill(sampler, signal.SIGKILL)
+        flag.unlink()  # the restarted sampler's episodes run through
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    status = status_lines(run_dir)
+    (exited,) = [line for line in status if line["event"] == "exited"]
+    assert exited["actor"] == "sampler-0" and exited["returncode"] == -signal.SIGKILL
+    assert status[-1]["sampler-0"]["restarts"] == 1
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(balanced(r) for r in rows)
+    n = len(decode_group(read_table(run_dir, "groups").to_pylist()[0]["message"]).samples)
+    for r in read_table(run_dir, "groups").to_pylist():
+        g = decode_group(r["message"])
+        assert len(g.samples) == n  # whole groups only
+        for s in g.samples:  # whole episodes only: the function returned after its second call
+            assert s.turns[-1].role == "assistant" and not any(t.failure for t in s.turns)
+            assert s.reward == 1.0 and not s.reward_error
+    deadline = time.monotonic() + 10  # the killed sampler's episode children follow it
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children)
+    assert not actor_pids(run_dir)
