@@ -15,9 +15,11 @@ chance on the random model's character vocabulary): smooth enough to go up in a 
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -115,6 +117,22 @@ def test_replay_of_an_endpoint_step_is_exact(run_dir):
     out = io.StringIO()
     assert replay(run_dir, STEPS, out=out) == 0, out.getvalue()
     assert "result: match — all" in out.getvalue()
+
+
+def test_offline_validate_runs_the_same_rollout_function(run_dir, tmp_path):
+    out = tmp_path / "val.json"
+    res = subprocess.run([sys.executable, "runner.py", "validate", str(run_dir), "--checkpoint",
+                          "step_20", "validation.n=2", "--out", str(out),
+                          'validation.datasets=[{builtin="repeat_letter", size=4}]'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["metrics"]["val-aux/samples"] == 8
+    rewards = [r for s in got["samples"] for r in s["rewards"]]
+    errors = [e for s in got["samples"] for e in s["errors"]]
+    # the function's reward (a share of characters), not the repeat_letter scorer's 0 or 1
+    assert not any(errors) and all(0 <= r <= 1 for r in rewards)
+    assert any(0 < r < 1 for r in rewards), rewards
 
 
 BLOCKING_AGENT = '''

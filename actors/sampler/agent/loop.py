@@ -193,8 +193,9 @@ class AgentLoop:
             if self.cfg.stop_at_call:
                 self.stop = self.parser.stop
 
-    async def serve(self) -> None:
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """Nothing to serve beside the sampler's work (the endpoint strategy serves HTTP)."""
+        task_status.started()
 
     def group_prompt(self, ids: list[int], completions: list[AgentGeneration]) -> list[int]:
         """Every sample follows the prompt's own tokens."""
