@@ -15,6 +15,7 @@ import pytest
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig, AgentRollout
+from actors.sampler.agent.parsers import Hermes, Xml
 from actors.sampler.endpoint.api import assistant_message
 from actors.sampler.endpoint.episodes import Episode
 from actors.sampler.endpoint.strategy import EndpointRollout
@@ -159,12 +160,18 @@ async def test_tools_streaming_n_and_models(model):
     await with_endpoint(r, body)
 
 
-def test_tool_calls_read_back_in_hermes_format():
+def test_tool_calls_read_back_with_the_configured_parser():
     text = 'let me see <tool_call>{"name": "lookup", "arguments": {"q": "x"}}</tool_call>'
-    message, called = assistant_message(text, with_tools=True)
+    message, called = assistant_message(text, Hermes())
     assert called and message["content"] == "let me see"
     assert message["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
-    assert assistant_message(text, with_tools=False) == ({"role": "assistant", "content": text}, False)
+    assert assistant_message(text, None) == ({"role": "assistant", "content": text}, False)
+    schema = {"type": "function", "function": {"name": "search", "description": "",
+              "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+    message, called = assistant_message("hm <search>cats</search>", Xml([schema]))
+    assert called and message["content"] == "hm"
+    assert message["tool_calls"][0]["function"] == {"name": "search",
+                                                    "arguments": '{"query": "cats"}'}
 
 
 @pytest.mark.anyio

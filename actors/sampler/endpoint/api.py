@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from actors.sampler.agent.parsers import Hermes
+from actors.sampler.agent.parsers import Parser
 
 
 class BadRequest(Exception):
@@ -126,13 +126,16 @@ def render(hf_tokenizer: Any, request: ChatRequest) -> str:
         raise BadRequest(f"the chat template refused the messages: {exc}") from None
 
 
-def assistant_message(text: str, with_tools: bool) -> tuple[dict[str, Any], bool]:
-    """The message a completion's text makes, and whether it calls tools (hermes format)."""
-    calls = Hermes().parse(text) if with_tools else []
-    calls = [c for c in calls if not c.error]
+def assistant_message(text: str, parser: Parser | None) -> tuple[dict[str, Any], bool]:
+    """The message a completion's text makes, and whether it calls tools (read by ``parser``,
+    ``agent.parser``; None: the request has no tools). The content is the text before the
+    first call."""
+    calls = [c for c in parser.parse(text) if not c.error] if parser is not None else []
     if not calls:
         return {"role": "assistant", "content": text}, False
-    content = text[:text.index(Hermes.OPEN)].strip() or None
+    opens = [i for tag in ("<tool_call>", *(f"<{c.name}>" for c in calls))
+             if (i := text.find(tag)) >= 0]
+    content = text[:min(opens, default=0)].strip() or None
     return {"role": "assistant", "content": content, "tool_calls": [
         {"id": f"call_{k}_{time.time_ns() % 10**9}", "type": "function",
          "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from actors.sampler.agent.parsers import make_parser
 from actors.sampler.endpoint.api import (
     BadRequest,
     ChatRequest,
@@ -107,10 +108,11 @@ class Calls:
         gens = await self.generate(seg.context, params, req.n)
         raws, contents, finishes = self.texts(gens, params.stop)
         ep.answered(seg, gens, raws)
-        tools = bool(req.tools) and req.tool_choice != "none"
+        parser = make_parser(self.r.cfg.parser, req.tools) if req.tools and \
+            req.tool_choice != "none" else None
         choices = []
         for k, (g, content, finish) in enumerate(zip(gens, contents, finishes, strict=True)):
-            message, called = assistant_message(content, tools)
+            message, called = assistant_message(content, parser)
             choice: dict[str, Any] = {
                 "index": k, "message": message, "token_ids": g.token_ids.tolist(),
                 "finish_reason": "tool_calls" if called and finish == "stop" else finish,
