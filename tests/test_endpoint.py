@@ -12,13 +12,16 @@ import anyio
 import httpx
 import openai
 import pytest
+import torch
+from anyio import wait_all_tasks_blocked
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.agent.parsers import Hermes, Xml
 from actors.sampler.endpoint.api import assistant_message
 from actors.sampler.endpoint.episodes import Episode
-from actors.sampler.endpoint.strategy import EndpointRollout
+from actors.sampler.endpoint.strategy import Batcher, EndpointRollout
+from actors.sampler.engines.base import GenerateRequest, full_generation
 from actors.sampler.engines.hf import HFEngine
 from actors.sandbox.protocol import TO_SCORER
 from messages.rollout import ChatMessage, Prompt, SamplingParams
@@ -298,3 +301,45 @@ async def test_a_call_past_the_budget_is_cut_with_length(model):
         assert seg.t.mask[:len(c.token_ids)] == [1] * len(c.token_ids) and len(seg.t.ids) <= 3
 
     await with_endpoint(r, body)
+
+
+class Gated:
+    """A batch engine whose calls wait for ``gate``; it records each call's batch size."""
+
+    continuous = False
+
+    def __init__(self) -> None:
+        self.gate = anyio.Event()
+        self.sizes: list[int] = []
+
+    async def generate(self, requests):
+        self.sizes.append(len(requests))
+        await self.gate.wait()
+        return [[full_generation(torch.tensor(r.prompt_ids[-1:]), torch.zeros(1), 0, "stop")]
+                for r in requests]
+
+
+@pytest.mark.anyio
+async def test_batch_engine_calls_are_gathered_and_a_cancelled_caller_strands_nobody():
+    engine = Gated()
+    batcher = Batcher(engine)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=4)
+    got: dict[int, list[int]] = {}
+    first = anyio.CancelScope()
+
+    async def call(k: int) -> None:
+        with first if k == 0 else anyio.CancelScope():
+            (g,) = await batcher.generate(GenerateRequest([k], params))
+            got[k] = g.token_ids.tolist()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, 0)
+        await wait_all_tasks_blocked()  # call 0's batch is in the engine
+        for k in range(1, 5):  # these arrive while it runs: they wait for the engine
+            tg.start_soon(call, k)
+        await wait_all_tasks_blocked()
+        first.cancel()  # call 0's caller goes; one of the others runs the next batch
+        await wait_all_tasks_blocked()
+        engine.gate.set()
+    assert got == {k: [k] for k in range(1, 5)}
+    assert engine.sizes == [1, 4] and not batcher.pending

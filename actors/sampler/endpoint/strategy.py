@@ -44,38 +44,61 @@ class EndpointGeneration(AgentGeneration):
     prompt_ids: list[int] | None = None  # the group's prompt these tokens follow
 
 
+class _Slot:
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self.result: list[Generation] | Exception | None = None
+
+
 class Batcher:
-    """A batch engine's calls: those that arrive while it generates go as one batch next."""
+    """A batch engine's calls: those that arrive while it generates go as one batch next (one
+    batch per sampling setting). The caller whose call finds the engine idle runs batches
+    until its own is done; the others wait for it to stop and then take over, so a caller
+    cancelled mid-batch (its batch goes back to the queue) never strands the rest."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.pending: list[tuple[GenerateRequest, list[list[Generation]], anyio.Event]] = []
-        self.firing = False  # a task is running batches now; the others wait for their event
+        self.pending: list[_Slot] = []
+        self.firing = False  # a caller is running batches now
+        self.idle = anyio.Event()  # set when that caller stops
 
     async def generate(self, request: GenerateRequest) -> list[Generation]:
-        out: list[list[Generation]] = []
-        done = anyio.Event()
-        self.pending.append((request, out, done))
-        if not self.firing:
-            self.firing = True
-            try:
-                while self.pending:
-                    like = self.pending[0][0]
-                    batch = [p for p in self.pending if (p[0].params, p[0].n) == (like.params, like.n)]
-                    self.pending = [p for p in self.pending if p not in batch]
-                    try:
-                        results = await self.engine.generate([r for r, _, _ in batch])
-                    except Exception as exc:
-                        results = [exc] * len(batch)  # type: ignore[list-item]
-                    for (_, slot, event), result in zip(batch, results, strict=True):
-                        slot.append(result)
-                        event.set()
-            finally:
-                self.firing = False
-        await done.wait()
-        if isinstance(out[0], Exception):
-            raise out[0]
-        return out[0]
+        slot = _Slot(request)
+        self.pending.append(slot)
+        try:
+            while slot.result is None:
+                if self.firing:
+                    await self.idle.wait()
+                    continue
+                self.firing, self.idle = True, anyio.Event()
+                try:
+                    while slot.result is None:
+                        await self._fire()
+                finally:
+                    self.firing = False
+                    self.idle.set()
+        except BaseException:  # this caller is gone: its request is nobody's to run
+            if slot in self.pending:
+                self.pending.remove(slot)
+            raise
+        if isinstance(slot.result, Exception):
+            raise slot.result
+        return slot.result
+
+    async def _fire(self) -> None:
+        like = self.pending[0].request
+        batch = [s for s in self.pending if (s.request.params, s.request.n) == (like.params, like.n)]
+        self.pending = [s for s in self.pending if s not in batch]
+        try:
+            results: list[list[Generation]] | list[Exception] = \
+                await self.engine.generate([s.request for s in batch])
+        except Exception as exc:  # Rejected, or a bad setting: every caller of the batch hears it
+            results = [exc] * len(batch)
+        except BaseException:  # cancelled: the batch waits for the next caller to run it
+            self.pending = batch + self.pending
+            raise
+        for s, result in zip(batch, results, strict=True):
+            s.result = result
 
 
 class EndpointRollout:
