@@ -343,3 +343,22 @@ async def test_batch_engine_calls_are_gathered_and_a_cancelled_caller_strands_no
         engine.gate.set()
     assert got == {k: [k] for k in range(1, 5)}
     assert engine.sizes == [1, 4] and not batcher.pending
+
+
+@pytest.mark.anyio
+async def test_a_port_in_use_is_an_error_naming_the_key(model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = make(model, port=taken.getsockname()[1])
+        with pytest.raises(BaseException) as info:
+            async with anyio.create_task_group() as tg:
+                await tg.start(r.serve)
+    leaves, todo = [], [info.value]
+    while todo:
+        e = todo.pop()
+        todo += list(e.exceptions) if isinstance(e, BaseExceptionGroup) else []
+        leaves.append(e)
+    assert any(isinstance(e, OSError) and "agent.rollout.host / port" in str(e) for e in leaves)

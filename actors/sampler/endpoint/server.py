@@ -240,8 +240,23 @@ async def serve(rollout: EndpointRollout, *, task_status=anyio.TASK_STATUS_IGNOR
     import trio  # hypercorn's trio worker: the sampler's loop is trio's (the default backend)
 
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(hypercorn_serve, app(rollout), config)
+        try:
+            urls = await nursery.start(hypercorn_serve, app(rollout), config)
+        except BaseException as exc:  # hypercorn's bind error arrives in an exception group
+            bind = _leaf_oserror(exc)
+            if bind is None:
+                raise
+            raise OSError(f"agent.rollout: cannot listen on {R.host}:{R.port} "
+                          f"(agent.rollout.host / port): {bind}") from None
         rollout.base_url = urls[0].rstrip("/")
         rollout.serving.set()
         task_status.started(rollout.base_url)
 
+
+
+def _leaf_oserror(exc: BaseException) -> OSError | None:
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((e for e in map(_leaf_oserror, exc.exceptions) if e is not None), None)
+    return None
