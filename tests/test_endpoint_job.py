@@ -39,6 +39,7 @@ from tests.jobs import (
     metrics,
     pids_of,
     status_lines,
+    validations,
 )
 from tests.tiny_model import build_tiny_model
 
@@ -71,7 +72,8 @@ def run_dir(tmp_path_factory) -> Path:
     res = subprocess.run(command(
         model, run, f"learner.total_steps={STEPS}", "sampler.max_tokens=16",
         f"agent.rollout.path={base / 'my_agent.py'}", "agent.processes=4",
-        "learner.save_every=20"), cwd=ROOT, capture_output=True, text=True, timeout=900)
+        "learner.save_every=20", 'validation.datasets=[{builtin="repeat_letter", size=2}]',
+        "validation.every=15"), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return run
 
@@ -94,6 +96,10 @@ def test_it_learns_the_functions_reward_and_the_counters_balance(run_dir):
     assert sampler["endpoint_episodes"] >= STEPS and sampler["endpoint_episode_errors"] == 0
     assert sampler["endpoint_calls"] == 2 * sampler["endpoint_episodes"]
     assert not actor_pids(run_dir)
+    # live validation runs the same function: its rewards are shares, not the scorer's 0 or 1
+    assert [v["step"] for v in validations(run_dir)] == [0, 15, 30]
+    rewards = [r for row in read_table(run_dir, "validation").to_pylist() for r in row["rewards"]]
+    assert len(rewards) == 3 * 2 * 4 and any(0 < r < 1 for r in rewards), rewards
 
 
 def test_the_recording_keeps_both_calls_in_one_sample(run_dir):
