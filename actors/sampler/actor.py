@@ -43,12 +43,12 @@ from actors.runtime.tensors import from_wire
 from actors.runtime.transports.base import resolve_transport
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
-from actors.sampler.agent.loop import AgentLoop
 from actors.sampler.engines import registry
 from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.lending import lend_idle
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
+from actors.sampler.strategies import start_strategy
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Abort
 from messages.rollout import (
@@ -383,9 +383,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                                 ranks=registry.receiving_ranks(cfg.engine, cfg),
                                 timeout_s=topo.learner.collective_timeout_s)
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
-    agent = AgentLoop(engine, tokenizer, topo.agent) if topo.agent.enabled else None
-    if agent is not None:
-        await agent.start()  # the tools' schemas, built in a child
+    agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
                       greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,
                       agent=agent)
@@ -399,6 +397,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 tg.start_soon(weights.serve)
                 tg.start_soon(scoring.serve)
                 tg.start_soon(engine.watch)
+                if agent is not None:
+                    tg.start_soon(agent.serve)
                 tg.start_soon(sampler.keep_alive)
                 tg.start_soon(sampler.run, tg)
         finally:

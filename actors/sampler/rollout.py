@@ -27,6 +27,7 @@ from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
 
 if TYPE_CHECKING:
     from actors.sampler.agent.loop import AgentLoop
+    from actors.sampler.endpoint.strategy import EndpointRollout
 
 
 def turns_of(c: Generation) -> list[Turn]:
@@ -40,6 +41,12 @@ def with_env_reward(result: ScoreResult, c: Generation) -> float:
     a failed scoring stays 0.0."""
     env = getattr(c, "env_reward", None)
     return result.score if env is None or result.error else result.score + env
+
+
+def own_result(c: Generation) -> ScoreResult | None:
+    """The reward a sample brought with it (an endpoint episode's return value), or None: the
+    scorer's."""
+    return getattr(c, "own", None)
 
 
 @dataclass
@@ -58,12 +65,12 @@ class Rollout:
 
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, scoring: ScoringClient, *,
                  params: SamplingParams, n: int, greedy_baseline: bool, sampler: str,
-                 agent: AgentLoop | None = None) -> None:
+                 agent: AgentLoop | EndpointRollout | None = None) -> None:
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
         self.params, self.n = params, n
         self.greedy_baseline = greedy_baseline  # remax: one greedy completion per prompt too
         self.sampler = sampler  # the sampler's name, recorded with each group
-        self.agent = agent  # multi-turn rollouts with tools or an environment ([agent])
+        self.agent = agent  # multi-turn rollouts: tools or an environment, or an endpoint
 
     async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
                         params: SamplingParams, n: int) -> list[list[Generation]]:
@@ -97,6 +104,8 @@ class Rollout:
                                     stop=self.params.stop)
             greedy = [g[0] for g in await self._generate(prompts, ids, params, 1)]
         seconds = time.monotonic() - started
+        if self.agent is not None:  # a strategy's samples may follow a prompt of their own
+            ids = [self.agent.group_prompt(i, g) for i, g in zip(ids, groups, strict=True)]
         return [Generated(p, i, g, b, seconds)
                 for p, i, g, b in zip(prompts, ids, groups, greedy, strict=True)]
 
@@ -122,7 +131,8 @@ class Rollout:
             responses.append(Response(self.tokenizer.decode(g.greedy.token_ids.tolist()),
                                       len(g.greedy.token_ids), turns_of(g.greedy)))
         p = g.prompt
-        if self.agent is not None and self.agent.env_reward_only:
+        own = [own_result(c) for c in [*g.completions, *([g.greedy] if g.greedy else [])]]
+        if (self.agent is not None and self.agent.env_reward_only) or None not in own:
             reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
         else:
             reply = await self.scoring.score(ScoreRequest(
@@ -133,6 +143,7 @@ class Rollout:
             f"no reward worker answered after {self.scoring.attempts} sends "
             f"{self.scoring.timeout_s:g} s apart")
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
+        results = [r if o is None else o for r, o in zip(results, own, strict=True)]
         rewards = [with_env_reward(r, c) for r, c in
                    zip(results, [*g.completions, *([g.greedy] if g.greedy else [])], strict=True)]
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),

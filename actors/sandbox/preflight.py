@@ -14,6 +14,8 @@ What each role needs (how the job calls it, ``actors/sandbox/protocol.run_call``
 - ``tool``: a function (plain or ``async def``) taking its ``kwargs``, whose signature makes the
   JSON schema the model is shown (``actors/sandbox/tools.schema_of``).
 - ``env``: a class taking its ``kwargs``, with ``reset(prompt)`` and ``step(action)``.
+- ``rollout``: ``async def rollout(client, row)`` (``[agent.rollout]``, awaited on the child's
+  asyncio loop).
 """
 
 from __future__ import annotations
@@ -113,6 +115,16 @@ def check_function(path: str, module: str, name: str, role: str, kwargs: list[st
         case "reward_batch":
             return _binds(obj, name, BATCH_ARGUMENTS, kwargs,
                           "a batch reward function is called (reward.functions[].batch = true)")
+        case "rollout":
+            if not inspect.iscoroutinefunction(obj):
+                return f"{name} is not an async def: the episode awaits rollout(client, row)"
+            signature = _signature(obj)
+            try:
+                if signature is not None:
+                    signature.bind(None, None)
+            except TypeError as exc:
+                return f"{name}{signature} cannot be called as rollout(client, row): {exc}"
+            return ""
     signature = _signature(obj)  # a tool: its kwargs are bound by the job, the rest by the model
     if signature is not None:
         try:

@@ -43,8 +43,9 @@ class FunctionSpec(msgspec.Struct, frozen=True):
     batch: bool = False  # called once with lists for a whole call, returning a list
     kwargs: dict[str, Any] = {}  # appended to every invocation's keyword arguments
     preload: tuple[str, ...] = ()  # modules imported when the child starts (not on the clock)
-    returns: str = "score"  # "score" (a reward), "text" (a tool's result) or "step" (an
-    # environment's (observation, reward, done)): how the child reads the return value
+    returns: str = "score"  # "score" (a reward), "text" (a tool's result), "step" (an
+    # environment's (observation, reward, done)) or "episode" (a user rollout's reward, dict
+    # or None): how the child reads the return value
 
     @property
     def label(self) -> str:
@@ -162,8 +163,24 @@ def to_step_outcome(value: Any) -> Outcome:
     return Outcome(scored.score, extra={"done": float(done)}, text=_text(observation))
 
 
+TO_SCORER = "to the scorer"  # an episode's ``Outcome.text`` when it returned None
+
+
+def to_episode_outcome(value: Any) -> Outcome:
+    """A user rollout's return value (``actors/sampler/endpoint``): ``None`` leaves the reward
+    to the configured scorer (``text`` is ``TO_SCORER``); a number is the reward; a dict is
+    reward components, its ``score`` the reward (the sum of its numbers when it has none)."""
+    if value is None:
+        return Outcome(text=TO_SCORER)
+    if isinstance(value, dict) and "score" not in value:
+        numbers = [v for v in value.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+        value = {**value, "score": float(sum(numbers))}
+    return to_outcome(value)
+
+
 CONVERTERS: dict[str, Callable[[Any], Outcome]] = {
-    "score": to_outcome, "text": to_text_outcome, "step": to_step_outcome}
+    "score": to_outcome, "text": to_text_outcome, "step": to_step_outcome,
+    "episode": to_episode_outcome}
 
 
 def _is_numpy_number(value: Any) -> bool:

@@ -5,7 +5,13 @@ across fields, ``load`` the TOML reading and dotted overrides. The names below a
 ones; import them from here.
 """
 
-from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig, AgentEnv, AgentTool
+from actors.runtime.config.agent import (
+    BUILTIN_TOOLS,
+    AgentConfig,
+    AgentEnv,
+    AgentRollout,
+    AgentTool,
+)
 from actors.runtime.config.algorithm import (
     AlgorithmConfig,
     CorrectionConfig,
@@ -42,7 +48,7 @@ from actors.runtime.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ActorCommon", "AgentConfig", "AgentEnv",
+    "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ActorCommon", "AgentConfig", "AgentEnv", "AgentRollout",
     "AgentTool", "AlgorithmConfig", "ConfigError",
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",

@@ -39,12 +39,39 @@ class AgentEnv(_Section, frozen=True):
     replace: that sum alone (no scoring request is sent)."""
 
 
+class AgentRollout(_Section, frozen=True):
+    path: str = ""
+    """A Python file holding ``async def rollout(client, row)``: the user's own agent, run in a
+    sandboxed child against an OpenAI-compatible endpoint the sampler serves per episode
+    (``actors/sampler/endpoint/``); set instead of tools or an environment."""
+    name: str = "rollout"
+    """The function in ``path``: ``(client: openai.AsyncOpenAI, row: dict) -> float | dict |
+    None`` (None: the configured scorer scores the transcript; a dict: reward components)."""
+    max_calls: int = 16
+    """Model calls one episode may make; the call past them is refused (400) and the episode
+    recorded as failed."""
+    episode_timeout_s: float = 300.0
+    """Seconds one episode may run; past them its child is killed and the episode is recorded
+    as failed (``timeout``)."""
+    on_failure: Literal["zero", "drop"] = "zero"
+    """An episode that raised, timed out or exceeded max_calls: zero: its samples are trained on
+    with reward 0, the failure recorded in their turns; drop: its samples carry the error as a
+    reward error, so the replay buffer records and drops their group."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on (the children reach it there)."""
+    port: int = 0
+    """TCP port of the endpoint (0: a free one, chosen when the sampler starts)."""
+
+
 class AgentConfig(_Section, frozen=True):
     tools: list[AgentTool] = []
     """Tools the model may call (``[[agent.tools]]``). With tools or an environment, rollouts
     are multi-turn (``actors/sampler/agent/``)."""
     env: AgentEnv = AgentEnv()
     """An environment instead of tools (``[agent.env]``)."""
+    rollout: AgentRollout = AgentRollout()
+    """A user's agent function served by an OpenAI-compatible endpoint (``[agent.rollout]``),
+    instead of tools or an environment."""
     max_turns: int = 4
     """The model's turns per sample; a tool call made in the last one is not run."""
     max_tool_response_tokens: int = 256
@@ -72,5 +99,5 @@ class AgentConfig(_Section, frozen=True):
 
     @property
     def enabled(self) -> bool:
-        """Tools or an environment are configured: rollouts are multi-turn."""
-        return bool(self.tools or self.env.path)
+        """Tools, an environment or a rollout function are configured: rollouts are multi-turn."""
+        return bool(self.tools or self.env.path or self.rollout.path)

@@ -304,6 +304,21 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
              else f"{A.env.name!r} is not a Python name")
     else:
         need(not A.env.name, "agent.env.name", "needs agent.env.path")
+    _check_rollout(A, need)
+
+
+def _check_rollout(A: AgentConfig, need: Any) -> None:
+    R = A.rollout
+    if not R.path:
+        return
+    need(not (A.tools or A.env.path), "agent.rollout.path",
+         "a rollout function replaces tools and environments: set one of agent.tools, "
+         "agent.env, agent.rollout")
+    need(Path(R.path).is_file(), "agent.rollout.path", f"no file {R.path!r}")
+    need(R.name.isidentifier(), "agent.rollout.name", f"{R.name!r} is not a Python name")
+    need(R.max_calls >= 1, "agent.rollout.max_calls", "must be >= 1")
+    need(R.episode_timeout_s > 0, "agent.rollout.episode_timeout_s", "must be > 0")
+    need(0 <= R.port <= 65535, "agent.rollout.port", "must be 0 (any free port) to 65535")
 
 
 def _dataset_columns(path: Path) -> set[str]:

@@ -55,6 +55,10 @@ def user_code(topology: Topology) -> list[tuple[str, dict[str, Any]]]:
     if A.env.path:
         out.append(("agent.env.path", {"path": A.env.path, "module": "", "name": A.env.name,
                                        "role": "env", "kwargs": sorted(A.env.kwargs)}))
+    if A.rollout.path:
+        out.append(("agent.rollout.path", {"path": A.rollout.path, "module": "",
+                                           "name": A.rollout.name, "role": "rollout",
+                                           "kwargs": []}))
     return [(key, {**args, "index": n}) for n, (key, args) in enumerate(out)]
 
 

@@ -193,6 +193,14 @@ class AgentLoop:
             if self.cfg.stop_at_call:
                 self.stop = self.parser.stop
 
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Nothing to serve beside the sampler's work (the endpoint strategy serves HTTP)."""
+        task_status.started()
+
+    def group_prompt(self, ids: list[int], completions: list[AgentGeneration]) -> list[int]:
+        """Every sample follows the prompt's own tokens."""
+        return ids
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's tokens, with the tools described (``render.prompt_ids``)."""
         schemas = self.tools.schemas if self.tools is not None else []

@@ -1,0 +1,147 @@
+"""The OpenAI wire format: request bodies decoded (a bad one is a ``BadRequest`` naming the
+field), messages rendered by the chat template, a completion's text read back as content and
+tool calls, and the response bodies (with the token ids and policy version as extra fields,
+vLLM's ``return_token_ids`` style).
+
+Unknown request fields are ignored, as OpenAI-compatible servers do (clients send
+``stream_options``, ``parallel_tool_calls``, ``user``...); known ones are type-checked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import msgspec
+
+from actors.sampler.agent.parsers import Parser
+
+
+class BadRequest(Exception):
+    """A request the endpoint cannot serve: answered 400 with this reason."""
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    messages: list[dict[str, Any]]
+    model: str = ""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    prompt: str | list[int]
+    model: str = ""
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    stream: bool | None = None
+
+
+def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadRequest(f"bad request body: {exc}") from None
+    if not 1 <= request.n <= 16:
+        raise BadRequest("n: must be 1 to 16")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, key, None)
+        if value is not None and value < 1:
+            raise BadRequest(f"{key}: must be at least 1")
+    for key in ("temperature", "top_p"):
+        value = getattr(request, key)
+        if value is not None and not 0 <= value <= (2 if key == "temperature" else 1):
+            raise BadRequest(f"{key}: {value} is out of range")
+    if isinstance(request, ChatRequest):
+        if not request.messages:
+            raise BadRequest("messages: must not be empty")
+        if isinstance(request.tool_choice, dict) or request.tool_choice == "required":
+            raise BadRequest("tool_choice: only 'auto' and 'none' are served (forcing a call "
+                             "needs constrained decoding)")
+    return request
+
+
+def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:
+    return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _content(value: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+    raise BadRequest(f"a message's content is {type(value).__name__}, not text or parts")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content, tool-call arguments as objects
+    (the API sends them as JSON strings; templates write them with ``tojson``)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role: missing or not a string")
+        one = {**m, "content": _content(m.get("content"))}
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**call, "function": fn})
+            one["tool_calls"] = calls
+        out.append(one)
+    return out
+
+
+def render(hf_tokenizer: Any, request: ChatRequest) -> str:
+    """The request's conversation as the chat template writes it, the assistant's turn opened."""
+    extra = {"tools": request.tools} if request.tools and request.tool_choice != "none" else {}
+    try:
+        return str(hf_tokenizer.apply_chat_template(
+            template_messages(request.messages), tokenize=False, add_generation_prompt=True,
+            **extra))
+    except BadRequest:
+        raise
+    except Exception as exc:  # jinja's errors: a message the template refuses
+        raise BadRequest(f"the chat template refused the messages: {exc}") from None
+
+
+def assistant_message(text: str, parser: Parser | None) -> tuple[dict[str, Any], bool]:
+    """The message a completion's text makes, and whether it calls tools (read by ``parser``,
+    ``agent.parser``; None: the request has no tools). The content is the text before the
+    first call."""
+    calls = [c for c in parser.parse(text) if not c.error] if parser is not None else []
+    if not calls:
+        return {"role": "assistant", "content": text}, False
+    opens = [i for tag in ("<tool_call>", *(f"<{c.name}>" for c in calls))
+             if (i := text.find(tag)) >= 0]
+    content = text[:min(opens, default=0)].strip() or None
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call_{k}_{time.time_ns() % 10**9}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        for k, c in enumerate(calls)]}, True
+
+
+def logprobs_content(pieces: list[str], logprobs: list[float]) -> list[dict[str, Any]]:
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(pieces, logprobs, strict=True)]

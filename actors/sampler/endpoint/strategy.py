@@ -1,0 +1,248 @@
+"""The endpoint rollout strategy: each episode is the user's ``rollout(client, row)`` in a
+sandboxed child, its model calls served by this sampler's engine (``server.py``) and merged
+into one sample token in and token out (``episodes.py``).
+
+Every episode has its own address, ``http://HOST:PORT/episodes/ID/v1``; ``n`` episodes of a
+prompt make its group. All calls of an episode go to this sampler's one engine (sticky: its
+prefix cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
+calls that arrive while it is busy as one batch when it is free (one batch per sampling
+setting); a continuous engine (vllm) gets each call at once.
+
+The reward is the function's return value, or, when it returns None, the configured scorer's
+on the transcript (``Rollout.score_group``). An episode that raises, times out
+(``agent.rollout.episode_timeout_s``: its child is killed) or makes more than
+``agent.rollout.max_calls`` calls is a failure, recorded in its sample's turns and counted;
+``on_failure`` says whether its sample trains with reward 0 or is dropped with its group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from actors.data.chat import ChatTokenizer, as_dicts
+from actors.runtime.config import AgentConfig
+from actors.sampler.agent.loop import AgentGeneration, Transcript
+from actors.sampler.endpoint.episodes import Episode
+from actors.sampler.engines.base import Engine, GenerateRequest, Generation
+from actors.sandbox.pool import ChildPool
+from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
+from messages.reward import ScoreResult
+from messages.rollout import Prompt, SamplingParams, Turn
+
+
+@dataclass
+class EndpointGeneration(AgentGeneration):
+    """An episode's sample: its per-token tensors after the group's prompt, its turns, and the
+    reward its function returned (None: the scorer's)."""
+
+    own: ScoreResult | None = None
+    prompt_ids: list[int] | None = None  # the group's prompt these tokens follow
+
+
+class _Slot:
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self.result: list[Generation] | Exception | None = None
+
+
+class Batcher:
+    """A batch engine's calls: those that arrive while it generates go as one batch next (one
+    batch per sampling setting). The caller whose call finds the engine idle runs batches
+    until its own is done; the others wait for it to stop and then take over, so a caller
+    cancelled mid-batch (its batch goes back to the queue) never strands the rest."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending: list[_Slot] = []
+        self.firing = False  # a caller is running batches now
+        self.idle = anyio.Event()  # set when that caller stops
+
+    async def generate(self, request: GenerateRequest) -> list[Generation]:
+        slot = _Slot(request)
+        self.pending.append(slot)
+        try:
+            while slot.result is None:
+                if self.firing:
+                    await self.idle.wait()
+                    continue
+                self.firing, self.idle = True, anyio.Event()
+                try:
+                    while slot.result is None:
+                        await self._fire()
+                finally:
+                    self.firing = False
+                    self.idle.set()
+        except BaseException:  # this caller is gone: its request is nobody's to run
+            if slot in self.pending:
+                self.pending.remove(slot)
+            raise
+        if isinstance(slot.result, Exception):
+            raise slot.result
+        return slot.result
+
+    async def _fire(self) -> None:
+        like = self.pending[0].request
+        batch = [s for s in self.pending if (s.request.params, s.request.n) == (like.params, like.n)]
+        self.pending = [s for s in self.pending if s not in batch]
+        try:
+            results: list[list[Generation]] | list[Exception] = \
+                await self.engine.generate([s.request for s in batch])
+        except Exception as exc:  # Rejected, or a bad setting: every caller of the batch hears it
+            results = [exc] * len(batch)
+        except BaseException:  # cancelled: the batch waits for the next caller to run it
+            self.pending = batch + self.pending
+            raise
+        for s, result in zip(batch, results, strict=True):
+            s.result = result
+
+
+class EndpointRollout:
+    """``[agent.rollout]``: user agents against an OpenAI-compatible endpoint per episode."""
+
+    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: AgentConfig) -> None:
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        R = cfg.rollout
+        self.pool = ChildPool(
+            [FunctionSpec(module="actors.sandbox.episode", name="run_episode", returns="episode",
+                          preload=("openai",),
+                          kwargs={"rollout_path": R.path, "rollout_name": R.name,
+                                  "call_timeout_s": R.episode_timeout_s})],
+            size=cfg.processes, timeout_s=R.episode_timeout_s, memory_mb=cfg.memory_mb,
+            cpu_s=cfg.cpu_s, limits_key="agent", timeout_key="rollout.episode_timeout_s")
+        self.batcher = Batcher(engine)
+        self.episodes: dict[str, Episode] = {}  # open episodes by id
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}{time.time_ns() % 10**6:x}"
+        self.base_url = ""  # http://HOST:PORT, once serving
+        self.serving = anyio.Event()
+        self.stats = dict.fromkeys(("episodes", "episode_errors", "episode_timeouts", "calls",
+                                    "bad_calls", "branches", "call_tokens"), 0)
+        self.call_seconds = 0.0  # engine time of the calls, all together
+
+    broken = ""  # nothing here stops the job: every failure is one episode's
+    env_reward_only = False
+
+    def statistics(self) -> dict[str, int | str]:
+        return {f"endpoint_{k}": v for k, v in self.stats.items()}
+
+    async def start(self) -> None:
+        pass
+
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve the endpoint until cancelled (``server.serve``)."""
+        from actors.sampler.endpoint.server import serve
+
+        await serve(self, task_status=task_status)
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return self.tok.prompt_ids(prompt.messages)
+
+    def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
+        """The prompt the group's samples follow: the common prefix of their own prompts."""
+        own = [c.prompt_ids for c in completions if isinstance(c, EndpointGeneration)
+               and c.prompt_ids is not None]
+        return own[0] if own else ids
+
+    async def call_engine(self, ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+        started = time.monotonic()
+        request = GenerateRequest(ids, params, n)
+        if self.engine.continuous:
+            (gens,) = await self.engine.generate([request])
+        else:
+            gens = await self.batcher.generate(request)
+        self.call_seconds += time.monotonic() - started
+        self.stats["call_tokens"] += sum(len(g.token_ids) for g in gens)
+        return gens
+
+    async def generate(self, prompts: list[Prompt], ids: list[list[int]], n: int,
+                       params: SamplingParams) -> list[list[EndpointGeneration]]:
+        """``n`` episodes of each prompt, all at once; samples in prompt order."""
+        await self.serving.wait()
+        out: list[list[tuple[Episode, Outcome]]] = [[] for _ in prompts]
+
+        async def one(i: int) -> None:
+            out[i].append(await self.episode(prompts[i], params))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                for _ in range(n):
+                    tg.start_soon(one, i)
+        return [self.group(ids[i], out[i]) for i in range(len(prompts))]
+
+    async def episode(self, prompt: Prompt, params: SamplingParams) -> tuple[Episode, Outcome]:
+        eid = f"{self._prefix}-{next(self._ids)}"
+        ep = Episode(params, max_calls=self.cfg.rollout.max_calls)
+        self.episodes[eid] = ep
+        row = {"prompt": as_dicts(prompt.messages), "data_source": prompt.data_source,
+               "reward_model": {"ground_truth": prompt.ground_truth, "style": "rule"},
+               "extra_info": dict(prompt.extra_info)}
+        try:
+            (o,) = await self.pool.call(Call(0, [{
+                "base_url": f"{self.base_url}/episodes/{eid}/v1", "row": row}], 1))
+        finally:
+            del self.episodes[eid]
+        self.stats["episodes"] += 1
+        self.stats["branches"] += ep.branches
+        if ep.calls > ep.max_calls:  # whatever the function did with the refusal
+            o = Outcome(error=f"made more than agent.rollout.max_calls = {ep.max_calls} calls",
+                        failure="max_calls", trace=o.trace)
+        if o.error:
+            self.stats["episode_errors"] += 1
+            self.stats["episode_timeouts"] += o.failure == "timeout"
+        return ep, o
+
+    def group(self, ids: list[int], episodes: list[tuple[Episode, Outcome]]
+              ) -> list[EndpointGeneration]:
+        """The group's samples on the common prefix of their prompts (the dataset prompt's
+        tokens when no episode made a call)."""
+        prompts = [s.prompt for s in (ep.sample() for ep, _ in episodes) if s is not None] or [ids]
+        k = len(prompts[0])
+        for p in prompts[1:]:
+            k = min(k, len(p))
+            k = next((j for j in range(k) if p[j] != prompts[0][j]), k)
+        prefix = prompts[0][:k]
+        return [self.sample(prefix, ep, o) for ep, o in episodes]
+
+    def sample(self, prefix: list[int], ep: Episode, o: Outcome) -> EndpointGeneration:
+        seg = ep.sample()
+        t = Transcript()
+        if seg is not None and len(seg.prompt) > len(prefix):  # its own prompt's remainder
+            rest = seg.prompt[len(prefix):]
+            t.observation(rest, Turn("user", 0, 0, content=self.tok.decode(rest)))
+        if seg is not None:
+            offset = len(t.ids)
+            t.ids += seg.t.ids
+            t.logprobs += seg.t.logprobs
+            first_own = next((v for v, m in zip(seg.t.versions, seg.t.mask, strict=True) if m),
+                             self.engine.version)
+            t.versions = [first_own] * offset + seg.t.versions
+            t.mask += seg.t.mask
+            t.turns += [Turn(x.role, x.start + offset, x.end + offset, content=x.content,
+                             error=x.error, failure=x.failure, latency_s=x.latency_s)
+                        for x in seg.t.turns]
+        if o.error:
+            t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
+                                error=o.error, failure=o.failure or "raised"))
+        finish = "stop"
+        if seg is not None and seg.t.turns and ep.room(seg) == 0:
+            finish = "length"
+        if o.error:
+            own: ScoreResult | None = ScoreResult(
+                0.0, error=f"episode {o.failure or 'raised'}: {o.error}"
+                if self.cfg.rollout.on_failure == "drop" else "", trace=o.trace)
+        elif o.text == TO_SCORER:
+            own = None
+        else:
+            own = ScoreResult(o.score, extra=dict(o.extra), answer=o.answer)
+        g = t.generation(finish, self.engine.version, None)
+        return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
+                                  g.finish_reason, g.version, turns=g.turns, own=own,
+                                  prompt_ids=prefix)
