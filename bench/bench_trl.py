@@ -16,7 +16,10 @@ temperature 1.0, AdamW at lr 1e-5, no KL term, PPO clip ε = 0.2. TRL's ``GRPOTr
 a child process (``torch`` threads = cores unless ``threads=N``), generating with transformers (no vLLM)
 and then training, in turns; flowrl runs its actors as ``topology.toml`` places them (or as the
 overrides say), without the default job's validation rounds (TRL runs none here;
-``validation.every=10`` as an override puts them back).
+``validation.every=10 validation.before_training=true`` as overrides put them back). Until
+2026-11-24 the step-0 round still ran (``validation.every=0`` alone leaves
+``before_training`` on): the flowrl figures recorded before then include one validation
+round (128 samples, about 35 s on these cores) in their time.
 
 Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
@@ -47,7 +50,8 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
                f"learner.total_steps={steps}", "run.status_interval=0",
-               f"learner.save_every={steps}", "validation.every=0", *overrides]
+               f"learner.save_every={steps}", "validation.every=0",
+               "validation.before_training=false", *overrides]
         started = last = None
         cpu_start = cpu_end = 0.0
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
