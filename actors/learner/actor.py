@@ -68,12 +68,15 @@ class Learner:
 
     def gather_weights(self):
         """The weights in the samplers' dtype: on the learner's device for a GPU transport,
-        on the CPU otherwise."""
+        on the CPU otherwise; with LoRA the adapters only (``Policy.adapter_snapshot``)."""
         policy = self.trainer.policy
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
         on_gpu = TRANSPORTS[self.weights.transport].gpu
-        return policy.snapshot(dtype, policy.device if on_gpu else "cpu")
+        device = policy.device if on_gpu else "cpu"
+        if policy.adapter_spec() is not None:  # LoRA: the adapters only, the base stays put
+            return policy.adapter_snapshot(dtype, device)
+        return policy.snapshot(dtype, device)
 
     def save_checkpoint(self):
         self.tell(RanksSave())
@@ -93,7 +96,8 @@ class Learner:
         started = time.monotonic()
         tensors = await anyio.to_thread.run_sync(on_device(self.group.device, self.gather_weights))
         await self.weights.publish(policy.version, tensors,
-                                   bucket_bytes=self.cfg.weights_bucket_mb << 20)
+                                   bucket_bytes=self.cfg.weights_bucket_mb << 20,
+                                   adapter=policy.adapter_spec())
         self.weight_sync_s = time.monotonic() - started
         await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
 

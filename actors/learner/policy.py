@@ -36,6 +36,7 @@ from actors.runtime.rundir import (
 )
 from kernels import varlen_attention
 from kernels.kl import AdaptiveKLController, FixedKLController
+from messages.weights import AdapterSpec
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
@@ -229,6 +230,27 @@ class Policy:
                 value = merged.get(clean, p).detach()
                 out.append((clean, value.to(device, dtype or value.dtype, copy=True)))
         return out
+
+    def adapter_spec(self) -> AdapterSpec | None:
+        """What the samplers need to apply this policy's LoRA adapters (None: full weights)."""
+        lora = self.cfg.lora
+        if lora.rank == 0:
+            return None
+        return AdapterSpec(rank=lora.rank, alpha=lora.alpha,
+                           target_modules=list(lora.target_modules))
+
+    def adapter_snapshot(self, dtype: torch.dtype | None = None,
+                         device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """A copy of the LoRA adapters only (what a LoRA version publishes: the base never
+        changes), under the names PEFT saves them with (``...q_proj.lora_A.weight``, what
+        ``PeftModel.from_pretrained`` and vLLM's LoRA loading read), in ``dtype`` (default: as
+        trained), on ``device``. One rank: the adapters are not sharded."""
+        from peft import get_peft_model_state_dict
+
+        with torch.no_grad():
+            state = get_peft_model_state_dict(self.model)
+            return [(name, value.detach().to(device, dtype or value.dtype, copy=True))
+                    for name, value in state.items()]
 
     def save_checkpoint(self) -> Path:
         """Write an HF-format checkpoint atomically (temp dir, then rename); then remove the ones

@@ -52,6 +52,24 @@ def parameter_count(model_dir: Path) -> int:
     return layers * per_layer + embed + h
 
 
+def linear_modules(model_dir: Path) -> set[str] | None:
+    """The last name part of every module of the model in ``model_dir`` with a 2-D
+    ``weight`` (``q_proj``, ``lm_head``, ``embed_tokens``...: what LoRA ``target_modules``
+    can name), from its safetensors headers; None without them (not judged)."""
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None
+    names: set[str] = set()
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name.endswith(".weight") and len(info.get("shape", ())) == 2:
+                names.add(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    return names
+
+
 def sent_dtype(topology, learner_on_gpu: bool) -> str:
     """The dtype weights are published in (``learner.weights_dtype``; auto: the compute dtype)."""
     L = topology.learner

@@ -32,11 +32,12 @@ class EngineRow:
     ranks: str = ""  # the sampler key giving its receiving workers ("": one), dotted
     receives: tuple[str, ...] = ("zmq", "shm")  # the weights transports it has a receiver for
     needs_cuda: tuple[str, ...] = ()  # of those, the ones it can take only on CUDA
+    adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
 
 
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow("hf", "actors.sampler.engines.hf", receives=("zmq", "shm", "nccl", "ipc"),
-              needs_cuda=("ipc",)),  # nccl: gloo on a CPU
+              needs_cuda=("ipc",), adapters=True),  # nccl: gloo on a CPU
     EngineRow("vllm", "actors.sampler.engines.vllm",
               problem="actors.sampler.engines.vllm:vllm_problem", continuous=True,
               prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
