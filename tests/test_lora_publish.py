@@ -5,6 +5,8 @@ adapters is a config error at start."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import msgspec
 import pytest
@@ -32,14 +34,30 @@ def topology(*overrides: str):
     return decode_topology(apply_overrides({}, list(overrides)))
 
 
-def test_an_engine_that_cannot_apply_adapters_is_a_config_error(tiny_model):
-    with pytest.raises(ConfigError, match=r"sampler\.engine: vllm cannot apply the LoRA adapters"):
-        topology(f"model.path={tiny_model}", "learner.lora.rank=8", "sampler.engine=vllm")
+def test_a_sampler_that_cannot_apply_the_adapters_is_a_config_error(tiny_model, monkeypatch):
+    from actors.sampler.engines import registry
+
+    lora = [f"model.path={tiny_model}", "learner.lora.rank=8"]
+    monkeypatch.setitem(registry.ENGINES, "hf",
+                        dataclasses.replace(registry.ENGINES["hf"], adapters=False))
+    with pytest.raises(ConfigError, match=r"sampler\.engine: hf cannot apply the LoRA adapters "
+                                          r"learner\.lora\.rank = 8 publishes"):
+        topology(*lora, "sampler.engine=hf")
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules: \['c_attn'\] are no "
                                           r"linear module"):
-        topology(f"model.path={tiny_model}", "learner.lora.rank=8", "sampler.engine=hf",
-                 'learner.lora.target_modules=["q_proj", "c_attn"]')
-    topology(f"model.path={tiny_model}", "learner.lora.rank=8", "sampler.engine=hf")
+        topology(*lora, "sampler.engine=hf", 'learner.lora.target_modules=["q_proj", "c_attn"]')
+    with pytest.raises(ConfigError, match=r"learner\.lora\.rank: vllm serves LoRA ranks up to 512"):
+        topology(f"model.path={tiny_model}", "learner.lora.rank=1024", "sampler.engine=vllm")
+    with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules: vllm cannot serve "
+                                          r"adapters on \['lm_head'\]"):
+        topology(*lora, "sampler.engine=vllm", 'learner.lora.target_modules=["q_proj", "lm_head"]')
+    with pytest.raises(ConfigError, match=r"learner\.weights_transport: nccl: LoRA adapters reach "
+                                          r"vllm as a folder"):
+        topology(*lora, "sampler.engine=vllm", "learner.weights_transport=nccl",
+                 'learner.weights_address="tcp://127.0.0.1:5555"')
+    topology(*lora, "sampler.engine=hf")
+    topology(*lora, "sampler.engine=vllm")
 
 
 def sampled_groups(prompt_ids: list[int], generations) -> list[ScoredGroup]:
