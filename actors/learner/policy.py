@@ -164,8 +164,9 @@ class Policy:
             return AutoModelForCausalLM.from_pretrained(ckpt or base, dtype=self.dtype)
         from peft import LoraConfig, PeftModel, get_peft_model
         model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype)
-        if ckpt is not None:
-            return PeftModel.from_pretrained(model, ckpt / "adapter", is_trainable=True)
+        if ckpt is not None:  # the adapter at the top (older checkpoints: in adapter/)
+            folder = ckpt / "adapter" if (ckpt / "adapter").is_dir() else ckpt
+            return PeftModel.from_pretrained(model, folder, is_trainable=True)
         return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
                                                 lora_dropout=lora.dropout,
                                                 target_modules=list(lora.target_modules)))
@@ -257,7 +258,7 @@ class Policy:
         older than the ``keep_checkpoints`` newest (the final one is always kept).
 
         The weights are gathered whole to rank 0, which writes them as ``from_pretrained`` (and
-        vLLM) load them; the optimizer state is written sharded by every rank
+        vLLM) load them (LoRA: the adapter alone, in PEFT's format); the optimizer state is written sharded by every rank
         (``optimizer/``, torch.distributed.checkpoint), and loads with any number of ranks. A
         collective when sharded (the folder must be on a filesystem every rank sees)."""
         final = checkpoint_dir(self.run_dir, self.step)
@@ -271,13 +272,9 @@ class Policy:
         if self.cfg.lora.rank == 0:
             _save_pretrained(self.model, tmp, distributed.full_state_dict(self.model, self.group),
                              lead)
-        else:  # the merged model (loadable with from_pretrained) plus the adapter to resume from
-            core = self.model.get_base_model()
-            fresh = AutoModelForCausalLM.from_config(core.config, dtype=self.dtype)
-            fresh.load_state_dict(dict(self.snapshot()), strict=False)
-            fresh.tie_weights()
-            fresh.save_pretrained(tmp)
-            self.model.save_pretrained(tmp / "adapter")
+        elif lead:  # the PEFT adapter alone (megabytes): PeftModel.from_pretrained(base, it)
+            # and vLLM's LoRARequest load it; `runner.py export --merge` writes a merged model
+            self.model.save_pretrained(tmp)
         distributed.save_optimizer(tmp / "optimizer", self.model, self.optimizer, self.group)
         if self.critic is not None:
             state = distributed.full_state_dict(self.critic, self.group)

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology
 from actors.runtime.recording import last_by, read_table
@@ -118,8 +119,16 @@ def _generate_and_score(topo: Topology, model: Path, prompts, params, n: int,
     from actors.scoring.scorer import Scoring
 
     torch.set_num_threads(threads)
+    merged = None
+    if is_adapter(model):  # a LoRA checkpoint: its adapter merged into the base, for the engine
+        import tempfile
+        merged = Path(tempfile.mkdtemp(prefix="flowrl-validate-"))
+        model = merge_adapter(model, merged, topo.model.dtype)
     engine = HFEngine(model, topo.model.dtype, topo.run.seed * 1009 + 7919)
     tokenizer = ChatTokenizer(model)
+    if merged is not None:  # both are in memory now
+        import shutil
+        shutil.rmtree(merged, ignore_errors=True)
 
     async def main() -> list[dict[str, Any]]:
         scoring = Scoring(topo.reward)
