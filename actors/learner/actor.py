@@ -73,10 +73,7 @@ class Learner:
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
         on_gpu = TRANSPORTS[self.weights.transport].gpu
-        device = policy.device if on_gpu else "cpu"
-        if policy.adapter_spec() is not None:  # LoRA: the adapters only, the base stays put
-            return policy.adapter_snapshot(dtype, device)
-        return policy.snapshot(dtype, device)
+        return policy.published(dtype, policy.device if on_gpu else "cpu")
 
     def save_checkpoint(self):
         self.tell(RanksSave())
@@ -246,7 +243,7 @@ def follow(trainer: Trainer) -> int:
                 except Aborted:  # rank 0 is stopping: a checkpoint and the end come next
                     pass
             case RanksPublish(dtype=dtype):
-                policy.snapshot(getattr(torch, dtype))
+                policy.published(getattr(torch, dtype))
             case RanksSave():
                 policy.save_checkpoint()
             case RanksEnd():
