@@ -76,7 +76,7 @@ def per_sample(lp: torch.Tensor, group: ScoredGroup) -> list[torch.Tensor]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("transport", ["shm", "zmq", "nccl"])  # nccl: over gloo on the CPU
 async def test_sampler_logprobs_after_an_adapter_update_are_the_learners(tiny_model, tmp_path,
                                                                          sockets, transport):
     trainer = make_trainer(tiny_model, tmp_path, "learner.lora.rank=4", "learner.lora.alpha=32")
@@ -95,7 +95,8 @@ async def test_sampler_logprobs_after_an_adapter_update_are_the_learners(tiny_mo
         with anyio.fail_after(120), \
                 make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock, \
                 make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
-            publisher = WeightsPublisher(learner_sock, transport)
+            options = {"address": "127.0.0.1", "timeout_s": 60} if transport == "nccl" else {}
+            publisher = WeightsPublisher(learner_sock, transport, **options)
             subscriber = WeightsSubscriber(sampler_sock)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
