@@ -21,6 +21,7 @@ from actors.sampler.engines.base import GenerateRequest
 from actors.sampler.engines.registry import AdapterLimits
 from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
+from tests.jobs import status_lines
 from tests.learner_cases import make_trainer
 from tests.test_sampler import learner_logprobs, scored_group
 from tests.test_vllm import OPTIONS
@@ -103,3 +104,21 @@ async def test_each_version_is_an_adapter_and_requests_keep_theirs(engine, tiny_
     assert [a.version for a in engine.slots.loaded.values()] == [3]  # v2 gone once unused
     (gens,) = await engine.generate([GenerateRequest(ids, PARAMS, 2)])
     assert {int(v) for g in gens for v in g.versions} == {3}
+
+
+def test_a_vllm_lora_job_samples_with_the_adapters(tiny_vllm_model, tmp_path):
+    """A whole job: on-policy (max_staleness 0), the behaviour log-probs vLLM samples with are
+    the learner's with the adapters of each step; the engine holds at most its slots."""
+    from tests.test_vllm_jobs import run_job
+
+    run_dir = tmp_path / "run"
+    rows = run_job(tiny_vllm_model, run_dir, "learner.total_steps=5", "learner.lora.rank=8",
+                   "learner.lr=2e-2", "algorithm.max_staleness=0")
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert all(r["staleness/max"] == 0 for r in rows)
+    kls = [r["rollout_corr/kl"] for r in rows]
+    assert all(abs(k) < 1e-5 for k in kls), kls
+    steps = [line for line in status_lines(run_dir) if line["event"] == "step"]
+    sampler = steps[-1]["sampler-0"]
+    assert sampler["engine"] == "vllm" and sampler["version"] >= 4
+    assert all(0 < line["sampler-0"]["adapters"] <= 2 for line in steps)  # max_staleness + 2
