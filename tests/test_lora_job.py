@@ -1,12 +1,14 @@
 """A whole LoRA job through ``runner.py`` on the tiny model: the learner publishes adapters, the
 sampler applies every version (its behaviour log-probs are the learner's: importance weights of
-1), checkpoints are PEFT adapters, ``replay --step`` rebuilds a step from one, and the run
-resumes from its last."""
+1), checkpoints are PEFT adapters, ``replay --step`` rebuilds a step from one, ``validate`` runs one,
+and the run resumes from its last."""
 
 from __future__ import annotations
 
 import io
+import json
 import subprocess
+import sys
 
 from safetensors.torch import load_file
 
@@ -39,6 +41,16 @@ def test_a_lora_job_publishes_adapters_replays_and_resumes(tiny_model, tmp_path)
     report = io.StringIO()
     assert replay(run_dir, 4, out=report) == 0, report.getvalue()[-3000:]
     assert "step_3" in report.getvalue()
+
+    # validate merges the adapter checkpoint into its base for the engine
+    out = tmp_path / "val.json"
+    res = subprocess.run([sys.executable, "runner.py", "validate", str(run_dir), "--checkpoint",
+                          "step_6", "validation.n=2", "--out", str(out),
+                          'validation.datasets=[{builtin="repeat_letter", size=2}]'],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads(out.read_text())["step"] == 6
+    assert json.loads(out.read_text())["metrics"]["val-aux/samples"] == 4
 
     res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=8", *LORA), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
