@@ -154,3 +154,29 @@ async def test_adapters_of_another_shape_mid_run_are_refused(tiny_model):
     with pytest.raises(ValueError, match="changed shape"):
         await engine.load_weights(4, AdapterWeights(bigger, tensors))
     assert engine.version == 3
+
+
+def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from actors.runtime.config.capacity import (
+        VERSIONS_AT_ONCE,
+        adapter_count,
+        check_shm,
+        parameter_count,
+    )
+
+    targets = ("q_proj", "v_proj", "down_proj")
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                          LoraConfig(r=4, target_modules=list(targets)))
+    exact = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
+    assert adapter_count(tiny_model, 4, targets) == exact
+    lora = topology(f"model.path={tiny_model}", "learner.lora.rank=4",
+                    "learner.weights_address=ipc:///tmp/x/weights",  # shm: one host
+                    f"learner.lora.target_modules={list(targets)}".replace("'", '"'))
+    need = VERSIONS_AT_ONCE * exact * 4  # float32
+    assert need < parameter_count(tiny_model) * 4  # fits the adapters, not the model
+    check_shm(lora, shm_bytes=need)
+    with pytest.raises(ConfigError, match="learner.weights_transport"):
+        check_shm(lora, shm_bytes=need - 1)
