@@ -162,8 +162,8 @@ class VLLMEngine(SleepControl):
         self.sleeps = 0  # times the engine went to sleep
         self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
         self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
-        self.slots = AdapterSlots(SHM_DIR / f"flowrl-lora-{os.getpid()}-{id(self)}") \
-            if settings.adapters else None  # LoRA: the adapter versions loaded
+        self.slots = AdapterSlots(SHM_DIR / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
+            if settings.adapters else None  # LoRA (a killed sampler's: remove_orphaned_shm)
 
     @classmethod
     async def start(cls, model_path: Path, dtype: str, seed: int,
