@@ -76,7 +76,13 @@ def linear_modules(model_dir: Path) -> set[str] | None:
     """The last name part of every module with a 2-D ``weight`` (``q_proj``, ``lm_head``,
     ``embed_tokens``...: what LoRA ``target_modules`` can name); None when not readable."""
     shapes = matrix_shapes(model_dir)
-    return None if shapes is None else {n.rsplit(".", 1)[-1] for n in shapes}
+    if shapes is None:
+        return None
+    names = {n.rsplit(".", 1)[-1] for n in shapes}
+    config = model_dir / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        names.add("lm_head")  # tied: a module of the model, not a tensor of its files
+    return names
 
 
 def adapter_count(model_dir: Path, rank: int, targets: tuple[str, ...]) -> int | None:

@@ -219,9 +219,12 @@ def _check_adapters(topology: Topology, need: Any) -> None:
          f"{transport}: LoRA adapters reach {engine} as a folder it loads (shm or zmq); its "
          "GPU transfer path carries full weights only")
     need(bool(L.lora.target_modules), "learner.lora.target_modules", "must name a module")
-    cannot = sorted(set(L.lora.target_modules) & set(row.adapter_exclude))
+    # the learner's log-probs take the LM head's weight itself (kernels.lm_head_logprobs): an
+    # adapter there would never train; embedding adapters have no publish path (nor vLLM's)
+    cannot = sorted(set(L.lora.target_modules) & {"lm_head", "embed_tokens"})
     need(not cannot, "learner.lora.target_modules",
-         f"{engine} cannot serve adapters on {cannot} (sampler.engine = hf can)")
+         f"{cannot}: adapters on the LM head and embeddings are not supported (the learner's "
+         "log-probs read the LM head's weight directly)")
     served = linear_modules(Path(topology.model.path))
     if served is not None:
         missing = [m for m in L.lora.target_modules if m not in served]

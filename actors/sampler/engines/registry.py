@@ -34,7 +34,6 @@ class EngineRow:
     needs_cuda: tuple[str, ...] = ()  # of those, the ones it can take only on CUDA
     adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
     max_adapter_rank: int = 0  # the highest LoRA rank it serves (0: any)
-    adapter_exclude: tuple[str, ...] = ()  # modules it cannot serve adapters on
 
 
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
@@ -44,7 +43,7 @@ ENGINES: dict[str, EngineRow] = {row.name: row for row in (
               problem="actors.sampler.engines.vllm_settings:vllm_problem", continuous=True,
               prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
               receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",),  # nccl: gloo on CPU
-              adapters=True, max_adapter_rank=512, adapter_exclude=("lm_head", "embed_tokens")),
+              adapters=True, max_adapter_rank=512),
 )}
 
 
