@@ -209,6 +209,34 @@ def validate_main(argv: list[str]) -> int:
         return 2
 
 
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py export",
+        description="Write a checkpoint of a run as a model to ship: a full fine-tuning "
+                    "checkpoint as its Hugging Face model, a LoRA one as its PEFT adapter, or "
+                    "with --merge as the adapter merged into its base (a Hugging Face model). "
+                    "Exit status: 0 done, 2 bad input.",
+        epilog="example: python runner.py export RUN_DIR --step 20 --merge")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--step", type=int, required=True, help="the checkpoint's step")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA: merge the adapter into its base model")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where it goes (default RUN_DIR/export/step_N[-merged])")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="--merge: the merged model's dtype")
+    args = parser.parse_args(argv)
+    from actors.offline.export import export
+    from actors.offline.recorded import OfflineError
+
+    try:
+        return export(args.run_dir, args.step, merge=args.merge, out_dir=args.out,
+                      dtype=args.dtype)
+    except OfflineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def keygen_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="runner.py keygen", description="Make a CURVE keypair for attaching to a secured job.",
@@ -263,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return validate_main(argv[1:])
     if argv and argv[0] == "check":
         return check_main(argv[1:])
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
@@ -271,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                "python runner.py inspect RUN_DIR debug a recorded run; "
                "python runner.py validate RUN_DIR [--checkpoint step_N] validates a checkpoint; "
                "python runner.py check TOPOLOGY [overrides] runs the checks before a start; "
+               "python runner.py export RUN_DIR --step N [--merge] writes a checkpoint as a model; "
                "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
     )
     parser.add_argument("topology", help="topology TOML file")

@@ -54,6 +54,16 @@ class CudaIpcHandle(msgspec.Struct, array_like=True, gc=False):
     event_sync_required: bool
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, gc=False):
+    """What a version of LoRA adapters is, beside its tensors (PEFT's ``LoraConfig`` keys): the
+    tensors are PEFT's saved names (``...q_proj.lora_A.weight``, no adapter name) and the base
+    they apply to is the model every sampler loaded at start, which never changes."""
+
+    rank: int  # r
+    alpha: float  # lora_alpha (scale alpha / rank)
+    target_modules: list[str]  # the module names that carry an adapter
+
+
 class WeightsHeader(msgspec.Struct, tag=True, gc=False):
     """Learner -> Sampler: frame 0 of a weights message; frames 1.. are the tensors' bytes."""
 
@@ -68,6 +78,8 @@ class WeightsHeader(msgspec.Struct, tag=True, gc=False):
     # this message, in ``tensors`` order (no tensor frames follow)
     handles: list[CudaIpcHandle] = []  # ipc: one per tensor of ``tensors``
     gpu: str = ""  # ipc: the UUID of the learner's GPU the handles live on
+    adapter: AdapterSpec | None = None  # LoRA: the tensors are this version's adapters only
+    # (named as PEFT saves them), to apply on the base model the sampler started with
 
 
 ToLearnerWeights = WeightsPoll

@@ -70,6 +70,7 @@ from messages.routing import (
 )
 from messages.tensor import Tensor
 from messages.weights import (
+    AdapterSpec,
     CudaIpcHandle,
     FromLearnerWeights,
     TensorMeta,
@@ -182,6 +183,8 @@ CASES = [
                                        handles=[CudaIpcHandle([2, 3], [3, 1], 0, "bfloat16", 0,
                                                               b"h", 12, 0, b"r", 0, b"e", True)],
                                        gpu="GPU-0")),
+    (FromLearnerWeights, WeightsHeader(5, [TensorMeta("m.q_proj.lora_A.weight", "float32", (8, 64))],
+                                       adapter=AdapterSpec(8, 16.0, ["q_proj", "v_proj"]))),
     (ToChild, Setup([FunctionSpec(module="actors.scoring.rules", name="math",
                                   preload=("math_verify.parser",)),
                      FunctionSpec(path="/x/my_reward.py", batch=True, kwargs={"bonus": 0.5})],

@@ -37,3 +37,7 @@ CASES = {
 GPU_STYLE = {f"{name}-resharded": [*CASES[name], "learner.reshard_after_forward=true"]
              for name in ("token-mean", "epochs_minibatches", "gae")}
 BF16 = {"token-mean-bf16": ["algorithm.loss_agg_mode=token-mean", "learner.dtype=bfloat16"]}
+# LoRA on the group (base frozen): a step, then a checkpoint (``lora``); a step after resuming
+# a one-rank checkpoint the test wrote into ``run-lora-resume`` (``lora-resume``)
+LORA = {"lora": ["learner.lora.rank=4", "learner.lora.alpha=32"],
+        "lora-resume": ["learner.lora.rank=4", "learner.lora.alpha=32", "learner.resume=true"]}

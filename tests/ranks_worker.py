@@ -23,7 +23,7 @@ from actors.learner.trainer import Trainer
 from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.ranks import Rank
 from messages.rollout import ScoredGroup
-from tests.rank_cases import BASE, BF16, CASES, GPU_STYLE
+from tests.rank_cases import BASE, BF16, CASES, GPU_STYLE, LORA
 
 
 def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -47,20 +47,22 @@ def capture_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
 def main(model: str, groups_file: str, out: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     groups = msgspec.msgpack.decode(Path(groups_file).read_bytes(), type=list[ScoredGroup])
-    every = {**CASES, **GPU_STYLE, **BF16}
+    every = {**CASES, **GPU_STYLE, **BF16, **LORA}
     first = decode_topology(apply_overrides({}, [f"model.path={model}", *BASE, *every[cases[0]]]))
     group = learner_group(first, Rank.from_env())
     try:
         for case in cases:
             topo = decode_topology(apply_overrides({}, [f"model.path={model}", *BASE, *every[case]]))
             run_dir = Path(out) / f"run-{case}"
-            trainer = Trainer(topo, run_dir, None, group)
+            trainer = Trainer(topo, run_dir, "latest" if topo.learner.resume else None, group)
             grads = capture_gradients(trainer)
             metrics = trainer.train_step(groups)
             if group.leader:
                 (Path(out) / f"{case}.json").write_text(json.dumps(metrics))
                 save_file({k: v.float().contiguous() for k, v in grads.items()},
                           str(Path(out) / f"{case}.safetensors"))
+            if case in LORA:  # its checkpoint (a collective): the adapter and sharded optimizer
+                trainer.policy.save_checkpoint()
     finally:
         group.close()
 

@@ -182,8 +182,6 @@ def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monke
      "learner.master_port: several nodes must agree on the rendezvous port"),
     (["learner.nnodes=2", "learner.node_rank=2", "learner.master_port=29500"],
      "learner.node_rank: must be in [0, learner.nnodes = 2)"),
-    (["learner.nproc_per_node=2", "learner.lora.rank=8"],
-     "learner.lora.rank: LoRA is trained on one rank only"),
     (["learner.weights_bucket_mb=0"], "learner.weights_bucket_mb: must be >= 1"),
 ])
 def test_placement_errors_name_the_key(overrides, message):

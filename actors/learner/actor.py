@@ -71,13 +71,13 @@ class Learner:
 
     def gather_weights(self):
         """The weights in the samplers' dtype: on the learner's device for a GPU transport,
-        on the CPU otherwise."""
+        on the CPU otherwise; with LoRA the adapters only (``Policy.adapter_snapshot``)."""
         policy = self.trainer.policy
         dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
         on_gpu = TRANSPORTS[self.weights.transport].gpu
-        return policy.snapshot(dtype, policy.device if on_gpu else "cpu",
-                               live=self.weights.sender.reads_at_prepare)
+        return policy.published(dtype, policy.device if on_gpu else "cpu",
+                                live=self.weights.sender.reads_at_prepare)
 
     def save_checkpoint(self):
         self.tell(RanksSave())
@@ -97,7 +97,8 @@ class Learner:
         started = time.monotonic()
         tensors = await anyio.to_thread.run_sync(on_device(self.group.device, self.gather_weights))
         await self.weights.publish(policy.version, tensors,
-                                   bucket_bytes=self.cfg.weights_bucket_mb << 20)
+                                   bucket_bytes=self.cfg.weights_bucket_mb << 20,
+                                   adapter=policy.adapter_spec())
         self.weight_sync_s = time.monotonic() - started
         await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
 
@@ -281,7 +282,7 @@ def follow(trainer: Trainer) -> int:
                 except Aborted:  # rank 0 is stopping: a checkpoint and the end come next
                     pass
             case RanksPublish(dtype=dtype):
-                policy.snapshot(getattr(torch, dtype))
+                policy.published(getattr(torch, dtype))
             case RanksSave():
                 policy.save_checkpoint()
             case RanksEnd():

@@ -36,6 +36,7 @@ from actors.runtime.rundir import (
 )
 from kernels import varlen_attention
 from kernels.kl import AdaptiveKLController, FixedKLController
+from messages.weights import AdapterSpec
 
 
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
@@ -94,7 +95,9 @@ class Policy:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
-        self.model = self._load(lambda: self._load_policy(base, ckpt), ckpt or base)
+        self.model = self._load(lambda: self._load_policy(base, ckpt), base,
+                                empty=lambda: self._with_adapter(AutoModelForCausalLM.from_config(
+                                    AutoConfig.from_pretrained(base), dtype=self.dtype)))
         self.checkpointing = gradient_checkpointing(self.cfg.gradient_checkpointing, self.device)
         if self.checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -137,17 +140,18 @@ class Policy:
 
     # -- models ---------------------------------------------------------------------------------
 
-    def _load(self, full, source: Path, dtype: torch.dtype | None = None):
+    def _load(self, full, source: Path, dtype: torch.dtype | None = None, empty=None):
         """A causal LM on this policy's device or shards (``distributed.load``), its parameters
         in ``dtype`` (default model.dtype), with ``response_logprobs`` as one of its forward
-        methods when sharded."""
+        methods when sharded. ``empty``: the architecture without weights (default: the
+        causal LM of ``source``'s config)."""
         params = dtype or self.dtype
 
-        def empty():
+        def from_config():
             config = AutoConfig.from_pretrained(source)
             return AutoModelForCausalLM.from_config(config, dtype=params)
 
-        model = distributed.load(self.group, full, empty, compute=self.compute_dtype,
+        model = distributed.load(self.group, full, empty or from_config, compute=self.compute_dtype,
                                  params=params, keep=self.keep_gathered,
                                  offload=self.cfg.offload)
         if self.cfg.packing:  # attention over packed rows without a (T, T) mask
@@ -158,13 +162,22 @@ class Policy:
         return model
 
     def _load_policy(self, base: Path, ckpt: Path | None):
+        if self.cfg.lora.rank == 0:
+            return AutoModelForCausalLM.from_pretrained(ckpt or base, dtype=self.dtype)
+        from peft import PeftModel
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype)
+        if ckpt is not None:  # the adapter at the top (older checkpoints: in adapter/)
+            folder = ckpt / "adapter" if (ckpt / "adapter").is_dir() else ckpt
+            return PeftModel.from_pretrained(model, folder, is_trainable=True)
+        return self._with_adapter(model)
+
+    def _with_adapter(self, model):
+        """``model`` with fresh LoRA adapters (``learner.lora``) on its frozen weights, or
+        ``model`` itself for full fine-tuning."""
         lora = self.cfg.lora
         if lora.rank == 0:
-            return AutoModelForCausalLM.from_pretrained(ckpt or base, dtype=self.dtype)
-        from peft import LoraConfig, PeftModel, get_peft_model
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype)
-        if ckpt is not None:
-            return PeftModel.from_pretrained(model, ckpt / "adapter", is_trainable=True)
+            return model
+        from peft import LoraConfig, get_peft_model
         return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
                                                 lora_dropout=lora.dropout,
                                                 target_modules=list(lora.target_modules)))
@@ -233,12 +246,49 @@ class Policy:
                 out.append((clean, value.to(device, dtype or value.dtype, copy=True)))
         return out
 
+    def adapter_spec(self) -> AdapterSpec | None:
+        """What the samplers need to apply this policy's LoRA adapters (None: full weights)."""
+        lora = self.cfg.lora
+        if lora.rank == 0:
+            return None
+        return AdapterSpec(rank=lora.rank, alpha=lora.alpha,
+                           target_modules=list(lora.target_modules))
+
+    def adapter_snapshot(self, dtype: torch.dtype | None = None,
+                         device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """A copy of the LoRA adapters only (what a LoRA version publishes: the base never
+        changes), under the names PEFT saves them with (``...q_proj.lora_A.weight``, what
+        ``PeftModel.from_pretrained`` and vLLM's LoRA loading read), in ``dtype`` (default: as
+        trained), on ``device``. Sharded, it is a collective (each adapter gathered whole in
+        turn: they are megabytes) and only rank 0 gets the list (the others an empty one)."""
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_" not in name:
+                    continue
+                value = p.full_tensor() if isinstance(p, DTensor) else p
+                if self.group.leader:  # PEFT's saved name: without the adapter's own
+                    out.append((name.replace(".default.", "."),
+                                value.detach().to(device, dtype or value.dtype, copy=True)))
+        return out
+
+    def published(self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                  live: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """What a publish sends: the LoRA adapters alone (the samplers hold the base), or every
+        weight (``live``: as ``snapshot``'s). A collective when sharded (only rank 0 gets the
+        list)."""
+        if self.cfg.lora.rank:
+            return self.adapter_snapshot(dtype, device)
+        return self.snapshot(dtype, device, live=live)
+
     def save_checkpoint(self) -> Path:
         """Write an HF-format checkpoint atomically (temp dir, then rename); then remove the ones
         older than the ``keep_checkpoints`` newest (the final one is always kept).
 
         The weights are gathered whole to rank 0, which writes them as ``from_pretrained`` (and
-        vLLM) load them; the optimizer state is written sharded by every rank
+        vLLM) load them (LoRA: the adapter alone, in PEFT's format); the optimizer state is written sharded by every rank
         (``optimizer/``, torch.distributed.checkpoint), and loads with any number of ranks. A
         collective when sharded (the folder must be on a filesystem every rank sees)."""
         final = checkpoint_dir(self.run_dir, self.step)
@@ -252,13 +302,15 @@ class Policy:
         if self.cfg.lora.rank == 0:
             _save_pretrained(self.model, tmp, distributed.full_state_dict(self.model, self.group),
                              lead)
-        else:  # the merged model (loadable with from_pretrained) plus the adapter to resume from
-            core = self.model.get_base_model()
-            fresh = AutoModelForCausalLM.from_config(core.config, dtype=self.dtype)
-            fresh.load_state_dict(dict(self.snapshot()), strict=False)
-            fresh.tie_weights()
-            fresh.save_pretrained(tmp)
-            self.model.save_pretrained(tmp / "adapter")
+        else:  # the PEFT adapter alone (megabytes): PeftModel.from_pretrained(base, it) and
+            # vLLM's LoRARequest load it; `runner.py export --merge` writes a merged model
+            adapters = self.adapter_snapshot()  # (a collective when sharded)
+            if lead:
+                from safetensors.torch import save_file
+
+                self.model.peft_config["default"].save_pretrained(tmp)
+                save_file(dict(adapters), str(tmp / "adapter_model.safetensors"),
+                          metadata={"format": "pt"})
         distributed.save_optimizer(tmp / "optimizer", self.model, self.optimizer, self.group)
         if self.critic is not None:
             state = distributed.full_state_dict(self.critic, self.group)

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import msgspec
 
+from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology
 from actors.runtime.recording import last_by, read_table
@@ -119,6 +120,11 @@ def _generate_and_score(topo: Topology, model: Path, prompts, params, n: int,
     from actors.runtime.tensors import from_wire
 
     torch.set_num_threads(threads)
+    merged = None
+    if is_adapter(model):  # a LoRA checkpoint: its adapter merged into the base, for the engine
+        import tempfile
+        merged = Path(tempfile.mkdtemp(prefix="flowrl-validate-"))
+        model = merge_adapter(model, merged, topo.model.dtype)
 
     async def main() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -137,7 +143,12 @@ def _generate_and_score(topo: Topology, model: Path, prompts, params, n: int,
                                 "clipped": [s.finish_reason == "length" for s in ss]})
         return out
 
-    return anyio.run(main, backend="trio")
+    try:
+        return anyio.run(main, backend="trio")
+    finally:
+        if merged is not None:  # the engine has it in memory no more
+            import shutil
+            shutil.rmtree(merged, ignore_errors=True)
 
 
 def _report(metrics: dict[str, float], recorded: dict[str, float],

@@ -15,6 +15,7 @@ learner's transport is ``learner.weights_transport`` (``auto`` resolved once, in
 from __future__ import annotations
 
 import errno
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -30,12 +31,13 @@ from actors.runtime.transports.shm import (  # noqa: F401 - the channel's names 
     SHM_ROOT,
     remove_orphaned_shm,
 )
-from actors.runtime.transports.sources import SharedWeights, WeightsSource
+from actors.runtime.transports.sources import AdapterWeights, SharedWeights, WeightsSource
 from actors.runtime.transports.zmq import split_buckets
 from actors.runtime.zmq_bridge import AsyncSocket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
 from messages.weights import (
+    AdapterSpec,
     FromLearnerWeights,
     ToLearnerWeights,
     WeightsHeader,
@@ -75,10 +77,12 @@ class WeightsPublisher:
         return self.sender.shm_files  # type: ignore[attr-defined]  # shm only
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> None:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None) -> None:
         """Make ``tensors`` the newest weights and send them to every poller waiting for them
-        (zmq: in messages of at most ``bucket_bytes`` of tensor data each; 0: one message)."""
-        self.messages = await self.sender.prepare(version, tensors, bucket_bytes=bucket_bytes)
+        (zmq: in messages of at most ``bucket_bytes`` of tensor data each; 0: one message).
+        ``adapter``: the tensors are LoRA adapters of that spec, not the model's weights."""
+        self.messages = await self.sender.prepare(version, tensors, bucket_bytes=bucket_bytes,
+                                                  adapter=adapter)
         self.version = version
         await self._answer()
 
@@ -241,6 +245,11 @@ class WeightsSubscriber:
                                           f"version {more.version}")
                     parts.update(part)
                 source = await self.receiver(header).receive(header, parts)
+                if header.adapter is not None:
+                    if not isinstance(source, Mapping):  # a vLLM worker transfer
+                        raise DecodeError(f"weights version {header.version}: LoRA adapters "
+                                          f"over {header.transport} reach tensors only")
+                    source = AdapterWeights(header.adapter, source)
             except FileNotFoundError:  # shm: a newer version replaced it already; poll again
                 continue
             except (DecodeError, ValueError, OSError, SafetensorError, RuntimeError) as exc:

@@ -338,7 +338,15 @@ async def start_engine(ctx: ActorContext) -> Engine:
     ctx.status.update(device=str(device), dtype=dtype)
     return await registry.start_engine(cfg.engine, registry.EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + ctx.index, device, cfg,
-        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx)))
+        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx),
+        adapters=adapter_limits(topo)))
+
+
+def adapter_limits(topo) -> registry.AdapterLimits | None:
+    """LoRA: the learner publishes adapters of its rank; versions in flight are at most
+    max_staleness behind the newest, so max_staleness + 2 versions are held at once."""
+    rank = topo.learner.lora.rank
+    return registry.AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
 
 
 def weights_transport(ctx: ActorContext) -> str:

@@ -5,7 +5,8 @@ version as a file in ``/dev/shm`` (``actors/runtime/weights.py``: the newest ``S
 plus the one being written). A ``/dev/shm`` too small for that (Docker's default is 64 MB) would
 crash the learner at its first publish; it is a config error at start instead, naming
 ``learner.weights_transport``. A version's bytes are the model's parameter count (read from its
-safetensors headers, or estimated from config.json) times the size of the dtype it is sent in.
+safetensors headers, or estimated from config.json) times the size of the dtype it is sent in;
+with LoRA, the adapters' parameter count (a version is the adapters alone).
 """
 
 from __future__ import annotations
@@ -52,6 +53,47 @@ def parameter_count(model_dir: Path) -> int:
     return layers * per_layer + embed + h
 
 
+def matrix_shapes(model_dir: Path) -> dict[str, tuple[int, int]] | None:
+    """The 2-D ``weight`` of every module of the model in ``model_dir``, by module name
+    (``model.layers.0.self_attn.q_proj``: (out, in)), from its safetensors headers; None
+    without them."""
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, int]] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            shape: list[int] = list(info.get("shape", [])) if isinstance(info, dict) else []
+            if name.endswith(".weight") and len(shape) == 2:
+                shapes[name.removesuffix(".weight")] = (shape[0], shape[1])
+    return shapes
+
+
+def linear_modules(model_dir: Path) -> set[str] | None:
+    """The last name part of every module with a 2-D ``weight`` (``q_proj``, ``lm_head``,
+    ``embed_tokens``...: what LoRA ``target_modules`` can name); None when not readable."""
+    shapes = matrix_shapes(model_dir)
+    if shapes is None:
+        return None
+    names = {n.rsplit(".", 1)[-1] for n in shapes}
+    config = model_dir / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        names.add("lm_head")  # tied: a module of the model, not a tensor of its files
+    return names
+
+
+def adapter_count(model_dir: Path, rank: int, targets: tuple[str, ...]) -> int | None:
+    """Parameters of LoRA adapters of ``rank`` on the ``targets`` modules (A: rank x in, B:
+    out x rank), what a LoRA version publishes; None when the shapes are not readable."""
+    shapes = matrix_shapes(model_dir)
+    if shapes is None:
+        return None
+    return sum(rank * (o + i) for n, (o, i) in shapes.items() if n.rsplit(".", 1)[-1] in targets)
+
+
 def sent_dtype(topology, learner_on_gpu: bool) -> str:
     """The dtype weights are published in (``learner.weights_dtype``; auto: the compute dtype)."""
     L = topology.learner
@@ -79,7 +121,9 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
         st = os.statvfs(shm_dir)
         shm_bytes = st.f_frsize * st.f_blocks
     dtype = sent_dtype(topology, learner_on_gpu)
-    version = parameter_count(Path(topology.model.path)) * DTYPE_BYTES[dtype]
+    model = Path(topology.model.path)
+    count = adapter_count(model, L.lora.rank, L.lora.target_modules) if L.lora.rank else None
+    version = (count or parameter_count(model)) * DTYPE_BYTES[dtype]  # LoRA: the adapters
     need = VERSIONS_AT_ONCE * version
     if shm_bytes < need:
         raise ConfigError(

@@ -102,6 +102,8 @@ def check(topology: Topology) -> None:
     need(not (L.offload and L.lora.rank > 0), "learner.offload",
          "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
     need(L.save_every >= 1, "learner.save_every", "must be >= 1")
+    if L.lora.rank > 0:
+        _check_adapters(topology, need)
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
         from actors.sampler.engines.registry import ENGINES, auto_engine
@@ -195,6 +197,40 @@ def check(topology: Topology) -> None:
     need(topology.replay.sampler_timeout_s >= 0, "replay.sampler_timeout_s",
          "must be >= 0 (0: prompts are issued again only when a sampler restarts)")
     check_hosts(topology, need)
+
+
+def _check_adapters(topology: Topology, need: Any) -> None:
+    """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
+    would sample from the base while the learner trains (a config error, never a quiet run)."""
+    from actors.runtime.config.capacity import linear_modules
+    from actors.runtime.transports.base import TRANSPORTS, resolve_transport
+    from actors.sampler.engines.registry import ENGINES, auto_engine
+
+    L, s = topology.learner, topology.sampler
+    engine = s.engine if s.engine != "auto" else auto_engine()
+    need(ENGINES[engine].adapters, "sampler.engine",
+         f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
+         "(engines that can: " + ", ".join(n for n, r in ENGINES.items() if r.adapters) + ")")
+    row = ENGINES[engine]
+    need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
+         f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
+    transport = resolve_transport(L.weights_transport, weights_address=L.weights_address)
+    need(not (row.in_worker and TRANSPORTS[transport].gpu), "learner.weights_transport",
+         f"{transport}: LoRA adapters reach {engine} as a folder it loads (shm or zmq); its "
+         "GPU transfer path carries full weights only")
+    need(bool(L.lora.target_modules), "learner.lora.target_modules", "must name a module")
+    # the learner's log-probs take the LM head's weight itself (kernels.lm_head_logprobs): an
+    # adapter there would never train; embedding adapters have no publish path (nor vLLM's)
+    cannot = sorted(set(L.lora.target_modules) & {"lm_head", "embed_tokens"})
+    need(not cannot, "learner.lora.target_modules",
+         f"{cannot}: adapters on the LM head and embeddings are not supported (the learner's "
+         "log-probs read the LM head's weight directly)")
+    served = linear_modules(Path(topology.model.path))
+    if served is not None:
+        missing = [m for m in L.lora.target_modules if m not in served]
+        need(not missing, "learner.lora.target_modules",
+             f"{missing} are no linear module of {topology.model.path} (it has: "
+             f"{', '.join(sorted(served))})")
 
 
 def _check_correction(a: AlgorithmConfig, need: Any) -> None:

@@ -83,8 +83,6 @@ def check_placement(topology: Any, need: Any) -> None:
         need(L.groups_per_step % per == 0, "learner.groups_per_step",
              f"must be a multiple of ranks × ppo_mini_batches = {world} × {L.ppo_mini_batches} "
              "(every rank trains the same number of whole groups per mini-batch)")
-        need(L.lora.rank == 0, "learner.lora.rank",
-             "LoRA is trained on one rank only (learner.nproc_per_node = nnodes = 1)")
 
 
 def _cuda_problem(device: str) -> tuple[bool, str]:

@@ -110,7 +110,8 @@ class TaskConfig(_Section, frozen=True):
 
 class LoraConfig(_Section, frozen=True):
     rank: int = 0
-    """LoRA rank (0 trains all weights). Samplers receive the merged weights."""
+    """LoRA rank (0 trains all weights). Samplers receive the adapters alone, each version
+    applied to the base they started with; checkpoints are PEFT adapters."""
     alpha: float = 16.0
     """LoRA scaling α."""
     dropout: float = 0.0

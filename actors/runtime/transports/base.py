@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from actors.runtime.transports.sources import WeightsSource
-    from messages.weights import WeightsHeader, WeightsPoll
+    from messages.weights import AdapterSpec, WeightsHeader, WeightsPoll
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,10 @@ class Sender(ABC):
 
     @abstractmethod
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> list[list[Any]]:
-        """The messages (each a list of frames) that carry ``version`` to one sampler."""
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None
+                      ) -> list[list[Any]]:
+        """The messages (each a list of frames) that carry ``version`` to one sampler
+        (``adapter``: the tensors are LoRA adapters of that spec; every header says so)."""
 
     async def transfer(self, version: int, peer: bytes) -> bool:
         """Move the bytes of ``version`` to the sampler ``peer`` after its messages went out

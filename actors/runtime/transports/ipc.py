@@ -28,7 +28,7 @@ from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
 from messages.codec import encode
-from messages.weights import CudaIpcHandle, WeightsHeader
+from messages.weights import AdapterSpec, CudaIpcHandle, WeightsHeader
 
 
 def share(t: torch.Tensor) -> CudaIpcHandle:
@@ -58,7 +58,8 @@ class IpcSender(Sender):
         self.tensors: list[tuple[str, torch.Tensor]] = []  # the newest version, kept alive
 
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> list[list]:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None
+                      ) -> list[list]:
         if any(t.device.type != "cuda" for _, t in tensors):
             raise ValueError("the ipc transport shares CUDA tensors: the learner must gather "
                              "its weights on its GPU (learner.device = cuda)")
@@ -67,7 +68,8 @@ class IpcSender(Sender):
         uuid = str(torch.cuda.get_device_properties(index).uuid) if self.tensors else ""
         return [[encode(WeightsHeader(version=version, transport=self.name, gpu=uuid,
                                       tensors=[meta(n, t) for n, t in self.tensors],
-                                      handles=[share(t) for _, t in self.tensors]))]]
+                                      handles=[share(t) for _, t in self.tensors],
+                                      adapter=adapter))]]
 
     def close(self) -> None:
         self.tensors = []

@@ -42,7 +42,7 @@ from actors.runtime.transports.base import Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
 from messages.codec import encode
 from messages.tensor import TensorMeta
-from messages.weights import TransferGroup, WeightsHeader, WeightsPoll
+from messages.weights import AdapterSpec, TransferGroup, WeightsHeader, WeightsPoll
 
 PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed broadcast: bytes per buffer (its default)
 PACKED_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight (its default)
@@ -130,12 +130,14 @@ class BroadcastSender(Sender):
         self.tensors: list[tuple[str, torch.Tensor]] = []  # the version being sent
         self.bucket_bytes = 0
         self.version = -1
+        self.adapter: AdapterSpec | None = None  # the version's adapter spec (LoRA), or None
         self.groups_made = 0  # groups formed, all samplers together (rejoins included)
 
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> list[list]:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None
+                      ) -> list[list]:
         self.tensors = [(n, t.contiguous()) for n, t in tensors]
-        self.bucket_bytes, self.version = bucket_bytes, version
+        self.bucket_bytes, self.version, self.adapter = bucket_bytes, version, adapter
         return []  # each sampler's header names its own group: ``messages_for``
 
     def polled(self, peer: bytes, poll: WeightsPoll) -> None:
@@ -154,7 +156,7 @@ class BroadcastSender(Sender):
             self.groups_made += 1
         return [[encode(WeightsHeader(version=self.version, transport=self.name,
                                       tensors=[meta(n, t) for n, t in self.tensors],
-                                      group=held.group))]]
+                                      group=held.group, adapter=self.adapter))]]
 
     async def transfer(self, version: int, peer: bytes) -> bool:
         held = self.peers[peer]

