@@ -152,8 +152,8 @@ class VLLMOptions(_Section, frozen=True):
 class SamplerConfig(SamplerPlacement, frozen=True):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
-    hf (transformers generate, one batch at a time), or auto: vllm when vLLM is installed,
-    hf otherwise (README: measured on a 2-core CPU)."""
+    hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
+    and vLLM is installed, hf otherwise (a CPU: measured the faster there; README)."""
     vllm: VLLMOptions = VLLMOptions()
     """vLLM's engine arguments (sampler.engine = vllm)."""
     weight_update: Literal["between_batches", "in_flight"] = "between_batches"

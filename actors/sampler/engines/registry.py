@@ -89,8 +89,10 @@ def engine_problem(name: str) -> str | None:
 def auto_engine() -> str:
     """``sampler.engine = "auto"``: the first engine preferred on a GPU that can run, when the
     sampler has a GPU; hf otherwise. On the 2-core CPU hf and vllm were measured in the default
-    job side by side: hf 542 s, vllm 559 s for 10 steps (BENCHMARKS.md, "In the default job"),
-    so a CPU keeps hf."""
+    job side by side: hf 542 s, vllm 559 s for 10 steps (BENCHMARKS.md, "In the default job");
+    again with the cores shared between sampler and learner (issue 23; a quiet machine, 10
+    steps and one validation round): hf 154.7 s, vllm 153.0 s, while vLLM's start costs about
+    45 s more and its engine cannot borrow the learner's threads. So a CPU keeps hf."""
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]
     runnable = [name for name in candidates if engine_problem(name) is None]
     if not runnable:
