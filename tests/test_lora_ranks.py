@@ -83,4 +83,9 @@ def test_lora_on_two_ranks_steps_checkpoints_and_resumes_across_rank_counts(tiny
     m3 = resumed.train_step(groups)
     same_metrics(m2, m3)
     close(grads2, grads3, GRAD_RTOL)
-    close(adapters(one), adapters(resumed), GRAD_RTOL)
+    # after AdamW the adapters differ by what Adam makes of gradients 1e-7 apart: it divides by
+    # sqrt(v), which magnifies a gradient near 0, so the bound is on the step (lr 1e-2 in BASE),
+    # not on the weights' size (2.7e-6 apart was seen, 2e-5 of the largest adapter entry)
+    want, got = adapters(one), adapters(resumed)
+    assert set(want) == set(got)
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-3 * 1e-2
