@@ -52,7 +52,7 @@ class Learner:
     """The training loop of one learner: batches from the replay buffer, weights to samplers."""
 
     def __init__(self, ctx: ActorContext, trainer: Trainer, replay: AsyncSocket,
-                 weights: WeightsPublisher) -> None:
+                 weights: WeightsPublisher, share: Share | None = None) -> None:
         self.ctx, self.trainer, self.replay, self.weights = ctx, trainer, replay, weights
         self.cfg = ctx.topology.learner
         self.codec: Codec[FromReplay] = Codec(FromReplay)
@@ -62,7 +62,7 @@ class Learner:
         self.flushing = anyio.Lock()  # one recording flush at a time
         self.group: Group = trainer.group
         self.weight_sync_s = 0.0  # the last publish: gathering the weights and handing them out
-        self.share: Share | None = None  # the samplers' idle threads taken, its own lent (CPU)
+        self.share = share  # the samplers' idle threads taken, its own lent (a CPU; or None)
 
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
@@ -156,9 +156,9 @@ class Learner:
             self.ctx.status["state"] = "waiting for batch"
             with self.lending():
                 batch = await self.next_batch()
-            self.ctx.status.update(state=f"training step {policy.step + 1}",
-                                   wait_batch_s=round(time.monotonic() - waited, 2))
             arrived = time.monotonic()
+            self.ctx.status.update(state=f"training step {policy.step + 1}",
+                                   wait_batch_s=round(arrived - waited, 2))
             extra = {"timing_s/wait_batch": arrived - waited,
                      "timing_s/weight_publish": self.weight_sync_s,  # of the weights this batch follows
                      # the learner's own work between the last step and this one, waiting
@@ -253,8 +253,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
     weights = WeightsPublisher(weights_sock, transport,
                                **sender_options(transport, cfg, trainer.group.device))
     ctx.status["weights_transport"] = transport
-    learner = Learner(ctx, trainer, replay, weights)
-    learner.share = share
+    learner = Learner(ctx, trainer, replay, weights, share)
     if trainer.policy.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.policy.resumed_from.name
     task_status.started()

@@ -27,6 +27,7 @@ import mmap
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,8 +94,6 @@ class Lender:
 
     @contextmanager
     def working(self) -> Iterator[None]:
-        import time
-
         if self.active == 0 and self.table is not None:
             self.table.lend(self.slot, 0)
             if self._since is not None:
@@ -138,8 +137,7 @@ class Borrower:
                  ranks: int = 1) -> None:
         self.table, self.lenders, self.own = table, lenders, own
         self.rank, self.ranks = rank, ranks
-        self.now = own  # the thread count set last
-        self.changes = 0  # how often it changed (a test and the status read it)
+        self.changes = 0  # how often the calling thread's count was changed
         self.borrowed_calls = 0  # checks that found threads to borrow
         self.checks = 0
         self._handles: list[Any] = []
@@ -161,7 +159,6 @@ class Borrower:
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
             self.changes += 1
-        self.now = want
 
     def attach(self, model: Any, optimizer: Any | None = None) -> None:
         """Hooks on every layer of the model's layer lists (a transformer's decoder layers):
@@ -193,7 +190,6 @@ class Borrower:
         self._handles.clear()
         if torch.get_num_threads() != self.own:
             torch.set_num_threads(self.own)
-        self.now = self.own
 
     def take_share(self) -> float:
         """The share of the checks since the last call that found threads to borrow (a
