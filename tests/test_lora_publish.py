@@ -182,3 +182,28 @@ def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
     check_shm(lora, shm_bytes=need)
     with pytest.raises(ConfigError, match="learner.weights_transport"):
         check_shm(lora, shm_bytes=need - 1)
+
+
+def test_adapters_go_out_in_the_samplers_dtype(tiny_model):
+    """With LoRA, ``learner.weights_dtype = "auto"`` sends the adapters in the samplers' dtype
+    (cast once by the learner, not by every sampler), whatever the learner computes in; full
+    weights keep the learner's compute dtype; an explicit setting wins."""
+    from actors.learner.actor import weights_dtype
+    from actors.runtime.config.capacity import sent_dtype
+    from actors.runtime.config.placement import samplers_dtype
+
+    model = f"model.path={tiny_model}"
+    lora = topology(model, "learner.lora.rank=4", "sampler.dtype=bfloat16", "learner.dtype=float32")
+    assert samplers_dtype(lora, gpu_visible=False) == "bfloat16"
+    assert sent_dtype(lora, learner_on_gpu=False) == "bfloat16"
+    assert weights_dtype("auto", torch.float32, samplers=samplers_dtype(lora, False)) \
+        == torch.bfloat16
+    assert weights_dtype("float16", torch.float32, samplers="bfloat16") == torch.float16
+    # sampler.dtype auto: bfloat16 where the sampler computes on a GPU, model.dtype on a CPU
+    auto = topology(model, "learner.lora.rank=4", "sampler.device=auto")
+    assert samplers_dtype(auto, gpu_visible=True) == "bfloat16"
+    assert samplers_dtype(auto, gpu_visible=False) == auto.model.dtype == "float32"
+    assert sent_dtype(auto, learner_on_gpu=False) == "float32"
+    full = topology(model, "sampler.dtype=bfloat16", "learner.dtype=float32")
+    assert sent_dtype(full, learner_on_gpu=False) == "float32"  # full weights: the learner's
+    assert weights_dtype("auto", torch.float32) == torch.float32

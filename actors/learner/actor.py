@@ -32,6 +32,7 @@ from actors.learner.memory import describe
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
+from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import on_device
 from actors.runtime.ranks import Rank
@@ -73,7 +74,9 @@ class Learner:
         """The weights in the samplers' dtype: on the learner's device for a GPU transport,
         on the CPU otherwise; with LoRA the adapters only (``Policy.adapter_snapshot``)."""
         policy = self.trainer.policy
-        dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype)
+        dtype = weights_dtype(self.cfg.weights_dtype, policy.compute_dtype,
+                              samplers=samplers_dtype(self.ctx.topology, torch.cuda.is_available())
+                              if self.cfg.lora.rank else None)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
         on_gpu = TRANSPORTS[self.weights.transport].gpu
         return policy.published(dtype, policy.device if on_gpu else "cpu",
@@ -301,6 +304,9 @@ def sender_options(transport: str, cfg, device: torch.device) -> dict:
             "timeout_s": cfg.collective_timeout_s, "device": device}
 
 
-def weights_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
-    """``learner.weights_dtype``: auto sends what the learner computes in."""
-    return compute if setting == "auto" else getattr(torch, setting)
+def weights_dtype(setting: str, compute: torch.dtype, samplers: str | None = None) -> torch.dtype:
+    """``learner.weights_dtype``: auto sends what the learner computes in, or with LoRA the
+    samplers' dtype (``samplers``: adapters are cast once here, not on every sampler)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    return getattr(torch, samplers) if samplers else compute

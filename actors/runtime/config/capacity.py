@@ -16,6 +16,7 @@ import os
 import struct
 from pathlib import Path
 
+from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.config.schema import ConfigError
 from actors.runtime.transports.base import resolve_transport
 
@@ -95,12 +96,13 @@ def adapter_count(model_dir: Path, rank: int, targets: tuple[str, ...]) -> int |
 
 
 def sent_dtype(topology, learner_on_gpu: bool) -> str:
-    """The dtype weights are published in (``learner.weights_dtype``; auto: the compute dtype)."""
+    """The dtype weights are published in (``learner.weights_dtype``; auto: the compute dtype,
+    with LoRA the samplers' dtype)."""
     L = topology.learner
     if L.weights_dtype != "auto":
         return L.weights_dtype
     if L.lora.rank > 0:
-        return topology.model.dtype
+        return samplers_dtype(topology, gpu_visible=learner_on_gpu)
     if L.dtype != "auto":
         return L.dtype
     return "bfloat16" if learner_on_gpu else topology.model.dtype

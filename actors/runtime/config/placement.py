@@ -44,7 +44,7 @@ class LearnerPlacement(ActorCommon, frozen=True):
     many MiB each (one tensor larger than that travels alone)."""
     weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the weights sent to samplers (auto: the learner's compute dtype, so bf16 when it
-    computes in bf16, as samplers on GPUs do)."""
+    computes in bf16, as samplers on GPUs do; with LoRA the samplers' dtype, sampler.dtype)."""
 
 
 class SamplerPlacement(ActorCommon, frozen=True):
@@ -52,6 +52,17 @@ class SamplerPlacement(ActorCommon, frozen=True):
     """auto (cuda when a GPU is visible, else cpu), cpu, cuda, or cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The engine's dtype (auto: bfloat16 on a GPU, model.dtype on a CPU)."""
+
+
+def samplers_dtype(topology: Any, gpu_visible: bool) -> str:
+    """The dtype the samplers' engines compute in: ``sampler.dtype``, or for ``auto`` what
+    ``devices.resolve_dtype`` makes of it (bfloat16 on a GPU, ``model.dtype`` on a CPU);
+    ``gpu_visible``: whether ``sampler.device = "auto"`` would find a GPU."""
+    S = topology.sampler
+    if S.dtype != "auto":
+        return S.dtype
+    on_gpu = S.device.startswith("cuda") or (S.device == "auto" and gpu_visible)
+    return "bfloat16" if on_gpu else topology.model.dtype
 
 
 def check_placement(topology: Any, need: Any) -> None:
