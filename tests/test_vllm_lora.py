@@ -106,14 +106,17 @@ async def test_each_version_is_an_adapter_and_requests_keep_theirs(engine, tiny_
     assert {int(v) for g in gens for v in g.versions} == {3}
 
 
-def test_a_vllm_lora_job_samples_with_the_adapters(tiny_vllm_model, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+def test_a_vllm_lora_job_samples_with_the_adapters(tiny_vllm_model, tmp_path, transport):
     """A whole job: on-policy (max_staleness 0), the behaviour log-probs vLLM samples with are
-    the learner's with the adapters of each step; the engine holds at most its slots."""
+    the learner's with the adapters of each step; the engine holds at most its slots. Over
+    nccl (gloo on a CPU) the sampler process receives the adapters itself, not vLLM's worker."""
     from tests.test_vllm_jobs import run_job
 
     run_dir = tmp_path / "run"
     rows = run_job(tiny_vllm_model, run_dir, "learner.total_steps=5", "learner.lora.rank=8",
-                   "learner.lr=2e-2", "algorithm.max_staleness=0")
+                   "learner.lr=2e-2", "algorithm.max_staleness=0",
+                   f"learner.weights_transport={transport}")
     assert [r["step"] for r in rows] == list(range(1, 6))
     assert all(r["staleness/max"] == 0 for r in rows)
     kls = [r["rollout_corr/kl"] for r in rows]
@@ -121,4 +124,5 @@ def test_a_vllm_lora_job_samples_with_the_adapters(tiny_vllm_model, tmp_path):
     steps = [line for line in status_lines(run_dir) if line["event"] == "step"]
     sampler = steps[-1]["sampler-0"]
     assert sampler["engine"] == "vllm" and sampler["version"] >= 1  # (status lags the steps)
+    assert steps[-1]["learner-0"]["weights_transport"] == transport
     assert all(0 < line["sampler-0"]["adapters"] <= 2 for line in steps)  # max_staleness + 2

@@ -203,7 +203,6 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
     from actors.runtime.config.capacity import linear_modules
-    from actors.runtime.transports.base import TRANSPORTS, resolve_transport
     from actors.sampler.engines.registry import ENGINES, auto_engine
 
     L, s = topology.learner, topology.sampler
@@ -214,10 +213,6 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     row = ENGINES[engine]
     need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
          f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
-    transport = resolve_transport(L.weights_transport, weights_address=L.weights_address)
-    need(not (row.in_worker and TRANSPORTS[transport].gpu), "learner.weights_transport",
-         f"{transport}: LoRA adapters reach {engine} as a folder it loads (shm or zmq); its "
-         "GPU transfer path carries full weights only")
     need(bool(L.lora.target_modules), "learner.lora.target_modules", "must name a module")
     # the learner's log-probs take the LM head's weight itself (kernels.lm_head_logprobs): an
     # adapter there would never train; embedding adapters have no publish path (nor vLLM's)

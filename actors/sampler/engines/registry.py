@@ -69,8 +69,18 @@ class EngineSpec:
     adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
 
 
-def receiving_ranks(name: str, sampler: SamplerConfig) -> int:
+def worker_receives(name: str, adapters: bool) -> bool:
+    """Whether engine ``name``'s own workers take GPU weight transfers (``WorkerTransfer``).
+    Not for LoRA adapters (``adapters``): the sampler process receives those itself over the
+    same transport and hands them to the engine as tensors (megabytes; vLLM's weight-transfer
+    API moves full weights only, its LoRA loading reads adapter folders)."""
+    return ENGINES[name].in_worker and not adapters
+
+
+def receiving_ranks(name: str, sampler: SamplerConfig, adapters: bool = False) -> int:
     """The processes of engine ``name`` that receive a GPU weights transfer."""
+    if not worker_receives(name, adapters):
+        return 1
     value: Any = sampler
     for key in ENGINES[name].ranks.split(".") if ENGINES[name].ranks else ():
         value = getattr(value, key)

@@ -45,7 +45,7 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_suffix(".partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
     os.replace(tmp, path)
 
 
