@@ -22,8 +22,10 @@ from actors.data.chat import ChatTokenizer
 from actors.runtime.tensors import to_wire
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sampler.scoring_client import ScoringClient
+from actors.sampler.teacher_client import teacher_logprobs
 from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
 from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
+from messages.tensor import Tensor
 
 if TYPE_CHECKING:
     from actors.sampler.agent.loop import AgentLoop
@@ -65,8 +67,9 @@ class Rollout:
 
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, scoring: ScoringClient, *,
                  params: SamplingParams, n: int, greedy_baseline: bool, sampler: str,
-                 agent: AgentLoop | EndpointRollout | None = None) -> None:
+                 agent: AgentLoop | EndpointRollout | None = None, teacher: bool = False) -> None:
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
+        self.teacher = teacher  # [teacher]: each group's teacher log-probs asked beside scoring
         self.params, self.n = params, n
         self.greedy_baseline = greedy_baseline  # remax: one greedy completion per prompt too
         self.sampler = sampler  # the sampler's name, recorded with each group
@@ -132,16 +135,35 @@ class Rollout:
                                       len(g.greedy.token_ids), turns_of(g.greedy)))
         p = g.prompt
         own = [own_result(c) for c in [*g.completions, *([g.greedy] if g.greedy else [])]]
-        if (self.agent is not None and self.agent.env_reward_only) or None not in own:
-            reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
-        else:
+        reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
+        teacher: list[Tensor | None] = [None] * len(g.completions)
+        teacher_error, teacher_s = "", 0.0
+
+        async def score() -> None:
+            nonlocal reply
             reply = await self.scoring.score(ScoreRequest(
                 data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
                 extra_info=p.extra_info, prompt=p.messages,
                 max_response_length=self.params.max_tokens))
+
+        async def teach() -> None:  # on-policy distillation: the teacher's log-probs, beside
+            nonlocal teacher, teacher_error, teacher_s
+            asked = time.monotonic()
+            got, teacher_error = await teacher_logprobs(
+                self.scoring, g.prompt_ids, [c.token_ids for c in g.completions])
+            teacher_s = time.monotonic() - asked
+            if got is not None:
+                teacher = list(got)
+
+        async with anyio.create_task_group() as tg:
+            if not ((self.agent is not None and self.agent.env_reward_only) or None not in own):
+                tg.start_soon(score)
+            if self.teacher and g.completions:
+                tg.start_soon(teach)
         error = "" if reply is not None else (
             f"no reward worker answered after {self.scoring.attempts} sends "
             f"{self.scoring.timeout_s:g} s apart")
+        error = error or teacher_error
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
         rewards = [with_env_reward(r, c) for r, c in
@@ -151,12 +173,12 @@ class Rollout:
                           reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
-                          answer=r.answer)
-                   for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
-                                                 rewards, strict=True)]
+                          answer=r.answer, teacher_logprobs=t)
+                   for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
+                                                    rewards, teacher, strict=True)]
         return ScoredGroup(
             prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,
             score_seconds=time.monotonic() - started,
             baseline_reward=rewards[-1] if g.greedy is not None else None,
-            sampling=self.params, score_error=error)
+            sampling=self.params, score_error=error, teacher_seconds=teacher_s)
