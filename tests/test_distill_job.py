@@ -9,12 +9,19 @@ steps. Checked on the run's recording and metrics:
   teacher's forward on the recorded ids (through the router, the wire, the recording);
 - ``replay --step`` reproduces a step exactly from the checkpoint before it;
 - the per-token reverse KL to the teacher (``distill/reverse_kl/mean``) falls.
+
+And a teacher worker killed while it holds requests (frozen with SIGSTOP while the sampler's
+requests reach it, then SIGKILLed) is restarted and the router re-sends what it held: every
+step comes, no group is dropped for want of its teacher.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +31,7 @@ from actors.offline.replay import replay
 from actors.runtime.recording import decode_group, read_table
 from actors.runtime.tensors import from_wire
 from actors.teacher.model import TeacherModel
-from tests.jobs import ROOT, command, metrics
+from tests.jobs import FAST, ROOT, actor_pids, balanced, command, metrics, pids_of, status_lines
 from tests.tiny_model import build_peaked_model, build_tiny_model
 
 STEPS = 20
@@ -82,3 +89,35 @@ def test_the_reverse_kl_to_the_teacher_falls(job):
     print(f"distill/reverse_kl/mean: first 5 {kl[:5]}, last 5 {kl[-5:]}")
     assert last < 0.7 * first, kl
     assert all(r["timing_s/teacher"] > 0 for r in rows)
+
+
+def test_a_killed_teacher_worker_is_restarted_and_its_requests_resent(tiny_model, tmp_path):
+    teacher = build_tiny_model(tmp_path / "teacher", seed=5)
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = command(tiny_model, run_dir, *FAST, "learner.total_steps=6", f"teacher.path={teacher}")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(metrics(run_dir)) < 1:  # the job is running and the teacher serving
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        (pid,) = pids_of(run_dir, "teacher")
+        os.kill(pid, signal.SIGSTOP)  # requests reach it and stay there
+        time.sleep(3.0)
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    status = status_lines(run_dir)
+    (exited,) = [line for line in status if line["event"] == "exited"]
+    assert exited["actor"] == "teacher-0" and exited["returncode"] == -signal.SIGKILL
+    assert exited["restart"] and status[-1]["teacher-0"]["restarts"] == 1
+    assert status[-1]["router-0"]["resent"] >= 1  # what it held went to the restarted worker
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(balanced(r) for r in rows)
+    assert rows[-1]["replay/dropped_score_failed"] == 0
+    assert not actor_pids(run_dir)
