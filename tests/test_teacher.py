@@ -122,3 +122,28 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error_naming_both(tiny_mod
     with pytest.raises(ConfigError, match=r"teacher.device: 'gpu' is not auto"):
         live_topology(sockets, "teacher.device=gpu")
     assert len(VOCAB) == 44
+
+
+def test_teachers_are_placed_by_the_samplers_rules(tmp_path, sockets, teacher_model):
+    from tests.test_placement import envs, topology
+
+    cpu = {"CUDA_VISIBLE_DEVICES": "", "FLOWRL_DEVICE": "cpu"}
+    on = f"teacher.path={teacher_model}"
+    # GPUs no learner rank or sampler has: one each
+    got = envs(topology(sockets, "sampler.engine=hf", on, "teacher.replicas=2"), tmp_path,
+               ["0", "1", "2", "3"])
+    assert got["teacher-0"] == {"CUDA_VISIBLE_DEVICES": "2", "FLOWRL_DEVICE": "cuda:0"}
+    assert got["teacher-1"] == {"CUDA_VISIBLE_DEVICES": "3", "FLOWRL_DEVICE": "cuda:0"}
+    # none free: shared from the first GPU, with a memory share
+    got = envs(topology(sockets, "sampler.engine=hf", on), tmp_path, ["0", "1"])
+    assert got["teacher-0"] == {"CUDA_VISIBLE_DEVICES": "0", "FLOWRL_DEVICE": "cuda:0",
+                                "FLOWRL_GPU_MEMORY_SHARE": "0.45"}
+    assert got["learner-0"]["FLOWRL_GPU_MEMORY_SHARE"] == "0.45"
+    # cpu beside GPUs, and no GPU at all
+    assert envs(topology(sockets, "sampler.engine=hf", on, "teacher.device=cpu"), tmp_path,
+                ["0", "1", "2"])["teacher-0"] == cpu
+    assert envs(topology(sockets, "sampler.engine=hf", on), tmp_path, [])["teacher-0"] == cpu
+    # no teacher.path: no teacher process
+    assert "teacher-0" not in envs(topology(sockets, "sampler.engine=hf"), tmp_path, ["0"])
+    with pytest.raises(ConfigError, match=r"teacher.replicas: 10 processes on GPU 0 would get 9%"):
+        envs(topology(sockets, "sampler.engine=hf", on, "teacher.replicas=8"), tmp_path, ["0"])

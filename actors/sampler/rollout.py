@@ -12,8 +12,9 @@ scorer gets the whole transcript as ``solution_str`` and the turns in ``extra_in
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -25,7 +26,6 @@ from actors.sampler.scoring_client import ScoringClient
 from actors.sampler.teacher_client import teacher_logprobs
 from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
 from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
-from messages.tensor import Tensor
 
 if TYPE_CHECKING:
     from actors.sampler.agent.loop import AgentLoop
@@ -49,6 +49,19 @@ def own_result(c: Generation) -> ScoreResult | None:
     """The reward a sample brought with it (an endpoint episode's return value), or None: the
     scorer's."""
     return getattr(c, "own", None)
+
+
+class Answer:
+    """What one awaited request returned (None: never asked), and how long it took."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.seconds = 0.0
+
+    async def fill(self, pending: Awaitable[Any]) -> None:
+        started = time.monotonic()
+        self.value = await pending
+        self.seconds = time.monotonic() - started
 
 
 @dataclass
@@ -135,35 +148,24 @@ class Rollout:
                                       len(g.greedy.token_ids), turns_of(g.greedy)))
         p = g.prompt
         own = [own_result(c) for c in [*g.completions, *([g.greedy] if g.greedy else [])]]
-        reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
-        teacher: list[Tensor | None] = [None] * len(g.completions)
-        teacher_error, teacher_s = "", 0.0
-
-        async def score() -> None:
-            nonlocal reply
-            reply = await self.scoring.score(ScoreRequest(
-                data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
-                extra_info=p.extra_info, prompt=p.messages,
-                max_response_length=self.params.max_tokens))
-
-        async def teach() -> None:  # on-policy distillation: the teacher's log-probs, beside
-            nonlocal teacher, teacher_error, teacher_s
-            asked = time.monotonic()
-            got, teacher_error = await teacher_logprobs(
-                self.scoring, g.prompt_ids, [c.token_ids for c in g.completions])
-            teacher_s = time.monotonic() - asked
-            if got is not None:
-                teacher = list(got)
-
+        request = None if ((self.agent is not None and self.agent.env_reward_only)
+                           or None not in own) else ScoreRequest(
+            data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
+            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens)
+        scored, taught = Answer(), Answer()  # the scoring and teacher requests run side by side
         async with anyio.create_task_group() as tg:
-            if not ((self.agent is not None and self.agent.env_reward_only) or None not in own):
-                tg.start_soon(score)
-            if self.teacher and g.completions:
-                tg.start_soon(teach)
+            if request is not None:
+                tg.start_soon(scored.fill, self.scoring.score(request))
+            if self.teacher and g.completions:  # on-policy distillation: the teacher's log-probs
+                tg.start_soon(taught.fill, teacher_logprobs(
+                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions]))
+        reply = ScoreReply([ScoreResult(0.0)] * len(responses)) if request is None else scored.value
+        teacher, teacher_error = taught.value or (None, "")  # (None, ""): not asked
         error = "" if reply is not None else (
             f"no reward worker answered after {self.scoring.attempts} sends "
             f"{self.scoring.timeout_s:g} s apart")
         error = error or teacher_error
+        teacher = teacher if teacher is not None else [None] * len(g.completions)
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
         rewards = [with_env_reward(r, c) for r, c in
@@ -181,4 +183,4 @@ class Rollout:
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,
             score_seconds=time.monotonic() - started,
             baseline_reward=rewards[-1] if g.greedy is not None else None,
-            sampling=self.params, score_error=error, teacher_seconds=teacher_s)
+            sampling=self.params, score_error=error, teacher_seconds=taught.seconds)

@@ -78,9 +78,10 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             most = max(len(users[g]) for g in on)
             share = int(SHARED_BUDGET / most * 100) / 100
             if share < MIN_SHARE:
-                # samplers are what wraps around onto used GPUs
-                key = "sampler.count" if any(u.startswith("sampler") for u in [name, *sharing]) \
-                    else "teacher.replicas" if any(u.startswith("teacher") for u in [name, *sharing]) \
+                # teachers, then samplers, are what wraps around onto used GPUs
+                on_gpu = [name, *sharing]
+                key = "teacher.replicas" if any(u.startswith("teacher") for u in on_gpu) \
+                    else "sampler.count" if any(u.startswith("sampler") for u in on_gpu) \
                     else "learner.nproc_per_node"
                 raise ConfigError(f"{key}: {most} processes on GPU "
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "

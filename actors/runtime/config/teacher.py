@@ -60,7 +60,7 @@ class TeacherConfig(_Section, frozen=True):
 
 def check_teacher(topology: Any, need: Any) -> None:
     """The ``teacher`` keys; ``need(ok, key, why)`` raises a ``ConfigError`` naming the key."""
-    from actors.runtime.config.placement import DEVICE
+    from actors.runtime.config.placement import DEVICE, _cuda_problem
 
     T = topology.teacher
     need(T.replicas >= 1, "teacher.replicas", "must be >= 1")
@@ -71,6 +71,9 @@ def check_teacher(topology: Any, need: Any) -> None:
     need(T.weight >= 0, "teacher.weight", "must be >= 0")
     need(DEVICE.fullmatch(T.device) is not None, "teacher.device",
          f"{T.device!r} is not auto, cpu, cuda or cuda:N")
+    if T.path and T.device.startswith("cuda"):
+        ok, why = _cuda_problem(T.device)
+        need(ok, "teacher.device", why)
     if not T.path:
         return
     need(T.weight > 0 or T.task_rewards, "teacher.weight",
