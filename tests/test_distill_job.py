@@ -48,7 +48,7 @@ def job(tmp_path_factory) -> tuple[Path, Path]:
                 f"teacher.path={teacher}", "teacher.task_rewards=false"),
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "teacher×1" in res.stdout
+    assert "teacher×1" in res.stdout and "| teacher kl " in res.stdout  # the step lines show it
     return run, teacher
 
 
