@@ -36,6 +36,7 @@ KINDS: tuple[ActorKind, ...] = (
     ActorKind("router", "actors.router.actor:router_actor", 1, 1, "never"),
     ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never"),
     ActorKind("reward", "actors.reward:reward_actor", 0, None, "on-failure", attachable=True),
+    ActorKind("teacher", "actors.teacher.worker:teacher_actor", 0, None, "on-failure"),
     ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure"),
 )
 BY_NAME: dict[str, ActorKind] = {k.name: k for k in KINDS}

@@ -88,6 +88,9 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     answer: str = ""  # the answer the scorer extracted from ``text`` ("" when it extracts none)
     reward_trace: str = ""  # with reward_error, when a user's function raised: its traceback
     # (the user code's frames), which the message that stops a job whose scoring fails shows
+    teacher_logprobs: Tensor | None = None  # (R,) float32, log π_teacher(token) of each response
+    # token at temperature 1, when the job has a ``[teacher]`` (on-policy distillation); None
+    # otherwise
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -107,6 +110,7 @@ class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     # the context); the group has no samples and the replay buffer drops it as ``rejected``
     weight_sync_s: float = 0.0  # seconds the sampler's engine spent swapping weights since the
     # previous group this sampler sent (each swap counted in exactly one group)
+    teacher_seconds: float = 0.0  # seconds the teacher took to answer this group (0: no teacher)
 
 
 class PromptRequest(msgspec.Struct, tag=True, gc=False):

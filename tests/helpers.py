@@ -68,6 +68,7 @@ from messages.routing import (
     WorkerHeartbeat,
     WorkerHello,
 )
+from messages.teacher import TeacherReply, TeacherRequest, ToTeacherClient, ToTeacherWorker
 from messages.tensor import Tensor
 from messages.weights import (
     AdapterSpec,
@@ -98,6 +99,14 @@ def sample_group():
                        generate_seconds=1.5,
                        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=16,
                                                stop=("\n\n",)))
+
+
+def distilled_group() -> ScoredGroup:
+    """``sample_group`` with the teacher's log-probs on each sample (on-policy distillation)."""
+    g = sample_group()
+    teacher = sample_tensor("float32", (-0.25, -3.0, -0.5))
+    return msgspec.structs.replace(g, samples=[msgspec.structs.replace(s, teacher_logprobs=teacher)
+                                               for s in g.samples], teacher_seconds=0.25)
 
 
 def multi_turn_group() -> ScoredGroup:
@@ -171,6 +180,10 @@ CASES = [
         "<tool_call>3 3", 5, multi_turn_group().samples[0].turns)])),
     (ToScoringClient, ScoreReply([ScoreResult(1.0), ScoreResult(0.0, error="boom", extra={"k": 1.0}),
                                   ScoreResult(1.0, answer="42")])),
+    (ToReplay, GroupsDone([distilled_group()])),
+    (ToTeacherWorker, TeacherRequest(sample_tensor(), [sample_tensor(), sample_tensor("int32", (5,))])),
+    (ToTeacherClient, TeacherReply([sample_tensor("float32", (-0.5, -1.0, -2.0))])),
+    (ToTeacherClient, TeacherReply([], error="teacher: RuntimeError: out of memory")),
     (ToLearnerWeights, WeightsPoll(-1)),
     (ToLearnerRanks, RanksStep([sample_group()])),
     (ToLearnerRanks, RanksPublish("bfloat16")),

@@ -68,3 +68,23 @@ def build_tiny_reward_model(path: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def build_peaked_model(path: Path, *, token: str = "a", steps: int = 30, seed: int = 11) -> Path:
+    """A tiny llama trained for ``steps`` AdamW steps to say ``token`` after any context: a
+    teacher whose distribution is far from a random student's and easy to learn (on-policy
+    distillation tests). A few seconds on a CPU."""
+    build_tiny_model(path, seed=seed)
+    model = LlamaForCausalLM.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(1, len(VOCAB), (8, 24), generator=g)
+        logits = model(input_ids=ids).logits  # (8, 24, V)
+        target = torch.full((8 * 24,), VOCAB[token])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    return path

@@ -35,6 +35,8 @@ class RolloutBatch:
     token_versions: torch.Tensor | None = None  # (N, W-1) long, each response token's policy
     # version (the sample's version outside the response)
     packed: bool = False  # the model reads these rows packed into one (actors/learner/packing.py)
+    teacher_logprobs: torch.Tensor | None = None  # (N, W-1) float, the teacher's log-prob of each
+    # response token (on-policy distillation), 0 outside the response; None when a sample lacks them
 
     @property
     def size(self) -> int:
@@ -79,6 +81,8 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
     behav = torch.zeros((N, width - 1))
     rewards = torch.zeros((N, width - 1))
     token_versions = torch.zeros((N, width - 1), dtype=torch.long)
+    has_teacher = all(s.teacher_logprobs is not None for *_, s, _ in rows)
+    teacher = torch.zeros((N, width - 1)) if has_teacher else None
     for i, (p, r, lp, s, _) in enumerate(rows):
         end = len(p) + len(r)
         token_versions[i] = s.policy_version
@@ -89,6 +93,8 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         own = torch.ones(len(r)) if s.loss_mask is None else from_wire(s.loss_mask).float()
         mask[i, len(p) - 1 : end - 1] = own
         behav[i, len(p) - 1 : end - 1] = lp
+        if teacher is not None:
+            teacher[i, len(p) - 1 : end - 1] = from_wire(s.teacher_logprobs).float()
         at = own.nonzero()
         if len(at):  # the last token the model generated itself (tool tokens may follow it)
             rewards[i, len(p) - 1 + int(at[-1])] = s.reward
@@ -101,6 +107,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         versions=torch.tensor([s.policy_version for *_, s, _ in rows]),
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
         baseline_rewards=baselines, group_size=n, token_versions=token_versions,
+        teacher_logprobs=teacher,
     )
 
 

@@ -68,6 +68,7 @@ from actors.runtime.config import Topology
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
+from kernels.distill import distill_advantages, reverse_kl_metrics
 from kernels.importance import staleness_histogram, weight_metrics
 from kernels.kl import kl_estimate
 from kernels.rollout_corr import rollout_correction
@@ -216,6 +217,9 @@ class Trainer:
             algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
             norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
+        if self.topo.teacher.path:  # on-policy distillation (kernels/distill.py)
+            advantages, distill_metrics = distill(self.topo.teacher, batch, advantages)
+            metrics.update(distill_metrics)
         times.end("adv")  # the advantages are on the policy's device: synchronised like the rest
 
         # optimizer updates: mini-batches hold whole groups
@@ -302,6 +306,8 @@ class Trainer:
         metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
         metrics.update(token_staleness(trained_at, batch, mask))
         metrics["timing_s/weight_sync"] = sum(g.weight_sync_s for g in groups)
+        if self.topo.teacher.path:  # the teacher's slowest answer among the batch's groups
+            metrics["timing_s/teacher"] = max(g.teacher_seconds for g in groups)
         # the sampler's side: its longest generation call among the batch's groups (a call
         # generates a request's prompts together); in async mode it overlaps the learner's step
         metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
@@ -348,6 +354,21 @@ class Trainer:
         applied = not bypass or (algo.policy_loss == "bypass_mode"
                                  and algo.correction.loss_type == "reinforce")
         return probe, out, out.weights if applied and out.weights is not None else out.keep
+
+
+def distill(teacher, batch, advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's advantages with the distillation term (``teacher.weight``, ``kl_kind``,
+    ``kl_clamp``) added to the task's, or alone (``task_rewards = false``), from the behaviour
+    log-probs and the teacher's recorded with each sample; and the reverse-KL metrics."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("[teacher] is set but a sample of this batch carries no teacher "
+                         "log-probs (Sample.teacher_logprobs)")
+    adv = distill_advantages(batch.behaviour_logprobs, batch.teacher_logprobs,
+                             batch.response_mask, weight=teacher.weight, kind=teacher.kl_kind,
+                             kl_clamp=teacher.kl_clamp,
+                             task_advantages=advantages if teacher.task_rewards else None)
+    return adv.to(advantages.dtype), reverse_kl_metrics(
+        batch.behaviour_logprobs, batch.teacher_logprobs, batch.response_mask)
 
 
 def _gdpo_metrics(keys: list[str], components: torch.Tensor) -> dict[str, float]:

@@ -115,12 +115,16 @@ class JsonlSink:
 
 
 def format_step(step: int, metrics: Mapping[str, float], total: int, max_staleness: int) -> str:
-    """The console line of one step: reward, length, mismatch KL, IS weight, staleness, speed."""
+    """The console line of one step: reward, length, mismatch KL, the reverse KL to the teacher
+    (on-policy distillation), IS weight, staleness, speed."""
     m = metrics
+    teacher = (f" | teacher kl {m['distill/reverse_kl/mean']:.3f}"
+               if "distill/reverse_kl/mean" in m else "")
     return (
         f"step {step:4d}/{total} | reward {m.get('critic/score/mean', 0):.3f}"
         f" | len {m.get('response_length/mean', 0):5.1f}"
         f" | kl {m.get('rollout_corr/kl', 0):+.4f} k3 {m.get('rollout_corr/k3_kl', 0):.4f}"
+        f"{teacher}"
         f" | is_w {m.get('rollout_corr/is_weight_mean', 1):.3f}"
         f" clip {100 * m.get('rollout_corr/is_clip_frac', 0):.1f}%"
         f" | stale {m.get('staleness/mean', 0):.2f}/{max_staleness}"

@@ -395,7 +395,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
                       greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,
-                      agent=agent)
+                      agent=agent, teacher=bool(topo.teacher.path))
     sampler = (ContinuousSampler if engine.continuous else Sampler)(
         ctx, engine, rollout, replay, weights, scoring)
     ctx.status["engine"] = cfg.engine

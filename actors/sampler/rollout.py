@@ -12,8 +12,9 @@ scorer gets the whole transcript as ``solution_str`` and the turns in ``extra_in
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -22,6 +23,7 @@ from actors.data.chat import ChatTokenizer
 from actors.runtime.tensors import to_wire
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sampler.scoring_client import ScoringClient
+from actors.sampler.teacher_client import teacher_logprobs
 from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
 from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
 
@@ -49,6 +51,19 @@ def own_result(c: Generation) -> ScoreResult | None:
     return getattr(c, "own", None)
 
 
+class Answer:
+    """What one awaited request returned (None: never asked), and how long it took."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.seconds = 0.0
+
+    async def fill(self, pending: Awaitable[Any]) -> None:
+        started = time.monotonic()
+        self.value = await pending
+        self.seconds = time.monotonic() - started
+
+
 @dataclass
 class Generated:
     """One prompt's completions, not scored yet."""
@@ -65,8 +80,9 @@ class Rollout:
 
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, scoring: ScoringClient, *,
                  params: SamplingParams, n: int, greedy_baseline: bool, sampler: str,
-                 agent: AgentLoop | EndpointRollout | None = None) -> None:
+                 agent: AgentLoop | EndpointRollout | None = None, teacher: bool = False) -> None:
         self.engine, self.tokenizer, self.scoring = engine, tokenizer, scoring
+        self.teacher = teacher  # [teacher]: each group's teacher log-probs asked beside scoring
         self.params, self.n = params, n
         self.greedy_baseline = greedy_baseline  # remax: one greedy completion per prompt too
         self.sampler = sampler  # the sampler's name, recorded with each group
@@ -132,16 +148,24 @@ class Rollout:
                                       len(g.greedy.token_ids), turns_of(g.greedy)))
         p = g.prompt
         own = [own_result(c) for c in [*g.completions, *([g.greedy] if g.greedy else [])]]
-        if (self.agent is not None and self.agent.env_reward_only) or None not in own:
-            reply: ScoreReply | None = ScoreReply([ScoreResult(0.0)] * len(responses))
-        else:
-            reply = await self.scoring.score(ScoreRequest(
-                data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
-                extra_info=p.extra_info, prompt=p.messages,
-                max_response_length=self.params.max_tokens))
+        request = None if ((self.agent is not None and self.agent.env_reward_only)
+                           or None not in own) else ScoreRequest(
+            data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
+            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens)
+        scored, taught = Answer(), Answer()  # the scoring and teacher requests run side by side
+        async with anyio.create_task_group() as tg:
+            if request is not None:
+                tg.start_soon(scored.fill, self.scoring.score(request))
+            if self.teacher and g.completions:  # on-policy distillation: the teacher's log-probs
+                tg.start_soon(taught.fill, teacher_logprobs(
+                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions]))
+        reply = ScoreReply([ScoreResult(0.0)] * len(responses)) if request is None else scored.value
+        teacher, teacher_error = taught.value or (None, "")  # (None, ""): not asked
         error = "" if reply is not None else (
             f"no reward worker answered after {self.scoring.attempts} sends "
             f"{self.scoring.timeout_s:g} s apart")
+        error = error or teacher_error
+        teacher = teacher if teacher is not None else [None] * len(g.completions)
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
         rewards = [with_env_reward(r, c) for r, c in
@@ -151,12 +175,12 @@ class Rollout:
                           reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
-                          answer=r.answer)
-                   for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
-                                                 rewards, strict=True)]
+                          answer=r.answer, teacher_logprobs=t)
+                   for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
+                                                    rewards, teacher, strict=True)]
         return ScoredGroup(
             prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,
             score_seconds=time.monotonic() - started,
             baseline_reward=rewards[-1] if g.greedy is not None else None,
-            sampling=self.params, score_error=error)
+            sampling=self.params, score_error=error, teacher_seconds=taught.seconds)

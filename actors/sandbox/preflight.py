@@ -170,3 +170,36 @@ def check_model(path: str, needs_chat: bool = True) -> str:
     except (Exception, SystemExit) as exc:
         return f"{path}: the chat template fails on a user message: {describe(exc)}"
     return ""
+
+
+def check_teacher(path: str, student: str) -> str:
+    """``[teacher]``'s model ``path`` loads as a causal LM and tokenizes exactly as the student
+    (``student``, model.path) does: the teacher scores the student's token ids, so one id must
+    mean the same token to both (the same vocabulary and special tokens, ids the model covers)."""
+    problem = check_model(path, needs_chat=False)
+    if problem:
+        return problem
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        mine, theirs = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(student)
+        vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    except (Exception, SystemExit) as exc:
+        return f"{path}: the tokenizers do not load: {describe(exc)}"
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    specials = [name for name in ("eos_token_id", "bos_token_id", "pad_token_id")
+                if getattr(mine, name) != getattr(theirs, name)]
+    why = ""
+    if differ:
+        token, index = differ[0]
+        why = (f"{len(differ)} vocabulary entries differ (e.g. {token!r}: id {a.get(token)} for "
+               f"the teacher, {b.get(token)} for the student)")
+    elif specials:
+        why = f"{specials[0]} differs ({getattr(mine, specials[0])} vs {getattr(theirs, specials[0])})"
+    elif vocab_size < len(b):
+        why = f"the teacher's vocab_size {vocab_size} < the student's {len(b)} tokens"
+    if why:
+        return (f"the teacher {path} and the student {student} (model.path) do not share a "
+                f"tokenizer: {why}; the teacher scores the student's token ids, so they must")
+    return ""

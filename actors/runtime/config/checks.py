@@ -26,6 +26,7 @@ from actors.runtime.config.schema import (
     DatasetConfig,
     Topology,
 )
+from actors.runtime.config.teacher import check_teacher
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
 
@@ -116,6 +117,7 @@ def check(topology: Topology) -> None:
         need(problem is None, "learner.weights_transport", str(problem))
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)
+    check_teacher(topology, need)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
     # of the learner's checkpoint, which only holds when both start from it
     for name in ("replay", "learner"):

@@ -62,6 +62,7 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             for i, name in enumerate(samplers):
                 start = (i * width) % len(order)
                 taken[name] = [order[(start + k) % len(order)] for k in range(width)]
+    _place_teachers(topology, names, gpus, taken)
     # learner ranks see every GPU of the node's ranks (NCCL peer-to-peer needs the peer visible)
     ranks_gpus = [taken[n][0] for n in _by_rank(learners) if n in taken]
     users: dict[str, list[str]] = {}
@@ -77,8 +78,10 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             most = max(len(users[g]) for g in on)
             share = int(SHARED_BUDGET / most * 100) / 100
             if share < MIN_SHARE:
-                # samplers are what wraps around onto used GPUs
-                key = "sampler.count" if any(u.startswith("sampler") for u in [name, *sharing]) \
+                # teachers, then samplers, are what wraps around onto used GPUs
+                on_gpu = [name, *sharing]
+                key = "teacher.replicas" if any(u.startswith("teacher") for u in on_gpu) \
+                    else "sampler.count" if any(u.startswith("sampler") for u in on_gpu) \
                     else "learner.nproc_per_node"
                 raise ConfigError(f"{key}: {most} processes on GPU "
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "
@@ -93,3 +96,30 @@ def _by_rank(learners: list[str]) -> list[str]:
     def rank(name: str) -> int:
         return int(name.rsplit(".rank", 1)[1]) if ".rank" in name else 0
     return sorted(learners, key=rank)
+
+
+def _place_teachers(topology, names: Sequence[str], gpus: Sequence[str],
+                    taken: dict[str, list[str]]) -> None:
+    """Teacher workers (``teacher-I``, one GPU each) by the samplers' rules: ``cuda:N`` names
+    their GPU; otherwise they take the GPUs no learner rank or sampler has, in order, then share
+    from the first GPU again (a memory share each)."""
+    T = topology.teacher
+    teachers = sorted((n for n in names if n.startswith("teacher-")),
+                      key=lambda n: int(n.split("-")[1]))
+    if not teachers or not _wants_gpu(T.device, gpus):
+        return
+    if not gpus:
+        raise ConfigError(f"teacher.device: {T.device} asked for, but the runner sees no GPU "
+                          "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+    if ":" in T.device:
+        index = int(T.device.split(":")[1])
+        if index >= len(gpus):
+            raise ConfigError(f"teacher.device: {T.device} asked for, but the runner sees "
+                              f"{len(gpus)} GPU(s)")
+        for name in teachers:
+            taken[name] = [gpus[index]]
+        return
+    used = {g for v in taken.values() for g in v}
+    order = [g for g in gpus if g not in used] + [g for g in gpus if g in used]
+    for i, name in enumerate(teachers):
+        taken[name] = [order[i % len(order)]]

@@ -6,6 +6,8 @@ reason``, exit 2 from the runner) when:
 
 - ``model.path`` is not a model directory, is not a causal LM, its tokenizer does not load, or
   it has no chat template (every prompt is chat messages rendered by it);
+- ``teacher.path`` (on-policy distillation) is not a causal LM, or its tokenizer is not the
+  student's (the error names both models);
 - a file of ``task.datasets`` or ``validation.datasets`` does not read whole the way the replay
   buffer reads it (not a parquet file, a jsonl line that is not a JSON object, a first prompt
   that is not a prompt);
@@ -95,6 +97,10 @@ async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[st
 def _check_in_children(topology: Topology, model_path: str) -> None:
     checks = [("model.path", "check_model", {"path": model_path, "needs_chat": True})]
     checks += [(key, "check_function", args) for key, args in user_code(topology)]
+    if topology.teacher.path:  # on-policy distillation: the teacher reads the student's ids
+        checks.append(("teacher.path", "check_teacher",
+                       {"path": _directory(topology.teacher.path, "teacher.path"),
+                        "student": model_path}))
     passed = _passed_marker(model_path)
     if passed is not None and passed.exists():
         _done.setdefault(_memo(checks[0]), [""])
@@ -169,12 +175,16 @@ def check_data(topology: Topology) -> None:
 def model_directory(topology: Topology) -> str:
     """``model.path`` as a local directory (the embedded default converted once), or the
     ConfigError naming the key."""
+    return _directory(topology.model.path, "model.path")
+
+
+def _directory(path: str, key: str) -> str:
     from actors.model_store import resolve_model_path
 
     try:
-        return str(resolve_model_path(topology.model.path))
+        return str(resolve_model_path(path))
     except FileNotFoundError as exc:
-        raise ConfigError(f"model.path: {exc}") from None
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def preflight(topology: Topology) -> None:

@@ -15,6 +15,7 @@ from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.schema_base import ActorCommon, _Section
+from actors.runtime.config.teacher import TeacherConfig
 
 
 class RunConfig(_Section, frozen=True):
@@ -392,6 +393,7 @@ class Topology(_Section, frozen=True):
     sampler: SamplerConfig = SamplerConfig()
     router: RouterConfig = RouterConfig()
     reward: RewardConfig = RewardConfig()
+    teacher: TeacherConfig = TeacherConfig()
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerConfig = LearnerConfig()
     security: SecurityConfig = SecurityConfig()
