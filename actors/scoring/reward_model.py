@@ -28,9 +28,10 @@ from messages.rollout import ChatMessage
 class RewardModel:
     """``fn.path``'s checkpoint, scoring items in batches on a worker thread."""
 
-    def __init__(self, fn: RewardFunction, threads: int = 1) -> None:
+    def __init__(self, fn: RewardFunction, threads: int = 1, device: Any = "cpu") -> None:
         self.fn = fn
         self.threads = threads
+        self.device = device  # where the model computes (a model pool's replica: its GPU)
         self._model: Any = None  # loaded by load(); None until then
         self._tokenizer: Any = None
         self._lock = anyio.Lock()  # one forward at a time: the threads share the model
@@ -53,7 +54,12 @@ class RewardModel:
             model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side = "right"
         tokenizer.truncation_side = "left"  # keep the end of the response, where the score is read
-        self._model, self._tokenizer = model.eval(), tokenizer
+        self._model, self._tokenizer = model.to(self.device).eval(), tokenizer
+
+    @property
+    def module(self) -> Any:
+        """The loaded torch model (None before ``load``)."""
+        return self._model
 
     def text(self, item: ScoreItem) -> str:
         """What the model reads for one item."""
@@ -76,8 +82,9 @@ class RewardModel:
                                     max_length=self.fn.max_length,
                                     add_special_tokens=not templated)  # the template has them
             with torch.inference_mode():
-                logits = self._model(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"]).logits  # (B, 1)
+                logits = self._model(input_ids=batch["input_ids"].to(self.device),
+                                     attention_mask=batch["attention_mask"].to(self.device)
+                                     ).logits  # (B, 1)
             scores += ((logits[:, 0].float() - self.fn.reward_mean) / self.fn.reward_std).tolist()
         return scores
 
