@@ -48,8 +48,11 @@ class PoolScoring:
 
     async def load(self) -> None:
         """Load the model on this replica's device (a broken one fails the replica at start)."""
+        import torch
+
         from actors.runtime.devices import resolve_device, resolve_dtype
 
+        torch.set_num_threads(self.pool.threads)  # the replica's share of the cores
         device = resolve_device(self.pool.device)
         self.device = str(device)
         if self.pool.kind == "reward_model":
@@ -82,9 +85,6 @@ class PoolScoring:
                                self._user_parse if self.children is not None else None)
             module = getattr(self.engine, "model", None)  # hf: a torch model; vllm: its own
         if self.pool.sleep_idle_s > 0 and module is not None:
-            import torch
-
-            torch.set_num_threads(self.pool.threads)
             self.sleeper = TorchSleep(module, Path(self.pool.path))
 
     async def _user_parse(self, arguments: list[dict[str, Any]]) -> list[Outcome]:
@@ -143,7 +143,7 @@ class PoolScoring:
         if self.sleeper is not None:
             out.update(self.sleeper.clock.statistics().status())
         elif self.engine is not None and self.pool.sleep_idle_s > 0:  # vllm's own sleep
-            out["sleeps"] = getattr(self.engine, "sleeps", 0)
+            out.update(self.engine.sleep_clock.statistics().status())
         return out
 
     async def aclose(self) -> None:
