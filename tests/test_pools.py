@@ -339,3 +339,31 @@ def test_the_pools_replies_add_up_by_weight_and_any_failure_fails_the_response()
     assert both.results[1].score == 0.0
     assert both.results[1].error == "j: judge j: parser number read no score"
     assert combine((("reward", 1.0),), [rules]) is rules  # no pools: the reply as it came
+
+
+# ------------------------------------------------------------------------------ placement
+
+
+def test_pool_replicas_are_reward_processes_placed_on_their_gpu(reward_model, tmp_path, sockets):
+    """A pool on cuda:1 shares that GPU with the sampler placed there (each gets a memory
+    share); a cpu pool and the rule worker see no GPU; a GPU the runner lacks names the key."""
+    from tests.test_placement import envs
+    from tests.test_placement import topology as placed_topology
+
+    topo = placed_topology(sockets, "sampler.count=2", "sampler.engine=hf", pools(
+        f'name="rm", path="{reward_model}", replicas=2, device="cuda:1"',
+        f'name="cpu_rm", path="{reward_model}"'))
+    got = envs(topo, tmp_path, ["0", "1"])
+    for name in ("reward-1", "reward-2"):
+        assert got[name] == {"CUDA_VISIBLE_DEVICES": "1", "FLOWRL_DEVICE": "cuda:0",
+                             "FLOWRL_GPU_MEMORY_SHARE": "0.30"}  # with sampler-0: 0.9 / 3
+    assert got["reward-3"] == got["reward-0"] == {"CUDA_VISIBLE_DEVICES": "", "FLOWRL_DEVICE": "cpu"}
+    with pytest.raises(ConfigError, match=r"reward.pools\[0\].device: cuda:1 asked for, but the "
+                                          r"runner sees 1 GPU"):
+        envs(topo, tmp_path, ["0"])
+
+
+def test_a_reward_model_pool_needs_a_one_label_classifier(tiny_model):
+    with pytest.raises(ConfigError, match=r"reward.pools\[0\].path: .*not a "
+                                          r"\.\.\.ForSequenceClassification reward model"):
+        topology(pools(f'name="rm", path="{tiny_model}"'))  # a causal LM

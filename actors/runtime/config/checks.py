@@ -148,6 +148,10 @@ def check(topology: Topology) -> None:
         need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
         need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
     check_pools(topology, need)
+    for i, pool in enumerate(R.pools):
+        if pool.kind == "reward_model":
+            problem = _reward_model_problem(Path(pool.path))
+            need(problem is None, f"reward.pools[{i}].path", str(problem))
     need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(0 <= R.max_error_share <= 1, "reward.max_error_share", "must be in [0, 1]")
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
