@@ -367,3 +367,58 @@ def test_a_reward_model_pool_needs_a_one_label_classifier(tiny_model):
     with pytest.raises(ConfigError, match=r"reward.pools\[0\].path: .*not a "
                                           r"\.\.\.ForSequenceClassification reward model"):
         topology(pools(f'name="rm", path="{tiny_model}"'))  # a causal LM
+
+
+# ------------------------------------------------------------------------------ a live replica
+
+
+@pytest.mark.anyio
+async def test_a_live_replica_sleeps_while_idle_and_a_routed_request_wakes_it(reward_model,
+                                                                              tmp_path, sockets):
+    """A reward-model pool replica (a reward actor after the rule worker) behind the real router:
+    idle, it sleeps (its status says so, with the memory freed); the next request through the
+    sampler's client wakes it and gets the same scores as before."""
+    import msgspec
+    import zmq
+
+    from actors.reward import reward_actor
+    from actors.router.actor import router_actor
+    from actors.runtime.actor import ActorContext, serve_actor
+    from actors.runtime.zmq_bridge import make_socket
+    from actors.sampler.scoring_client import ScoringClient
+    from messages.reward import Response, ScoreRequest
+    from tests.helpers import actor_context, live_topology
+
+    topo = live_topology(sockets, "reward.rules=false", pools(
+        f'name="rm", path="{reward_model}", sleep_idle_s=0.3, capacity=2'))
+    request = ScoreRequest("mine", "5", [Response(t) for t in ("5", "it is 5", "six")],
+                           prompt=[ChatMessage("user", "what is 2 + 3?")])
+    zctx = zmq.Context()
+    replica = ActorContext(kind="reward", index=topo.reward.count, topology=topo,
+                           run_dir=tmp_path, zmq=zctx)  # reward-1: the pool's replica 0
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve_actor, actor_context("router", topo, zctx, tmp_path),
+                           router_actor, None)
+            await tg.start(serve_actor, replica, reward_actor, None)
+            sock = make_socket(zctx, zmq.DEALER, connect=topo.router.address)
+            client = ScoringClient(sock, timeout_s=30, attempts=1, targets=score_targets(topo.reward))
+            tg.start_soon(client.serve)
+            with anyio.fail_after(30):
+                first = await client.score(request)
+            await wait_for("the replica asleep", lambda: replica.status.get("asleep") is True,
+                           limit_s=20)
+            asleep = dict(replica.status)
+            with anyio.fail_after(30):
+                second = await client.score(request)
+            awake = dict(replica.status)
+            sock.close(linger=0)
+            tg.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)
+    assert first is not None and second is not None
+    assert msgspec.to_builtins(second) == msgspec.to_builtins(first)  # same weights back
+    assert [r.error for r in first.results] == ["", "", ""]
+    assert asleep["pool"] == "rm" and asleep["sleeps"] >= 1 and asleep["freed_mb"] > 0
+    assert awake["asleep"] is False or awake["sleeps"] > asleep["sleeps"]  # woke for it
+    assert awake["requests_done"] == 2
