@@ -422,3 +422,13 @@ async def test_a_live_replica_sleeps_while_idle_and_a_routed_request_wakes_it(re
     assert asleep["pool"] == "rm" and asleep["sleeps"] >= 1 and asleep["freed_mb"] > 0
     assert awake["asleep"] is False or awake["sleeps"] > asleep["sleeps"]  # woke for it
     assert awake["requests_done"] == 2
+
+
+def test_the_live_panel_names_a_replicas_pool_and_says_when_it_sleeps():
+    from tests.test_liveview import rows, text_of, view_at_step_12
+
+    view = view_at_step_12()
+    view.actors = rows(reward_0={"pool": "judge", "asleep": True, "freed_mb": 512.4})
+    text, _ = text_of(view, now=253.0)
+    line = next(line for line in text.splitlines() if line.split()[:1] == ["reward-0"])
+    assert "pool judge  done 96" in line and "asleep (512 MiB freed)" in line
