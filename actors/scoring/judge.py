@@ -107,19 +107,7 @@ class Judge:
 
         params = SamplingParams(temperature=self.pool.temperature, max_tokens=self.pool.max_tokens)
         requests = [GenerateRequest(self.prompt_ids(item), params) for item in items]
-        if getattr(self.engine, "continuous", False):  # one request per call, all at once
-            import anyio
-
-            out: list[Any] = [None] * len(requests)
-
-            async def one(i: int) -> None:
-                (out[i],) = await self.engine.generate([requests[i]])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(requests)):
-                    tg.start_soon(one, i)
-        else:
-            out = await self.engine.generate(requests)
+        out = await self.engine.generate(requests)  # continuous engines run them at once
         return [self.tokenizer.decode(gens[0].token_ids.tolist(), skip_special_tokens=True)
                 for gens in out]
 
