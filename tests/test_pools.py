@@ -432,3 +432,31 @@ def test_the_live_panel_names_a_replicas_pool_and_says_when_it_sleeps():
     text, _ = text_of(view, now=253.0)
     line = next(line for line in text.splitlines() if line.split()[:1] == ["reward-0"])
     assert "pool judge  done 96" in line and "asleep (512 MiB freed)" in line
+
+
+@pytest.mark.anyio
+async def test_a_reward_models_concurrent_requests_share_forwards_and_keep_their_scores(
+        reward_model):
+    """The rule workers' ``reward_model`` function too: requests that come together are
+    scored in shared forwards, each getting its own items' scores (as alone, to 1e-5)."""
+    from actors.runtime.config import RewardFunction
+    from actors.scoring.reward_model import RewardModel
+
+    model = RewardModel(RewardFunction(builtin="reward_model", path=str(reward_model),
+                                       batch_size=16))
+    model.load()
+    requests = [items(3)[:k] for k in (1, 2, 3)]
+    alone = [[o.score for o in await model.score(r)] for r in requests]
+    calls_before = model._batcher.statistics().batches
+    together: list[list[float]] = [[], [], []]
+
+    async def one(k: int) -> None:
+        together[k] = [o.score for o in await model.score(requests[k])]
+
+    async with anyio.create_task_group() as tg:
+        for k in range(3):
+            tg.start_soon(one, k)
+    stats = model._batcher.statistics()
+    assert stats.batches - calls_before < 3 and stats.requests_largest >= 2  # shared
+    for a, b in zip(alone, together, strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
