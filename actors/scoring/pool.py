@@ -50,12 +50,13 @@ class PoolScoring:
         """Load the model on this replica's device (a broken one fails the replica at start)."""
         import torch
 
-        from actors.runtime.devices import resolve_device, resolve_dtype
+        from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 
         torch.set_num_threads(self.pool.threads)  # the replica's share of the cores
         device = resolve_device(self.pool.device)
         self.device = str(device)
         if self.pool.kind == "reward_model":
+            cap_memory(device)  # a GPU shared with others: the runner's split (hf does its own)
             from actors.scoring.reward_model import RewardModel
 
             p = self.pool
