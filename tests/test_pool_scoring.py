@@ -12,9 +12,7 @@ import pytest
 from actors.runtime.config.pools import score_targets
 from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher
-from actors.scoring.judge import (
-    Judge,
-)
+from actors.scoring.judge import Judge
 from actors.scoring.pool import PoolScoring
 from actors.scoring.sleep import TorchSleep
 from messages.reward import ScoreResult
