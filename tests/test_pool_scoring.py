@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 
 from actors.runtime.config.pools import score_targets
 from actors.sandbox.protocol import Outcome
@@ -152,6 +153,12 @@ async def test_an_answer_the_parser_cannot_read_is_a_recorded_error_not_a_zero(t
     assert judge.unreadable == 2 and judge.answers == 2
 
 
+def judge_logits(scoring: PoolScoring) -> torch.Tensor:
+    """The judge model's logits on one fixed input (its weights, seen through a forward)."""
+    with torch.no_grad():
+        return scoring.engine.model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
+
+
 @pytest.mark.anyio
 async def test_a_tiny_random_judge_batches_on_the_real_engine_and_records_what_it_cannot_read(
         tiny_model):
@@ -175,9 +182,11 @@ async def test_a_tiny_random_judge_batches_on_the_real_engine_and_records_what_i
         stats = scoring.statistics()
         sleeper = scoring.sleeper
         assert sleeper is not None  # an hf judge sleeps as a torch model
+        logits_before = judge_logits(scoring)
         sleeper.sleep()
         assert sleeper.resident_bytes() == 0
-        again = await scoring.score(items(1))
+        again = await scoring.score(items(1))  # wakes it
+        assert torch.equal(judge_logits(scoring), logits_before)  # the same weights back
     finally:
         await scoring.aclose()
     flat = results[0] + results[1]
