@@ -13,6 +13,7 @@ import torch
 from actors.runtime.config.pools import score_targets
 from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher
+from actors.scoring.items import items_of
 from actors.scoring.judge import Judge
 from actors.scoring.pool import PoolScoring
 from actors.scoring.sleep import TorchSleep
@@ -314,3 +315,28 @@ async def test_a_reward_models_concurrent_requests_share_forwards_and_keep_their
     assert stats.batches - calls_before < 3 and stats.requests_largest >= 2  # shared
     for a, b in zip(alone, together, strict=True):
         assert b == pytest.approx(a, abs=1e-5)
+
+
+@pytest.mark.anyio
+async def test_offline_tools_score_with_the_jobs_pools_as_the_sampler_adds_them(reward_model):
+    """``runner.py validate`` and ``replay --rescore``'s live path (``LocalScoring``): the rule
+    workers' score plus each pool's, weighted, in this process."""
+    from actors.offline.live_path import LocalScoring
+    from messages.reward import Response, ScoreRequest
+
+    topo = topology("task.name=arithmetic", pools(f'name="rm", path="{reward_model}", weight=0.5'))
+    request = ScoreRequest("arithmetic", "5", [Response("5"), Response("7")],
+                           prompt=[ChatMessage("user", "what is 2 + 3?")])
+    local = LocalScoring(topo)
+    alone = PoolScoring(topo.reward.pools[0], topo)
+    await local.load()
+    await alone.load()
+    try:
+        reply = await local.score(request)
+        rm = [r.score for r in await alone.score(items_of(request))]
+    finally:
+        await local.aclose()
+        await alone.aclose()
+    assert [r.extra["reward"] for r in reply.results] == [1.0, 0.0]  # the arithmetic rule
+    assert [r.extra["rm"] for r in reply.results] == pytest.approx(rm, abs=1e-6)
+    assert [r.score for r in reply.results] == pytest.approx([1.0 + 0.5 * rm[0], 0.5 * rm[1]])
