@@ -9,6 +9,11 @@ score 0.0 and a recorded error while the worker goes on serving; a reward model 
 start and runs batched on a worker thread. Its counters are published in the actor's status
 (``score_errors``, ``score_timeouts``, ``score_crashes``, ...).
 
+A model pool's replica (``[[reward.pools]]``: reward processes numbered after the rule workers,
+``actors/runtime/config/pools.py``) is the same worker serving the pool's name with
+``actors.scoring.pool.PoolScoring``: the pool's model, batched across concurrent requests,
+asleep while idle when the pool says so.
+
 Stopping (Stop, SIGTERM, SIGINT, Ctrl-C of an attached worker) is a drain: the worker says bye,
 answers what the router sent it before the router's acknowledgement, then exits.
 """
@@ -19,27 +24,32 @@ import anyio
 import zmq
 
 from actors.runtime.actor import ActorContext
+from actors.runtime.config.pools import RULES_POOL, pool_replica
 from actors.runtime.security import handshake_monitor, watch_handshake
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.scoring.items import items_of
+from actors.scoring.pool import PoolScoring
 from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
 from messages.reward import ScoreReply, ToRewardWorker
 from messages.routing import Envelope, ToWorker, WorkerBye, WorkerHeartbeat, WorkerHello
 
 BYE_ACK_WAIT_S = 1.0  # with nothing in flight, how long to wait for the router's ack of a bye
-POOL = "reward"
+POOL = RULES_POOL
 
 
 class RewardWorker:
     """Takes routed requests up to ``capacity`` at once and answers each when it is scored."""
 
-    def __init__(self, ctx: ActorContext, sock: AsyncSocket, scoring: Scoring) -> None:
+    def __init__(self, ctx: ActorContext, sock: AsyncSocket, scoring: Scoring | PoolScoring,
+                 pool: str = POOL, capacity: int = 0) -> None:
         self.ctx, self.sock, self.scoring = ctx, sock, scoring
         self.cfg = ctx.topology.reward
+        self.pool = pool  # the router's pool it serves
+        self.capacity = capacity or self.cfg.capacity
         self.codec: Codec[ToWorker] = Codec(ToWorker)
         self.body_codec: Codec[ToRewardWorker] = Codec(ToRewardWorker)
-        self.slots = anyio.Semaphore(self.cfg.capacity)
+        self.slots = anyio.Semaphore(self.capacity)
         self.done = 0  # requests answered
         self.in_flight = 0  # requests taken and not yet answered
         self.idle = anyio.Event()  # set while nothing is in flight
@@ -53,6 +63,8 @@ class RewardWorker:
                                score_crashes=s.crashes, score_children=s.children,
                                score_children_started=s.children_started,
                                requests_in_flight=self.in_flight)
+        if isinstance(self.scoring, PoolScoring):
+            self.ctx.status.update(self.scoring.status())
 
     async def handle(self, envelope: Envelope, body: bytes) -> None:
         self.in_flight += 1
@@ -79,7 +91,7 @@ class RewardWorker:
     async def heartbeats(self) -> None:
         while True:
             await self.sock.send_multipart(
-                [encode(WorkerHeartbeat(self.ctx.name, POOL, self.cfg.capacity))])
+                [encode(WorkerHeartbeat(self.ctx.name, self.pool, self.capacity))])
             self.publish()
             await anyio.sleep(min(1.0, self.ctx.topology.run.heartbeat_interval))
 
@@ -119,9 +131,17 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     sock = make_socket(ctx.zmq, zmq.DEALER, identity=ctx.name.encode(), curve=ctx.curve)
     monitor = handshake_monitor(sock) if ctx.curve is not None else None
     sock.socket.connect(address)
-    scoring = Scoring(cfg, threads=cfg.threads)
+    replica = pool_replica(cfg, ctx.index)  # None: a rule worker (an attached one: index -1)
+    scoring: Scoring | PoolScoring
+    if replica is None:
+        scoring, pool, capacity = Scoring(cfg, threads=cfg.threads), POOL, cfg.capacity
+    else:
+        model_pool, _ = replica
+        scoring = PoolScoring(model_pool, ctx.topology, label=f"{ctx.name} {ctx.run_dir}")
+        pool, capacity = model_pool.name, model_pool.capacity
+        ctx.status.update(scoring.status())
     await scoring.load()
-    worker = RewardWorker(ctx, sock, scoring)
+    worker = RewardWorker(ctx, sock, scoring, pool, capacity)
     stopping = anyio.Event()  # cancelled from outside (Stop, SIGTERM, SIGINT): drain, then go
 
     async def watch_cancel() -> None:
@@ -130,8 +150,8 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
         finally:
             stopping.set()
 
-    await sock.send_multipart([encode(WorkerHello(name=ctx.name, pool=POOL,
-                                                  capacity=cfg.capacity))])
+    await sock.send_multipart([encode(WorkerHello(name=ctx.name, pool=pool,
+                                                  capacity=capacity))])
     task_status.started()
     try:
         with sock:
@@ -140,6 +160,8 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(worker.heartbeats)
+                        if isinstance(scoring, PoolScoring):
+                            tg.start_soon(scoring.keep_sleeping)
                         if monitor is not None:  # a refused key fails the worker, loudly
                             assert ctx.curve is not None
                             tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)

@@ -44,6 +44,11 @@ class RecordingLLM:
         self.calls.append("wake")
         return True
 
+    async def collective_rpc(self, method: str) -> list[int]:
+        """``flowrl_free_memory`` of the worker extension: 1 MiB free awake, 5 MiB asleep."""
+        assert method == "flowrl_free_memory"
+        return [(5 if self.asleep.is_set() and self.calls[-1] != "wake" else 1) * 2**20]
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 
@@ -71,6 +76,8 @@ async def test_an_idle_engine_sleeps_and_the_next_work_wakes_it():
         await engine.loop.call(engine._wake())  # awake already: nothing to do
         assert llm.calls == ["sleep1", "wake"]
         assert engine.statistics()["sleeps"] == 1
+        assert engine.statistics()["freed_mb"] == 4.0  # the free bytes' rise over the sleep
+        assert engine.statistics()["wake_ms"] >= 0 and engine.sleep_clock.sleeps == 1
     finally:
         await engine.aclose()
     assert llm.calls[-1] == "shutdown"

@@ -126,6 +126,10 @@ def actor_figures(row: ActorRow, heartbeat_interval: float) -> tuple[str, list[s
     elif row.kind == "reward":
         parts = [f"done {int(_num(s, 'requests_done'))}",
                  f"in flight {int(_num(s, 'requests_in_flight'))}"]
+        if isinstance(s.get("pool"), str):  # a model pool's replica (config/pools.py)
+            parts.insert(0, f"pool {s['pool']}")
+            if s.get("asleep") is True:
+                parts.append(f"asleep ({_num(s, 'freed_mb'):.0f} MiB freed)")
         for key in ("score_errors", "score_timeouts", "score_crashes"):
             if _num(s, key):
                 problems.append(f"{key.replace('_', ' ')} {int(_num(s, key))}")

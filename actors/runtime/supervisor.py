@@ -38,6 +38,7 @@ import zmq
 from actors.registry import NAMES
 from actors.runtime.config import Topology
 from actors.runtime.config.hosts import host_of, local_actors, owner
+from actors.runtime.config.pools import reward_processes
 from actors.runtime.cores import remove_table
 from actors.runtime.liveview import ActorRow, View
 from actors.runtime.metrics import Metrics, Resume
@@ -411,6 +412,10 @@ def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
     for p in procs.values():
         p.host = host_of(topology, p.kind, p.index)
         p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
+    if topology.learner.node_rank == 0:  # model pools' replicas (config/pools.py): reward
+        R = topology.reward  # processes after the rule workers, on the owner's host
+        for i in range(R.count, reward_processes(R)):
+            procs[f"reward-{i}"] = Proc("reward", i, host=owner(topology), remote=not is_owner)
     return procs
 
 

@@ -38,6 +38,7 @@ import zmq
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
+from actors.runtime.config.pools import score_targets
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.runtime.transports.base import resolve_transport
@@ -391,7 +392,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                                 in_worker=registry.worker_receives(cfg.engine, lora),
                                 ranks=registry.receiving_ranks(cfg.engine, cfg, lora),
                                 timeout_s=topo.learner.collective_timeout_s)
-    scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts)
+    scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts,
+                            targets=score_targets(topo.reward))
     agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
                       greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,

@@ -8,6 +8,10 @@ late reply to an earlier send is as good as any; a router that still holds it ig
 re-send), up to ``attempts`` sends; then it has failed, and the caller records the group as
 unscored rather than waiting on it. A request the router gave up on (every worker it tried
 died or timed out on it) fails at once.
+
+A group is scored by every pool of ``targets`` (``score_targets``: the rule workers, and the
+model pools of ``[[reward.pools]]``), all at once; the weighted sum is its reward
+(``actors/scoring/combine.py``), and it is unscored when any pool's request failed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from actors.runtime.config.pools import RULES_POOL
 from actors.runtime.zmq_bridge import AsyncSocket
+from actors.scoring.combine import combine
 from messages.codec import Codec, DecodeError, encode
 from messages.reward import ScoreReply, ScoreRequest, ToScoringClient
 from messages.routing import Envelope, RouterError, ToClient
@@ -43,8 +49,10 @@ class _Waiter:
 class ScoringClient:
     """Sends routed requests on a DEALER connected to the router; ``serve`` must run beside."""
 
-    def __init__(self, sock: AsyncSocket, *, timeout_s: float, attempts: int) -> None:
+    def __init__(self, sock: AsyncSocket, *, timeout_s: float, attempts: int,
+                 targets: tuple[tuple[str, float], ...] = ((RULES_POOL, 1.0),)) -> None:
         self.sock = sock
+        self.targets = targets  # the pools that score every group, with their weights
         self.timeout_s, self.attempts = timeout_s, attempts
         self.codec: Codec[ToClient] = Codec(ToClient)
         self.body_codec: Codec[ToScoringClient] = Codec(ToScoringClient)
@@ -82,8 +90,28 @@ class ScoringClient:
             self._waiting.pop(rid, None)
 
     async def score(self, request: ScoreRequest) -> ScoreReply | None:
-        """Scores of one group's responses, or None when scoring failed (see ``request``)."""
-        body = await self.request("reward", encode(request))
+        """Scores of one group's responses from every pool of ``targets``, combined; None when
+        any pool's scoring failed (see ``request``)."""
+        if len(self.targets) == 1:
+            reply = await self.score_by(self.targets[0][0], request)
+            return None if reply is None else combine(self.targets, [reply])
+        replies: list[ScoreReply | None] = [None] * len(self.targets)
+        body = encode(request)
+
+        async def one(k: int) -> None:
+            replies[k] = await self.score_by(self.targets[k][0], request, body)
+
+        async with anyio.create_task_group() as tg:
+            for k in range(len(self.targets)):
+                tg.start_soon(one, k)
+        if any(r is None for r in replies):
+            return None
+        return combine(self.targets, [r for r in replies if r is not None])
+
+    async def score_by(self, pool: str, request: ScoreRequest,
+                       body_bytes: bytes | None = None) -> ScoreReply | None:
+        """Scores of one group's responses from ``pool``, or None when that failed."""
+        body = await self.request(pool, body_bytes or encode(request))
         if body is None:
             return None
         try:

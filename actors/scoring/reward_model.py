@@ -6,7 +6,8 @@ and the response joined by newlines. The score is the label's logit at the last 
 and OpenRLHF reward models are trained), shifted and scaled by ``reward_mean``/``reward_std``.
 
 The model is loaded once per reward worker and runs in the worker's process, in a worker
-thread, one batch of ``batch_size`` sequences at a time: it is the job's own trusted
+thread, one batch of ``batch_size`` sequences at a time (the items of concurrent requests
+together: ``batching.Batcher``): it is the job's own trusted
 checkpoint, not user code, and reloading it in a fresh child after every timeout would cost
 more than the call. torch and transformers are imported only when a reward model is used.
 """
@@ -21,6 +22,7 @@ import anyio
 from actors.data.chat import chat_text
 from actors.runtime.config import RewardFunction
 from actors.sandbox.protocol import Outcome
+from actors.scoring.batching import Batcher
 from actors.scoring.items import ScoreItem
 from messages.rollout import ChatMessage
 
@@ -28,12 +30,15 @@ from messages.rollout import ChatMessage
 class RewardModel:
     """``fn.path``'s checkpoint, scoring items in batches on a worker thread."""
 
-    def __init__(self, fn: RewardFunction, threads: int = 1) -> None:
+    def __init__(self, fn: RewardFunction, threads: int = 1, device: Any = "cpu") -> None:
         self.fn = fn
         self.threads = threads
+        self.device = device  # where the model computes (a model pool's replica: its GPU)
         self._model: Any = None  # loaded by load(); None until then
         self._tokenizer: Any = None
-        self._lock = anyio.Lock()  # one forward at a time: the threads share the model
+        # one call at a time (the threads share the model); requests that arrive while one
+        # runs go together into the next (their items share forwards)
+        self._batcher: Batcher[ScoreItem] = Batcher(self._score_now, max(fn.batch_size, 256))
 
     def load(self) -> None:
         """Load the tokenizer and the model (blocking: call it on a worker thread)."""
@@ -53,7 +58,12 @@ class RewardModel:
             model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side = "right"
         tokenizer.truncation_side = "left"  # keep the end of the response, where the score is read
-        self._model, self._tokenizer = model.eval(), tokenizer
+        self._model, self._tokenizer = model.to(self.device).eval(), tokenizer
+
+    @property
+    def module(self) -> Any:
+        """The loaded torch model (None before ``load``)."""
+        return self._model
 
     def text(self, item: ScoreItem) -> str:
         """What the model reads for one item."""
@@ -76,16 +86,20 @@ class RewardModel:
                                     max_length=self.fn.max_length,
                                     add_special_tokens=not templated)  # the template has them
             with torch.inference_mode():
-                logits = self._model(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"]).logits  # (B, 1)
+                logits = self._model(input_ids=batch["input_ids"].to(self.device),
+                                     attention_mask=batch["attention_mask"].to(self.device)
+                                     ).logits  # (B, 1)
             scores += ((logits[:, 0].float() - self.fn.reward_mean) / self.fn.reward_std).tolist()
         return scores
 
     async def score(self, items: list[ScoreItem]) -> list[Outcome]:
-        """One outcome per item, computed on a worker thread; a failure is every item's error."""
-        async with self._lock:
-            try:
-                scores = await anyio.to_thread.run_sync(self.score_sync, items)
-            except Exception as exc:  # a scorer's fault is a recorded error, never a dead worker
-                return [Outcome(error=f"reward model: {type(exc).__name__}: {exc}"[:500])] * len(items)
+        """One outcome per item, computed on a worker thread with the items of the requests
+        waiting beside it; a failure is every item's error."""
+        return await self._batcher.score(items)
+
+    async def _score_now(self, items: list[ScoreItem]) -> list[Outcome]:
+        try:
+            scores = await anyio.to_thread.run_sync(self.score_sync, items)
+        except Exception as exc:  # a scorer's fault is a recorded error, never a dead worker
+            return [Outcome(error=f"reward model: {type(exc).__name__}: {exc}"[:500])] * len(items)
         return [Outcome(score=s) for s in scores]

@@ -17,6 +17,7 @@ from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.hosts import check_hosts
 from actors.runtime.config.placement import check_placement
+from actors.runtime.config.pools import check_pools
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
@@ -148,6 +149,11 @@ def check(topology: Topology) -> None:
         need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
         need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
         need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
+    check_pools(topology, need)
+    for i, pool in enumerate(R.pools):
+        if pool.kind == "reward_model":
+            problem = _reward_model_problem(Path(pool.path))
+            need(problem is None, f"reward.pools[{i}].path", str(problem))
     need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(0 <= R.max_error_share <= 1, "reward.max_error_share", "must be in [0, 1]")
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",

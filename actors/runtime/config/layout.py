@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
+from actors.runtime.config.pools import pool_devices
 from actors.runtime.config.schema import ConfigError
 
 
@@ -63,6 +64,13 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                 start = (i * width) % len(order)
                 taken[name] = [order[(start + k) % len(order)] for k in range(width)]
     _place_teachers(topology, names, gpus, taken)
+    for name, (key, device) in pool_devices(topology.reward).items():  # model pools' replicas
+        if name in names and device.startswith("cuda"):
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if index >= len(gpus):
+                raise ConfigError(f"{key}: {device} asked for, but the runner sees {len(gpus)} "
+                                  "GPU(s)")
+            taken[name] = [gpus[index]]
     # learner ranks see every GPU of the node's ranks (NCCL peer-to-peer needs the peer visible)
     ranks_gpus = [taken[n][0] for n in _by_rank(learners) if n in taken]
     users: dict[str, list[str]] = {}

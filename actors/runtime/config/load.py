@@ -96,6 +96,8 @@ def _absolute_paths(topology: Topology) -> Topology:
     topology), so the paths are made absolute here."""
     R, T, sec, V = topology.reward, topology.task, topology.security, topology.validation
     functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
+    pools = [msgspec.structs.replace(p, path=_absolute(p.path),
+                                     function_path=_absolute(p.function_path)) for p in R.pools]
     datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
     val_datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in V.datasets]
     A = topology.agent
@@ -103,7 +105,7 @@ def _absolute_paths(topology: Topology) -> Topology:
         A, tools=[msgspec.structs.replace(t, path=_absolute(t.path)) for t in A.tools],
         env=msgspec.structs.replace(A.env, path=_absolute(A.env.path)))
     return msgspec.structs.replace(
-        topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions),
+        topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions, pools=pools),
         task=msgspec.structs.replace(T, datasets=datasets),
         validation=msgspec.structs.replace(V, datasets=val_datasets),
         security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),

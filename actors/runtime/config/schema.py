@@ -14,6 +14,7 @@ from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.pools import PoolConfig
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
 
@@ -264,6 +265,12 @@ class RewardConfig(ActorCommon, frozen=True):
     than this share of a step's samples, or of a validation round's; below it the failures are
     counted (``replay/score_errors``) and shown. 0.5: a systematic bug stops the first step, one
     flaky item in 100 never does (1.0: never stop)."""
+    pools: list[PoolConfig] = []
+    """Model pools (``[[reward.pools]]``: reward models and LLM judges, each served by its own
+    replicas behind the router); every group is scored by each, weighted (config/pools.py)."""
+    rules: bool = True
+    """Score with the rule workers (``functions``, or the data source's built-in) too; false:
+    only the pools score (then no overlong penalty, which the rule workers add)."""
 
 
 class ReplayConfig(ActorCommon, frozen=True):

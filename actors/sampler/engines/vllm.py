@@ -78,6 +78,7 @@ from actors.runtime.transports.sources import (
 )
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
 from actors.sampler.engines.registry import AdapterLimits, EngineSpec
+from actors.sampler.engines.sleep_clock import SleepClock
 from actors.sampler.engines.vllm_lora import AdapterSlots, lora_options, save_tensors, write_adapter
 from actors.sampler.engines.vllm_settings import (  # noqa: F401 - vllm_problem: the row's
     SleepControl,
@@ -160,6 +161,7 @@ class VLLMEngine(SleepControl):
         self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
         self.sleep = SleepPolicy(settings.sleep_idle_s)
         self.sleeps = 0  # times the engine went to sleep
+        self.sleep_clock = SleepClock()  # time asleep, wake latency, memory freed
         self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
         self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
         self.slots = AdapterSlots(SHM_DIR / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
@@ -391,6 +393,7 @@ class VLLMEngine(SleepControl):
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
                 "in_engine": self.running, "sampler": self.sampler_kind,
+                **self.sleep_clock.statistics().status(),
                 "sleeps": self.sleeps, "asleep": str(self.sleep.asleep).lower(),
                 "clear_cache": str(self.settings.clear_cache).lower(),
                 "adapters": len(self.slots.loaded) if self.slots else 0}

@@ -5,7 +5,10 @@ GPU sleeps."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
+
+from actors.sampler.engines.sleep_clock import SleepClock
 
 if TYPE_CHECKING:
     from actors.runtime.config import VLLMOptions
@@ -102,12 +105,20 @@ class SleepControl:
     running: int
     sleeps: int
 
+    sleep_clock: SleepClock
+
     async def _wake(self) -> None:
         assert self.waking is not None
         async with self.waking:
             if self.sleep.busy():
+                started = time.monotonic()
                 await self.llm.wake_up()
                 self.sleep.woke()
+                self.sleep_clock.woke(started)
+
+    async def _free_bytes(self) -> int:
+        """Bytes free on the engine's devices, summed over its workers (on a GPU)."""
+        return sum(await self.llm.collective_rpc("flowrl_free_memory"))
 
     async def _sleeper(self) -> None:
         """Put the engine to sleep once it has been idle ``sleep_idle_s`` (checked 4 times per
@@ -117,6 +128,8 @@ class SleepControl:
             await asyncio.sleep(self.settings.sleep_idle_s / 4)
             async with self.waking:
                 if self.running == 0 and self.sleep.due(asyncio.get_running_loop().time()):
+                    free = await self._free_bytes()
                     await self.llm.sleep(level=1)
                     self.sleep.slept()
                     self.sleeps += 1
+                    self.sleep_clock.slept(max(0, await self._free_bytes() - free))

@@ -114,6 +114,11 @@ class FlowrlWorkerExtension:
         """Untruncated log-probs from this worker's sampler; returns its kind (v1 or v2)."""
         return make_untruncated(self.model_runner.sampler)  # type: ignore[attr-defined]
 
+    def flowrl_free_memory(self) -> int:
+        """Bytes free on this worker's device now (a sleep frees the difference)."""
+        torch.accelerator.synchronize()
+        return int(torch.accelerator.get_memory_info()[0])
+
     def flowrl_load_weights(self, path: str) -> float:
         """Load the safetensors file ``path`` (HF parameter names) into the running model;
         returns the seconds it took (-1 when the file is gone: nothing was loaded). Layerwise reload: on the CPU a plain ``load_weights``
