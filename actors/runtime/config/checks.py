@@ -68,6 +68,7 @@ def check(topology: Topology) -> None:
     need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
     need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
     need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
+    need(s.drain_grace_s >= 0, "sampler.drain_grace_s", "must be >= 0 (0: hand back at once)")
     need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
     if s.engine != "auto":
         from actors.sampler.engines.registry import ENGINES, engine_problem
