@@ -32,10 +32,11 @@ from actors.runtime.config.layout import place
 from actors.runtime.config.preflight import preflight
 from actors.runtime.liveview import LiveView
 from actors.runtime.loggers import open_metrics
+from actors.runtime.pools import job_procs, learner_ranks
 from actors.runtime.ranks import free_port
 from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
 from actors.runtime.security import prepare_job_keys
-from actors.runtime.supervisor import Job, job_procs, learner_ranks
+from actors.runtime.supervisor import Job
 from actors.runtime.trackers import TrackerError
 
 

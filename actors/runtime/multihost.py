@@ -31,7 +31,8 @@ from messages.codec import Codec, DecodeError, encode
 from messages.control import Heartbeat, StatusValue, Stop
 
 if TYPE_CHECKING:
-    from actors.runtime.supervisor import Job, Proc
+    from actors.runtime.pools import Proc
+    from actors.runtime.supervisor import Job
 
 PREFIX = b"host:"
 WAIT_REPORT_S = 5.0  # seconds between "waiting for ..." lines
