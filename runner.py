@@ -2,7 +2,7 @@
 
 Attach one more worker (a reward worker, a sampler) to a running job:
 ``python runner.py attach KIND --to RUN_DIR|ADDRESS [--name NAME] [--key KEY] [KIND.key=value ...]``
-(``actors/runtime/attach.py``). It runs in the foreground, unsupervised by the job's runner (it
+(``actors/job/attach.py``). It runs in the foreground, unsupervised by the job's runner (it
 shows in the status when it can report there), until Ctrl-C or SIGTERM: then it detaches (a
 reward worker says bye to the router and answers what it has in flight; a sampler finishes or
 hands back its prompts within ``sampler.drain_grace_s``) and exits 0. A job with ``[security]
@@ -19,7 +19,7 @@ Check a topology without starting anything: ``python runner.py check topology.to
 [dotted.key=value ...]`` runs every check a start runs (keys, model, data files, user code).
 
 This file is the command line only: the job itself is started and supervised by
-``actors/runtime/launch.py`` (resolution) and ``actors/runtime/supervisor.py`` (processes, watching). Exit status: 0 when the
+``actors/job/launch.py`` (resolution) and ``actors/job/supervisor.py`` (processes, watching). Exit status: 0 when the
 learner finished, 130 on Ctrl-C, 1 on failure, 2 on a bad topology.
 """
 
@@ -29,8 +29,9 @@ import argparse
 import json
 import sys
 
+from actors.job.config import load_topology
 from actors.registry import ATTACHABLE
-from actors.runtime.config import ConfigError, load_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.security import keygen
 
 
@@ -55,7 +56,7 @@ def attach_main(argv: list[str]) -> int:
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the worker's section")
-    from actors.runtime.attach import attach_command
+    from actors.job.attach import attach_command
 
     return attach_command(parser.parse_intermixed_args(argv))
 
@@ -214,7 +215,7 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
     args = parser.parse_intermixed_args(argv)
-    from actors.runtime.config.preflight import preflight
+    from actors.job.config.preflight import preflight
 
     try:
         topology = load_topology(args.topology, args.overrides)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
-    from actors.runtime.launch import run_job
+    from actors.job.launch import run_job
 
     return run_job(topology)
 

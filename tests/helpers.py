@@ -13,8 +13,9 @@ import anyio
 import msgspec
 import zmq
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.runtime.actor import ActorContext
-from actors.runtime.config import Topology, apply_overrides, decode_topology
+from actors.runtime.config import Topology
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup
 from actors.sandbox.protocol import Ready as ChildReady
 from messages.codec import encode

@@ -9,8 +9,8 @@ import re
 
 from rich.console import Console
 
-from actors.runtime.liveview import ActorRow, LiveView, View, clock, render
-from actors.runtime.metrics import format_validation
+from actors.job.liveview import ActorRow, LiveView, View, clock, render
+from actors.job.metrics import format_validation
 
 STEP = {"critic/score/mean": 0.4688, "response_length/mean": 19.8, "rollout_corr/kl": 0.0025,
         "rollout_corr/is_weight_mean": 0.999, "staleness/mean": 1.0, "perf/throughput": 91.8,
@@ -145,7 +145,7 @@ def test_a_finished_actor_shows_as_finished_not_as_silent():
     """The learner done with its last step sends no heartbeat while the final validation runs:
     its row (as the runner builds it, ``Proc.row``) says finished, in no problem and not red;
     the same silence from a learner that has not finished is a problem."""
-    from actors.runtime.pools import Proc
+    from actors.job.pools import Proc
 
     now = 1000.0
     done = Proc("learner", 0, ready=True, finished=True, last_seen=now - 16.0,

@@ -14,9 +14,10 @@ import torch
 import zmq
 
 from actors.data.chat import chat_ids
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
 from actors.runtime.transports.sources import AdapterWeights
 from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
@@ -162,7 +163,7 @@ def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from actors.runtime.config.capacity import (
+    from actors.job.config.capacity import (
         VERSIONS_AT_ONCE,
         adapter_count,
         check_shm,

@@ -23,8 +23,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.registry import BY_NAME
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import attach_keys
 from messages.codec import Codec, DecodeError, encode

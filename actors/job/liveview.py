@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from actors.runtime.metrics import Kind, format_step, format_validation, headline, time_breakdown
+from actors.job.metrics import Kind, format_step, format_validation, headline, time_breakdown
 
 IDLE_STATES = ("running", "finished")  # states that need no mention
 

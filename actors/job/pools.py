@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from actors.job.config.hosts import host_of, local_actors, owner
+from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
-from actors.runtime.config.hosts import host_of, local_actors, owner
-from actors.runtime.liveview import ActorRow
 from actors.runtime.ranks import node_ranks, rank_label
 from actors.runtime.rundir import LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue
 
 if TYPE_CHECKING:
-    from actors.runtime.supervisor import Job
+    from actors.job.supervisor import Job
 
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
 

@@ -2,7 +2,7 @@
 
 The processes' lifecycle (spawn, restart, attach, detach) is the pools' (``actors/runtime/
 pools.py``); ``Job`` holds the job's side: the control socket, the status, the console, the
-signals and the end conditions. ``Job`` (given a resolved topology by ``actors/runtime/launch.py``, which also opened the metric
+signals and the end conditions. ``Job`` (given a resolved topology by ``actors/job/launch.py``, which also opened the metric
 sinks of ``run.loggers``) starts the actors in the registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
 the job started once every actor is ready, writes every step's and every validation's metrics to
 the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
@@ -21,7 +21,7 @@ learner spread over nodes (``learner.node_rank``) the runner starts only that no
 its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
 write their checkpoint shards there), opens no metric sinks (node 0 records the job) and ends
 with them. With ``[hosts]`` the runner starts only the actors placed on its host (``run.host``)
-and talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host
+and talks to the other hosts' runners (``actors/job/multihost.py``); the runner of a host
 other than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 """
 
@@ -35,14 +35,14 @@ from pathlib import Path
 import trio
 import zmq
 
+from actors.job.config.hosts import owner
+from actors.job.liveview import View
+from actors.job.metrics import Metrics, Resume
+from actors.job.multihost import PREFIX, Member, Owner
+from actors.job.pools import Pools, Proc, job_procs
 from actors.registry import BY_NAME
 from actors.runtime.config import Topology
-from actors.runtime.config.hosts import owner
 from actors.runtime.cores import remove_table
-from actors.runtime.liveview import View
-from actors.runtime.metrics import Metrics, Resume
-from actors.runtime.multihost import PREFIX, Member, Owner
-from actors.runtime.pools import Pools, Proc, job_procs
 from actors.runtime.rundir import STATUS, TOPOLOGY
 from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket

@@ -12,10 +12,10 @@ from typing import Any
 import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
+from actors.job.config.hosts import check_hosts
 from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
-from actors.runtime.config.hosts import check_hosts
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
@@ -203,7 +203,7 @@ def check(topology: Topology) -> None:
 def _check_adapters(topology: Topology, need: Any) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
-    from actors.runtime.config.capacity import linear_modules
+    from actors.job.config.capacity import linear_modules
     from actors.runtime.transports.base import TRANSPORTS, resolve_transport
     from actors.sampler.engines.registry import ENGINES, auto_engine
 

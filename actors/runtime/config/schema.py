@@ -1,8 +1,8 @@
 """The typed topology: every section of ``topology.toml`` as a msgspec Struct.
 
-Unknown keys are rejected when a topology is decoded (``actors.runtime.config.load``), and every
+Unknown keys are rejected when a topology is decoded (``actors.job.config.load``), and every
 field has a one-line docstring below it. The checks that need more than one field live in
-``actors.runtime.config.checks``.
+``actors.job.config.checks``.
 """
 
 from __future__ import annotations
