@@ -4,7 +4,9 @@ An actor is an async function ``body(ctx, task_status)`` that binds or connects 
 calls ``task_status.started()`` and then serves until it returns (its work is done) or is
 cancelled. ``run_actor`` wraps it: it connects the control DEALER to the runner, reports
 ``Ready``, sends a ``Heartbeat`` with the actor's status every few seconds, and turns a
-``Stop`` message, SIGTERM or SIGINT into cancellation of the actor's task group. An exception
+``Stop`` message, SIGTERM or SIGINT into cancellation of the actor's task group. A body that can
+drain (a sampler: ``ActorContext.drain_grace_s``) is asked to on the first signal instead, and
+returns once it has handed its work back (cancelled after its grace or a second signal). An exception
 escapes as a traceback written to ``RUN_DIR/logs/NAME.traceback`` and exit status 1.
 """
 
