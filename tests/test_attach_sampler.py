@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from actors.runtime.ranks import free_port
@@ -160,3 +161,57 @@ def test_attached_sampler_works_then_hands_back_its_prompts_on_detach(tiny_model
     print(f"\nsamples/s: one sampler {samples_per_s(one, samplers, n):.2f}, "
           f"two samplers {samples_per_s(two, samplers, n):.2f} "
           f"(attached alone {samples_per_s(two, [name], n):.2f})")
+
+
+def test_a_sampler_attaches_to_a_secured_job_by_the_runners_address_only_with_an_authorized_key(
+        tiny_model, tmp_path):
+    """As from another machine: the runner's tcp address, the job's public key and a key of
+    ``security.authorized_keys``; an unknown key is refused at once (status 1, no topology)."""
+    for who in ("alice", "mallory"):
+        subprocess.run([sys.executable, "runner.py", "keygen", str(tmp_path / who)], cwd=ROOT,
+                       check=True, capture_output=True)
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    cmd = command(tiny_model, run_dir, "run.status_interval=1", "run.heartbeat_interval=0.5",
+                  "learner.total_steps=400", "security.curve=true",
+                  f'security.authorized_keys="{tmp_path / "alice.key"}"',
+                  f'control_address="{address}"')
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        wait_for_steps(run_dir, 2, proc, timeout=180)
+        server_key = msgspec.json.decode((run_dir / "topology.json").read_bytes())[
+            "security"]["server_key"]
+
+        def attach(who: str) -> subprocess.Popen:
+            out = (tmp_path / f"{who}.log").open("w")
+            return subprocess.Popen(
+                [sys.executable, str(ROOT / "runner.py"), "attach", "sampler", "--to", address,
+                 f"--server-key={server_key}", "--key", str(tmp_path / f"{who}.key_secret")],
+                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+        refused = attach("mallory")
+        assert refused.wait(timeout=30) == 1
+        said = (tmp_path / "mallory.log").read_text()
+        assert "refused this client's CURVE key" in said and "Traceback" not in said, said
+        worker = attach("alice")
+        name = f"sampler-attached-{worker.pid}"
+        wait_status(run_dir, f"{name} groups", lambda line: line.get(name, {}).get("groups", 0) >= 4,
+                    [proc, worker], 180)
+        worker.send_signal(signal.SIGTERM)  # detach, with the default grace: it finishes first
+        assert worker.wait(timeout=60) == 0, (tmp_path / "alice.log").read_text()
+        assert "prompts unfinished, the replay buffer issues" in (tmp_path / "alice.log").read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=150) == 130, log.read_text()[-3000:]
+    finally:
+        for p in (worker, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    status = status_lines(run_dir)
+    assert ("detached", name) in [(line["event"], line.get("actor")) for line in status]
+    replay = status[-1]["replay-0"]
+    assert replay["samplers_left"] == 1 and replay["rejected"] == 0
+    assert all(balanced(r) for r in metrics(run_dir))
+    assert not actor_pids(run_dir)

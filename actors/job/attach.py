@@ -22,12 +22,13 @@ from pathlib import Path
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from actors.job.config import apply_overrides, decode_topology
 from actors.registry import BY_NAME
 from actors.runtime.config import ConfigError
 from actors.runtime.rundir import TOPOLOGY
-from actors.runtime.security import attach_keys
+from actors.runtime.security import FAILURES, HandshakeRefused, attach_keys
 from messages.codec import Codec, DecodeError, encode
 from messages.control import AskTopology, JobTopology, ToAttacher
 
@@ -43,13 +44,26 @@ def ask_topology(address: str, server_key: str, key: str | None) -> dict:
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = None
         if curve is not None:
             curve.configure(sock, server=False)
+            monitor = sock.get_monitor_socket(sum(FAILURES))  # a refused key, said at once
         sock.connect(address)
+        poller = zmq.Poller()
+        for s in (sock, monitor):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
         codec: Codec[ToAttacher] = Codec(ToAttacher)
         for _ in range(int(ASK_TIMEOUT_S / ASK_AGAIN_S)):
             sock.send(encode(AskTopology()))
-            if sock.poll(int(ASK_AGAIN_S * 1000)):
+            ready = dict(poller.poll(int(ASK_AGAIN_S * 1000)))
+            if monitor is not None and monitor in ready:
+                event = int(parse_monitor_message(monitor.recv_multipart())["event"])
+                if event in FAILURES:
+                    assert curve is not None
+                    raise HandshakeRefused(f"{address} " + FAILURES[event].format(
+                        key=curve.public.decode()[:8]))
+            if sock in ready:
                 try:
                     reply = codec.decode(sock.recv_multipart()[-1])
                 except DecodeError:
@@ -97,6 +111,9 @@ def attach_command(args: argparse.Namespace) -> int:
 
     try:
         data, report_to = job_topology(args)
+    except HandshakeRefused as exc:  # as a refused worker says it (status 1)
+        print(f"error: [{args.kind} attach] {exc}", file=sys.stderr)
+        return 1
     except (ConfigError, msgspec.DecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
