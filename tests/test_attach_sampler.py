@@ -10,6 +10,7 @@ group, and issued = trained + dropped + in flight holds at every step and at the
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from tests.jobs import (
     balanced,
     command,
     metrics,
+    pids_of,
     status_lines,
     wait_for_steps,
 )
@@ -214,4 +216,56 @@ def test_a_sampler_attaches_to_a_secured_job_by_the_runners_address_only_with_an
     replay = status[-1]["replay-0"]
     assert replay["samplers_left"] == 1 and replay["rejected"] == 0
     assert all(balanced(r) for r in metrics(run_dir))
+    assert not actor_pids(run_dir)
+
+
+def test_a_job_sampler_told_its_machine_goes_away_hands_back_and_is_restarted(tiny_model,
+                                                                             tmp_path):
+    """SIGTERM to the job's own sampler with a short grace (``sampler.drain_grace_s = 1``) while
+    its scoring is held up: it cannot finish, so it hands its prompts back and exits 0; the
+    runner, still running the job, restarts it, and nothing is lost or taken twice."""
+    flag = tmp_path / "hold"
+    (tmp_path / "held_reward.py").write_text(HELD_REWARD.format(flag=str(flag)))
+    topology = tmp_path / "topology.toml"
+    topology.write_text((ROOT / "topology.toml").read_text()
+                        + f'\n[[reward.functions]]\npath = "{tmp_path / "held_reward.py"}"\n')
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = command(tiny_model, run_dir, "run.status_interval=1", "run.heartbeat_interval=0.5",
+                  "learner.total_steps=400", "reward.timeout_s=120", "sampler.drain_grace_s=1")
+    cmd[2] = str(topology)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_steps(run_dir, 3, proc, timeout=180)
+        flag.touch()
+        held_from = time.time() + 2
+        wait_status(run_dir, "sampler-0 holding prompts in scoring",
+                    lambda line: line["time"] > held_from
+                    and line.get("sampler-0", {}).get("scoring", 0) >= 1, [proc], 120)
+        (pid,) = pids_of(run_dir, "sampler")
+        os.kill(pid, signal.SIGTERM)  # the spot machine's notice
+        wait_status(run_dir, "sampler-0 exited", lambda line: line["event"] == "exited", [proc], 60)
+        flag.unlink()
+        steps = len(metrics(run_dir))
+        wait_for_steps(run_dir, steps + 3, proc, timeout=180)  # the restarted sampler works
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=150) == 130, log.read_text()[-3000:]
+    finally:
+        flag.unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    left = re.search(r"\[sampler-0\] left after \d+ groups; (\d+) prompts unfinished, the replay "
+                     r"buffer issues (\d+) again", log.read_text())
+    assert left and 1 <= int(left[1]) <= int(left[2]), log.read_text()[-3000:]
+    status = status_lines(run_dir)
+    (exited,) = [line for line in status if line["event"] == "exited"]
+    assert exited["actor"] == "sampler-0" and exited["returncode"] == 0 and exited["restart"]
+    replay = status[-1]["replay-0"]
+    assert replay["samplers_left"] == 1 and replay["handed_back"] == int(left[2])
+    assert replay["rejected"] == 0
+    assert replay["issued"] == replay["trained"] + replay["dropped"] + replay["in_flight"]
+    assert all(balanced(r) for r in metrics(run_dir))
+    ids = read_table(run_dir, "groups", ["group_id"]).column("group_id").to_pylist()
+    assert len(ids) == len(set(ids))
     assert not actor_pids(run_dir)

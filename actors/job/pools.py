@@ -89,7 +89,7 @@ class Pools:
     async def spawn(self, p: Proc) -> None:
         job = self.job
         cmd = [sys.executable, "-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
-        p.ready, p.status, p.last_seen = False, {}, time.monotonic()
+        p.ready, p.finished, p.status, p.last_seen = False, False, {}, time.monotonic()
         p.state = ("starting", p.last_seen)
         # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
         env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
@@ -112,14 +112,16 @@ class Pools:
             rc = await p.process.wait()
             if job.stopping:
                 return
-            if rc == 0 and p.finished:  # done (a sampler that drained and left, too)
-                if row.ends_job and (p.rank == 0 or all(q.finished for q in self.of_kind(p.kind))):
+            if rc == 0 and p.finished and row.ends_job:
+                if p.rank == 0 or all(q.finished for q in self.of_kind(p.kind)):
                     job.work_done()  # rank 0, or on a node without it, the last rank
                 return
             if row.gang:
                 self.kill(q for q in self.of_kind(p.kind) if q is not p)
             tb_file = traceback_file(job.run_dir, p.name)
-            if tb_file.is_file():
+            if rc == 0 and p.finished:  # a worker that drained on a signal (not the runner's)
+                tb = "(it drained and left on a signal; this runner is still running the job)"
+            elif tb_file.is_file():
                 tb = tb_file.read_text()
             elif rc < 0:
                 tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
