@@ -1,18 +1,19 @@
 """The supervisor: start one process per actor, watch them, stop them.
 
-The processes' lifecycle (spawn, restart, attach, detach) is the pools' (``actors/runtime/
-pools.py``); ``Job`` holds the job's side: the control socket, the status, the console, the
-signals and the end conditions. ``Job`` (given a resolved topology by ``actors/job/launch.py``, which also opened the metric
-sinks of ``run.loggers``) starts the actors in the registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
-the job started once every actor is ready, writes every step's and every validation's metrics to
-the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
-actor's status in ``status.jsonl`` (per step, per validation, every ``run.status_interval``
-seconds), reports an actor that dies with its traceback (restarting it when its ``restart``
-policy says so), adds a worker attached by hand (``runner.py attach``) when it reports and
-drops it when it has drained and finished, and on Ctrl-C, a failure or the learner's completion (and the final
-validation's) stops every process (Stop message, then SIGTERM, then SIGKILL) and reaps them all.
-It listens to the actors until the last one is reaped, so a step the learner finishes while
-stopping still reaches the sinks.
+The processes' lifecycle (spawn, restart, attach, detach) is the pools' (``actors/job/pools.py``);
+``Job`` holds the job's side: the control socket, the status, the console, the signals and the
+end conditions. ``Job`` (given a resolved topology by ``actors/job/launch.py``, which also opened
+the metric sinks of ``run.loggers``) starts the actors in the registry's order (``python -m
+actors.main RUN_DIR KIND INDEX``) and supervises them: it reports the job started once every
+actor is ready, writes every step's and every validation's metrics to the sinks (the console: a
+live panel on a terminal, one line per step otherwise), records every actor's status in
+``status.jsonl`` (per step, per validation, every ``run.status_interval`` seconds), reports an
+actor that dies with its traceback (restarting it when its ``restart`` policy says so), adds a
+worker attached by hand (``runner.py attach``) when it reports and drops it when it has drained
+and finished, answers an attacher's ``AskTopology``, and on Ctrl-C, a failure or the learner's
+completion (and the final validation's) stops every process (Stop message, then SIGTERM, then
+SIGKILL) and reaps them all. It listens to the actors until the last one is reaped, so a step
+the learner finishes while stopping still reaches the sinks.
 
 A learner of several ranks is one process per rank, started torchrun-style
 (``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
