@@ -1,11 +1,13 @@
 """Run an RL post-training job: ``python runner.py topology.toml [dotted.key=value ...]``.
 
-Attach one more reward worker to a running job:
-``python runner.py attach reward --to RUN_DIR [--name NAME] [--key KEY] [reward.key=value ...]``.
-It runs in the foreground, unsupervised by the job's runner, until Ctrl-C or SIGTERM: then it
-says bye to the router, answers what it has in flight and exits 0 (detach). A job with
-``[security] curve = true`` lets it in only with an authorized key (``--key NAME.key_secret``,
-made by ``python runner.py keygen NAME``); a refused key ends it with an error and status 1.
+Attach one more worker (a reward worker, a sampler) to a running job:
+``python runner.py attach KIND --to RUN_DIR|ADDRESS [--name NAME] [--key KEY] [KIND.key=value ...]``
+(``actors/job/attach.py``). It runs in the foreground, unsupervised by the job's runner (it
+shows in the status when it can report there), until Ctrl-C or SIGTERM: then it detaches (a
+reward worker says bye to the router and answers what it has in flight; a sampler finishes or
+hands back its prompts within ``sampler.drain_grace_s``) and exits 0. A job with ``[security]
+curve = true`` lets it in only with an authorized key (``--key NAME.key_secret``, made by
+``python runner.py keygen NAME``); a refused key ends it with an error and status 1.
 
 Debug a recorded run offline (``actors/offline``): ``python runner.py replay RUN_DIR --step N``
 trains step N again and compares its metrics with the recorded ones; ``python runner.py replay
@@ -17,76 +19,20 @@ Check a topology without starting anything: ``python runner.py check topology.to
 [dotted.key=value ...]`` runs every check a start runs (keys, model, data files, user code).
 
 This file is the command line only: the job itself is started and supervised by
-``actors/runtime/launch.py`` (resolution) and ``actors/runtime/supervisor.py`` (processes, watching). Exit status: 0 when the
+``actors/job/launch.py`` (resolution) and ``actors/job/supervisor.py`` (processes, watching). Exit status: 0 when the
 learner finished, 130 on Ctrl-C, 1 on failure, 2 on a bad topology.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import sys
-from pathlib import Path
 
-import msgspec
-
-from actors.registry import ATTACHABLE, BY_NAME
-from actors.runtime.config import ConfigError, load_topology
-from actors.runtime.rundir import TOPOLOGY
-from actors.runtime.security import attach_keys, keygen
-
-
-def attach_command(args: argparse.Namespace) -> int:
-    """Start one worker of ``args.kind`` in this process, joined to the job's router."""
-    from actors.runtime.actor import run_actor
-    from actors.runtime.config import apply_overrides, decode_topology
-
-    by_address = "://" in args.to  # the router's worker address, e.g. from another machine
-    path = Path(args.to)
-    topo_file = path if path.suffix == ".json" else path / TOPOLOGY
-    if by_address:
-        if not args.to.startswith(("tcp://", "ipc://")):
-            print(f"error: --to {args.to}: an address is tcp://HOST:PORT or ipc://PATH",
-                  file=sys.stderr)
-            return 2
-        data: dict = {"router": {"worker_address": args.to}}
-        if args.server_key:
-            data["security"] = {"curve": True, "server_key": args.server_key}
-    elif not topo_file.is_file():
-        print(f"error: no resolved topology at {topo_file} (is it the run directory of a job "
-              "started with runner.py?)", file=sys.stderr)
-        return 2
-    elif args.server_key:
-        print("error: --server-key goes with --to ADDRESS; a run directory's topology.json "
-              "already holds the job's server key", file=sys.stderr)
-        return 2
-    try:
-        if not by_address:
-            data = msgspec.json.decode(topo_file.read_bytes())
-        bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(f"{args.kind}.")]
-        if bad:
-            raise ConfigError(f"only {args.kind}.* keys can be overridden when attaching: {', '.join(bad)}")
-        topology = decode_topology(apply_overrides(data, list(args.overrides)))
-    except (ConfigError, msgspec.DecodeError) as exc:
-        print(f"error: bad topology {args.to if by_address else topo_file}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        curve = attach_keys(topology, args.key)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    name = args.name or f"{args.kind}-attached-{os.getpid()}"
-    if by_address:  # no run directory here: logs go to ./attached/NAME/logs
-        run_dir = Path("attached") / name
-    else:
-        run_dir = Path(topology.run.dir) if topology.run.dir else topo_file.parent
-    module, fn = BY_NAME[args.kind].body.split(":")
-    body = getattr(importlib.import_module(module), fn)
-    print(f"=== {name} (pid {os.getpid()}) attaching to {topology.router.worker_address}; "
-          "Ctrl-C detaches it", flush=True)
-    return run_actor(args.kind, -1, topology, run_dir, body, name=name, supervised=False, curve=curve)
+from actors.job.config import load_topology
+from actors.registry import ATTACHABLE
+from actors.runtime.config import ConfigError
+from actors.runtime.security import keygen
 
 
 def attach_main(argv: list[str]) -> int:
@@ -96,9 +42,11 @@ def attach_main(argv: list[str]) -> int:
     )
     parser.add_argument("kind", choices=sorted(ATTACHABLE), help="kind of worker")
     parser.add_argument("--to", required=True, metavar="RUN_DIR|ADDRESS",
-                        help="the job's run directory (or its topology.json), or the router's "
-                             "worker address (tcp://HOST:PORT, ipc://PATH) with the default reward "
-                             "config plus the reward.* overrides given")
+                        help="the job's run directory (or its topology.json), or an address "
+                             "(tcp://HOST:PORT, ipc://PATH): for a reward worker the router's "
+                             "worker address (the default reward config plus the reward.* "
+                             "overrides given), for a sampler the job runner's control_address "
+                             "(it sends the job's topology)")
     parser.add_argument("--server-key", default="", metavar="Z85",
                         help="with --to ADDRESS of a job with CURVE on: the job's server public "
                              "key (security.server_key in its topology.json), written --server-key=Z85 "
@@ -108,6 +56,8 @@ def attach_main(argv: list[str]) -> int:
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the worker's section")
+    from actors.job.attach import attach_command
+
     return attach_command(parser.parse_intermixed_args(argv))
 
 
@@ -265,7 +215,7 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
     args = parser.parse_intermixed_args(argv)
-    from actors.runtime.config.preflight import preflight
+    from actors.job.config.preflight import preflight
 
     try:
         topology = load_topology(args.topology, args.overrides)
@@ -316,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
-    from actors.runtime.launch import run_job
+    from actors.job.launch import run_job
 
     return run_job(topology)
 

@@ -4,7 +4,9 @@ The runner starts the kinds in this order (the replay buffer and the router bind
 the others connect to; the learner publishes the first weights the samplers wait for), the
 config check enforces the counts, ``python -m actors.main`` imports ``body`` lazily (so the
 router and the replay buffer never import torch) and ``runner.py attach`` accepts the
-attachable kinds. Adding an actor kind is one row here plus its config section.
+attachable kinds; the runner's pools (``actors/job/pools.py``) apply each row's lifecycle
+(restart, gang, ends the job, attached). Adding an actor kind is one row here plus its config
+section.
 """
 
 from __future__ import annotations
@@ -29,15 +31,26 @@ class ActorKind:
     """The default of ``KIND.restart``: stateless kinds restart after a failure."""
     attachable: bool = False
     """``runner.py attach KIND`` can add one to a running job."""
+    by_address: Literal["router", "runner"] = "router"
+    """What ``runner.py attach KIND --to ADDRESS`` names: the router's worker address (a worker
+    behind the router, configured by its defaults and overrides) or the address of the job's
+    runner (``control_address``), which sends the job's topology to the attaching process."""
+    gang: bool = False
+    """Its processes live and die together (a learner's ranks: the others of a dead one could
+    only hang in a collective, so they are killed and the job stops)."""
+    ends_job: bool = False
+    """Its finishing ends the job (after the final validation, when one is due)."""
 
 
 KINDS: tuple[ActorKind, ...] = (
     ActorKind("replay", "actors.replay.actor:replay_actor", 1, 1, "never"),
     ActorKind("router", "actors.router.actor:router_actor", 1, 1, "never"),
-    ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never"),
+    ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never", gang=True,
+              ends_job=True),
     ActorKind("reward", "actors.reward:reward_actor", 0, None, "on-failure", attachable=True),
     ActorKind("teacher", "actors.teacher.worker:teacher_actor", 0, None, "on-failure"),
-    ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure"),
+    ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure",
+              attachable=True, by_address="runner"),
 )
 BY_NAME: dict[str, ActorKind] = {k.name: k for k in KINDS}
 NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)

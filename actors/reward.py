@@ -31,6 +31,7 @@ from actors.scoring.items import items_of
 from actors.scoring.pool import PoolScoring
 from actors.scoring.scorer import Scoring
 from messages.codec import Codec, DecodeError, encode
+from messages.control import Finished
 from messages.reward import ScoreReply, ToRewardWorker
 from messages.routing import Envelope, ToWorker, WorkerBye, WorkerHeartbeat, WorkerHello
 
@@ -168,9 +169,12 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
                         tg.start_soon(worker.receive, tg)
                         await stopping.wait()
                         await worker.drain()
+                        if ctx.status.get("attached"):  # its runner drops its row now
+                            await ctx.report(Finished(actor=ctx.name, status=dict(ctx.status),
+                                                      detail=f"detached: {worker.done} requests done"))
                         tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await scoring.aclose()  # children are killed and reaped, whatever ended the worker
-        if ctx.control is None:  # attached by hand (or in a test): say what it did
+        if ctx.control is None or ctx.status.get("attached"):  # by hand, or in a test
             print(f"=== {ctx.name} detached: {worker.done} requests done", flush=True)

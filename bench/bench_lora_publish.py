@@ -54,9 +54,9 @@ async def main_async(args) -> None:
     import torch
     import zmq
 
+    from actors.job.config import apply_overrides, decode_topology
     from actors.learner.policy import Policy
     from actors.model_store import resolve_model_path
-    from actors.runtime.config import apply_overrides, decode_topology
     from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
     from actors.runtime.zmq_bridge import make_socket
     from actors.sampler.engines.hf import HFEngine

@@ -151,9 +151,9 @@ def role_zmq_worker(args: argparse.Namespace) -> None:
 
 def role_router(args: argparse.Namespace) -> None:
     """The project's router actor, as the runner would start it (trio, no control channel)."""
+    from actors.job.config import apply_overrides, decode_topology
     from actors.router.actor import router_actor
     from actors.runtime.actor import run_actor
-    from actors.runtime.config import apply_overrides, decode_topology
 
     topo = decode_topology(apply_overrides({}, [
         f"router.address={args.bind}", f"router.worker_address={args.connect}"]))

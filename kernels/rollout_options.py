@@ -1,6 +1,6 @@
 """The options of rollout correction, as plain Python: rejection rules, verl's option strings.
 
-Nothing here imports torch, so the topology's checks (``actors.runtime.config.checks``, which
+Nothing here imports torch, so the topology's checks (``actors.job.config.checks``, which
 light processes import) validate ``[algorithm.correction]`` with the very code the kernels
 run: ``RejectionRule`` (what ``kernels.rejection.rejection_mask`` applies),
 ``parse_rs_preset`` (verl's ``rollout_rs`` / ``rollout_rs_threshold`` strings) and

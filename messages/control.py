@@ -73,5 +73,18 @@ class Abort(msgspec.Struct, tag=True):
     reason: str
 
 
-ToRunner = Ready | Heartbeat | StepReport | Finished | ErrorReply | ValidationReport | Abort
+class AskTopology(msgspec.Struct, tag=True):
+    """Attacher -> Runner (``runner.py attach KIND --to tcp://RUNNER``): the job's resolved
+    topology, so a worker on another machine joins with the job's own addresses and settings."""
+
+
+class JobTopology(msgspec.Struct, tag=True):
+    """Runner -> Attacher: ``topology.json`` as the runner wrote it."""
+
+    topology: bytes
+
+
+ToRunner = (Ready | Heartbeat | StepReport | Finished | ErrorReply | ValidationReport | Abort
+            | AskTopology)
+ToAttacher = JobTopology | ErrorReply
 ToActor = Stop | ErrorReply

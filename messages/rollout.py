@@ -131,6 +131,16 @@ class SamplerAlive(msgspec.Struct, tag=True, gc=False):
     incarnation: str = ""
 
 
+class SamplerLeaving(msgspec.Struct, tag=True, gc=False):
+    """Sampler -> Replay, its last message (detach, or its machine going away): every prompt the
+    buffer issued to it and got no group for is issued again to the others (the buffer's own
+    record decides; ``unfinished`` is what the sampler knows it hands back, for the log).
+    Answered with ``LeaveAck``."""
+
+    incarnation: str = ""
+    unfinished: list[int] = []  # prompt ids it held without a group sent
+
+
 class GroupsDone(msgspec.Struct, tag=True, gc=False):
     """Sampler -> Replay: scored groups for prompts this sampler was issued."""
 
@@ -181,6 +191,13 @@ class PromptBatch(msgspec.Struct, tag=True, gc=False):
     n: int = 0  # validation: samples per prompt
 
 
+class LeaveAck(msgspec.Struct, tag=True, gc=False):
+    """Replay -> Sampler: its ``SamplerLeaving`` is through; ``requeued`` prompts it held are
+    issued again (its groups sent before are accepted, nothing it sends later is)."""
+
+    requeued: int
+
+
 class TrainBatch(msgspec.Struct, tag=True, gc=False):
     """Replay -> Learner: the groups of one training step and the buffer's counters at that moment."""
 
@@ -193,5 +210,5 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
 
 
 ToReplay = (PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
-            | SamplerAlive)
-FromReplay = PromptBatch | TrainBatch
+            | SamplerAlive | SamplerLeaving)
+FromReplay = PromptBatch | TrainBatch | LeaveAck

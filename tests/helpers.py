@@ -13,20 +13,24 @@ import anyio
 import msgspec
 import zmq
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.runtime.actor import ActorContext
-from actors.runtime.config import Topology, apply_overrides, decode_topology
+from actors.runtime.config import Topology
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup
 from actors.sandbox.protocol import Ready as ChildReady
 from messages.codec import encode
 from messages.control import (
     Abort,
+    AskTopology,
     ErrorReply,
     Finished,
     Heartbeat,
+    JobTopology,
     Ready,
     StepReport,
     Stop,
     ToActor,
+    ToAttacher,
     ToRunner,
     ValidationReport,
 )
@@ -44,11 +48,13 @@ from messages.rollout import (
     ChatMessage,
     FromReplay,
     GroupsDone,
+    LeaveAck,
     Prompt,
     PromptBatch,
     PromptRequest,
     Sample,
     SamplerAlive,
+    SamplerLeaving,
     SamplingParams,
     ScoredGroup,
     ToReplay,
@@ -152,6 +158,8 @@ CASES = [
     (ToRunner, ErrorReply("bad")),
     (ToRunner, ValidationReport(10, {"val-core/arithmetic/reward/mean@4": 0.5})),
     (ToRunner, Abort("replay-0", "scoring failed on 32 of 32 samples\nfirst failure: ...")),
+    (ToRunner, AskTopology()),
+    (ToAttacher, JobTopology(b'{"run": {}}')),
     (ToActor, Stop("because")),
     (ToReplay, PromptRequest(4, "pid-1")),
     (ToReplay, GroupsDone([sample_group()])),
@@ -159,10 +167,12 @@ CASES = [
     (ToReplay, BatchRequest(step=2, version=2, num_groups=4)),
     (ToReplay, VersionUpdate(3)),
     (ToReplay, SamplerAlive("1234-5678")),
+    (ToReplay, SamplerLeaving("1234-5678", [3, 7])),
     (ToReplay, ValidationDone(10, [sample_group()])),
     (FromReplay, PromptBatch([sample_group().prompt], version=2)),
     (FromReplay, PromptBatch([sample_group().prompt], version=10, validation=True,
                              sampling=SamplingParams(temperature=0.6, max_tokens=16), n=4)),
+    (FromReplay, LeaveAck(2)),
     (FromReplay, TrainBatch(2, [sample_group()], {"issued": 8}, {"age/mean": 0.5})),
     (ToRouterFromClient, Envelope(1, "reward")),
     (ToRouterFromWorker, Envelope(1)),

@@ -7,10 +7,10 @@ from pathlib import Path
 import msgspec
 import torch
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.tensors import to_wire
 from messages.rollout import SamplingParams, ScoredGroup
 

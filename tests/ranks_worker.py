@@ -18,9 +18,9 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.ranks import Rank
 from messages.rollout import ScoredGroup
 from tests.rank_cases import BASE, BF16, CASES, GPU_STYLE, LORA

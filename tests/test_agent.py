@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.turns import agent_metrics
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
 from actors.sampler.agent.loop import AgentLoop
 from actors.sampler.agent.parsers import Hermes, Xml

@@ -20,8 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.runtime.config import ConfigError, Topology, load_topology
-from actors.runtime.config.preflight import preflight
+from actors.job.config import load_topology
+from actors.job.config.preflight import preflight
+from actors.runtime.config import ConfigError, Topology
 from tests.jobs import ROOT
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
-from actors.runtime.config.capacity import (
+from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.capacity import (
     VERSIONS_AT_ONCE,
     check_shm,
     parameter_count,
     sent_dtype,
 )
+from actors.runtime.config import ConfigError
 from actors.runtime.weights import SHM_KEEP
 
 

@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from actors.data.sources import make_task
+from actors.job.config import apply_overrides, decode_topology
 from actors.replay.state import ReplayState
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 
 
 def verl_rows(n):

@@ -70,8 +70,8 @@ def test_on_device_names_its_device_and_function():
 
 
 def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
+    from actors.job.config import apply_overrides, decode_topology
     from actors.learner.policy import Policy
-    from actors.runtime.config import apply_overrides, decode_topology
 
     topo = decode_topology(apply_overrides({}, [
         f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16",

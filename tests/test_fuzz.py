@@ -34,11 +34,11 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from actors.job.supervisor import Job
 from actors.replay.actor import replay_actor
 from actors.reward import reward_actor
 from actors.router.actor import router_actor
 from actors.runtime.actor import ActorContext, serve_actor
-from actors.runtime.supervisor import Job
 from actors.runtime.tensors import from_buffer
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket

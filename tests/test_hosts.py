@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.runtime.config import ConfigError, load_topology
-from actors.runtime.config.hosts import local_actors, owner, placement, resolve_addresses
+from actors.job.config import load_topology
+from actors.job.config.hosts import local_actors, owner, placement, resolve_addresses
+from actors.runtime.config import ConfigError
 from tests.jobs import ROOT, actor_pids, balanced, command, jsonl, metrics
 
 TWO = ['hosts.a="127.0.0.1"', 'hosts.b="127.0.0.2"', 'sampler.host="b"', 'reward.host="b"']

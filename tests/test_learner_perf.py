@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from actors.job.metrics import format_step, time_breakdown
 from actors.learner.perf import dense_parameters, peak_flops, peak_of, train_flops
-from actors.runtime.metrics import format_step, time_breakdown
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
 
@@ -54,7 +54,7 @@ def test_dense_parameters_are_the_models_matrices():
 
 
 def test_the_live_panel_shows_where_the_step_went():
-    from actors.runtime.liveview import View
+    from actors.job.liveview import View
     from tests.test_liveview import STEP, text_of
 
     view = View(total_steps=30, max_staleness=1, run_dir="runs/x", started=0.0)

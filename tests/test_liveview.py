@@ -9,8 +9,8 @@ import re
 
 from rich.console import Console
 
-from actors.runtime.liveview import ActorRow, LiveView, View, clock, render
-from actors.runtime.metrics import format_validation
+from actors.job.liveview import ActorRow, LiveView, View, clock, render
+from actors.job.metrics import format_validation
 
 STEP = {"critic/score/mean": 0.4688, "response_length/mean": 19.8, "rollout_corr/kl": 0.0025,
         "rollout_corr/is_weight_mean": 0.999, "staleness/mean": 1.0, "perf/throughput": 91.8,
@@ -139,3 +139,25 @@ def test_scoring_failures_show_in_red_with_their_count_and_the_first_error():
         assert expected in problems, problems
     html = console.export_html(inline_styles=True)
     assert re.search('<span style="color: #800000[^"]*">sampler-0 *</span>', html)
+
+
+def test_a_finished_actor_shows_as_finished_not_as_silent():
+    """The learner done with its last step sends no heartbeat while the final validation runs:
+    its row (as the runner builds it, ``Proc.row``) says finished, in no problem and not red;
+    the same silence from a learner that has not finished is a problem."""
+    from actors.job.pools import Proc
+
+    now = 1000.0
+    done = Proc("learner", 0, ready=True, finished=True, last_seen=now - 16.0,
+                status={"state": "finished", "step": 30, "version": 30},
+                state=("training step 30", now - 40.0))
+    view = view_at_step_12()
+    view.actors = [r for r in rows() if r.name != "learner-0"] + [done.row(now)]
+    text, console = text_of(view, now=253.0)
+    line = next(t for t in text.splitlines() if t.startswith("learner-0"))
+    assert "finished" in line and "silent" not in line and "finished 40s" not in line
+    assert "problems" not in text
+    assert not re.search('<span style="color: #800000', console.export_html(inline_styles=True))
+    hung = Proc("learner", 0, ready=True, last_seen=now - 16.0, status={"state": "training"})
+    view.actors = [r for r in rows() if r.name != "learner-0"] + [hung.row(now)]
+    assert "learner-0: silent 16s" in text_of(view, now=253.0)[0]

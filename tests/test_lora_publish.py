@@ -14,9 +14,10 @@ import torch
 import zmq
 
 from actors.data.chat import chat_ids
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
 from actors.runtime.transports.sources import AdapterWeights
 from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
@@ -161,7 +162,7 @@ def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from actors.runtime.config.capacity import (
+    from actors.job.config.capacity import (
         VERSIONS_AT_ONCE,
         adapter_count,
         check_shm,
@@ -187,8 +188,8 @@ def test_adapters_go_out_in_the_samplers_dtype(tiny_model):
     """With LoRA, ``learner.weights_dtype = "auto"`` sends the adapters in the samplers' dtype
     (cast once by the learner, not by every sampler), whatever the learner computes in; full
     weights keep the learner's compute dtype; an explicit setting wins."""
+    from actors.job.config.capacity import sent_dtype
     from actors.learner.actor import weights_dtype
-    from actors.runtime.config.capacity import sent_dtype
     from actors.runtime.config.placement import samplers_dtype
 
     model = f"model.path={tiny_model}"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.rundir import checkpoint_dir
 from tests.rank_cases import BASE, LORA
 from tests.test_learner import captured_gradients, make_groups

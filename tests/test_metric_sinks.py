@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from actors.runtime.config import decode_topology
-from actors.runtime.metrics import Background, JsonlSink, Metrics, Resume, read_resume
-from actors.runtime.trackers import TrackerError, mlflow_key, open_trackers
+from actors.job.config import decode_topology
+from actors.job.metrics import Background, JsonlSink, Metrics, Resume, read_resume
+from actors.job.trackers import TrackerError, mlflow_key, open_trackers
 from tests.jobs import ROOT, jsonl
 from tests.trackers import mlflow_history, mlflow_run, tensorboard_scalars, wandb_runs
 
@@ -143,10 +143,10 @@ def test_a_resume_backfills_what_a_killed_runner_never_received(tmp_path):
     """The recording is the record: a step the checkpoint holds whose report the killed runner
     never wrote, and validations that will not be done again, reach the loggers at the resume;
     the steps after the checkpoint are left to be trained again."""
-    from actors.runtime.loggers import open_metrics
+    from actors.job.loggers import open_metrics
+    from actors.job.supervisor import awaits_final_validation
     from actors.runtime.recording import Recorder
     from actors.runtime.rundir import STATE_FILE, checkpoint_dir
-    from actors.runtime.supervisor import awaits_final_validation
 
     recorder = Recorder(tmp_path, ["metrics", "validation_metrics"])
     for s in range(1, 6):

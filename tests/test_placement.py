@@ -9,10 +9,11 @@ import subprocess
 import msgspec
 import pytest
 
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
+from actors.job.launch import with_placement
+from actors.job.supervisor import Job
+from actors.runtime.config import ConfigError
 from actors.runtime.config.gpus import visible_gpus
-from actors.runtime.launch import with_placement
-from actors.runtime.supervisor import Job
 
 
 def topology(sockets: str, *extra: str):

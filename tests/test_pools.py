@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.config.pools import pool_replica, reward_processes, score_targets
 from actors.scoring.combine import combine
 from actors.scoring.items import ScoreItem

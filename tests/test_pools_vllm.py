@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.runtime.config import apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
 from actors.sampler.engines.vllm import vllm_problem
 from actors.scoring.pool import PoolScoring
 from tests.test_pools import items

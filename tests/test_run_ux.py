@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 
-from actors.runtime.trackers import mlflow_key
+from actors.job.trackers import mlflow_key
 from tests.jobs import (
     ROOT,
     actor_pids,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
-from actors.runtime.config import apply_overrides, decode_topology
 from actors.runtime.tensors import to_wire
 from actors.sampler.engines.base import GenerateRequest
 from actors.sampler.engines.hf import HFEngine

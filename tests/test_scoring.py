@@ -10,14 +10,8 @@ import anyio
 import pytest
 
 import actors.data.tasks
-from actors.runtime.config import (
-    BUILTIN_SCORERS,
-    BUILTIN_TASKS,
-    ConfigError,
-    RewardConfig,
-    apply_overrides,
-    decode_topology,
-)
+from actors.job.config import apply_overrides, decode_topology
+from actors.runtime.config import BUILTIN_SCORERS, BUILTIN_TASKS, ConfigError, RewardConfig
 from actors.sandbox.pool import ChildPool
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem, items_of, verl_arguments

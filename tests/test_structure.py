@@ -111,7 +111,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_real_imports():
     graph = import_graph()
-    assert "actors.runtime.config.schema" in graph["actors.runtime.config.checks"]
+    assert "actors.runtime.config.schema" in graph["actors.job.config.checks"]
     assert "actors.replay.state" in graph["actors.replay.actor"]
     assert "kernels.logprobs" in graph["actors.sampler.engines.hf"]
 
@@ -119,6 +119,43 @@ def test_the_graph_sees_real_imports():
 def test_no_import_circles():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+RUNNER = "actors.job"  # the job's runner: config loading and checks, launch, supervision, ...
+# what may drive a job, and so import the runner: the command line, and the offline tools (they
+# load a recorded run's topology with overrides, as a start does); tests and bench/ are outside
+# the packages read here
+DRIVERS = ("runner", "actors.offline")
+
+
+def runner_importers(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules outside the runner (and the drivers) that import a module of the runner."""
+    inside = (RUNNER, *DRIVERS)
+    return {m: sorted(t for t in targets if t == RUNNER or t.startswith(RUNNER + "."))
+            for m, targets in graph.items()
+            if not any(m == i or m.startswith(i + ".") for i in inside)
+            and any(t == RUNNER or t.startswith(RUNNER + ".") for t in targets)}
+
+
+def test_no_actor_imports_the_runner():
+    """The library every actor process uses (``actors/runtime``) and the actors never import the
+    job's runner (``actors/job``), so the runner's parts change without touching what runs
+    inside actors."""
+    graph = import_graph()
+    assert "actors.job.supervisor" in graph["runner"] or "actors.job.launch" in graph["runner"]
+    found = runner_importers(graph)
+    assert not found, f"modules importing the runner: {found}"
+    # the check itself sees an offender
+    assert runner_importers({"actors.sampler.x": {"actors.job.pools"}}) == {
+        "actors.sampler.x": ["actors.job.pools"]}
+
+
+def test_an_actor_process_loads_no_runner_module():
+    """What ``python -m actors.main`` imports before it starts an actor's body."""
+    code = ("import sys, actors.main, actors.runtime.actor, actors.runtime.config; "
+            "bad = [m for m in sys.modules if m.startswith('actors.job')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_the_circle_finder_finds_circles():
@@ -132,14 +169,14 @@ def test_no_file_is_too_long():
 
 
 @pytest.mark.parametrize("module", ["actors.replay.actor", "actors.router.actor", "messages.rollout",
-                                    "actors.runtime.supervisor"])
+                                    "actors.job.supervisor"])
 def test_light_processes_never_import_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_every_toml_file_parses_as_a_topology():
-    from actors.runtime.config import load_topology
+    from actors.job.config import load_topology
 
     files = [p for p in ROOT.rglob("*.toml")
              if ".venv" not in p.parts and p.name != "pyproject.toml"]

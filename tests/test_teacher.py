@@ -16,10 +16,10 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM
 
+from actors.job.config.preflight import preflight
 from actors.router.actor import router_actor
 from actors.runtime.actor import serve_actor
 from actors.runtime.config import ConfigError
-from actors.runtime.config.preflight import preflight
 from actors.runtime.tensors import from_wire, to_wire
 from actors.runtime.zmq_bridge import make_socket
 from actors.teacher.model import TeacherModel

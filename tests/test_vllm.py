@@ -15,8 +15,9 @@ import torch
 import trio
 
 from actors.data.chat import ChatTokenizer
+from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
-from actors.runtime.config import VLLMOptions, apply_overrides, decode_topology
+from actors.runtime.config import VLLMOptions
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
 from actors.sampler.engines.vllm_settings import vllm_options

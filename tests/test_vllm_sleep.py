@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.sampler.engines.vllm import SleepPolicy, VLLMEngine, VLLMSettings, vllm_problem
 
 

@@ -12,7 +12,8 @@ import typing
 
 import pytest
 
-from actors.runtime.config import ConfigError, apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig
 from actors.runtime.transports.base import TRANSPORTS, resolve_transport
 from actors.sampler.engines.registry import ENGINES, auto_engine, engine_problem, start_engine

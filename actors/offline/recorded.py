@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology
+from actors.job.config import apply_overrides, decode_topology
+from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import decode_group, last_by, read_table
 from actors.runtime.rundir import RECORD_DIR, TOPOLOGY
 from messages.rollout import SamplingParams, ScoredGroup

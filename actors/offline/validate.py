@@ -24,9 +24,10 @@ from typing import Any, TextIO
 
 import msgspec
 
+from actors.job.config import apply_overrides, decode_topology
 from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
-from actors.runtime.config import ConfigError, Topology, apply_overrides, decode_topology
+from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import last_by, read_table
 from actors.runtime.rundir import TOPOLOGY, checkpoint_dir, latest_checkpoint, read_state
 from actors.validation.metrics import ScoredPrompt, validation_metrics

@@ -37,9 +37,11 @@ from messages.control import Abort, ErrorReply, ValidationReport
 from messages.rollout import (
     BatchRequest,
     GroupsDone,
+    LeaveAck,
     PromptBatch,
     PromptRequest,
     SamplerAlive,
+    SamplerLeaving,
     SamplingParams,
     ToReplay,
     TrainBatch,
@@ -114,6 +116,8 @@ class ReplayServer:
         self.heard: dict[bytes, float] = {}  # sampler -> when it last sent anything
         self.silent: set[bytes] = set()  # samplers past the timeout: issued nothing until heard
         self.reissued_silent = 0  # prompts taken back from silent samplers and issued again
+        self.samplers_left = 0  # samplers that said they leave (detached or preempted)
+        self.handed_back = 0  # prompts those samplers held, issued again to the others
         self.max_error_share = ctx.topology.reward.max_error_share if ctx is not None else 1.0
         self.aborted = False  # scoring failed past its bound: no batch is served any more
 
@@ -188,6 +192,8 @@ class ReplayServer:
         match msg:
             case SamplerAlive():
                 pass
+            case SamplerLeaving():
+                await self.leave(peer)
             case PromptRequest(max_prompts=k, incarnation=inc):
                 if self.incarnations.get(peer, inc) != inc:
                     state.requeue_from(peer)  # a restarted sampler: its prompts are lost
@@ -209,6 +215,21 @@ class ReplayServer:
                 done = self.rounds.accept(step, groups) if self.rounds is not None else None
                 if done is not None:
                     tg.start_soon(self.finish_round, done)
+
+    async def leave(self, peer: bytes) -> None:
+        """A sampler leaves: what it was issued and sent no group for is issued again (the
+        groups it sent before this came first on its connection, so they were accepted), and it
+        is forgotten (not watched for silence, its waiting request dropped)."""
+        requeued = self.state.requeue_from(peer)
+        if self.rounds is not None:
+            requeued += self.rounds.requeue_from(peer)
+        self.prompt_waiters.pop(peer, None)
+        self.heard.pop(peer, None)
+        self.silent.discard(peer)
+        self.incarnations.pop(peer, None)
+        self.samplers_left += 1
+        self.handed_back += requeued
+        await self.sock.send_multipart([peer, encode(LeaveAck(requeued=requeued))])
 
     def new_version(self, version: int) -> None:
         self.state.version = max(self.state.version, version)
@@ -277,7 +298,8 @@ class ReplayServer:
                 ctx.status.update(self.state.counters(), version=self.state.version,
                                   rejected_frames=self.codec.rejected,
                                   samplers_silent=len(self.silent),
-                                  reissued_silent=self.reissued_silent)
+                                  reissued_silent=self.reissued_silent,
+                                  samplers_left=self.samplers_left, handed_back=self.handed_back)
                 if self.rounds is not None and self.rounds.prompts:
                     ctx.status.update(self.rounds.status())
 

@@ -132,7 +132,8 @@ class ReplayState:
         return out
 
     def requeue_from(self, sampler: bytes) -> int:
-        """A sampler restarted: its prompts in flight will never come back, so issue them again."""
+        """A sampler restarted, left (``SamplerLeaving``) or went silent: its prompts in flight
+        will not come back, so issue them again."""
         lost = [pid for pid, (who, _) in self.at_samplers.items() if who == sampler]
         for pid in sorted(lost):
             self.requeued.append(self.at_samplers.pop(pid)[1])

@@ -4,7 +4,9 @@ An actor is an async function ``body(ctx, task_status)`` that binds or connects 
 calls ``task_status.started()`` and then serves until it returns (its work is done) or is
 cancelled. ``run_actor`` wraps it: it connects the control DEALER to the runner, reports
 ``Ready``, sends a ``Heartbeat`` with the actor's status every few seconds, and turns a
-``Stop`` message, SIGTERM or SIGINT into cancellation of the actor's task group. An exception
+``Stop`` message, SIGTERM or SIGINT into cancellation of the actor's task group. A body that can
+drain (a sampler: ``ActorContext.drain_grace_s``) is asked to on the first signal instead, and
+returns once it has handed its work back (cancelled after its grace or a second signal). An exception
 escapes as a traceback written to ``RUN_DIR/logs/NAME.traceback`` and exit status 1.
 """
 
@@ -53,6 +55,13 @@ class ActorContext:
     """CURVE keys for every socket the actor makes (None: the job runs without ``[security]``)."""
     zap: ZapHandler | None = None
     """The ZAP handler of this process's context, whose refusals the heartbeat reports."""
+    drain_grace_s: float | None = None
+    """Set by a body that can drain (before it reports started): the first SIGTERM or Ctrl-C
+    then sets ``draining`` instead of cancelling, and the body returns once it has handed its
+    work back; cancellation comes after this many seconds (plus a margin) or a second signal.
+    None: a signal cancels at once."""
+    draining: anyio.Event | None = None
+    """Set when the body is asked to drain (made by ``serve_actor``)."""
 
     @property
     def name(self) -> str:
@@ -105,24 +114,31 @@ async def _control_listener(ctx: ActorContext, scope: anyio.CancelScope) -> None
 
 
 _stop_signalled = threading.Event()  # a stop signal arrived outside the receiver below
+CONTROL_LINGER_MS = 1000  # the last reports (Finished) get this long to leave at exit
+DRAIN_MARGIN_S = 5.0  # past a body's drain grace: time to say goodbye before cancellation
 
 
 def _note_signal(signum: int, frame: object) -> None:
     _stop_signalled.set()
 
 
-async def _signals(scope: anyio.CancelScope) -> None:
+async def _signals(ctx: ActorContext, scope: anyio.CancelScope) -> None:
     # Ctrl-C in a terminal reaches every actor and the runner (whose Stop follows): the first
     # of the two cancels; signals still queued when the receiver closes are re-delivered by
     # trio to the process handler, which ``run_actor`` set to ``_note_signal``: no
-    # KeyboardInterrupt in the middle of shutdown.
+    # KeyboardInterrupt in the middle of shutdown. A body that drains (``drain_grace_s``) is
+    # asked to first; a second signal, or the grace running out, cancels.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        if _stop_signalled.is_set():
-            scope.cancel()
-            return
-        async for _ in signals:
-            scope.cancel()
-            return
+        if not _stop_signalled.is_set():
+            async for _ in signals:
+                break
+        if ctx.drain_grace_s is not None and ctx.draining is not None:
+            ctx.draining.set()
+            ctx.status["state"] = "draining"
+            with anyio.move_on_after(ctx.drain_grace_s + DRAIN_MARGIN_S):
+                async for _ in signals:
+                    break
+        scope.cancel()
 
 
 async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None,
@@ -137,7 +153,8 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
                                   identity=ctx.name.encode(), curve=ctx.curve)
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_signals, tg.cancel_scope)
+            ctx.draining = anyio.Event()
+            tg.start_soon(_signals, ctx, tg.cancel_scope)
             if parent is not None:
                 tg.start_soon(_orphan_watch, tg.cancel_scope, parent)
             if ctx.control is not None:
@@ -160,16 +177,19 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             task_status.started()
     finally:
         if ctx.control is not None:
-            ctx.control.close()
+            ctx.control.close(linger=CONTROL_LINGER_MS)
 
 
 def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Body, *,
-              name: str = "", supervised: bool = True, curve: CurveKeys | None = None) -> int:
+              name: str = "", supervised: bool = True, curve: CurveKeys | None = None,
+              report_to: str = "") -> int:
     """Process entry point: run one actor on trio; returns the exit status.
 
-    ``supervised=False`` (a worker attached by hand): no control channel to the runner and no
-    watch on the parent process; it runs until it is stopped by a signal. With ``curve`` keys
-    every socket uses CURVE, and a process holding the server key answers ZAP requests.
+    ``supervised=False`` (a worker attached by hand): no watch on the parent process, and a
+    control channel only to ``report_to`` (the job's runner, which then shows it in the status
+    as an attached ``kind``; empty: none); it runs until it is stopped by a signal or a Stop.
+    With ``curve`` keys every socket uses CURVE, and a process holding the server key answers
+    ZAP requests.
     """
     ctx = ActorContext(kind=kind, index=index, topology=topology, run_dir=run_dir,
                        zmq=zmq.Context(), label=name, curve=curve)
@@ -177,6 +197,9 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
         ctx.zap = ZapHandler(ctx.zmq, {curve.public}, topology.security.authorized_keys,
                              log=lambda text: print(f"[{ctx.name}] {text}", file=sys.stderr, flush=True))
     control = None if topology.control_address == "auto" or not supervised else topology.control_address
+    if not supervised:
+        control = report_to or None
+        ctx.status["attached"] = kind  # the runner adds a row for it when it reports Ready
     parent = os.getppid() if supervised else None
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _note_signal)

@@ -13,8 +13,9 @@ RUN_DIR/
                        actor ready; ``step``: a learner step; ``validation``: a validation
                        reported; ``status``: every run.status_interval seconds; ``exited``: an
                        actor died, and whether it restarts; ``lost``: an actor of another
-                       host went silent; ``stopped``: the outcome), each with every actor's last
-                       reported status
+                       host went silent; ``attached`` / ``detached``: a worker attached by
+                       hand joined / left, finished or silent; ``stopped``: the outcome), each
+                       with every actor's last reported status
   hosts/NAME/          with [hosts]: the runner of host NAME (not the owner): its lock, topology
                        and status.jsonl (its own actors only)
   logs/NAME.traceback  the traceback of an actor that died

@@ -13,6 +13,11 @@ loaded as soon as they arrive (``ContinuousSampler.load_weights``), into the run
 between its requests or in flight (``sampler.weight_update``). A prompt the engine refuses for
 good goes back to the replay buffer as a group without samples, to be dropped as ``rejected``.
 
+Detach and preemption (``ActorContext.draining``, set by the first SIGTERM or Ctrl-C): the sampler
+asks for no more prompts, finishes the groups it holds for at most ``sampler.drain_grace_s``,
+then stops its work and sends the replay buffer ``SamplerLeaving``: the buffer issues again every
+prompt it gave this sampler and got no group for, so none is lost or trained twice.
+
 Weights arrive on their own task by long-poll (the weights channel), so generation never waits
 for the learner, except for weights already published: the first prompts wait for the
 learner's initial weights, and prompts issued at version ``v`` wait for the weights of ``v``
@@ -39,16 +44,16 @@ import zmq
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
 from actors.runtime.config.pools import score_targets
-from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
-from actors.runtime.transports.base import resolve_transport
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.sampler.engines import registry
 from actors.sampler.engines.base import Engine, Rejected
+from actors.sampler.leaving import Holdings
 from actors.sampler.lending import lend_idle
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
+from actors.sampler.setup import placement, prompts_in_flight, start_engine
 from actors.sampler.strategies import start_strategy
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Abort
@@ -88,6 +93,25 @@ class Sampler:
         self.in_flight = 0  # prompts taken and not handed back yet (generating or scoring)
         self.val_rollouts: dict[tuple[SamplingParams, int], Rollout] = {}
         self.weights_lock = anyio.Lock()  # held while validating: no weights load meanwhile
+        self.holdings = Holdings(replay, self.incarnation, ctx.topology.sampler.drain_grace_s)
+
+    async def wait_for_prompts(self, count: int | None = None) -> PromptBatch | None:
+        """The next prompts, or None once the sampler drains."""
+        batch = await self.holdings.take(lambda: self.next_prompts(count))
+        if batch is not None:
+            self.in_flight += len(batch.prompts)
+        return batch
+
+    async def leave(self) -> str:
+        """Hand back what it holds (``Holdings.leave``); returns the line for the runner."""
+        unfinished, requeued = await self.holdings.leave()
+        self.ctx.status.update(handed_back=len(unfinished), left=True)
+        self.publish()
+        answer = (f"the replay buffer issues {requeued} again" if requeued is not None else
+                  "no answer from the replay buffer (its sampler_timeout_s issues them again)")
+        line = f"left after {self.groups} groups; {len(unfinished)} prompts unfinished, {answer}"
+        print(f"[{self.ctx.name}] {line}", flush=True)
+        return line
 
     async def next_prompts(self, count: int | None = None) -> PromptBatch:
         cfg = self.ctx.topology.sampler
@@ -128,6 +152,7 @@ class Sampler:
                 if s.token_versions is not None and len(set(from_wire(s.token_versions).tolist())) > 1:
                     self.multi_version += 1
         await self.replay.send_multipart([encode(GroupsDone(groups=groups))])
+        self.holdings.gave(groups)
         self.groups += len(groups)
         agent = self.rollout.agent
         if agent is not None and agent.broken and not self.aborted:
@@ -150,6 +175,7 @@ class Sampler:
             else:
                 await self.replay.send_multipart(
                     [encode(ValidationDone(step=validation_step, groups=groups))])
+                self.holdings.gave(groups)
                 self.val_groups += len(groups)
         finally:
             self.in_flight -= len(generated)
@@ -192,7 +218,7 @@ class Sampler:
             weight_sync_share=round(self.engine.weight_sync_s / wall, 4),
             multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
             scoring=self.scoring_now(), score_resent=s.resent, score_failed=s.failed,
-            val_groups=self.val_groups, in_flight=self.in_flight,
+            val_groups=self.val_groups, in_flight=self.in_flight, draining=self.holdings.draining,
             score_late=s.late, rejected_frames=s.rejected)
         if self.rollout.agent is not None:
             self.ctx.status.update(self.rollout.agent.statistics())
@@ -210,8 +236,9 @@ class Sampler:
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         await self.weights.wait_for(0)
         while True:
-            batch = await self.next_prompts()
-            self.in_flight += len(batch.prompts)
+            batch = await self.wait_for_prompts()
+            if batch is None:
+                return  # draining: the batches being scored finish on ``tg``
             self.publish()
             if batch.validation:
                 await self.validate(batch, tg)
@@ -223,6 +250,7 @@ class Sampler:
             self.publish()
             await self.slots.acquire()
             tg.start_soon(self.score_and_send, generated)
+            self.publish()  # its figures while the batch is scored (in flight, scoring)
 
 
 class ContinuousSampler(Sampler):
@@ -277,7 +305,7 @@ class ContinuousSampler(Sampler):
         await self.apply_weights(0)
         tg.start_soon(self.load_weights)
         cfg = self.ctx.topology.sampler
-        while True:
+        while not self.holdings.draining:
             await self.in_engine.acquire()  # one free place at least, then every free one
             free = 1
             while free < min(cfg.prompts_per_request, self.limit):
@@ -286,10 +314,11 @@ class ContinuousSampler(Sampler):
                 except anyio.WouldBlock:
                     break
                 free += 1
-            batch = await self.next_prompts(free)
+            batch = await self.wait_for_prompts(free)
+            if batch is None:
+                return  # draining: the prompts in the engine finish on ``tg``
             for _ in range(free - len(batch.prompts)):
                 self.in_engine.release()
-            self.in_flight += len(batch.prompts)
             self.publish()
             if batch.validation:
                 tg.start_soon(self.validate_here, batch, tg)
@@ -329,58 +358,22 @@ class ContinuousSampler(Sampler):
             self.scoring_slots.release()
 
 
-async def start_engine(ctx: ActorContext) -> Engine:
-    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded), on
-    ``sampler.device`` in ``sampler.dtype``."""
-    topo = ctx.topology
-    cfg = topo.sampler
-    device = placement(cfg.device, ctx.index)
-    dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
-    ctx.status.update(device=str(device), dtype=dtype)
-    return await registry.start_engine(cfg.engine, registry.EngineSpec(
-        Path(topo.model.path), dtype, topo.run.seed * 1009 + ctx.index, device, cfg,
-        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx),
-        adapters=adapter_limits(topo)))
-
-
-def adapter_limits(topo) -> registry.AdapterLimits | None:
-    """LoRA: the learner publishes adapters of its rank; versions in flight are at most
-    max_staleness behind the newest, so max_staleness + 2 versions are held at once."""
-    rank = topo.learner.lora.rank
-    return registry.AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
-
-
-def weights_transport(ctx: ActorContext) -> str:
-    L = ctx.topology.learner
-    return resolve_transport(L.weights_transport, weights_address=L.weights_address)
-
-
-def prompts_in_flight(setting: int, *, gpu: bool) -> int:
-    """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, as measured there; 64 on a GPU)."""
-    return setting or (64 if gpu else 8)
-
-
-def placement(setting: str, index: int) -> torch.device:
-    """``sampler.device``: under the runner, ``cuda:0`` of the GPUs its placement gave this
-    sampler (``FLOWRL_DEVICE``); started otherwise, ``auto``/``cuda`` put sampler i on GPU i
-    (modulo the GPUs there are)."""
-    return resolve_device(setting, index % max(1, torch.cuda.device_count()))
-
-
 def sampling_params(ctx: ActorContext) -> SamplingParams:
     cfg = ctx.topology.sampler
     return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_tokens=cfg.max_tokens, stop=tuple(cfg.stop))
 
 
-async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
+async def sampler_actor(ctx: ActorContext, *, task_status) -> str:
     topo = ctx.topology
     cfg = topo.sampler
     torch.set_num_threads(cfg.threads)
     ctx.status["state"] = "loading model"
     model = Path(topo.model.path)
-    engine = lend_idle(await start_engine(ctx), ctx.run_dir, ctx.index, cfg.count, cfg.threads,
-                       placement(cfg.device, ctx.index))
+    engine = await start_engine(ctx)
+    if ctx.index >= 0:  # an attached sampler is no part of the job's plan of this host's cores
+        engine = lend_idle(engine, ctx.run_dir, ctx.index, cfg.count, cfg.threads,
+                           placement(cfg.device, ctx.index))
     tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, model)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
@@ -401,6 +394,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
     sampler = (ContinuousSampler if engine.continuous else Sampler)(
         ctx, engine, rollout, replay, weights, scoring)
     ctx.status["engine"] = cfg.engine
+    ctx.drain_grace_s = cfg.drain_grace_s
     task_status.started()
     with replay, router, weights_sock:
         try:
@@ -410,8 +404,14 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> None:
                 tg.start_soon(engine.watch)
                 if agent is not None:
                     tg.start_soon(agent.serve)
-                tg.start_soon(sampler.keep_alive)
-                tg.start_soon(sampler.run, tg)
+                async with anyio.create_task_group() as work:  # ends only by a drain
+                    work.start_soon(sampler.keep_alive)
+                    work.start_soon(sampler.run, work)
+                    assert ctx.draining is not None
+                    work.start_soon(sampler.holdings.drain, ctx.draining, work.cancel_scope)
+                detail = await sampler.leave()
+                tg.cancel_scope.cancel()
+            return detail
         finally:
             with anyio.CancelScope(shield=True):
                 if agent is not None:

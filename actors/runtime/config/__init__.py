@@ -1,8 +1,9 @@
-"""The typed topology: ``topology.toml`` decoded into msgspec Structs, unknown keys rejected.
+"""The typed topology every actor receives: msgspec Structs (every field with a one-line
+docstring) and ``ConfigError``. The names below are the public ones; import them from here.
 
-``schema`` holds the Structs (every field with a one-line docstring), ``checks`` the rules
-across fields, ``load`` the TOML reading and dotted overrides. The names below are the public
-ones; import them from here.
+Reading ``topology.toml``, the dotted overrides and the rules across fields are the runner's
+(``actors/job/config/``: ``load``, ``checks``, ``hosts``, ``preflight``, ...): an actor gets its
+topology already resolved and never imports them.
 """
 
 from actors.runtime.config.agent import (
@@ -18,11 +19,6 @@ from actors.runtime.config.algorithm import (
     FilterGroups,
     KLControl,
     RejectionRule,
-)
-from actors.runtime.config.load import (
-    apply_overrides,
-    decode_topology,
-    load_topology,
 )
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
@@ -54,5 +50,4 @@ __all__ = [
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
     "TaskConfig", "Topology", "VLLMOptions", "ValidationConfig", "ValidationDataset",
-    "apply_overrides", "decode_topology", "load_topology",
 ]

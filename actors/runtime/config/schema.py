@@ -1,8 +1,8 @@
 """The typed topology: every section of ``topology.toml`` as a msgspec Struct.
 
-Unknown keys are rejected when a topology is decoded (``actors.runtime.config.load``), and every
+Unknown keys are rejected when a topology is decoded (``actors.job.config.load``), and every
 field has a one-line docstring below it. The checks that need more than one field live in
-``actors.runtime.config.checks``.
+``actors.job.config.checks``.
 """
 
 from __future__ import annotations
@@ -194,6 +194,10 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     ``score_failed``, never waited on forever."""
     restart: Restart = BY_NAME["sampler"].restart
     """Samplers hold no state worth keeping, so they restart by default."""
+    drain_grace_s: float = 20.0
+    """On SIGTERM or Ctrl-C (a detach, or a spot machine's notice) a sampler takes no more
+    prompts, finishes what it holds for at most this many seconds, then hands the rest back to
+    the replay buffer (issued again to the others) and exits; a second signal ends it at once."""
 
 
 class RouterConfig(ActorCommon, frozen=True):

@@ -1,11 +1,11 @@
 """The one metrics sink of a job: every metric of every step and of every validation, to every
 logger named in ``run.loggers``.
 
-The runner owns it (``actors/runtime/supervisor.py``): the learner reports each step it takes
+The runner owns it (``actors/job/supervisor.py``): the learner reports each step it takes
 (``StepReport``), the replay buffer each validation it completes (``ValidationReport``), and
 ``Metrics.write`` hands the record to each sink: ``console`` (a live panel on a terminal,
-``actors/runtime/liveview.py``; plain lines otherwise), ``jsonl`` (``metrics.jsonl`` for steps,
-``validation.jsonl`` for validations), and the trackers of ``actors/runtime/trackers.py``
+``actors/job/liveview.py``; plain lines otherwise), ``jsonl`` (``metrics.jsonl`` for steps,
+``validation.jsonl`` for validations), and the trackers of ``actors/job/trackers.py``
 (tensorboard, wandb, mlflow). A sink that fails while the job runs is reported once and
 dropped; the job and the other sinks go on.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from actors.runtime.config.checks import check
+from actors.job.config.checks import check
 from actors.runtime.config.schema import ConfigError, Topology
 
 

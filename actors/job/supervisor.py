@@ -1,15 +1,19 @@
 """The supervisor: start one process per actor, watch them, stop them.
 
-``Job`` (given a resolved topology by ``actors/runtime/launch.py``, which also opened the metric
-sinks of ``run.loggers``) starts the actors in the registry's order (``python -m actors.main RUN_DIR KIND INDEX``) and supervises them: it reports
-the job started once every actor is ready, writes every step's and every validation's metrics to
-the sinks (the console: a live panel on a terminal, one line per step otherwise), records every
-actor's status in ``status.jsonl`` (per step, per validation, every ``run.status_interval``
-seconds), reports an actor that dies with its traceback (restarting it when its ``restart``
-policy says so), and on Ctrl-C, a failure or the learner's completion (and the final
-validation's) stops every process (Stop message, then SIGTERM, then SIGKILL) and reaps them all.
-It listens to the actors until the last one is reaped, so a step the learner finishes while
-stopping still reaches the sinks.
+The processes' lifecycle (spawn, restart, attach, detach) is the pools' (``actors/job/pools.py``);
+``Job`` holds the job's side: the control socket, the status, the console, the signals and the
+end conditions. ``Job`` (given a resolved topology by ``actors/job/launch.py``, which also opened
+the metric sinks of ``run.loggers``) starts the actors in the registry's order (``python -m
+actors.main RUN_DIR KIND INDEX``) and supervises them: it reports the job started once every
+actor is ready, writes every step's and every validation's metrics to the sinks (the console: a
+live panel on a terminal, one line per step otherwise), records every actor's status in
+``status.jsonl`` (per step, per validation, every ``run.status_interval`` seconds), reports an
+actor that dies with its traceback (restarting it when its ``restart`` policy says so), adds a
+worker attached by hand (``runner.py attach``) when it reports and drops it when it has drained
+and finished, answers an attacher's ``AskTopology``, and on Ctrl-C, a failure or the learner's
+completion (and the final validation's) stops every process (Stop message, then SIGTERM, then
+SIGKILL) and reaps them all. It listens to the actors until the last one is reaped, so a step
+the learner finishes while stopping still reaches the sinks.
 
 A learner of several ranks is one process per rank, started torchrun-style
 (``actors/runtime/ranks.py``); rank 0 reports for the group, and when any rank dies the others
@@ -18,40 +22,38 @@ learner spread over nodes (``learner.node_rank``) the runner starts only that no
 its own files in ``RUN_DIR/nodes/nodeK/`` (the run directory is shared by every node: the ranks
 write their checkpoint shards there), opens no metric sinks (node 0 records the job) and ends
 with them. With ``[hosts]`` the runner starts only the actors placed on its host (``run.host``)
-and talks to the other hosts' runners (``actors/runtime/multihost.py``); the runner of a host
+and talks to the other hosts' runners (``actors/job/multihost.py``); the runner of a host
 other than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import trio
 import zmq
 
-from actors.registry import NAMES
+from actors.job.config.hosts import owner
+from actors.job.liveview import View
+from actors.job.metrics import Metrics, Resume
+from actors.job.multihost import PREFIX, Member, Owner
+from actors.job.pools import Pools, Proc, job_procs
+from actors.registry import BY_NAME
 from actors.runtime.config import Topology
-from actors.runtime.config.hosts import host_of, local_actors, owner
-from actors.runtime.config.pools import reward_processes
 from actors.runtime.cores import remove_table
-from actors.runtime.liveview import ActorRow, View
-from actors.runtime.metrics import Metrics, Resume
-from actors.runtime.multihost import PREFIX, Member, Owner
-from actors.runtime.ranks import node_ranks, rank_label
-from actors.runtime.rundir import LOGS, STATUS, TOPOLOGY, traceback_file
+from actors.runtime.rundir import STATUS, TOPOLOGY
 from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import (
     Abort,
+    AskTopology,
     Finished,
     Heartbeat,
+    JobTopology,
     Ready,
     StepReport,
     Stop,
@@ -63,33 +65,6 @@ STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's fi
 TERM_GRACE_S = 10.0
 LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
 QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
-ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
-
-
-@dataclasses.dataclass
-class Proc:
-    kind: str
-    index: int
-    process: trio.Process | None = None
-    restarts: int = 0
-    ready: bool = False
-    finished: bool = False
-    last_seen: float = 0.0
-    status: dict = dataclasses.field(default_factory=dict)
-    state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
-    shown: str = ""  # the last long-lasting state printed for it (off a terminal)
-    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
-    rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
-    host: str = ""  # with [hosts]: where it runs
-    remote: bool = False  # another host's runner starts it (the owner hears it through that one)
-
-    @property
-    def name(self) -> str:
-        return rank_label(self.kind, self.index, self.rank)
-
-    def row(self, now: float) -> ActorRow:
-        return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
-                        self.status, now - self.state[1])
 
 
 def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
@@ -108,7 +83,7 @@ class Job:
         # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
         # owner: RUN_DIR/hosts/NAME)
         self.home = home or run_dir
-        self.procs = job_procs(topology, self.home)
+        self.pools = Pools(self, job_procs(topology, self.home))
         placed = {p.name: p for p in topology.placement}
         for p in self.procs.values():  # each process on the GPUs the runner gave it
             if p.name in placed and not p.remote:
@@ -142,66 +117,19 @@ class Job:
             self.outcome = outcome
             self.done.set()
 
-    async def spawn(self, p: Proc) -> None:
-        cmd = [sys.executable, "-m", "actors.main", str(self.run_dir), p.kind, str(p.index)]
-        p.ready, p.status, p.last_seen = False, {}, time.monotonic()
-        p.state = ("starting", p.last_seen)
-        # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
-        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
-        if self.home != self.run_dir:  # another host's actors read their own runner's topology
-            env["FLOWRL_TOPOLOGY"] = str(self.home / TOPOLOGY)
-        if self.view is None:  # plain lines: the actors write to the runner's own output
-            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
-            return
-        # under the live panel an actor's own output would tear it: it goes to logs/NAME.log
-        with (self.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
-            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
-                                                         stderr=log)
+    @property
+    def procs(self) -> dict[str, Proc]:
+        return self.pools.procs
 
-    def learner_finished(self) -> None:
+    def work_done(self) -> None:
+        """The kind that ends the job (the learner) finished: the job ends, or waits for the
+        final validation first."""
         total = self.topo.learner.total_steps
         if self.final_validation and total not in self.validated:
             self.learner_done = True
             self.say(f"=== waiting for the validation of step {total}")
         else:
             self.end("finished")
-
-    async def supervise(self, p: Proc) -> None:
-        """Wait for a process to exit; restart it or end the job, per its restart policy."""
-        while True:
-            assert p.process is not None
-            rc = await p.process.wait()
-            if self.stopping:
-                return
-            if rc == 0 and p.finished:
-                if p.kind == "learner" and (p.rank == 0 or all(
-                        q.finished for q in self.procs.values() if q.kind == "learner")):
-                    self.learner_finished()  # rank 0, or on a node without it, the last rank
-                return
-            if p.kind == "learner":  # the other ranks wait on it in a collective: end them now
-                for q in self.procs.values():
-                    if q.kind == "learner" and q.process is not None and q.process.returncode is None:
-                        q.process.kill()
-            tb_file = traceback_file(self.run_dir, p.name)
-            if tb_file.is_file():
-                tb = tb_file.read_text()
-            elif rc < 0:
-                tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
-            else:
-                tb = "(no traceback: it stopped without being asked to)"
-            print(f"!!! actor {p.name} (pid {p.process.pid}) exited with status {rc}\n{tb}",
-                  flush=True)
-            cfg = getattr(self.topo, p.kind)
-            restart = cfg.restart == "on-failure" and p.restarts < cfg.max_restarts
-            self.record_status("exited", actor=p.name, returncode=rc, restart=restart)
-            if restart:
-                p.restarts += 1
-                tb_file.unlink(missing_ok=True)
-                print(f"!!! restarting {p.name} ({p.restarts}/{cfg.max_restarts})", flush=True)
-                await self.spawn(p)
-                continue
-            self.end(f"failed: actor {p.name} exited with status {rc}")
-            return
 
     async def listen(self) -> None:
         codec: Codec[ToRunner] = Codec(ToRunner)
@@ -217,6 +145,12 @@ class Job:
                 msg = codec.decode(frames[-1] if frames else b"")
             except DecodeError:
                 continue
+            match msg:
+                case AskTopology():  # an attach from another machine (CURVE let it in)
+                    self.send_topology(ident)
+                    continue
+                case Ready(status=status) if p is None and not ident.startswith(PREFIX):
+                    p = self.pools.attach(ident.decode(errors="replace"), status)
             if p is None:
                 continue
             p.last_seen = time.monotonic()
@@ -224,7 +158,8 @@ class Job:
                 case Ready(status=status):
                     p.ready = True
                     p.status = status or p.status
-                    if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()):
+                    if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()
+                                                           if not q.attached):
                         self.all_ready.set()
                         print(f"=== job started: all {len(self.procs)} actors ready after "
                               f"{time.monotonic() - self.started:.1f}s", flush=True)
@@ -252,8 +187,18 @@ class Job:
                     p.finished = True
                     p.status = status or p.status
                     self.say(f"=== {p.name} finished: {detail}")
-                    if p.remote and p.kind == "learner":  # its own host's runner ends there
-                        self.learner_finished()
+                    if p.remote and BY_NAME[p.kind].ends_job:  # its own host's runner ends there
+                        self.work_done()
+                    if p.attached:
+                        self.pools.detach(p, "finished")
+
+    def send_topology(self, ident: bytes) -> None:
+        """``topology.json`` to an attaching process (an answer it may miss: it asks again)."""
+        try:
+            self.control.send_multipart_nowait(
+                [ident, encode(JobTopology((self.home / TOPOLOGY).read_bytes()))])
+        except (OSError, zmq.ZMQError):
+            pass
 
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
@@ -283,11 +228,12 @@ class Job:
             for hosts in (self.owner, self.member):
                 if hosts is not None:
                     hosts.tick(now)
-            for p in self.procs.values():
+            for p, process in self.pools.running():
                 silent = now - p.last_seen
-                if p.process and p.process.returncode is None and silent > self.topo.run.heartbeat_timeout:
+                if silent > self.topo.run.heartbeat_timeout:
                     self.say(f"!!! {p.name} silent for {silent:.0f}s: killing it")
-                    p.process.kill()
+                    process.kill()
+            self.pools.lost(now, self.topo.run.heartbeat_timeout)
             if self.view is not None:
                 self.view.actors = [p.row(now) for p in self.procs.values()]
             else:
@@ -316,27 +262,26 @@ class Job:
                     self.end("interrupted")
                     continue
                 self.say("=== interrupted again: killing every actor")
-                for p in self.procs.values():
-                    if p.process is not None and p.process.returncode is None:
-                        p.process.kill()
+                self.pools.kill(self.procs.values())
 
     async def shutdown(self) -> None:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
         self.stopping = True
         if self.owner is not None:
             self.owner.announce()
-        live = [(p, p.process) for p in self.procs.values()
-                if p.process is not None and p.process.returncode is None]
+        live = self.pools.running()
+        # workers attached by hand are told too (they end with the job), not waited for
+        attached = [p for p in self.procs.values() if p.attached]
+
         async def stop_messages() -> None:
             # again every second: an actor still starting up may not be connected to hear one
             while True:
-                for p, process in live:
-                    if process.returncode is None:
-                        try:
-                            self.control.send_multipart_nowait(
-                                [p.name.encode(), encode(Stop(reason=self.outcome or ""))])
-                        except zmq.ZMQError:
-                            pass
+                for p in [p for p, process in live if process.returncode is None] + attached:
+                    try:
+                        self.control.send_multipart_nowait(
+                            [p.name.encode(), encode(Stop(reason=self.outcome or ""))])
+                    except zmq.ZMQError:
+                        pass
                 await trio.sleep(1.0)
 
         for grace, action in ((STOP_GRACE_S, "terminate"), (TERM_GRACE_S, "kill"), (None, None)):
@@ -361,11 +306,7 @@ class Job:
                 async with trio.open_nursery() as nursery:
                     if self.member is not None:
                         nursery.start_soon(self.member.serve)
-                    for p in self.procs.values():
-                        if p.remote:
-                            continue
-                        await self.spawn(p)
-                        nursery.start_soon(self.supervise, p)
+                    await self.pools.start(nursery)
                     nursery.start_soon(self.watch)
                     await self.done.wait()
                     nursery.cancel_scope.cancel()
@@ -385,7 +326,7 @@ class Job:
                 self.zmq.destroy(linger=0)
         self.record_status("stopped", outcome=self.outcome,
                            returncodes={p.name: p.process.returncode if p.process else None
-                                        for p in self.procs.values()})
+                                        for p in self.procs.values() if not p.attached})
         self.metrics.close(self.outcome or "failed")
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
@@ -395,35 +336,3 @@ class Job:
         if self.outcome == "interrupted":
             return 130
         return 1
-
-
-def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
-    """The processes this runner follows, by name (``remote``: another host's runner starts it)."""
-    here = set(local_actors(topology))  # with [hosts]: this host's; without: all
-    is_owner = topology.run.host == owner(topology)
-    procs = {
-        p.name: p
-        for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
-        for p in (learner_ranks(topology, home) if kind == "learner" else
-                  [Proc(kind, i) for i in range(getattr(topology, kind).count)])
-        # the owner also follows the others' actors; a learner node k > 0 runs its ranks
-        if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
-    }
-    for p in procs.values():
-        p.host = host_of(topology, p.kind, p.index)
-        p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
-    if topology.learner.node_rank == 0:  # model pools' replicas (config/pools.py): reward
-        R = topology.reward  # processes after the rule workers, on the owner's host
-        for i in range(R.count, reward_processes(R)):
-            procs[f"reward-{i}"] = Proc("reward", i, host=owner(topology), remote=not is_owner)
-    return procs
-
-
-def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
-    """This node's learner processes, one per rank, each with its torchrun environment (and on
-    a node k > 0, the topology file of this node's runner)."""
-    L = topology.learner
-    own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
-    return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
-            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
-                                L.master_port)]

@@ -1,4 +1,4 @@
-"""The runners of a job over several hosts, and how they talk (``actors/runtime/config/hosts.py``
+"""The runners of a job over several hosts, and how they talk (``actors/job/config/hosts.py``
 says where each actor runs and what its addresses are).
 
 Each host's runner starts and supervises its own actors, which report to it on its own control
@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 import zmq
 
-from actors.runtime.config.hosts import control_address, owner
+from actors.job.config.hosts import control_address, owner
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Heartbeat, StatusValue, Stop
 
 if TYPE_CHECKING:
-    from actors.runtime.supervisor import Job, Proc
+    from actors.job.pools import Proc
+    from actors.job.supervisor import Job
 
 PREFIX = b"host:"
 WAIT_REPORT_S = 5.0  # seconds between "waiting for ..." lines

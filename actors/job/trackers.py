@@ -8,7 +8,7 @@ the job goes on without it.
 A run directory keeps the identity of its tracker runs in ``trackers.json``, so a resumed job
 (the same ``run.dir``) continues the same wandb run and mlflow run, and writes tensorboard
 events into the same folder. How each treats the steps a resume trains again is in
-``actors/runtime/metrics.py``: tensorboard purges them (its ``SessionLog.START`` at the first
+``actors/job/metrics.py``: tensorboard purges them (its ``SessionLog.START`` at the first
 redone step, what ``SummaryWriter(purge_step=...)`` writes), wandb and mlflow skip the records
 they already hold (their histories are append-only: wandb's rewind is a preview feature its
 server must enable, and does not work with the ``step`` axis below; mlflow has no call that
@@ -38,8 +38,8 @@ from typing import Any
 
 import msgspec
 
+from actors.job.metrics import MARKERS, Background, Kind, MetricSink, Resume
 from actors.runtime.config import Topology
-from actors.runtime.metrics import MARKERS, Background, Kind, MetricSink, Resume
 from actors.runtime.rundir import TENSORBOARD, TOPOLOGY, TRACKERS
 
 TRACKERS_EXTRA = "pip install 'flowrl[trackers]'"  # what installs all three

@@ -11,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from actors.runtime.config import Topology
-from actors.runtime.liveview import LiveView, View
-from actors.runtime.metrics import (
+from actors.job.liveview import LiveView, View
+from actors.job.metrics import (
     ConsoleSink,
     JsonlSink,
     Kind,
@@ -22,6 +21,7 @@ from actors.runtime.metrics import (
     Resume,
     read_resume,
 )
+from actors.runtime.config import Topology
 from actors.runtime.rundir import RECORD_DIR, checkpoint_position
 
 
@@ -29,7 +29,7 @@ def open_metrics(topology: Topology, run_dir: Path) -> tuple[Metrics, View | Non
     """The job's one metrics sink over the loggers of ``run.loggers``, set up for the
     checkpoint the learner will resume from; with the live panel's model on a terminal.
     Raises ``TrackerError`` when a tracker cannot start."""
-    from actors.runtime.trackers import open_trackers
+    from actors.job.trackers import open_trackers
 
     L, loggers = topology.learner, topology.run.loggers
     if L.resume:

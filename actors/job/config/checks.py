@@ -12,10 +12,10 @@ from typing import Any
 import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
+from actors.job.config.hosts import check_hosts
 from actors.registry import KINDS
 from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
-from actors.runtime.config.hosts import check_hosts
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_pools
 from actors.runtime.config.schema import (
@@ -70,6 +70,7 @@ def check(topology: Topology) -> None:
     need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
     need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
     need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
+    need(s.drain_grace_s >= 0, "sampler.drain_grace_s", "must be >= 0 (0: hand back at once)")
     need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
     if s.engine != "auto":
         from actors.sampler.engines.registry import ENGINES, engine_problem
@@ -210,7 +211,7 @@ def check(topology: Topology) -> None:
 def _check_adapters(topology: Topology, need: Any) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
-    from actors.runtime.config.capacity import linear_modules
+    from actors.job.config.capacity import linear_modules
     from actors.sampler.engines.registry import ENGINES, auto_engine
 
     L, s = topology.learner, topology.sampler

@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from actors.runtime.metrics import Kind, format_step, format_validation, headline, time_breakdown
+from actors.job.metrics import Kind, format_step, format_validation, headline, time_breakdown
 
 IDLE_STATES = ("running", "finished")  # states that need no mention
 
@@ -42,6 +42,7 @@ class ActorRow:
     silent_s: float  # since its last message
     status: Mapping[str, Any]  # its last heartbeat's status
     since_s: float = 0.0  # in its current state
+    finished: bool = False  # it reported its work done (Finished): silence is not a problem
 
 
 @dataclass
@@ -99,7 +100,7 @@ def actor_figures(row: ActorRow, heartbeat_interval: float) -> tuple[str, list[s
     problems = []
     if row.restarts:
         problems.append(f"restarted {row.restarts}x")
-    if row.ready and row.silent_s > max(10.0, 5 * heartbeat_interval):
+    if row.ready and not row.finished and row.silent_s > max(10.0, 5 * heartbeat_interval):
         problems.append(f"silent {row.silent_s:.0f}s")
     for key in ("weights_error", "router_error", "body_error", "waiting"):
         if s.get(key):
@@ -193,9 +194,11 @@ def render(view: View, now: float) -> RenderableType:
     for row in view.actors:
         figures, trouble = actor_figures(row, view.heartbeat_interval)
         state = str(row.status.get("state", "running" if row.ready else "starting"))
+        if row.finished:  # done (its process may be gone): whatever it said last, it finished
+            state = "finished"
         if state not in IDLE_STATES and row.since_s >= 1:
             state += f" {row.since_s:.0f}s"
-        style = "red" if trouble else ""
+        style = "red" if trouble else "dim" if row.finished else ""
         actors.add_row(Text(row.name, style=style or "bold"), Text(state, style=style),
                        Text(figures + ("  " + "; ".join(trouble) if trouble else ""),
                             style=style))

@@ -1,10 +1,10 @@
 """Starting a job: resolve its topology, take its run directory, make or wait for its keys, write
 the resolved topology the actors read, open the metric sinks, then hand it to the supervisor
-(``actors/runtime/supervisor.py``), whose exit status is the job's.
+(``actors/job/supervisor.py``), whose exit status is the job's.
 
 Resolution fills in the run directory (``{time}``), the model directory and every ``auto``
 address: ``ipc://`` sockets in a fresh folder under /tmp on one host, ``tcp://IP:PORT`` with
-``[hosts]`` (``actors/runtime/config/hosts.py``). One runner at a time holds a run directory
+``[hosts]`` (``actors/job/config/hosts.py``). One runner at a time holds a run directory
 (with ``[hosts]`` or learner nodes, one per host or node, each in its own folder under it).
 """
 
@@ -23,20 +23,21 @@ import anyio
 import msgspec
 import zmq
 
+from actors.job.config.capacity import check_shm
+from actors.job.config.hosts import local_actors, owner, resolve_addresses
+from actors.job.config.layout import place
+from actors.job.config.preflight import preflight
+from actors.job.liveview import LiveView
+from actors.job.loggers import open_metrics
+from actors.job.pools import job_procs, learner_ranks
+from actors.job.supervisor import Job
+from actors.job.trackers import TrackerError
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
-from actors.runtime.config.capacity import check_shm
 from actors.runtime.config.gpus import visible_gpus
-from actors.runtime.config.hosts import local_actors, owner, resolve_addresses
-from actors.runtime.config.layout import place
-from actors.runtime.config.preflight import preflight
-from actors.runtime.liveview import LiveView
-from actors.runtime.loggers import open_metrics
 from actors.runtime.ranks import free_port
 from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
 from actors.runtime.security import prepare_job_keys
-from actors.runtime.supervisor import Job, job_procs, learner_ranks
-from actors.runtime.trackers import TrackerError
 
 
 def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:

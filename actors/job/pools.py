@@ -1,0 +1,203 @@
+"""A job's processes as pools, one per actor kind, and each pool's lifecycle in one place.
+
+A pool's processes are started (``spawn``), watched until they exit and then restarted or not
+(``supervise``), joined by workers attached by hand (``attach``: a ``runner.py attach KIND``
+process that reports to this runner), left by them when they drain and finish (``detach``), and
+finished. What differs between kinds is a row of the registry (``actors/registry.py``: gang,
+ends_job, attachable) and the kind's ``restart`` / ``max_restarts`` settings; nothing here names
+a kind. The job (``supervisor.Job``) owns the control socket, the status, the console and the end
+conditions, and calls in here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.job.config.hosts import host_of, local_actors, owner
+from actors.job.liveview import ActorRow
+from actors.registry import BY_NAME, NAMES
+from actors.runtime.config import Topology
+from actors.runtime.config.pools import reward_processes
+from actors.runtime.ranks import node_ranks, rank_label
+from actors.runtime.rundir import LOGS, TOPOLOGY, traceback_file
+from messages.control import StatusValue
+
+if TYPE_CHECKING:
+    from actors.job.supervisor import Job
+
+ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
+
+
+@dataclasses.dataclass
+class Proc:
+    kind: str
+    index: int
+    process: trio.Process | None = None
+    restarts: int = 0
+    ready: bool = False
+    finished: bool = False
+    last_seen: float = 0.0
+    status: dict = dataclasses.field(default_factory=dict)
+    state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
+    shown: str = ""  # the last long-lasting state printed for it (off a terminal)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
+    rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
+    host: str = ""  # with [hosts]: where it runs
+    remote: bool = False  # another host's runner starts it (the owner hears it through that one)
+    attached: str = ""  # a worker attached by hand: its own name (no process of this runner's)
+
+    @property
+    def name(self) -> str:
+        return self.attached or rank_label(self.kind, self.index, self.rank)
+
+    def row(self, now: float) -> ActorRow:
+        return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
+                        self.status, now - self.state[1], finished=self.finished)
+
+
+class Pools:
+    """The processes this runner follows, by name, and what happens to them over their life."""
+
+    def __init__(self, job: Job, procs: dict[str, Proc]) -> None:
+        self.job = job
+        self.procs = procs  # every process of the job this runner follows, attached ones too
+
+    def of_kind(self, kind: str) -> list[Proc]:
+        return [p for p in self.procs.values() if p.kind == kind]
+
+    def running(self) -> list[tuple[Proc, trio.Process]]:
+        """This runner's own processes that have not exited."""
+        return [(p, p.process) for p in self.procs.values()
+                if p.process is not None and p.process.returncode is None]
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start every process this runner starts itself, in the registry's order."""
+        for p in list(self.procs.values()):
+            if p.remote or p.attached:
+                continue
+            await self.spawn(p)
+            nursery.start_soon(self.supervise, p)
+
+    async def spawn(self, p: Proc) -> None:
+        job = self.job
+        cmd = [sys.executable, "-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
+        p.ready, p.finished, p.status, p.last_seen = False, False, {}, time.monotonic()
+        p.state = ("starting", p.last_seen)
+        # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
+        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
+        if job.home != job.run_dir:  # another host's actors read their own runner's topology
+            env["FLOWRL_TOPOLOGY"] = str(job.home / TOPOLOGY)
+        if job.view is None:  # plain lines: the actors write to the runner's own output
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
+            return
+        # under the live panel an actor's own output would tear it: it goes to logs/NAME.log
+        with (job.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
+            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
+                                                         stderr=log)
+
+    async def supervise(self, p: Proc) -> None:
+        """Wait for a process to exit; restart it or end the job, per its kind's row and its
+        ``restart`` policy."""
+        job, row = self.job, BY_NAME[p.kind]
+        while True:
+            assert p.process is not None
+            rc = await p.process.wait()
+            if job.stopping:
+                return
+            if rc == 0 and p.finished and row.ends_job:
+                if p.rank == 0 or all(q.finished for q in self.of_kind(p.kind)):
+                    job.work_done()  # rank 0, or on a node without it, the last rank
+                return
+            if row.gang:
+                self.kill(q for q in self.of_kind(p.kind) if q is not p)
+            tb_file = traceback_file(job.run_dir, p.name)
+            if rc == 0 and p.finished:  # a worker that drained on a signal (not the runner's)
+                tb = "(it drained and left on a signal; this runner is still running the job)"
+            elif tb_file.is_file():
+                tb = tb_file.read_text()
+            elif rc < 0:
+                tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
+            else:
+                tb = "(no traceback: it stopped without being asked to)"
+            print(f"!!! actor {p.name} (pid {p.process.pid}) exited with status {rc}\n{tb}",
+                  flush=True)
+            cfg = getattr(job.topo, p.kind)
+            restart = cfg.restart == "on-failure" and p.restarts < cfg.max_restarts
+            job.record_status("exited", actor=p.name, returncode=rc, restart=restart)
+            if restart:
+                p.restarts += 1
+                tb_file.unlink(missing_ok=True)
+                print(f"!!! restarting {p.name} ({p.restarts}/{cfg.max_restarts})", flush=True)
+                await self.spawn(p)
+                continue
+            job.end(f"failed: actor {p.name} exited with status {rc}")
+            return
+
+    def kill(self, procs: Iterable[Proc]) -> None:
+        for q in procs:
+            if q.process is not None and q.process.returncode is None:
+                q.process.kill()
+
+    def attach(self, name: str, status: dict[str, StatusValue]) -> Proc | None:
+        """A worker attached by hand says Ready (its status names its kind): a row for it."""
+        kind = str(status.get("attached", ""))
+        if kind not in BY_NAME or not BY_NAME[kind].attachable or name in self.procs:
+            return None
+        p = self.procs[name] = Proc(kind, -1, attached=name, last_seen=time.monotonic())
+        self.job.say(f"=== {name} attached")
+        self.job.record_status("attached", actor=name, kind=kind)
+        return p
+
+    def detach(self, p: Proc, why: str) -> None:
+        """An attached worker left (it finished draining, or went silent): recorded, then its
+        row goes (it has no process to wait for)."""
+        self.job.record_status("detached", actor=p.name, reason=why)
+        self.procs.pop(p.name, None)
+
+    def lost(self, now: float, timeout: float) -> None:
+        """Attached workers silent past ``timeout``: gone (their prompts or requests are taken
+        back by the replay buffer's or the router's own timeout)."""
+        for p in [p for p in self.procs.values() if p.attached and now - p.last_seen > timeout]:
+            self.job.say(f"!!! {p.name} (attached) silent for {now - p.last_seen:.0f}s: dropped")
+            self.detach(p, "silent")
+
+
+def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
+    """The processes this runner follows, by name (``remote``: another host's runner starts it)."""
+    here = set(local_actors(topology))  # with [hosts]: this host's; without: all
+    is_owner = topology.run.host == owner(topology)
+    procs = {
+        p.name: p
+        for kind in (NAMES if topology.learner.node_rank == 0 else ("learner",))
+        for p in (learner_ranks(topology, home) if kind == "learner" else
+                  [Proc(kind, i) for i in range(getattr(topology, kind).count)])
+        # the owner also follows the others' actors; a learner node k > 0 runs its ranks
+        if (kind, p.index) in here or is_owner or topology.learner.node_rank > 0
+    }
+    for p in procs.values():
+        p.host = host_of(topology, p.kind, p.index)
+        p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
+    if topology.learner.node_rank == 0:  # model pools' replicas (config/pools.py): reward
+        R = topology.reward  # processes after the rule workers, on the owner's host
+        for i in range(R.count, reward_processes(R)):
+            procs[f"reward-{i}"] = Proc("reward", i, host=owner(topology), remote=not is_owner)
+    return procs
+
+
+def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
+    """This node's learner processes, one per rank, each with its torchrun environment (and on
+    a node k > 0, the topology file of this node's runner)."""
+    L = topology.learner
+    own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
+    return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
+            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
+                                L.master_port)]

@@ -1,0 +1,58 @@
+"""What a sampler starts with: its engine (the one ``sampler.engine`` names) on its device, with
+its seed, its weights transport and its LoRA limits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from actors.runtime.actor import ActorContext
+from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.transports.base import resolve_transport
+from actors.sampler.engines import registry
+from actors.sampler.engines.base import Engine
+
+
+async def start_engine(ctx: ActorContext) -> Engine:
+    """The engine ``sampler.engine`` names (``auto`` was resolved when the topology loaded), on
+    ``sampler.device`` in ``sampler.dtype``."""
+    topo = ctx.topology
+    cfg = topo.sampler
+    device = placement(cfg.device, ctx.index)
+    dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
+    ctx.status.update(device=str(device), dtype=dtype)
+    return await registry.start_engine(cfg.engine, registry.EngineSpec(
+        Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
+        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx),
+        adapters=adapter_limits(topo)))
+
+
+def seed_offset(ctx: ActorContext) -> int:
+    """Sampler i's seeds differ from every other's: an attached one (index -1) uses its pid."""
+    return ctx.index if ctx.index >= 0 else 1_000_000 + os.getpid()
+
+
+def adapter_limits(topo) -> registry.AdapterLimits | None:
+    """LoRA: the learner publishes adapters of its rank; versions in flight are at most
+    max_staleness behind the newest, so max_staleness + 2 versions are held at once."""
+    rank = topo.learner.lora.rank
+    return registry.AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
+
+
+def weights_transport(ctx: ActorContext) -> str:
+    L = ctx.topology.learner
+    return resolve_transport(L.weights_transport, weights_address=L.weights_address)
+
+
+def prompts_in_flight(setting: int, *, gpu: bool) -> int:
+    """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, as measured there; 64 on a GPU)."""
+    return setting or (64 if gpu else 8)
+
+
+def placement(setting: str, index: int) -> torch.device:
+    """``sampler.device``: under the runner, ``cuda:0`` of the GPUs its placement gave this
+    sampler (``FLOWRL_DEVICE``); started otherwise, ``auto``/``cuda`` put sampler i on GPU i
+    (modulo the GPUs there are)."""
+    return resolve_device(setting, index % max(1, torch.cuda.device_count()))
