@@ -269,3 +269,47 @@ def test_a_job_sampler_told_its_machine_goes_away_hands_back_and_is_restarted(ti
     ids = read_table(run_dir, "groups", ["group_id"]).column("group_id").to_pylist()
     assert len(ids) == len(set(ids))
     assert not actor_pids(run_dir)
+
+
+def test_a_sampler_attached_at_another_hosts_runner_shows_in_the_owners_status(tiny_model,
+                                                                              tmp_path):
+    """Hosts a (owner) and b: the sampler attaches by host b's runner address; b relays it, so
+    the owner's record lists it (attached, its groups, detached)."""
+    two = ['hosts.a="127.0.0.1"', 'hosts.b="127.0.0.2"', 'sampler.host="b"', 'reward.host="b"',
+           "learner.total_steps=400", "run.base_port=47300", "run.status_interval=1",
+           "run.heartbeat_interval=0.5"]
+    run_dir = tmp_path / "run"
+    runners = {h: subprocess.Popen([*command(tiny_model, run_dir, *two), "--host", h], cwd=ROOT,
+                                   stdout=(tmp_path / f"{h}.log").open("w"),
+                                   stderr=subprocess.STDOUT, text=True) for h in ("a", "b")}
+    worker = None
+    try:
+        wait_for_steps(run_dir, 2, runners["a"], timeout=180)
+        with (tmp_path / "attach.log").open("w") as out:
+            worker = subprocess.Popen(
+                [sys.executable, str(ROOT / "runner.py"), "attach", "sampler", "--to",
+                 "tcp://127.0.0.2:47311"],  # host b's runner: base_port + 10 + its index
+                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
+        name = f"sampler-attached-{worker.pid}"
+        seen = wait_status(run_dir, f"{name} at the owner",
+                           lambda line: line.get(name, {}).get("groups", 0) >= 4,
+                           [*runners.values(), worker], 180)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, (tmp_path / "attach.log").read_text()
+        wait_status(run_dir, f"{name} detached at the owner",
+                    lambda line: (line["event"], line.get("actor")) == ("detached", name),
+                    list(runners.values()), 60)
+        runners["a"].send_signal(signal.SIGINT)
+        assert runners["a"].wait(timeout=150) == 130, (tmp_path / "a.log").read_text()[-3000:]
+        runners["b"].wait(timeout=60)
+    finally:
+        for p in (worker, *runners.values()):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert seen[name]["ready"]
+    events = [(line["event"], line.get("actor")) for line in status_lines(run_dir)]
+    assert ("attached", name) in events
+    assert status_lines(run_dir)[-1]["replay-0"]["samplers_left"] == 1
+    assert all(balanced(r) for r in metrics(run_dir))
+    assert not actor_pids(run_dir)

@@ -121,7 +121,14 @@ def attach_command(args: argparse.Namespace) -> int:
         bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(f"{args.kind}.")]
         if bad:
             raise ConfigError(f"only {args.kind}.* keys can be overridden when attaching: {', '.join(bad)}")
-        topology = decode_topology(apply_overrides(data, list(args.overrides)))
+        # a resolved topology with [hosts] holds its runner's own control address, which the
+        # checks of a topology file refuse (there it must be auto): checked as auto, then put back
+        control = data.get("control_address", "auto") if data.get("hosts") else "auto"
+        topology = decode_topology(apply_overrides({**data, "control_address": "auto"}
+                                                   if control != "auto" else data,
+                                                   list(args.overrides)))
+        if control != "auto":
+            topology = msgspec.structs.replace(topology, control_address=control)
         curve = attach_keys(topology, args.key)
     except (ConfigError, msgspec.DecodeError) as exc:
         print(f"error: bad topology {args.to}: {exc}", file=sys.stderr)

@@ -147,12 +147,15 @@ class Pools:
             if q.process is not None and q.process.returncode is None:
                 q.process.kill()
 
-    def attach(self, name: str, status: dict[str, StatusValue]) -> Proc | None:
-        """A worker attached by hand says Ready (its status names its kind): a row for it."""
+    def attach(self, name: str, status: dict[str, StatusValue], host: str = "",
+               remote: bool = False) -> Proc | None:
+        """A worker attached by hand says Ready (its status names its kind): a row for it
+        (``remote``: it reports to another host's runner, which relays it here)."""
         kind = str(status.get("attached", ""))
         if kind not in BY_NAME or not BY_NAME[kind].attachable or name in self.procs:
             return None
-        p = self.procs[name] = Proc(kind, -1, attached=name, last_seen=time.monotonic())
+        p = self.procs[name] = Proc(kind, -1, attached=name, last_seen=time.monotonic(),
+                                    host=host, remote=remote)
         self.job.say(f"=== {name} attached")
         self.job.record_status("attached", actor=name, kind=kind)
         return p

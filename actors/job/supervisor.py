@@ -117,6 +117,10 @@ class Job:
             self.outcome = outcome
             self.done.set()
 
+    def members(self) -> set[str]:
+        """The other hosts of the job (their runners relay their actors' reports here)."""
+        return set(self.topo.hosts) - {self.topo.run.host}
+
     @property
     def procs(self) -> dict[str, Proc]:
         return self.pools.procs
@@ -135,10 +139,15 @@ class Job:
         codec: Codec[ToRunner] = Codec(ToRunner)
         while True:
             ident, *frames = await self.control.recv_multipart()
-            if self.owner is not None and ident.startswith(PREFIX):
+            relayed = self.owner is not None and ident.startswith(PREFIX)
+            name, host = ident.decode(errors="replace"), self.topo.run.host
+            if relayed:
+                assert self.owner is not None
                 p = self.owner.relayed(ident, frames)  # another host's runner, or its actor
+                if len(frames) == 2 and frames[0]:  # its actor's: [name, message]
+                    name, host = frames[0].decode(errors="replace"), name[len(PREFIX):]
             else:
-                p = self.procs.get(ident.decode(errors="replace"))
+                p = self.procs.get(name)
                 if self.member is not None:
                     self.member.forward(ident, frames)
             try:
@@ -146,11 +155,12 @@ class Job:
             except DecodeError:
                 continue
             match msg:
-                case AskTopology():  # an attach from another machine (CURVE let it in)
+                case AskTopology() if not relayed:  # an attach from elsewhere (CURVE let it in)
                     self.send_topology(ident)
                     continue
-                case Ready(status=status) if p is None and not ident.startswith(PREFIX):
-                    p = self.pools.attach(ident.decode(errors="replace"), status)
+                case Ready(status=status) if p is None and (not relayed or host in self.members()):
+                    # a worker attached by hand, to this runner or to another host's
+                    p = self.pools.attach(name, status, host=host, remote=relayed)
             if p is None:
                 continue
             p.last_seen = time.monotonic()
