@@ -63,11 +63,13 @@ def rollout_file(tmp_path_factory) -> Path:
             if kind == "many":
                 for _ in range(5):
                     await client.chat.completions.create(model="policy", messages=messages)
+            if kind in ("branch", "branch_none"):  # the history summarised: a new segment
+                messages = [{"role": "user", "content": "summary: " + r.choices[0].message.content}]
             messages += [{"role": "assistant", "content": r.choices[0].message.content},
                          {"role": "user", "content": "again"}]
             r2 = await client.chat.completions.create(model="policy", messages=messages,
                                                       max_tokens=4, temperature=0)
-            if kind == "none":
+            if kind in ("none", "branch_none"):
                 return None
             if kind == "dict":
                 return {"format": 0.5, "answer": 1.0}
@@ -229,7 +231,7 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
 @pytest.mark.parametrize("on_failure", ["zero", "drop"])
 async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on_failure):
     r = make(model, rollout_file, max_calls=4, episode_timeout_s=20, on_failure=on_failure)
-    kinds = ["ok", "none", "dict", "raise", "many"]
+    kinds = ["ok", "none", "dict", "raise", "many", "branch", "branch_none"]
     prompts = [Prompt(i, [ChatMessage("user", "say abc")], "t", "", extra_info={"kind": k})
                for i, k in enumerate(kinds)]
     params = SamplingParams(temperature=1.0, max_tokens=16)
@@ -238,11 +240,16 @@ async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on
         ids = [r.prompt_ids(p) for p in prompts]
         groups = await r.generate(prompts, ids, 2, params)
         by = dict(zip(kinds, groups, strict=True))
-        for group in by.values():
-            assert len(group) == 2
+        # an episode that branched yields one more sample per branch, in the same group: the
+        # two "branch" episodes 2 each (the first call's segment, then the summary's), the
+        # "many" ones 1 + the calls made on the first prompt again before max_calls
+        assert [len(by[k]) for k in ("ok", "none", "dict", "raise")] == [2] * 4
+        assert len(by["branch"]) == len(by["branch_none"]) == 4
+        assert len(by["many"]) == 2 * 4  # calls 2..4 branch each (the 5th is refused)
+        for k, group in by.items():
             for g in group:
                 assert len(g.token_ids) == len(g.logprobs) == len(g.loss_mask) == len(g.versions)
-                assert g.prompt_ids == ids[0]  # every call's prompt extends the dataset prompt
+                assert g.prompt_ids == ids[0] or k.startswith("branch")
         for g in by["ok"]:  # two calls merged: model tokens, the user turn's, model tokens
             assert g.own.score == float(sum(1 for x in g.turns if x.role == "assistant") and
                                         g.turns[-1].end - g.turns[-1].start)
@@ -252,10 +259,30 @@ async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on
         assert all(g.own.score == 1.5 and g.own.extra == {"format": 0.5, "answer": 1.0}
                    for g in by["dict"])
         for k, failure in (("raise", "raised"), ("many", "max_calls")):
-            for g in by[k]:
-                assert g.own.score == 0.0 and g.turns[-1].failure == failure
-                assert bool(g.own.error) == (on_failure == "drop")
-        assert r.stats["episodes"] == 10 and r.stats["episode_errors"] == 4
+            for g in by[k]:  # every sample of a failed episode: its failure's reward
+                assert g.own.score == 0.0 and bool(g.own.error) == (on_failure == "drop")
+            assert [g.turns[-1].failure for g in by[k]] == ([""] * 3 + [failure]) * 2 \
+                if k == "many" else [failure] * 2
+        for k in ("branch", "branch_none"):
+            # each sample on its own prompt: the group's is the common prefix (the chat
+            # template's start), the rest of a sample's own prompt leads its response, mask 0
+            first, second = by[k][0], by[k][1]
+            assert first.prompt_ids == second.prompt_ids == by[k][2].prompt_ids
+            assert len(first.prompt_ids) < len(ids[0])
+            head = [x.role for x in second.turns]
+            assert head[0] == "user" and head[1:] == ["assistant"]
+            assert second.loss_mask[:second.turns[0].end].sum() == 0
+            # the earlier segment shares its episode's reward: its own, or the scorer's on
+            # the episode's last sample (reward_of: that sample's index in the group)
+            assert first.reward_of == 1 and second.reward_of is None
+            assert by[k][2].reward_of == 3 and by[k][3].reward_of is None
+            if k == "branch":
+                assert first.own == second.own and first.own.score == float(
+                    second.turns[-1].end - second.turns[-1].start)
+            else:
+                assert first.own is None and second.own is None
+        assert r.stats["episodes"] == 14 and r.stats["episode_errors"] == 4
+        assert r.stats["branches"] == 2 * 3 + 4
 
     await with_endpoint(r, body)
     assert TO_SCORER

@@ -144,6 +144,9 @@ class Rollout:
             f"{self.scoring.timeout_s:g} s apart")
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
+        results = [results[k] if (k := getattr(c, "reward_of", None)) is not None else r
+                   for r, c in zip(results, [*g.completions, *([g.greedy] if g.greedy else [])],
+                                   strict=True)]  # an endpoint episode's earlier segments
         rewards = [with_env_reward(r, c) for r, c in
                    zip(results, [*g.completions, *([g.greedy] if g.greedy else [])], strict=True)]
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),

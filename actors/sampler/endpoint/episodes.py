@@ -6,13 +6,14 @@ exactly (the agent appended tool results or a user turn and sent the model's ans
 unchanged) continues that segment: the engine gets the segment's own tokens (the model's
 exactly, never re-tokenized) plus the new text's tokens, which are the environment's (loss
 mask 0). A call that does not extend (the agent edited its history, summarised, or branched)
-starts a new segment on its own prompt. A segment's response keeps to the budget
+starts a new segment on its own prompt, and the segment it left behind is done. A segment's response keeps to the budget
 (``max_tokens``, the environment's tokens included): environment tokens past it are cut, the
 call gets no tokens (``length``), and no later call extends that segment.
 
-The learner trains on ``n`` samples per group (``learner/batch.build_batch``), so an episode
-hands on one sample: its last segment (that of the last call's first choice); the segments it
-left behind are counted (``branches``) and named in the sample's turns, not trained on.
+An episode hands on its segments as samples of its group, as verl and prime-rl do: those
+left behind (the first choice of the call before each branch) and its last one (the last
+call's first choice); the group then has more than ``n`` samples (``agent.rollout.branches =
+"train"``; ``"last"``: only the last segment, the others counted in ``branches``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Episode:
     calls: int = 0
     branches: int = 0  # segments left behind by a call that did not extend them
     last: list[Segment] = field(default_factory=list)  # one per choice of the last call
+    done: list[Segment] = field(default_factory=list)  # left behind by a call that branched
 
     def base(self, text: str, encode, role: str) -> Segment:
         """The segment a call on ``text`` continues (a copy, with the new tokens as the
@@ -69,7 +71,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and text.startswith(s.text)),
                     key=lambda s: len(s.text), default=None)
         if match is None:
-            self.branches += bool(self.last)
+            self._branch()
             return Segment(encode(text), text)
         seg = match.copy()
         new = text[len(seg.text):]
@@ -82,7 +84,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and ids[:len(s.context)] == s.context),
                     key=lambda s: len(s.context), default=None)
         if match is None:
-            self.branches += bool(self.last)
+            self._branch()
             return Segment(list(ids), text)
         seg = match.copy()
         new = ids[len(seg.context):]
@@ -90,6 +92,11 @@ class Episode:
             seg.extend(list(new), Turn("user", 0, 0, content=text[len(seg.text):]), text,
                        self.params.max_tokens)
         return seg
+
+    def _branch(self) -> None:
+        if self.last:
+            self.branches += 1
+            self.done.append(self.last[0])
 
     def room(self, seg: Segment) -> int:
         """Tokens the segment's next model turn may have."""
@@ -105,5 +112,10 @@ class Episode:
             self.last.append(seg)
 
     def sample(self) -> Segment | None:
-        """The segment the episode hands on (None: it made no call)."""
+        """The episode's last segment (None: it made no call)."""
         return self.last[0] if self.last else None
+
+    def samples(self, branches: str) -> list[Segment | None]:
+        """The segments the episode hands on, in order, the last one last (``[None]``: it made
+        no call): all of them (``branches = "train"``) or the last one."""
+        return [*(self.done if branches == "train" else []), self.sample()]

@@ -3,7 +3,7 @@ sandboxed child, its model calls served by this sampler's engine (``server.py``)
 into one sample token in and token out (``episodes.py``).
 
 Every episode has its own address, ``http://HOST:PORT/episodes/ID/v1``; ``n`` episodes of a
-prompt make its group. All calls of an episode go to this sampler's one engine (sticky: its
+prompt make its group (more samples when episodes branched: ``episodes.py``). All calls of an episode go to this sampler's one engine (sticky: its
 prefix cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
 calls that arrive while it is busy as one batch when it is free (one batch per sampling
 setting); a continuous engine (vllm) gets each call at once.
@@ -27,7 +27,7 @@ import anyio
 from actors.data.chat import ChatTokenizer, as_dicts
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
-from actors.sampler.endpoint.episodes import Episode
+from actors.sampler.endpoint.episodes import Episode, Segment
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sandbox.pool import ChildPool
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
@@ -42,6 +42,8 @@ class EndpointGeneration(AgentGeneration):
 
     own: ScoreResult | None = None
     prompt_ids: list[int] | None = None  # the group's prompt these tokens follow
+    reward_of: int | None = None  # a segment its episode left behind: the index in the group
+    # of the episode's last sample, whose reward (the scorer's on it) it shares
 
 
 class _Slot:
@@ -201,18 +203,25 @@ class EndpointRollout:
 
     def group(self, ids: list[int], episodes: list[tuple[Episode, Outcome]]
               ) -> list[EndpointGeneration]:
-        """The group's samples on the common prefix of their prompts (the dataset prompt's
-        tokens when no episode made a call)."""
-        prompts = [s.prompt for s in (ep.sample() for ep, _ in episodes) if s is not None] or [ids]
+        """The group's samples, episode by episode, on the common prefix of their prompts (the
+        dataset prompt's tokens when no episode made a call); every sample of an episode gets
+        the episode's reward."""
+        segs = [ep.samples(self.cfg.rollout.branches) for ep, _ in episodes]
+        prompts = [s.prompt for ss in segs for s in ss if s is not None] or [ids]
         k = len(prompts[0])
         for p in prompts[1:]:
             k = min(k, len(p))
             k = next((j for j in range(k) if p[j] != prompts[0][j]), k)
         prefix = prompts[0][:k]
-        return [self.sample(prefix, ep, o) for ep, o in episodes]
+        out: list[EndpointGeneration] = []
+        for (ep, o), ss in zip(episodes, segs, strict=True):
+            last = len(out) + len(ss) - 1
+            out += [self.sample(prefix, ep, seg, o, None if j == last else last)
+                    for j, seg in enumerate(ss, len(out))]
+        return out
 
-    def sample(self, prefix: list[int], ep: Episode, o: Outcome) -> EndpointGeneration:
-        seg = ep.sample()
+    def sample(self, prefix: list[int], ep: Episode, seg: Segment | None, o: Outcome,
+               reward_of: int | None) -> EndpointGeneration:
         t = Transcript()
         if seg is not None and len(seg.prompt) > len(prefix):  # its own prompt's remainder
             rest = seg.prompt[len(prefix):]
@@ -228,7 +237,7 @@ class EndpointRollout:
             t.turns += [Turn(x.role, x.start + offset, x.end + offset, content=x.content,
                              error=x.error, failure=x.failure, latency_s=x.latency_s)
                         for x in seg.t.turns]
-        if o.error:
+        if o.error and reward_of is None:
             t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
                                 error=o.error, failure=o.failure or "raised"))
         finish = "stop"
@@ -245,4 +254,4 @@ class EndpointRollout:
         g = t.generation(finish, self.engine.version, None)
         return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
                                   g.finish_reason, g.version, turns=g.turns, own=own,
-                                  prompt_ids=prefix)
+                                  prompt_ids=prefix, reward_of=reward_of)
