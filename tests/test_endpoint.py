@@ -5,6 +5,7 @@ rollout function in sandboxed children (rewards, None to the scorer, failures re
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import torch
 from anyio import wait_all_tasks_blocked
 
 from actors.data.chat import ChatTokenizer
+from actors.offline.inspection import transcript
 from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.agent.parsers import Hermes, Xml
-from actors.sampler.endpoint.api import assistant_message
+from actors.sampler.endpoint.api import assistant_message, call_prefix, forced_message
 from actors.sampler.endpoint.episodes import Episode
 from actors.sampler.endpoint.strategy import Batcher, EndpointRollout
 from actors.sampler.engines.base import GenerateRequest, full_generation
@@ -129,6 +131,14 @@ async def test_chat_logprobs_and_token_in_token_out(model):
         env = len(seg2.t.ids) - len(ids) - len(new)
         assert env > 0 and seg2.t.mask == [1] * len(ids) + [0] * env + [1] * len(new)
         assert second.prompt_token_ids == seg2.prompt + seg2.t.ids[:len(ids) + env]
+        # each call's request and response bodies, kept on the model turn it produced
+        calls = [t for t in seg2.t.turns if t.role == "assistant"]
+        assert [json.loads(t.request)["messages"] for t in calls] == [USER, messages]
+        assert [json.loads(t.response) for t in calls] == [first.model_dump(exclude_unset=True),
+                                                           second.model_dump(exclude_unset=True)]
+        lines = transcript(seg2.t.turns)
+        assert lines[1].startswith("  [call] 1 messages, last user: 'say abc' max_tokens=6 -> 1 choices")
+        assert "3 messages, last user: 'more' max_tokens=6 -> 1 choices" in lines[4]
         # an edited history does not extend: a new segment on its own prompt
         await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "other"}], max_tokens=4)
@@ -177,6 +187,58 @@ def test_tool_calls_read_back_with_the_configured_parser():
     assert called and message["content"] == "hm"
     assert message["tool_calls"][0]["function"] == {"name": "search",
                                                     "arguments": '{"query": "cats"}'}
+
+
+def test_a_forced_call_is_read_back_whatever_the_model_wrote():
+    prefix = call_prefix("hermes", "lookup")
+    assert prefix == '<tool_call>\n{"name": "lookup", "arguments": '
+    got = forced_message('{"q": "x"}}\n', Hermes(), "lookup", prefix)
+    assert got["content"] is None
+    assert got["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
+    # arguments that do not parse are the model's text as written (OpenAI: "may not be valid
+    # JSON"), the call object's closing brace left out
+    got = forced_message('{"q": x}}', Hermes(), "lookup", prefix)
+    assert got["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": x}'}
+    schema = {"type": "function", "function": {"name": "search", "description": "",
+              "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+    got = forced_message("cats</search>", Xml([schema]), "search", call_prefix("xml", "search"))
+    assert got["tool_calls"][0]["function"] == {"name": "search",
+                                                "arguments": '{"query": "cats"}'}
+
+
+@pytest.mark.anyio
+async def test_tool_choice_named_or_required_opens_the_call_in_the_prompt(model):
+    r = make(model)
+    other = {"type": "function", "function": {**TOOL["function"], "name": "other"}}
+
+    async def body():
+        ep = open_episode(r, "t")
+        client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/t/v1", api_key="x",
+                                    max_retries=0)
+        prefix = call_prefix("hermes", "lookup")
+        for choice, tools in (({"type": "function", "function": {"name": "lookup"}},
+                               [TOOL, other]), ("required", [TOOL])):
+            out = await client.chat.completions.create(
+                model="policy", messages=USER, tools=tools, tool_choice=choice, max_tokens=6)
+            c = out.choices[0]
+            assert c.message.content is None and c.finish_reason in ("stop", "length")
+            (call,) = c.message.tool_calls
+            assert call.function.name == "lookup" and isinstance(call.function.arguments, str)
+            # the call's opening is the prompt's (mask 0), the arguments the model's own
+            opening = r.tok.tokenizer.encode(prefix, add_special_tokens=False)
+            assert out.prompt_token_ids[-len(opening):] == opening
+            seg = ep.last[0]
+            assert seg.context == out.prompt_token_ids + c.token_ids
+            assert seg.t.mask == [1] * len(c.token_ids)
+        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+            await client.chat.completions.create(model="policy", messages=USER,
+                                                 tools=[TOOL, other], tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="names no tool"):
+            await client.chat.completions.create(
+                model="policy", messages=USER, tools=[TOOL],
+                tool_choice={"type": "function", "function": {"name": "nope"}})
+
+    await with_endpoint(r, body)
 
 
 @pytest.mark.anyio

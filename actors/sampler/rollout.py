@@ -49,6 +49,13 @@ def own_result(c: Generation) -> ScoreResult | None:
     return getattr(c, "own", None)
 
 
+def reward_of(c: Generation) -> int:
+    """The index in its group of the sample whose reward ``c`` shares (an endpoint episode's
+    earlier segment shares its last one's), or -1: its own."""
+    k = getattr(c, "reward_of", None)
+    return -1 if k is None else k
+
+
 @dataclass
 class Generated:
     """One prompt's completions, not scored yet."""
@@ -144,7 +151,7 @@ class Rollout:
             f"{self.scoring.timeout_s:g} s apart")
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
-        results = [results[k] if (k := getattr(c, "reward_of", None)) is not None else r
+        results = [results[k] if (k := reward_of(c)) >= 0 else r
                    for r, c in zip(results, [*g.completions, *([g.greedy] if g.greedy else [])],
                                    strict=True)]  # an endpoint episode's earlier segments
         rewards = [with_env_reward(r, c) for r, c in
@@ -154,7 +161,7 @@ class Rollout:
                           reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
-                          answer=r.answer)
+                          answer=r.answer, reward_of=reward_of(c))
                    for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
                                                  rewards, strict=True)]
         return ScoredGroup(

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from actors.sampler.agent.loop import Transcript
 from actors.sampler.engines.base import Generation
 from messages.rollout import SamplingParams, Turn
@@ -102,12 +104,16 @@ class Episode:
         """Tokens the segment's next model turn may have."""
         return 0 if seg.full else max(self.params.max_tokens - len(seg.t.ids), 0)
 
-    def answered(self, base: Segment, gens: list[Generation], texts: list[str]) -> None:
-        """The call's choices, each continuing its own copy of ``base``."""
+    def answered(self, base: Segment, gens: list[Generation], texts: list[str],
+                 request: str = "", response: str = "") -> None:
+        """The call's choices, each continuing its own copy of ``base``; each model turn keeps
+        the call's request and response bodies."""
         self.last = []
         for g, raw in zip(gens, texts, strict=True):
             seg = base.copy()
             seg.t.model_turn(g, raw)
+            seg.t.turns[-1] = msgspec.structs.replace(seg.t.turns[-1], request=request,
+                                                      response=response)
             seg.text = base.text + raw
             self.last.append(seg)
 

@@ -3,11 +3,14 @@ event loop (no thread, no bridge: a call awaits the engine like any rollout does
 
 Routes, under each episode's ``/episodes/ID/v1``: ``POST /chat/completions`` (tools through
 the chat template, hermes tool calls read back; ``n``, ``temperature``, ``top_p``,
-``max_tokens``, ``stop``, ``logprobs``, ``stream``), ``POST /completions`` (a text prompt, or
+``max_tokens``, ``stop``, ``logprobs``, ``stream``; ``tool_choice`` auto, none, a named
+function or required with one tool: the call is opened in the prompt, ``api.call_prefix``),
+``POST /completions`` (a text prompt, or
 token ids: token in, token out) and ``GET /models``. A streamed answer is sent as server-sent
 events once the engine has the whole completion (the engines here return whole completions).
 Every choice carries ``token_ids`` and every response ``prompt_token_ids`` and
-``policy_version``. A bad body, an unknown episode or a call past ``max_calls`` is a 4xx with
+``policy_version``. Each call's request and response bodies are kept on the model turn it
+produced (``Turn.request`` / ``response``: recorded, shown by ``inspect``). A bad body, an unknown episode or a call past ``max_calls`` is a 4xx with
 the reason; nothing a request holds can stop the sampler.
 """
 
@@ -33,7 +36,10 @@ from actors.sampler.endpoint.api import (
     ChatRequest,
     CompletionRequest,
     assistant_message,
+    call_prefix,
     decode_body,
+    forced_message,
+    forced_tool,
     logprobs_content,
     render,
     stops_of,
@@ -100,19 +106,25 @@ class Calls:
 
     async def chat(self, request: Request) -> Response:
         ep = self.episode(request)
-        req: ChatRequest = decode_body(await request.body(), ChatRequest)
+        raw_body = await request.body()
+        req: ChatRequest = decode_body(raw_body, ChatRequest)
         text = render(self.r.tok.tokenizer, req)
+        forced = forced_tool(req)
+        prefix = call_prefix(self.r.cfg.parser, forced) if forced else ""
+        text += prefix  # the forced call opened: its tokens are the prompt's, mask 0
         role = "tool" if req.messages[-1].get("role") == "tool" else "user"
         seg = ep.base(text, self.encode, role)
         params = self.params(ep, req, seg)
-        gens = await self.generate(seg.context, params, req.n)
-        raws, contents, finishes = self.texts(gens, params.stop)
-        ep.answered(seg, gens, raws)
         parser = make_parser(self.r.cfg.parser, req.tools) if req.tools and \
             req.tool_choice != "none" else None
+        gens = await self.generate(seg.context, params, req.n)
+        raws, contents, finishes = self.texts(gens, params.stop)
         choices = []
         for k, (g, content, finish) in enumerate(zip(gens, contents, finishes, strict=True)):
-            message, called = assistant_message(content, parser)
+            if forced and parser is not None:  # OpenAI: finish "stop" on a forced function
+                message, called = forced_message(content, parser, forced, prefix), False
+            else:
+                message, called = assistant_message(content, parser)
             choice: dict[str, Any] = {
                 "index": k, "message": message, "token_ids": g.token_ids.tolist(),
                 "finish_reason": "tool_calls" if called and finish == "stop" else finish,
@@ -120,6 +132,7 @@ class Calls:
                 if req.logprobs else None}
             choices.append(choice)
         body = self.envelope("chat.completion", seg.context, gens, choices)
+        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
         if req.stream:
             return StreamingResponse(self.chunks(body, bool(req.stream_options and req.stream_options.get("include_usage"))),
                                      media_type="text/event-stream")
@@ -127,7 +140,8 @@ class Calls:
 
     async def complete(self, request: Request) -> Response:
         ep = self.episode(request)
-        req: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        raw_body = await request.body()
+        req: CompletionRequest = decode_body(raw_body, CompletionRequest)
         if isinstance(req.prompt, str):
             seg = ep.base(req.prompt, self.encode, "user")
         else:
@@ -139,12 +153,12 @@ class Calls:
         params = self.params(ep, req, seg)
         gens = await self.generate(seg.context, params, req.n)
         raws, contents, finishes = self.texts(gens, params.stop)
-        ep.answered(seg, gens, raws)
         choices = [{"index": k, "text": c, "finish_reason": f, "token_ids": g.token_ids.tolist(),
                     "logprobs": {"tokens": self.pieces(g), "token_logprobs": g.logprobs.tolist()}
                     if req.logprobs is not None else None}
                    for k, (g, c, f) in enumerate(zip(gens, contents, finishes, strict=True))]
         body = self.envelope("text_completion", seg.context, gens, choices)
+        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
         if req.stream:
             return StreamingResponse(self.text_chunks(body), media_type="text/event-stream")
         return JSONResponse(body)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from actors.data.chat import ChatTokenizer, as_dicts
 from actors.runtime.config import AgentConfig
@@ -234,8 +235,7 @@ class EndpointRollout:
                              self.engine.version)
             t.versions = [first_own] * offset + seg.t.versions
             t.mask += seg.t.mask
-            t.turns += [Turn(x.role, x.start + offset, x.end + offset, content=x.content,
-                             error=x.error, failure=x.failure, latency_s=x.latency_s)
+            t.turns += [msgspec.structs.replace(x, start=x.start + offset, end=x.end + offset)
                         for x in seg.t.turns]
         if o.error and reward_of is None:
             t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
