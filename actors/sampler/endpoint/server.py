@@ -6,8 +6,10 @@ the chat template, hermes tool calls read back; ``n``, ``temperature``, ``top_p`
 ``max_tokens``, ``stop``, ``logprobs``, ``stream``; ``tool_choice`` auto, none, a named
 function or required with one tool: the call is opened in the prompt, ``api.call_prefix``),
 ``POST /completions`` (a text prompt, or
-token ids: token in, token out) and ``GET /models``. A streamed answer is sent as server-sent
-events once the engine has the whole completion (the engines here return whole completions).
+token ids: token in, token out) and ``GET /models``. A streamed chat answer on a continuous
+engine (vllm) is sent token by token as the engine samples them (``streaming.py``; with tools
+or stop strings, and on the batch engine (hf), whose completions arrive whole, it is sent once
+complete).
 Every choice carries ``token_ids`` and every response ``prompt_token_ids`` and
 ``policy_version``. Each call's request and response bodies are kept on the model turn it
 produced (``Turn.request`` / ``response``: recorded, shown by ``inspect``). A bad body, an unknown episode or a call past ``max_calls`` is a 4xx with
@@ -45,6 +47,7 @@ from actors.sampler.endpoint.api import (
     stops_of,
 )
 from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.endpoint.streaming import live_streaming, stream_tokens
 from actors.sampler.engines.base import Rejected, full_generation
 from messages.rollout import SamplingParams
 
@@ -62,8 +65,9 @@ def error(status: int, reason: str) -> JSONResponse:
 class Calls:
     """Serves one episode's calls on the strategy's engine."""
 
-    def __init__(self, rollout: EndpointRollout) -> None:
+    def __init__(self, rollout: EndpointRollout, nursery: Any = None) -> None:
         self.r = rollout
+        self.nursery = nursery  # where a streamed call's generation runs beside its events
 
     def episode(self, request: Request) -> Episode:
         ep = self.r.episodes.get(request.path_params["eid"])
@@ -117,7 +121,22 @@ class Calls:
         params = self.params(ep, req, seg)
         parser = make_parser(self.r.cfg.parser, req.tools) if req.tools and \
             req.tool_choice != "none" else None
+        usage = bool(req.stream_options and req.stream_options.get("include_usage"))
+        if req.stream and self.nursery is not None and live_streaming(self.r.engine, params,
+                                                                        parser):
+            return StreamingResponse(stream_tokens(self, ep, seg, req, params, raw_body, usage),
+                                     media_type="text/event-stream")
         gens = await self.generate(seg.context, params, req.n)
+        body, raws = self.chat_body(req, seg, gens, params, parser, forced, prefix)
+        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
+        if req.stream:  # a batch engine's (hf) completions arrive whole: sent whole
+            return StreamingResponse(self.chunks(body, usage), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    def chat_body(self, req: ChatRequest, seg: Segment, gens, params: SamplingParams,
+                  parser, forced: str | None = None, prefix: str = ""
+                  ) -> tuple[dict[str, Any], list[str]]:
+        """The chat completion of ``gens``, and each choice's text with special tokens."""
         raws, contents, finishes = self.texts(gens, params.stop)
         choices = []
         for k, (g, content, finish) in enumerate(zip(gens, contents, finishes, strict=True)):
@@ -131,12 +150,7 @@ class Calls:
                 "logprobs": {"content": logprobs_content(self.pieces(g), g.logprobs.tolist())}
                 if req.logprobs else None}
             choices.append(choice)
-        body = self.envelope("chat.completion", seg.context, gens, choices)
-        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
-        if req.stream:
-            return StreamingResponse(self.chunks(body, bool(req.stream_options and req.stream_options.get("include_usage"))),
-                                     media_type="text/event-stream")
-        return JSONResponse(body)
+        return self.envelope("chat.completion", seg.context, gens, choices), raws
 
     async def complete(self, request: Request) -> Response:
         ep = self.episode(request)
@@ -167,14 +181,17 @@ class Calls:
         return list(self.r.tok.tokenizer.encode(text, add_special_tokens=False))
 
     def pieces(self, g) -> list[str]:
-        hf = self.r.tok.tokenizer
-        return [str(hf.decode([t], skip_special_tokens=False)) for t in g.token_ids.tolist()]
+        return self.token_pieces(g.token_ids.tolist())
 
-    async def generate(self, context: list[int], params: SamplingParams, n: int):
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        hf = self.r.tok.tokenizer
+        return [str(hf.decode([t], skip_special_tokens=False)) for t in ids]
+
+    async def generate(self, context: list[int], params: SamplingParams, n: int, stream=None):
         if params.max_tokens <= 0:  # the sample's budget is spent: an empty, cut answer
             return [full_generation(torch.zeros(0, dtype=torch.int32), torch.zeros(0),
                                     self.r.engine.version, "length") for _ in range(n)]
-        return await self.r.call_engine(context, params, n)
+        return await self.r.call_engine(context, params, n, stream)
 
     def envelope(self, obj: str, context: list[int], gens, choices) -> dict[str, Any]:
         completion = sum(len(g.token_ids) for g in gens)
@@ -213,8 +230,9 @@ class Calls:
         return f"data: {json.dumps(value)}\n\n"
 
 
-def app(rollout: EndpointRollout) -> Starlette:
-    calls = Calls(rollout)
+def app(rollout: EndpointRollout, nursery: Any = None) -> Starlette:
+    """The routes; ``nursery`` (trio's, the server's) runs streamed calls' generation."""
+    calls = Calls(rollout, nursery)
 
     def guarded(handler):
         async def route(request: Request) -> Response:
@@ -255,7 +273,7 @@ async def serve(rollout: EndpointRollout, *, task_status=anyio.TASK_STATUS_IGNOR
 
     async with trio.open_nursery() as nursery:
         try:
-            urls = await nursery.start(hypercorn_serve, app(rollout), config)
+            urls = await nursery.start(hypercorn_serve, app(rollout, nursery), config)
         except BaseException as exc:  # hypercorn's bind error arrives in an exception group
             bind = _leaf_oserror(exc)
             if bind is None:

@@ -154,9 +154,12 @@ class EndpointRollout:
                and c.prompt_ids is not None]
         return own[0] if own else ids
 
-    async def call_engine(self, ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+    async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
+                          stream=None) -> list[Generation]:
+        """``n`` completions of ``ids``; ``stream`` (``GenerateRequest.stream``) hears a
+        continuous engine's tokens as they come."""
         started = time.monotonic()
-        request = GenerateRequest(ids, params, n)
+        request = GenerateRequest(ids, params, n, stream=stream)
         if self.engine.continuous:
             (gens,) = await self.engine.generate([request])
         else:
