@@ -7,7 +7,9 @@ endpoint against the engine alone, on the same prompts, interleaved.
 
 - ``engine alone``: ``engine.generate`` of each prompt's ``n`` completions, one call after the
   other (a chat-templated prompt, as a rollout hands it). On vLLM the ``n`` completions of a
-  call run as ``n`` concurrent engine requests, through the endpoint as alone.
+  call run as ``n`` concurrent engine requests, through the endpoint as alone, and both paths
+  pass the same seeds (the request's ``seed``), so they sample the same tokens and the ratio
+  compares equal work (hf has no per-sample seeds: its completions differ between paths).
 - ``endpoint``: the same prompts as ``chat.completions.create(n=...)`` calls of the real
   ``openai`` client against the endpoint, inside an open episode: the request decoded, the
   template rendered, the episode's segment extended, the engine called, the answer decoded,
@@ -94,20 +96,22 @@ async def run(args, engine, r, rows, ids, params, alone, through, added) -> None
 
         async def engine_alone() -> float:
             tokens, started = 0, time.perf_counter()
-            for p in ids:
-                (gens,) = await engine.generate([GenerateRequest(p, params, args.n)])
+            for k, p in enumerate(ids):
+                seed = k * 1000 if args.engine == "vllm" else None  # the same completions
+                (gens,) = await engine.generate([GenerateRequest(p, params, args.n, seed=seed)])
                 tokens += sum(len(g.token_ids) for g in gens)
             return tokens / (time.perf_counter() - started)
 
         async def endpoint() -> float:
             tokens, started = 0, time.perf_counter()
-            for row in rows:
+            for k, row in enumerate(rows):
                 r.episodes["bench"] = Episode(params, max_calls=1)
                 engine_before = r.call_seconds
                 t0 = time.perf_counter()
                 out = await client.chat.completions.create(
                     model="policy", messages=as_dicts(row.messages), n=args.n,
-                    max_tokens=args.max_tokens, temperature=1.0)
+                    max_tokens=args.max_tokens, temperature=1.0,
+                    seed=k * 1000 if args.engine == "vllm" else None)
                 added.append(time.perf_counter() - t0 - (r.call_seconds - engine_before))
                 tokens += out.usage.completion_tokens
             return tokens / (time.perf_counter() - started)

@@ -37,6 +37,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    seed: int | None = None  # the engine's sampling seed of the first choice (vllm; hf has none)
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
@@ -49,6 +50,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     logprobs: int | None = None
     stream: bool | None = None
+    seed: int | None = None
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:

@@ -126,7 +126,7 @@ class Calls:
                                                                         parser):
             return StreamingResponse(stream_tokens(self, ep, seg, req, params, raw_body, usage),
                                      media_type="text/event-stream")
-        gens = await self.generate(seg.context, params, req.n)
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
         body, raws = self.chat_body(req, seg, gens, params, parser, forced, prefix)
         ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
         if req.stream:  # a batch engine's (hf) completions arrive whole: sent whole
@@ -165,7 +165,7 @@ class Calls:
             seg = ep.base_ids(req.prompt, self.r.tok.tokenizer.decode(
                 req.prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         params = self.params(ep, req, seg)
-        gens = await self.generate(seg.context, params, req.n)
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
         raws, contents, finishes = self.texts(gens, params.stop)
         choices = [{"index": k, "text": c, "finish_reason": f, "token_ids": g.token_ids.tolist(),
                     "logprobs": {"tokens": self.pieces(g), "token_logprobs": g.logprobs.tolist()}
@@ -187,11 +187,12 @@ class Calls:
         hf = self.r.tok.tokenizer
         return [str(hf.decode([t], skip_special_tokens=False)) for t in ids]
 
-    async def generate(self, context: list[int], params: SamplingParams, n: int, stream=None):
+    async def generate(self, context: list[int], params: SamplingParams, n: int, stream=None,
+                       seed: int | None = None):
         if params.max_tokens <= 0:  # the sample's budget is spent: an empty, cut answer
             return [full_generation(torch.zeros(0, dtype=torch.int32), torch.zeros(0),
                                     self.r.engine.version, "length") for _ in range(n)]
-        return await self.r.call_engine(context, params, n, stream)
+        return await self.r.call_engine(context, params, n, stream, seed)
 
     def envelope(self, obj: str, context: list[int], gens, choices) -> dict[str, Any]:
         completion = sum(len(g.token_ids) for g in gens)

@@ -155,11 +155,12 @@ class EndpointRollout:
         return own[0] if own else ids
 
     async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
-                          stream=None) -> list[Generation]:
+                          stream=None, seed: int | None = None) -> list[Generation]:
         """``n`` completions of ``ids``; ``stream`` (``GenerateRequest.stream``) hears a
-        continuous engine's tokens as they come."""
+        continuous engine's tokens as they come; ``seed`` (the request's) seeds an engine
+        with per-sample seeds (vllm), ``GenerateRequest.seed``."""
         started = time.monotonic()
-        request = GenerateRequest(ids, params, n, stream=stream)
+        request = GenerateRequest(ids, params, n, seed=seed, stream=stream)
         if self.engine.continuous:
             (gens,) = await self.engine.generate([request])
         else:

@@ -63,7 +63,8 @@ async def stream_tokens(calls: Calls, ep: Episode, seg: Segment, req: ChatReques
     async def run() -> None:
         with scope:
             try:
-                done["gens"] = await calls.generate(seg.context, params, req.n, on_tokens)
+                done["gens"] = await calls.generate(seg.context, params, req.n, on_tokens,
+                                                    req.seed)
             except Exception as exc:  # answered as an error event
                 done["error"] = exc
         put(None)  # after every token: the engine's callbacks were queued before its result
