@@ -94,6 +94,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # (the user code's frames), which the message that stops a job whose scoring fails shows
     reward_of: int = -1  # an endpoint episode's earlier segment (it branched): the index in the
     # group of the episode's last sample, whose reward it shares (-1: its own reward)
+    prompt_ids: Tensor | None = None  # (P',) int32, the sample's own prompt when it is not the
+    # group's (an endpoint call that rendered another conversation); None: the group's
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

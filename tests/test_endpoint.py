@@ -326,14 +326,14 @@ async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on
             assert [g.turns[-1].failure for g in by[k]] == ([""] * 3 + [failure]) * 2 \
                 if k == "many" else [failure] * 2
         for k in ("branch", "branch_none"):
-            # each sample on its own prompt: the group's is the common prefix (the chat
-            # template's start), the rest of a sample's own prompt leads its response, mask 0
+            # each sample on its own prompt: the first call's (the dataset prompt's tokens),
+            # then the summary's conversation; each response is its segment's model turn
             first, second = by[k][0], by[k][1]
-            assert first.prompt_ids == second.prompt_ids == by[k][2].prompt_ids
-            assert len(first.prompt_ids) < len(ids[0])
-            head = [x.role for x in second.turns]
-            assert head[0] == "user" and head[1:] == ["assistant"]
-            assert second.loss_mask[:second.turns[0].end].sum() == 0
+            assert first.prompt_ids == ids[0] and second.prompt_ids != ids[0]
+            assert "summary" in r.tok.tokenizer.decode(second.prompt_ids)  # ":" is no token here
+            for g in (first, second):
+                assert [x.role for x in g.turns] == ["assistant"]
+                assert g.loss_mask.tolist() == [1] * len(g.token_ids)
             # the earlier segment shares its episode's reward: its own, or the scorer's on
             # the episode's last sample (reward_of: that sample's index in the group)
             assert first.reward_of == 1 and second.reward_of is None

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from actors.data.chat import ChatTokenizer
 from actors.offline.inspection import inspect_run
 from actors.offline.recorded import open_run
 from actors.offline.replay import replay
@@ -47,7 +48,7 @@ def run_dir(tmp_path_factory) -> Path:
             first = await client.chat.completions.create(model="policy", messages=messages,
                                                          max_tokens=6)
             answer = first.choices[0].message.content
-            if len(first.choices[0].token_ids) % 2:  # summarised: a new conversation
+            if sum(map(ord, answer)) % 2:  # summarised (about half the episodes): a new conversation
                 messages = [{"role": "user", "content": "summary: " + answer[:4]}]
             else:  # the answer sent back: the same sample goes on
                 messages += [{"role": "assistant", "content": answer},
@@ -76,7 +77,9 @@ def test_branched_episodes_train_in_groups_of_unequal_size(run_dir):
     sampler = status["sampler-0"]
     assert sampler["endpoint_branches"] > 0 and sampler["endpoint_episode_errors"] == 0
     groups = [decode_group(r["message"]) for r in read_table(run_dir, "groups").to_pylist()]
+    tok = ChatTokenizer(run_dir.parent / "model").tokenizer
     sizes = [len(g.samples) for g in groups]
+    summaries = 0
     assert min(sizes) >= N and len(set(sizes)) > 1, sizes  # unequal groups, none short
     for g in groups:
         for s in g.samples:
@@ -86,15 +89,22 @@ def test_branched_episodes_train_in_groups_of_unequal_size(run_dir):
             for t in s.turns:  # the model's own tokens only are trained on
                 assert bool((mask[t.start:t.end] == int(t.role == "assistant")).all())
             assert 0.0 <= s.reward <= 1.0 and not s.reward_error
-        # each sample on its own prompt: the group's prompt is the common prefix of its samples'
-        # prompts, the rest of a sample's own prompt leads its response (a user span, mask 0);
-        # a branched episode's two samples: the first call's answer alone, then the summary's
-        # conversation and its answer; both carry the episode's reward
+        # each sample on its own prompt: the group's (the dataset prompt's tokens) or, for a
+        # call that rendered another conversation, its own (Sample.prompt_ids); a branched
+        # episode's two samples: the first call's answer, then the summary's answer; both carry
+        # the episode's reward; every response keeps to the budget (sampler.max_tokens = 16)
         roles = [[t.role for t in s.turns] for s in g.samples]
-        rest = [r[1:] if r[0] == "user" else r for r in roles]
+        rest = roles
         assert all(r in (["assistant"], ["assistant", "user", "assistant"]) for r in rest), roles
+        group_prompt = torch.frombuffer(bytearray(g.prompt_ids.data), dtype=torch.int32)
         for j, s in enumerate(g.samples):
-            if s.turns[0].role == "user" and "summary: " in s.turns[0].content:
+            assert s.response_ids.shape[0] <= 16
+            if s.prompt_ids is None:
+                continue
+            own = torch.frombuffer(bytearray(s.prompt_ids.data), dtype=torch.int32)
+            assert not torch.equal(own, group_prompt)
+            if "summary" in tok.decode(own.tolist()):  # the tiny vocabulary has no ":"
+                summaries += 1
                 assert rest[j] == rest[j - 1] == ["assistant"]
                 assert g.samples[j - 1].reward == s.reward and g.samples[j - 1].reward_of == j
             if s.reward_of >= 0:  # two calls an episode: its last sample comes next (a call
@@ -102,7 +112,8 @@ def test_branched_episodes_train_in_groups_of_unequal_size(run_dir):
                 # episode's second sample then holds the conversation in its own prompt)
                 assert s.reward_of == j + 1 and g.samples[j + 1].reward_of == -1
                 assert s.reward == g.samples[j + 1].reward and rest[j] == ["assistant"]
-    print(f"group sizes (n = {N}): {sorted(sizes)}")
+    assert summaries > 0
+    print(f"group sizes (n = {N}): {sorted(sizes)}; summarised episodes: {summaries}")
 
 
 def test_replay_and_inspect_of_a_step_with_unequal_groups(run_dir):

@@ -85,8 +85,9 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         raise ValueError("every group of a batch must have a sample")
     rows = []
     for g in groups:
-        prompt = from_wire(g.prompt_ids).long()
-        for s in g.samples:
+        group_prompt = from_wire(g.prompt_ids).long()
+        for s in g.samples:  # a sample may follow a prompt of its own (endpoint branches)
+            prompt = group_prompt if s.prompt_ids is None else from_wire(s.prompt_ids).long()
             rows.append((prompt, from_wire(s.response_ids).long(),
                          from_wire(s.behaviour_logprobs).float(), s, g.baseline_reward))
     width = max(len(p) + len(r) for p, r, *_ in rows)

@@ -24,6 +24,7 @@ from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sampler.scoring_client import ScoringClient
 from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
 from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
+from messages.tensor import Tensor
 
 if TYPE_CHECKING:
     from actors.sampler.agent.loop import AgentLoop
@@ -54,6 +55,13 @@ def reward_of(c: Generation) -> int:
     earlier segment shares its last one's), or -1: its own."""
     k = getattr(c, "reward_of", None)
     return -1 if k is None else k
+
+
+def own_prompt(c: Generation, group: list[int]) -> Tensor | None:
+    """A sample's own prompt when it differs from its group's (an endpoint call that rendered
+    another conversation), else None."""
+    ids = getattr(c, "prompt_ids", None)
+    return None if ids is None or ids == group else to_wire(torch.tensor(ids, dtype=torch.int32))
 
 
 @dataclass
@@ -161,7 +169,8 @@ class Rollout:
                           reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
-                          answer=r.answer, reward_of=reward_of(c))
+                          answer=r.answer, reward_of=reward_of(c),
+                          prompt_ids=own_prompt(c, g.prompt_ids))
                    for c, text, r, reward in zip(g.completions, texts, results[:len(texts)],
                                                  rewards, strict=True)]
         return ScoredGroup(

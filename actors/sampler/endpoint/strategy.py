@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 
 import anyio
-import msgspec
 
 from actors.data.chat import ChatTokenizer, as_dicts
 from actors.runtime.config import AgentConfig
@@ -42,7 +41,8 @@ class EndpointGeneration(AgentGeneration):
     reward its function returned (None: the scorer's)."""
 
     own: ScoreResult | None = None
-    prompt_ids: list[int] | None = None  # the group's prompt these tokens follow
+    prompt_ids: list[int] | None = None  # its own prompt: its segment's first call's tokens
+    # (None: the episode made no call; the group's prompt)
     reward_of: int | None = None  # a segment its episode left behind: the index in the group
     # of the episode's last sample, whose reward (the scorer's on it) it shares
 
@@ -149,10 +149,9 @@ class EndpointRollout:
         return self.tok.prompt_ids(prompt.messages)
 
     def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
-        """The prompt the group's samples follow: the common prefix of their own prompts."""
-        own = [c.prompt_ids for c in completions if isinstance(c, EndpointGeneration)
-               and c.prompt_ids is not None]
-        return own[0] if own else ids
+        """The group's prompt: the dataset prompt's tokens (a sample whose calls rendered
+        another conversation carries its own, ``EndpointGeneration.prompt_ids``)."""
+        return ids
 
     async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
                           stream=None, seed: int | None = None) -> list[Generation]:
@@ -208,39 +207,22 @@ class EndpointRollout:
 
     def group(self, ids: list[int], episodes: list[tuple[Episode, Outcome]]
               ) -> list[EndpointGeneration]:
-        """The group's samples, episode by episode, on the common prefix of their prompts (the
-        dataset prompt's tokens when no episode made a call); every sample of an episode gets
-        the episode's reward."""
+        """The group's samples, episode by episode, each on its own prompt (its segment's
+        first call's tokens); every sample of an episode gets the episode's reward."""
         segs = [ep.samples(self.cfg.rollout.branches) for ep, _ in episodes]
-        prompts = [s.prompt for ss in segs for s in ss if s is not None] or [ids]
-        k = len(prompts[0])
-        for p in prompts[1:]:
-            k = min(k, len(p))
-            k = next((j for j in range(k) if p[j] != prompts[0][j]), k)
-        prefix = prompts[0][:k]
         out: list[EndpointGeneration] = []
         for (ep, o), ss in zip(episodes, segs, strict=True):
             last = len(out) + len(ss) - 1
-            out += [self.sample(prefix, ep, seg, o, None if j == last else last)
+            out += [self.sample(ep, seg, o, None if j == last else last)
                     for j, seg in enumerate(ss, len(out))]
         return out
 
-    def sample(self, prefix: list[int], ep: Episode, seg: Segment | None, o: Outcome,
+    def sample(self, ep: Episode, seg: Segment | None, o: Outcome,
                reward_of: int | None) -> EndpointGeneration:
         t = Transcript()
-        if seg is not None and len(seg.prompt) > len(prefix):  # its own prompt's remainder
-            rest = seg.prompt[len(prefix):]
-            t.observation(rest, Turn("user", 0, 0, content=self.tok.decode(rest)))
         if seg is not None:
-            offset = len(t.ids)
-            t.ids += seg.t.ids
-            t.logprobs += seg.t.logprobs
-            first_own = next((v for v, m in zip(seg.t.versions, seg.t.mask, strict=True) if m),
-                             self.engine.version)
-            t.versions = [first_own] * offset + seg.t.versions
-            t.mask += seg.t.mask
-            t.turns += [msgspec.structs.replace(x, start=x.start + offset, end=x.end + offset)
-                        for x in seg.t.turns]
+            t.ids, t.logprobs = list(seg.t.ids), list(seg.t.logprobs)
+            t.versions, t.mask, t.turns = list(seg.t.versions), list(seg.t.mask), list(seg.t.turns)
         if o.error and reward_of is None:
             t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
                                 error=o.error, failure=o.failure or "raised"))
@@ -258,4 +240,5 @@ class EndpointRollout:
         g = t.generation(finish, self.engine.version, None)
         return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
                                   g.finish_reason, g.version, turns=g.turns, own=own,
-                                  prompt_ids=prefix, reward_of=reward_of)
+                                  prompt_ids=seg.prompt if seg is not None else None,
+                                  reward_of=reward_of)
