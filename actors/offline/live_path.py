@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import torch
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import Topology
@@ -94,12 +95,18 @@ async def scoring_rollout(topo: Topology, tokenizer: Path, max_tokens: int
 
 
 def recorded(group: ScoredGroup) -> Generated:
-    """A recorded group's completions as the sampler held them before scoring."""
-    gens = [EndpointGeneration(
-        from_wire(s.response_ids), from_wire(s.behaviour_logprobs),
-        from_wire(s.token_versions) if s.token_versions is not None else None,  # type: ignore[arg-type]
-        from_wire(s.loss_mask) if s.loss_mask is not None else None,  # type: ignore[arg-type]
-        s.finish_reason, s.policy_version, s.seed, turns=list(s.turns),
-        reward_of=None if s.reward_of < 0 else s.reward_of) for s in group.samples]
-    return Generated(group.prompt, from_wire(group.prompt_ids).tolist(), gens, None,  # type: ignore[arg-type]
-                     group.generate_seconds)
+    """A recorded group's completions as the sampler held them before scoring (recordings made
+    before tokens carried versions or a loss mask: the sample's version, all 1)."""
+    gens = []
+    for s in group.samples:
+        ids = from_wire(s.response_ids)
+        versions = from_wire(s.token_versions) if s.token_versions is not None else \
+            torch.full_like(ids, s.policy_version)
+        mask = from_wire(s.loss_mask) if s.loss_mask is not None else \
+            torch.ones_like(ids, dtype=torch.int8)
+        gens.append(EndpointGeneration(
+            ids, from_wire(s.behaviour_logprobs), versions, mask, s.finish_reason,
+            s.policy_version, s.seed, turns=list(s.turns),
+            reward_of=None if s.reward_of < 0 else s.reward_of))
+    prompt = from_wire(group.prompt_ids).tolist()
+    return Generated(group.prompt, prompt, list(gens), None, group.generate_seconds)

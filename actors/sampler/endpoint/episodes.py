@@ -6,9 +6,10 @@ exactly (the agent appended tool results or a user turn and sent the model's ans
 unchanged) continues that segment: the engine gets the segment's own tokens (the model's
 exactly, never re-tokenized) plus the new text's tokens, which are the environment's (loss
 mask 0). A call that does not extend (the agent edited its history, summarised, or branched)
-starts a new segment on its own prompt, and the segment it left behind is done. A segment's response keeps to the budget
-(``max_tokens``, the environment's tokens included): environment tokens past it are cut, the
-call gets no tokens (``length``), and no later call extends that segment.
+starts a new segment on its own prompt, and the segment it left behind is done. A segment's
+response keeps to the budget (``max_tokens``, the environment's tokens included): environment
+tokens past it are cut, the call gets no tokens (``length``), and no later call extends that
+segment.
 
 An episode hands on its segments as samples of its group, as verl and prime-rl do: those
 left behind (the first choice of the call before each branch) and its last one (the last

@@ -12,8 +12,9 @@ or stop strings, and on the batch engine (hf), whose completions arrive whole, i
 complete).
 Every choice carries ``token_ids`` and every response ``prompt_token_ids`` and
 ``policy_version``. Each call's request and response bodies are kept on the model turn it
-produced (``Turn.request`` / ``response``: recorded, shown by ``inspect``). A bad body, an unknown episode or a call past ``max_calls`` is a 4xx with
-the reason; nothing a request holds can stop the sampler.
+produced (``Turn.request`` / ``response``: recorded, shown by ``inspect``). A bad body, an
+unknown episode or a call past ``max_calls`` is a 4xx with the reason; nothing a request holds
+can stop the sampler.
 """
 
 from __future__ import annotations

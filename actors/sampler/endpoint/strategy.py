@@ -3,16 +3,18 @@ sandboxed child, its model calls served by this sampler's engine (``server.py``)
 into one sample token in and token out (``episodes.py``).
 
 Every episode has its own address, ``http://HOST:PORT/episodes/ID/v1``; ``n`` episodes of a
-prompt make its group (more samples when episodes branched: ``episodes.py``). All calls of an episode go to this sampler's one engine (sticky: its
-prefix cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
+prompt make its group (more samples when episodes branched, each on its own prompt:
+``episodes.py``). All calls of an episode go to this sampler's one engine (sticky: its prefix
+cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
 calls that arrive while it is busy as one batch when it is free (one batch per sampling
 setting); a continuous engine (vllm) gets each call at once.
 
 The reward is the function's return value, or, when it returns None, the configured scorer's
 on the transcript (``Rollout.score_group``). An episode that raises, times out
 (``agent.rollout.episode_timeout_s``: its child is killed) or makes more than
-``agent.rollout.max_calls`` calls is a failure, recorded in its sample's turns and counted;
-``on_failure`` says whether its sample trains with reward 0 or is dropped with its group.
+``agent.rollout.max_calls`` calls is a failure, recorded in its last sample's turns and
+counted; ``on_failure`` says whether its samples train with reward 0 or are dropped with
+their group. Every sample of an episode has the episode's reward.
 """
 
 from __future__ import annotations
