@@ -270,7 +270,7 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
     r = make(model)
 
     async def body():
-        open_episode(r, "d", max_calls=3)
+        open_episode(r, "d", max_calls=4)
         client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/d/v1", api_key="x",
                                     max_retries=0)
         with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -280,11 +280,16 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
             assert bad.status_code == 400 and "bad request body" in bad.json()["error"]["message"]
             gone = await raw.post(f"{r.base_url}/episodes/zz/v1/chat/completions", json={})
             assert gone.status_code == 404
+        # a stop string the tiny tokenizer cannot spell ("<" and "_" are no tokens): transformers
+        # refuses it, the caller hears a 400, not a 500
+        with pytest.raises(openai.BadRequestError, match="engine refuses these settings"):
+            await client.chat.completions.create(model="policy", messages=USER, max_tokens=2,
+                                                 stop=["</tool_call>"])
         ok = await client.chat.completions.create(model="policy", messages=USER, max_tokens=2)
         assert ok.choices[0].token_ids
-        with pytest.raises(openai.BadRequestError, match="max_calls = 3"):
+        with pytest.raises(openai.BadRequestError, match="max_calls = 4"):
             await client.chat.completions.create(model="policy", messages=USER, max_tokens=2)
-        assert r.stats["bad_calls"] == 3  # the 404 is no call of an episode
+        assert r.stats["bad_calls"] == 4  # the 404 is no call of an episode
 
     await with_endpoint(r, body)
 

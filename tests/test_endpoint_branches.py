@@ -122,11 +122,11 @@ def test_replay_and_inspect_of_a_step_with_unequal_groups(run_dir):
                 if len({len(g.samples) for g in run.batch_groups(s)}) > 1)
     out = io.StringIO()
     assert replay(run_dir, step, out=out) == 0, out.getvalue()
-    assert "result: match — all" in out.getvalue()
+    assert "result: match — all" in out.getvalue(), out.getvalue()
     text = io.StringIO()
     assert inspect_run(run_dir, step=step, plots=str(run_dir / "plots2"), out=text) == 0
     total = sum(len(g.samples) for g in run.batch_groups(step))
-    assert f"samples of step {step} (of {total})" in text.getvalue()
+    assert f"samples of step {step} (of {total})" in text.getvalue(), text.getvalue()
 
 
 def test_rescore_scores_a_branched_episode_as_the_live_job_does(run_dir, tmp_path):

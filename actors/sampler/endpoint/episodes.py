@@ -37,6 +37,8 @@ class Segment:
     t: Transcript = field(default_factory=Transcript)
     full: bool = False  # its budget is spent (the environment's tokens were cut): no call
     # extends it any more
+    fresh: bool = False  # a call's new segment (it extends none): once answered, the previous
+    # call's segment is left behind
 
     def extend(self, ids: list[int], turn: Turn, text: str, budget: int) -> None:
         """The environment's tokens between two calls, cut to what is left of ``budget``."""
@@ -74,8 +76,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and text.startswith(s.text)),
                     key=lambda s: len(s.text), default=None)
         if match is None:
-            self._branch()
-            return Segment(encode(text), text)
+            return Segment(encode(text), text, fresh=True)
         seg = match.copy()
         new = text[len(seg.text):]
         if new:
@@ -87,8 +88,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and ids[:len(s.context)] == s.context),
                     key=lambda s: len(s.context), default=None)
         if match is None:
-            self._branch()
-            return Segment(list(ids), text)
+            return Segment(list(ids), text, fresh=True)
         seg = match.copy()
         new = ids[len(seg.context):]
         if new:
@@ -97,6 +97,8 @@ class Episode:
         return seg
 
     def _branch(self) -> None:
+        """The previous call's segment is left behind (done only for an answered call: a call
+        refused mid-way leaves the episode as it was)."""
         if self.last:
             self.branches += 1
             self.done.append(self.last[0])
@@ -109,6 +111,8 @@ class Episode:
                  request: str = "", response: str = "") -> None:
         """The call's choices, each continuing its own copy of ``base``; each model turn keeps
         the call's request and response bodies."""
+        if base.fresh:
+            self._branch()
         self.last = []
         for g, raw in zip(gens, texts, strict=True):
             seg = base.copy()

@@ -193,7 +193,15 @@ class Calls:
         if params.max_tokens <= 0:  # the sample's budget is spent: an empty, cut answer
             return [full_generation(torch.zeros(0, dtype=torch.int32), torch.zeros(0),
                                     self.r.engine.version, "length") for _ in range(n)]
-        return await self.r.call_engine(context, params, n, stream, seed)
+        try:
+            return await self.r.call_engine(context, params, n, stream, seed)
+        except (ValueError, ExceptionGroup) as exc:  # a setting the engine cannot take (hf: a
+            # stop string its tokenizer cannot spell: transformers' StopStringCriteria, raised
+            # in the compute thread's task group)
+            leaf = _only(exc, ValueError)
+            if leaf is None:
+                raise
+            raise BadRequest(f"the engine refuses these settings: {leaf}") from None
 
     def envelope(self, obj: str, context: list[int], gens, choices) -> dict[str, Any]:
         completion = sum(len(g.token_ids) for g in gens)
@@ -286,6 +294,15 @@ async def serve(rollout: EndpointRollout, *, task_status=anyio.TASK_STATUS_IGNOR
         rollout.serving.set()
         task_status.started(rollout.base_url)
 
+
+
+def _only(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """``exc`` when it is a ``kind``, or the one ``kind`` a group holds and nothing else."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _only(exc.exceptions[0], kind)
+    return None
 
 
 def _leaf_oserror(exc: BaseException) -> OSError | None:
