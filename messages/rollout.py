@@ -60,6 +60,10 @@ class Turn(msgspec.Struct, array_like=True, gc=False, frozen=True, omit_defaults
     # crash (empty when it succeeded)
     latency_s: float = 0.0  # tool / user: seconds the call or step took
     reward: float | None = None  # assistant: the environment's reward for this turn's action
+    request: str = ""  # assistant, endpoint rollouts: the body of the call that produced this
+    # turn, as the agent sent it (JSON)
+    response: str = ""  # assistant, endpoint rollouts: the answer's body the agent read (JSON;
+    # streamed answers: the body their events were cut from)
 
 
 class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -91,10 +95,15 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     teacher_logprobs: Tensor | None = None  # (R,) float32, log π_teacher(token) of each response
     # token at temperature 1, when the job has a ``[teacher]`` (on-policy distillation); None
     # otherwise
+    reward_of: int = -1  # an endpoint episode's earlier segment (it branched): the index in the
+    # group of the episode's last sample, whose reward it shares (-1: its own reward)
+    prompt_ids: Tensor | None = None  # (P',) int32, the sample's own prompt when it is not the
+    # group's (an endpoint call that rendered another conversation); None: the group's
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    """Sampler -> Replay: the ``n`` scored samples of one prompt."""
+    """Sampler -> Replay: the ``n`` scored samples of one prompt (more when an endpoint
+    episode branched: ``Sample.reward_of``)."""
 
     prompt: Prompt
     prompt_ids: Tensor  # (P,) int32, the chat-templated prompt tokens

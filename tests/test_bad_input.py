@@ -102,6 +102,13 @@ ROWS = [
     ("rollout_not_async", [*START, "agent.rollout.path={d}/one_arg.py",
                            "agent.rollout.name=compute_score"], 2,
      "agent.rollout.path: compute_score is not an async def"),
+    ("rollout_branches_estimator", [*START, "agent.rollout.path={d}/one_arg.py",
+                                    "algorithm.adv_estimator=reinforce_plus_plus_baseline"], 2,
+     "agent.rollout.branches: train gives groups of unequal size, which "
+     "reinforce_plus_plus_baseline cannot take"),
+    ("rollout_branches_teacher", [*START, "agent.rollout.path={d}/one_arg.py",
+                                  "teacher.path={model}"], 2,
+     "agent.rollout.branches: train gives samples on prompts of their own, which the teacher's"),
     ("rollout_and_env", [*START, "agent.rollout.path={d}/env.py", "agent.env.path={d}/env.py",
                          "agent.env.name=Env"], 2,
      "agent.rollout.path: a rollout function replaces tools and environments"),

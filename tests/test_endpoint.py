@@ -5,6 +5,7 @@ rollout function in sandboxed children (rewards, None to the scorer, failures re
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import torch
 from anyio import wait_all_tasks_blocked
 
 from actors.data.chat import ChatTokenizer
+from actors.offline.inspection import transcript
 from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.agent.parsers import Hermes, Xml
-from actors.sampler.endpoint.api import assistant_message
+from actors.sampler.endpoint.api import assistant_message, call_prefix, forced_message
 from actors.sampler.endpoint.episodes import Episode
 from actors.sampler.endpoint.strategy import Batcher, EndpointRollout
 from actors.sampler.engines.base import GenerateRequest, full_generation
@@ -63,11 +65,13 @@ def rollout_file(tmp_path_factory) -> Path:
             if kind == "many":
                 for _ in range(5):
                     await client.chat.completions.create(model="policy", messages=messages)
+            if kind in ("branch", "branch_none"):  # the history summarised: a new segment
+                messages = [{"role": "user", "content": "summary: " + r.choices[0].message.content}]
             messages += [{"role": "assistant", "content": r.choices[0].message.content},
                          {"role": "user", "content": "again"}]
             r2 = await client.chat.completions.create(model="policy", messages=messages,
                                                       max_tokens=4, temperature=0)
-            if kind == "none":
+            if kind in ("none", "branch_none"):
                 return None
             if kind == "dict":
                 return {"format": 0.5, "answer": 1.0}
@@ -127,6 +131,14 @@ async def test_chat_logprobs_and_token_in_token_out(model):
         env = len(seg2.t.ids) - len(ids) - len(new)
         assert env > 0 and seg2.t.mask == [1] * len(ids) + [0] * env + [1] * len(new)
         assert second.prompt_token_ids == seg2.prompt + seg2.t.ids[:len(ids) + env]
+        # each call's request and response bodies, kept on the model turn it produced
+        calls = [t for t in seg2.t.turns if t.role == "assistant"]
+        assert [json.loads(t.request)["messages"] for t in calls] == [USER, messages]
+        assert [json.loads(t.response) for t in calls] == [first.model_dump(exclude_unset=True),
+                                                           second.model_dump(exclude_unset=True)]
+        lines = transcript(seg2.t.turns)
+        assert lines[1].startswith("  [call] 1 messages, last user: 'say abc' max_tokens=6 -> 1 choices")
+        assert "3 messages, last user: 'more' max_tokens=6 -> 1 choices" in lines[4]
         # an edited history does not extend: a new segment on its own prompt
         await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "other"}], max_tokens=4)
@@ -177,6 +189,58 @@ def test_tool_calls_read_back_with_the_configured_parser():
                                                     "arguments": '{"query": "cats"}'}
 
 
+def test_a_forced_call_is_read_back_whatever_the_model_wrote():
+    prefix = call_prefix("hermes", "lookup")
+    assert prefix == '<tool_call>\n{"name": "lookup", "arguments": '
+    got = forced_message('{"q": "x"}}\n', Hermes(), "lookup", prefix)
+    assert got["content"] is None
+    assert got["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
+    # arguments that do not parse are the model's text as written (OpenAI: "may not be valid
+    # JSON"), the call object's closing brace left out
+    got = forced_message('{"q": x}}', Hermes(), "lookup", prefix)
+    assert got["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": x}'}
+    schema = {"type": "function", "function": {"name": "search", "description": "",
+              "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}
+    got = forced_message("cats</search>", Xml([schema]), "search", call_prefix("xml", "search"))
+    assert got["tool_calls"][0]["function"] == {"name": "search",
+                                                "arguments": '{"query": "cats"}'}
+
+
+@pytest.mark.anyio
+async def test_tool_choice_named_or_required_opens_the_call_in_the_prompt(model):
+    r = make(model)
+    other = {"type": "function", "function": {**TOOL["function"], "name": "other"}}
+
+    async def body():
+        ep = open_episode(r, "t")
+        client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/t/v1", api_key="x",
+                                    max_retries=0)
+        prefix = call_prefix("hermes", "lookup")
+        for choice, tools in (({"type": "function", "function": {"name": "lookup"}},
+                               [TOOL, other]), ("required", [TOOL])):
+            out = await client.chat.completions.create(
+                model="policy", messages=USER, tools=tools, tool_choice=choice, max_tokens=6)
+            c = out.choices[0]
+            assert c.message.content is None and c.finish_reason in ("stop", "length")
+            (call,) = c.message.tool_calls
+            assert call.function.name == "lookup" and isinstance(call.function.arguments, str)
+            # the call's opening is the prompt's (mask 0), the arguments the model's own
+            opening = r.tok.tokenizer.encode(prefix, add_special_tokens=False)
+            assert out.prompt_token_ids[-len(opening):] == opening
+            seg = ep.last[0]
+            assert seg.context == out.prompt_token_ids + c.token_ids
+            assert seg.t.mask == [1] * len(c.token_ids)
+        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+            await client.chat.completions.create(model="policy", messages=USER,
+                                                 tools=[TOOL, other], tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="names no tool"):
+            await client.chat.completions.create(
+                model="policy", messages=USER, tools=[TOOL],
+                tool_choice={"type": "function", "function": {"name": "nope"}})
+
+    await with_endpoint(r, body)
+
+
 @pytest.mark.anyio
 async def test_completions_by_token_ids_continue_the_sample(model):
     r = make(model)
@@ -206,7 +270,7 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
     r = make(model)
 
     async def body():
-        open_episode(r, "d", max_calls=3)
+        open_episode(r, "d", max_calls=4)
         client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/d/v1", api_key="x",
                                     max_retries=0)
         with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -216,11 +280,16 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
             assert bad.status_code == 400 and "bad request body" in bad.json()["error"]["message"]
             gone = await raw.post(f"{r.base_url}/episodes/zz/v1/chat/completions", json={})
             assert gone.status_code == 404
+        # a stop string the tiny tokenizer cannot spell ("<" and "_" are no tokens): transformers
+        # refuses it, the caller hears a 400, not a 500
+        with pytest.raises(openai.BadRequestError, match="engine refuses these settings"):
+            await client.chat.completions.create(model="policy", messages=USER, max_tokens=2,
+                                                 stop=["</tool_call>"])
         ok = await client.chat.completions.create(model="policy", messages=USER, max_tokens=2)
         assert ok.choices[0].token_ids
-        with pytest.raises(openai.BadRequestError, match="max_calls = 3"):
+        with pytest.raises(openai.BadRequestError, match="max_calls = 4"):
             await client.chat.completions.create(model="policy", messages=USER, max_tokens=2)
-        assert r.stats["bad_calls"] == 3  # the 404 is no call of an episode
+        assert r.stats["bad_calls"] == 4  # the 404 is no call of an episode
 
     await with_endpoint(r, body)
 
@@ -229,7 +298,7 @@ async def test_bad_requests_are_400s_and_the_endpoint_goes_on(model):
 @pytest.mark.parametrize("on_failure", ["zero", "drop"])
 async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on_failure):
     r = make(model, rollout_file, max_calls=4, episode_timeout_s=20, on_failure=on_failure)
-    kinds = ["ok", "none", "dict", "raise", "many"]
+    kinds = ["ok", "none", "dict", "raise", "many", "branch", "branch_none"]
     prompts = [Prompt(i, [ChatMessage("user", "say abc")], "t", "", extra_info={"kind": k})
                for i, k in enumerate(kinds)]
     params = SamplingParams(temperature=1.0, max_tokens=16)
@@ -238,11 +307,16 @@ async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on
         ids = [r.prompt_ids(p) for p in prompts]
         groups = await r.generate(prompts, ids, 2, params)
         by = dict(zip(kinds, groups, strict=True))
-        for group in by.values():
-            assert len(group) == 2
+        # an episode that branched yields one more sample per branch, in the same group: the
+        # two "branch" episodes 2 each (the first call's segment, then the summary's), the
+        # "many" ones 1 + the calls made on the first prompt again before max_calls
+        assert [len(by[k]) for k in ("ok", "none", "dict", "raise")] == [2] * 4
+        assert len(by["branch"]) == len(by["branch_none"]) == 4
+        assert len(by["many"]) == 2 * 4  # calls 2..4 branch each (the 5th is refused)
+        for k, group in by.items():
             for g in group:
                 assert len(g.token_ids) == len(g.logprobs) == len(g.loss_mask) == len(g.versions)
-                assert g.prompt_ids == ids[0]  # every call's prompt extends the dataset prompt
+                assert g.prompt_ids == ids[0] or k.startswith("branch")
         for g in by["ok"]:  # two calls merged: model tokens, the user turn's, model tokens
             assert g.own.score == float(sum(1 for x in g.turns if x.role == "assistant") and
                                         g.turns[-1].end - g.turns[-1].start)
@@ -252,10 +326,30 @@ async def test_episodes_in_children_rewards_and_failures(model, rollout_file, on
         assert all(g.own.score == 1.5 and g.own.extra == {"format": 0.5, "answer": 1.0}
                    for g in by["dict"])
         for k, failure in (("raise", "raised"), ("many", "max_calls")):
-            for g in by[k]:
-                assert g.own.score == 0.0 and g.turns[-1].failure == failure
-                assert bool(g.own.error) == (on_failure == "drop")
-        assert r.stats["episodes"] == 10 and r.stats["episode_errors"] == 4
+            for g in by[k]:  # every sample of a failed episode: its failure's reward
+                assert g.own.score == 0.0 and bool(g.own.error) == (on_failure == "drop")
+            assert [g.turns[-1].failure for g in by[k]] == ([""] * 3 + [failure]) * 2 \
+                if k == "many" else [failure] * 2
+        for k in ("branch", "branch_none"):
+            # each sample on its own prompt: the first call's (the dataset prompt's tokens),
+            # then the summary's conversation; each response is its segment's model turn
+            first, second = by[k][0], by[k][1]
+            assert first.prompt_ids == ids[0] and second.prompt_ids != ids[0]
+            assert "summary" in r.tok.tokenizer.decode(second.prompt_ids)  # ":" is no token here
+            for g in (first, second):
+                assert [x.role for x in g.turns] == ["assistant"]
+                assert g.loss_mask.tolist() == [1] * len(g.token_ids)
+            # the earlier segment shares its episode's reward: its own, or the scorer's on
+            # the episode's last sample (reward_of: that sample's index in the group)
+            assert first.reward_of == 1 and second.reward_of is None
+            assert by[k][2].reward_of == 3 and by[k][3].reward_of is None
+            if k == "branch":
+                assert first.own == second.own and first.own.score == float(
+                    second.turns[-1].end - second.turns[-1].start)
+            else:
+                assert first.own is None and second.own is None
+        assert r.stats["episodes"] == 14 and r.stats["episode_errors"] == 4
+        assert r.stats["branches"] == 2 * 3 + 4
 
     await with_endpoint(r, body)
     assert TO_SCORER

@@ -77,13 +77,18 @@ def test_an_agents_sdk_agent_runs_unchanged_and_its_episodes_are_samples(model, 
     group = anyio.run(main, backend="trio")
     assert r.stats["episodes"] == 2 and r.stats["episode_errors"] == 0
     assert r.stats["calls"] == 4  # per episode: the tool call, then the answer
-    for g in group:
-        assert g.own is not None and g.own.score == 1.0, g.turns
-        text = tok.decode(g.token_ids.tolist())
-        assert text.endswith("the answer is 408")
-        # the framework sent the call back as a tool_calls message with no content, which this
-        # template renders without the call: the answer's prompt does not extend the first
-        # call's tokens, so the episode's sample is its last segment (one branch left behind)
-        assert g.loss_mask.tolist()[-len(tok.tokenizer.encode("the answer is 408" + EOS)):] == \
-            [1] * len(tok.tokenizer.encode("the answer is 408" + EOS))
+    # the framework sent the call back as a tool_calls message with no content, which this
+    # template renders without the call: the answer's prompt does not extend the first call's
+    # tokens, so each episode yields two samples (agent.rollout.branches = "train"): the tool
+    # call's segment, then the answer's, both with the episode's reward
+    assert len(group) == 4
+    for k in (0, 2):
+        call, answer = group[k], group[k + 1]
+        assert call.reward_of == k + 1 and answer.reward_of is None
+        for g in (call, answer):
+            assert g.own is not None and g.own.score == 1.0, g.turns
+        assert tok.decode(call.token_ids.tolist()).endswith("</tool_call>")
+        assert tok.decode(answer.token_ids.tolist()).endswith("the answer is 408")
+        n = len(tok.tokenizer.encode("the answer is 408" + EOS))
+        assert answer.loss_mask.tolist()[-n:] == [1] * n
     assert r.stats["branches"] == 2

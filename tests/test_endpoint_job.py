@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.offline.recorded import open_run
 from actors.offline.replay import replay
 from actors.runtime.recording import decode_group, read_table
 from tests.jobs import (
@@ -194,10 +195,12 @@ def test_a_sampler_killed_mid_episode_leaves_nothing_half_recorded(tmp_path):
     assert status[-1]["sampler-0"]["restarts"] == 1
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 7)) and all(balanced(r) for r in rows)
-    n = len(decode_group(read_table(run_dir, "groups").to_pylist()[0]["message"]).samples)
+    n = open_run(run_dir).topology.algorithm.n
     for r in read_table(run_dir, "groups").to_pylist():
         g = decode_group(r["message"])
-        assert len(g.samples) == n  # whole groups only
+        # whole groups only: every episode's samples (one more per branch, when a call's text
+        # did not extend the previous call's exactly: agent.rollout.branches = "train")
+        assert len(g.samples) >= n
         for s in g.samples:  # whole episodes only: the function returned after its second call
             assert s.turns[-1].role == "assistant" and not any(t.failure for t in s.turns)
             assert s.reward == 1.0 and not s.reward_error

@@ -67,3 +67,49 @@ def test_episodes_on_vllm_merge_and_carry_the_engines_logprobs(tiny_vllm_model, 
             # what the client read is what the sample carries for the learner
             assert g.own.extra["logprob_sum"] == pytest.approx(float(g.logprobs[own].sum()),
                                                                abs=1e-4)
+
+
+def test_a_streamed_call_on_vllm_comes_token_by_token(tiny_vllm_model):
+    """The continuous engine hands each step's tokens to the endpoint as they are sampled
+    (``GenerateRequest.stream``): the client reads them in several events, their token ids
+    and log-probs add up to the completion the episode keeps."""
+    import openai
+
+    from actors.sampler.endpoint.episodes import Episode
+    from actors.sampler.engines.vllm import VLLMEngine
+
+    async def main():
+        engine = await VLLMEngine.start(tiny_vllm_model, "float32", 0, VLLMSettings(OPTIONS))
+        r = EndpointRollout(engine, ChatTokenizer(tiny_vllm_model), AgentConfig())
+        ep = r.episodes["s"] = Episode(SamplingParams(max_tokens=48), max_calls=4)
+        events: list[tuple[list[int], list[float], str]] = []
+        finish = None
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(r.serve)
+                client = openai.AsyncOpenAI(base_url=f"{r.base_url}/episodes/s/v1",
+                                            api_key="x", max_retries=0)
+                stream = await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "say abc"}],
+                    stream=True, max_tokens=24, temperature=1.0, logprobs=True, seed=3)
+                async for chunk in stream:
+                    for ch in chunk.choices:
+                        ids = getattr(ch, "token_ids", None) or []
+                        if ids:
+                            events.append((ids, [x.logprob for x in ch.logprobs.content],
+                                           ch.delta.content or ""))
+                        finish = ch.finish_reason or finish
+                tg.cancel_scope.cancel()
+        finally:
+            await r.aclose()
+            await engine.aclose()
+        return r, ep, events, finish
+
+    r, ep, events, finish = trio.run(main)
+    ids = [t for e in events for t in e[0]]
+    seg = ep.last[0]
+    assert ids == seg.t.ids and finish in ("stop", "length")
+    assert [lp for e in events for lp in e[1]] == pytest.approx(seg.t.logprobs)
+    assert "".join(e[2] for e in events) == r.tok.decode(ids)
+    assert len(ids) >= 4 and len(events) >= 2, events  # several events, not one at the end
+    assert max(len(e[0]) for e in events) < len(ids)

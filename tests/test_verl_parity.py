@@ -101,8 +101,10 @@ VARIANTS = {
 }
 
 
-def verl_advantages(name: str, b, group_size: int, opts: dict):
-    index = np.repeat(np.arange(ROWS // group_size), group_size)
+def verl_advantages(name: str, b, group_size, opts: dict):
+    # verl groups rows by ``index`` (the prompt's uid), any count per uid
+    sizes = [group_size] * (ROWS // group_size) if isinstance(group_size, int) else group_size
+    index = np.repeat(np.arange(len(sizes)), sizes)
     r, m = b.rewards.clone(), b.mask
     norm = opts.get("norm_adv_by_std", True)
     cfg = OmegaConf.create({"gamma": opts.get("gamma", 1.0), "norm_adv_by_std_in_grpo": norm})
@@ -151,7 +153,7 @@ def verl_advantages(name: str, b, group_size: int, opts: dict):
     raise AssertionError(name)
 
 
-def our_advantages(name: str, b, group_size: int, opts: dict):
+def our_advantages(name: str, b, group_size, opts: dict):
     kw = dict(group_size=group_size, values=b.values, reward_baselines=b.reward_baselines,
               old_logprobs=b.old, sum_pi_squared=b.sum_pi_squared,
               norm_adv_by_std=opts.get("norm_adv_by_std", True),
@@ -187,6 +189,47 @@ def test_advantages(name, opts, group_size, dtype):
             dtype = torch.float32  # verl builds gdpo components in float32 whatever the input
         RECORD.check(f"{name} {opts} n={group_size} advantages", adv[keep], v_adv[keep], dtype)
         RECORD.check(f"{name} {opts} n={group_size} returns", ret[keep], v_ret[keep], dtype)
+
+
+# Groups of unequal size (an endpoint episode that branched yields one more sample in its group):
+# verl's estimators group by ``index`` with any count per uid (core_algos.py of verl 0.9.1:
+# ``compute_grpo_outcome_advantage`` builds ``id2score[index[i]]`` and takes each uid's mean and
+# std over however many rows it has; rloo, opo, grpo_passk and the optimal token baselines
+# likewise). Ours take one size per group (``kernels/advantages/unequal.py``).
+UNEQUAL = [3, 1, 7, 6, 2, 8, 4, 5]  # 36 rows: a group of one, groups of 2..8
+UNEQUAL_2 = [3, 2, 7, 6, 2, 8, 4, 4]  # grpo_passk: two samples or more per group
+
+
+def _unequal_cases():
+    from kernels.advantages import UNEQUAL_GROUPS
+
+    for name in ESTIMATORS:
+        if name in UNEQUAL_GROUPS:
+            for opts in VARIANTS.get(name, ({},)):
+                yield pytest.param(name, opts, id=f"{name}-{opts}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("name", "opts"), list(_unequal_cases()))
+def test_advantages_unequal_groups(name, opts, dtype):
+    sizes = UNEQUAL_2 if name == "grpo_passk" else UNEQUAL
+    assert sum(sizes) == ROWS
+    for seed in SEEDS:
+        b = make_batch(seed, dtype, 0.3 if dtype == torch.float64 else 0.25)
+        adv, ret = our_advantages(name, b, sizes, opts)
+        v_adv, v_ret = verl_advantages(name, b, sizes, opts)
+        keep = b.mask.bool()
+        RECORD.check(f"{name} {opts} sizes={sizes} advantages", adv[keep], v_adv[keep], dtype)
+        RECORD.check(f"{name} {opts} sizes={sizes} returns", ret[keep], v_ret[keep], dtype)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus_baseline", "gdpo", "gpg"])
+def test_batch_wide_estimators_refuse_unequal_groups(name):
+    b = make_batch(0, torch.float64)
+    with pytest.raises(ValueError, match="needs groups of equal size"):
+        our_advantages(name, b, UNEQUAL, {})
+    adv, _ = our_advantages(name, b, [GROUP_SIZE] * (ROWS // GROUP_SIZE), {})  # equal: as int
+    assert torch.equal(adv, our_advantages(name, b, GROUP_SIZE, {})[0])
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline",

@@ -1,6 +1,7 @@
 """A training batch as padded tensors: scored groups in, next-token-aligned tensors out.
 
-Rows are samples, ordered group by group (``group_size`` consecutive rows per prompt), each
+Rows are samples, ordered group by group (``group_sizes[g]`` consecutive rows for group ``g``:
+``n`` each, more for a group with an endpoint episode that branched), each
 ``prompt + response`` right-padded to the batch width ``W``. Token-level tensors have ``W − 1``
 columns aligned with next-token prediction: column ``t`` scores token ``t + 1``, so
 ``response_mask[i, t] = 1`` exactly where token ``t + 1`` of row ``i`` is a response token the model
@@ -31,12 +32,17 @@ class RolloutBatch:
     versions: torch.Tensor  # (N,) long, policy version of each sample's oldest token
     truncated: torch.Tensor  # (N,) bool, response hit max_tokens
     baseline_rewards: torch.Tensor | None  # (N,) remax: reward of the group's greedy sample
-    group_size: int
+    group_sizes: list[int]  # rows of each group, in order (sum = N)
     token_versions: torch.Tensor | None = None  # (N, W-1) long, each response token's policy
     # version (the sample's version outside the response)
     packed: bool = False  # the model reads these rows packed into one (actors/learner/packing.py)
     teacher_logprobs: torch.Tensor | None = None  # (N, W-1) float, the teacher's log-prob of each
     # response token (on-policy distillation), 0 outside the response; None when a sample lacks them
+
+    @property
+    def group_size(self) -> int | list[int]:
+        """Rows per group: one int when every group has as many, else one count per group."""
+        return self.group_sizes[0] if len(set(self.group_sizes)) == 1 else self.group_sizes
 
     @property
     def size(self) -> int:
@@ -59,18 +65,31 @@ class RolloutBatch:
                 value = value[index, :cols]
             elif isinstance(value, torch.Tensor):
                 value = value[index]
+            elif f.name == "group_sizes":  # the groups these rows cut (in part, at the ends)
+                value = [hi - lo for lo, hi in _spans(self.group_sizes, index)]
             out[f.name] = value
         return RolloutBatch(**out)
 
 
+def _spans(sizes: list[int], index: slice) -> list[tuple[int, int]]:
+    start, stop, _ = index.indices(sum(sizes))
+    out, lo = [], 0
+    for n in sizes:
+        a, b = max(lo, start), min(lo + n, stop)
+        if a < b:
+            out.append((a, b))
+        lo += n
+    return out
+
+
 def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
-    n = len(groups[0].samples)
-    if any(len(g.samples) != n for g in groups):
-        raise ValueError("every group of a batch must have the same number of samples")
+    if any(not g.samples for g in groups):
+        raise ValueError("every group of a batch must have a sample")
     rows = []
     for g in groups:
-        prompt = from_wire(g.prompt_ids).long()
-        for s in g.samples:
+        group_prompt = from_wire(g.prompt_ids).long()
+        for s in g.samples:  # a sample may follow a prompt of its own (endpoint branches)
+            prompt = group_prompt if s.prompt_ids is None else from_wire(s.prompt_ids).long()
             rows.append((prompt, from_wire(s.response_ids).long(),
                          from_wire(s.behaviour_logprobs).float(), s, g.baseline_reward))
     width = max(len(p) + len(r) for p, r, *_ in rows)
@@ -106,8 +125,8 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         token_rewards=rewards, scores=torch.tensor([s.reward for *_, s, _ in rows]),
         versions=torch.tensor([s.policy_version for *_, s, _ in rows]),
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
-        baseline_rewards=baselines, group_size=n, token_versions=token_versions,
-        teacher_logprobs=teacher,
+        baseline_rewards=baselines, group_sizes=[len(g.samples) for g in groups],
+        token_versions=token_versions, teacher_logprobs=teacher,
     )
 
 

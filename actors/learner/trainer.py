@@ -40,6 +40,7 @@ generated from the batch, never from the sampler's config.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -139,8 +140,8 @@ class Trainer:
         """One optimizer step on ``groups``; returns its metrics.
 
         ``trace`` (offline replay's hook): when a dict is given, it is filled with the step's
-        per-token tensors, each (N, W-1) with rows in batch order (``group_size`` rows per
-        group): ``input_ids`` (N, W), ``mask``, ``keep`` (after rejection), ``advantages``,
+        per-token tensors, each (N, W-1) with rows in batch order (``group_sizes[g]`` rows
+        for group g): ``input_ids`` (N, W), ``mask``, ``keep`` (after rejection), ``advantages``,
         ``behaviour_logprobs``, ``old_logprobs`` (proximal), ``current_logprobs`` (π_θ in
         the first epoch's forward) and ``is_weights``. Left ``None``, nothing extra is kept.
         """
@@ -154,6 +155,9 @@ class Trainer:
         temp = sampling.temperature
         trained_at = self.policy.version  # the weights this step starts from
         batch = build_batch(groups, self.policy.pad_id).to(self.policy.device)
+        if self.group.world > 1 and not isinstance(batch.group_size, int):
+            raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
+                             "(agent.rollout.branches)")
         batch.packed = cfg.packing
         lengths = batch.attention_mask.sum(1).tolist()  # tokens of each row
         N, mask = batch.size, batch.response_mask
@@ -224,7 +228,8 @@ class Trainer:
 
         # optimizer updates: mini-batches hold whole groups
         groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
-        bounds = [(g * batch.group_size, min(N, (g + groups_per_mb) * batch.group_size))
+        starts = [0, *itertools.accumulate(batch.group_sizes)]  # each group's first row
+        bounds = [(starts[g], starts[min(len(groups), g + groups_per_mb)])
                   for g in range(0, len(groups), groups_per_mb)]
         norm_constant = algo.loss_scale_factor or float(sampling.max_tokens)
         sums: dict[str, float] = {}

@@ -12,6 +12,7 @@ data source with the training reward beside them) with matplotlib's Agg backend,
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -149,6 +150,28 @@ def _samples(run: RecordedRun, step: int, top: int, out: TextIO) -> None:
                 print(f"             {line}", file=out)
 
 
+def call_summary(request: str, response: str) -> str:
+    """One endpoint call in a line: the request's messages (or prompt) and settings, and the
+    response's choices; ``request`` and ``response`` are the bodies as recorded."""
+    try:
+        req, resp = json.loads(request), json.loads(response) if response else {}
+    except ValueError:
+        return f"request {excerpt(request, 60)!r}"
+    settings = "".join(f" {k}={req[k]}" for k in ("n", "temperature", "max_tokens",
+                                                   "tool_choice", "stream") if k in req)
+    if "messages" in req:
+        last = req["messages"][-1] if req["messages"] else {}
+        asked = (f"{len(req['messages'])} messages, last {last.get('role')}: "
+                 f"{excerpt(str(last.get('content') or ''), 30)!r}")
+        if req.get("tools"):
+            asked += f", {len(req['tools'])} tools"
+    else:
+        asked = f"prompt {excerpt(str(req.get('prompt')), 30)!r}"
+    answers = [c.get("finish_reason") for c in resp.get("choices", [])]
+    return (f"{asked}{settings} -> {len(answers)} choices {answers}, "
+            f"policy v{resp.get('policy_version', '?')}")
+
+
 def transcript(turns: list[Turn]) -> list[str]:
     """A multi-turn sample, one line per turn: the model's text, each tool call with its
     arguments and what it answered (or its error), an environment's observations and rewards."""
@@ -158,6 +181,8 @@ def transcript(turns: list[Turn]) -> list[str]:
         if t.role == "assistant":
             reward = f"  (reward {t.reward:g})" if t.reward is not None else ""
             lines.append(f"[model {where:>7}] {excerpt(t.content, 60)!r}{reward}")
+            if t.request:  # an endpoint call: what the agent sent and read
+                lines.append(f"  [call] {call_summary(t.request, t.response)}")
         elif t.role == "tool":
             answer = f"ERROR {t.failure}: {excerpt(t.error, 40)}" if t.error else \
                 repr(excerpt(t.content, 40))

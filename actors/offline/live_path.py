@@ -4,7 +4,9 @@
 the endpoint with the user's rollout function) and ``Rollout`` (templating, generation,
 scoring one request per group), with the reward workers' own scorers (the rules' ``Scoring``
 and the model pools' ``PoolScoring``) standing where the router and reward workers stand in a
-job.
+job. ``runner.py validate`` generates and scores through ``live_rollout``; ``replay --rescore``
+scores recorded groups through ``scoring_rollout`` (``Rollout.score_group``: the same request
+per group, the same items, as live).
 """
 
 from __future__ import annotations
@@ -14,20 +16,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import torch
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import Topology
 from actors.runtime.config.pools import RULES_POOL, score_targets
 from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.tensors import from_wire
+from actors.sampler.endpoint.strategy import EndpointGeneration
 from actors.sampler.engines import registry
-from actors.sampler.rollout import Rollout
+from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.strategies import start_strategy
 from actors.scoring.combine import combine
 from actors.scoring.items import items_of
 from actors.scoring.pool import PoolScoring
 from actors.scoring.scorer import Scoring
 from messages.reward import ScoreReply, ScoreRequest
-from messages.rollout import SamplingParams
+from messages.rollout import SamplingParams, ScoredGroup
 
 
 class LocalScoring:
@@ -88,3 +93,38 @@ async def live_rollout(topo: Topology, model: Path, params: SamplingParams,
                 await strategy.aclose()
             await scoring.aclose()
             await engine.aclose()
+
+
+@asynccontextmanager
+async def scoring_rollout(topo: Topology, tokenizer: Path, max_tokens: int
+                          ) -> AsyncIterator[Rollout]:
+    """A ``Rollout`` that only scores (no engine, no strategy: the completions are recorded
+    ones, ``recorded``), with ``topo.reward``'s scoring and ``max_tokens`` the responses'
+    budget (the overlong penalty's L_max)."""
+    scoring = LocalScoring(topo)
+    try:
+        tok = await anyio.to_thread.run_sync(ChatTokenizer, tokenizer)
+        yield Rollout(None, tok, scoring,  # type: ignore[arg-type]  # score_group needs none
+                      params=SamplingParams(max_tokens=max_tokens), n=0,
+                      greedy_baseline=False, sampler="offline")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await scoring.aclose()
+
+
+def recorded(group: ScoredGroup) -> Generated:
+    """A recorded group's completions as the sampler held them before scoring (recordings made
+    before tokens carried versions or a loss mask: the sample's version, all 1)."""
+    gens = []
+    for s in group.samples:
+        ids = from_wire(s.response_ids)
+        versions = from_wire(s.token_versions) if s.token_versions is not None else \
+            torch.full_like(ids, s.policy_version)
+        mask = from_wire(s.loss_mask) if s.loss_mask is not None else \
+            torch.ones_like(ids, dtype=torch.int8)
+        gens.append(EndpointGeneration(
+            ids, from_wire(s.behaviour_logprobs), versions, mask, s.finish_reason,
+            s.policy_version, s.seed, turns=list(s.turns),
+            reward_of=None if s.reward_of < 0 else s.reward_of))
+    prompt = from_wire(group.prompt_ids).tolist()
+    return Generated(group.prompt, prompt, list(gens), None, group.generate_seconds)

@@ -2,7 +2,9 @@
 
 Every sample of the trained batches (``--steps A:B`` to narrow, ``--limit`` groups at most) is
 scored again by a verl-style ``compute_score(data_source, solution_str, ground_truth,
-extra_info)`` through the reward worker's own ``Scoring`` (the function runs in child
+extra_info)`` through the live path (``Rollout.score_group`` of
+``actors/offline/live_path.py``: one request per group with the prompt and each sample's
+turns, as the sampler sends it) and the reward worker's own ``Scoring`` (the function runs in child
 processes with the run's ``reward.timeout_s`` and limits, so a function that hangs or crashes
 gives an error and score 0.0, never a hung command; the run's DAPO overlong penalty, if any,
 applies as it did live). It prints how many scores changed, the mean before and after (overall
@@ -21,7 +23,7 @@ from typing import TextIO
 import msgspec
 
 from actors.offline.recorded import OfflineError, excerpt, open_run
-from actors.scoring.items import ScoreItem, with_turns
+from messages.rollout import ScoredGroup
 
 CHANGED_EPS = 1e-9  # scores closer than this are the same score
 FLIPS_SHOWN = 20
@@ -91,44 +93,38 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
     if limit > 0:
         todo = todo[:limit]
     samples: list[Rescored] = []
-    items: list[ScoreItem] = []
     groups = [(s, gid, run.group(rows[gid]["message"])) for s, gid in todo]
     # the overlong penalty's L_max: the response budget the groups were sampled with
     max_tokens = max((g.sampling.max_tokens for *_, g in groups if g.sampling), default=0)
     for s, gid, group in groups:
-        p = group.prompt
-        for j, sample in enumerate(group.samples):
-            items.append(ScoreItem(p.data_source, sample.text, p.ground_truth,
-                                   with_turns(p.extra_info, sample.turns),
-                                   sample.response_ids.shape[0]))
-            samples.append(Rescored(s, gid, j, sample.reward, sample.reward, "", sample.text,
-                                    p.ground_truth))
+        samples += [Rescored(s, gid, j, x.reward, x.reward, "", x.text, group.prompt.ground_truth)
+                    for j, x in enumerate(group.samples)]
     from actors.runtime.config import RewardFunction
 
     reward = msgspec.structs.replace(run.topology.reward,
                                      functions=[RewardFunction(path=str(path), name=name)],
                                      timeout_s=timeout_s or run.topology.reward.timeout_s)
-    results = _score(reward, max_tokens, items)
-    for r, res in zip(samples, results, strict=True):
-        r.after, r.error = res.score, res.error
+    topo = msgspec.structs.replace(run.topology, reward=reward)
+    results = [x for g in score_recorded(topo, max_tokens, [g for *_, g in groups]) for x in g.samples]
+    for r, x in zip(samples, results, strict=True):
+        r.after, r.error = x.reward, x.reward_error
     _report(samples, f"{path.name}:{name}", threshold, out)
     return 0
 
 
-def _score(reward, max_tokens: int, items: list[ScoreItem]):
+def score_recorded(topo, max_tokens: int, groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    """The groups scored again as the live sampler scores them (``Rollout.score_group``: one
+    request per group through the reward worker's ``Scoring``), a bounded number at once."""
     import anyio
 
-    from actors.scoring.scorer import Scoring
+    from actors.offline.live_path import recorded, scoring_rollout
 
-    async def main():
-        scoring = Scoring(reward)
-        try:
-            out = []
-            for i in range(0, len(items), 256):  # bounded: one chunk of calls in flight at once
-                out += await scoring.score(items[i:i + 256], max_tokens)
-            return out
-        finally:
-            await scoring.aclose()
+    async def main() -> list[ScoredGroup]:
+        out: list[ScoredGroup] = []
+        async with scoring_rollout(topo, Path(topo.model.path), max_tokens) as rollout:
+            for i in range(0, len(groups), 32):  # bounded: one chunk of groups in flight
+                out += await rollout.score([recorded(g) for g in groups[i:i + 32]])
+        return out
 
     return anyio.run(main, backend="trio")
 

@@ -30,7 +30,7 @@ from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import last_by, read_table
 from actors.runtime.rundir import TOPOLOGY, checkpoint_dir, latest_checkpoint, read_state
-from actors.validation.metrics import ScoredPrompt, validation_metrics
+from actors.validation.metrics import ScoredPrompt, outcomes, validation_metrics
 from actors.validation.prompts import validation_prompts, validation_sampling
 
 CHUNK = 8  # prompts per engine call
@@ -132,7 +132,7 @@ def _generate_and_score(topo: Topology, model: Path, prompts, params, n: int,
         async with live_rollout(topo, model, params, n) as rollout:
             for i in range(0, len(prompts), CHUNK):
                 for g in await rollout.score(await rollout.generate(prompts[i:i + CHUNK])):
-                    p, ss = g.prompt, g.samples
+                    p, ss = g.prompt, outcomes(g.samples)  # one per episode
                     out.append({"prompt_id": p.prompt_id, "data_source": p.data_source,
                                 "prompt": p.messages[-1].content, "ground_truth": p.ground_truth,
                                 "completions": [s.text for s in ss],

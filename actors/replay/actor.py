@@ -29,7 +29,7 @@ from actors.replay.state import ReplayState
 from actors.runtime.actor import ActorContext
 from actors.runtime.recording import Recorder, read_table
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
-from actors.validation.metrics import ScoredPrompt, validation_metrics
+from actors.validation.metrics import ScoredPrompt, outcomes, validation_metrics
 from actors.validation.prompts import validation_prompts, validation_sampling
 from actors.validation.rounds import Round, ValidationRounds
 from messages.codec import Codec, DecodeError, encode
@@ -242,11 +242,10 @@ class ReplayServer:
         seconds = time.monotonic() - (r.started or time.monotonic())
         groups = [r.done[pid] for pid in sorted(r.done)]
         scored = [ScoredPrompt(
-            g.prompt.data_source, [s.reward for s in g.samples],
-            [s.answer for s in g.samples],
-            [s.response_ids.shape[0] for s in g.samples],
-            [s.finish_reason == "length" for s in g.samples],
-            [s.reward_extra for s in g.samples]) for g in groups if not g.score_error]
+            g.prompt.data_source, [s.reward for s in ss], [s.answer for s in ss],
+            [s.response_ids.shape[0] for s in ss], [s.finish_reason == "length" for s in ss],
+            [s.reward_extra for s in ss])
+            for g in groups if not g.score_error for ss in [outcomes(g.samples)]]
         metrics = await anyio.to_thread.run_sync(validation_metrics, scored,
                                                  self.setup.pass_threshold)
         count = count_errors(groups)
@@ -330,16 +329,18 @@ async def replay_actor(ctx: ActorContext, *, task_status) -> None:
 
 
 def validation_row(step: int, g) -> dict[str, Any]:
-    """A ``validation`` row: one prompt's samples in the round of ``step``."""
+    """A ``validation`` row: one prompt's samples in the round of ``step``, one per episode
+    (``outcomes``: those the round's metrics count)."""
+    ss = outcomes(g.samples)
     return {
         "step": step, "prompt_id": g.prompt.prompt_id, "data_source": g.prompt.data_source,
         "prompt": "\n".join(f"{m.role}: {m.content}" for m in g.prompt.messages),
         "ground_truth": g.prompt.ground_truth, "sampler": g.sampler,
-        "completions": [s.text for s in g.samples], "rewards": [s.reward for s in g.samples],
-        "answers": [s.answer for s in g.samples],
-        "reward_errors": [s.reward_error or g.score_error for s in g.samples],
-        "finish_reasons": [s.finish_reason for s in g.samples],
-        "response_lengths": [s.response_ids.shape[0] for s in g.samples],
-        "policy_versions": [s.policy_version for s in g.samples],
+        "completions": [s.text for s in ss], "rewards": [s.reward for s in ss],
+        "answers": [s.answer for s in ss],
+        "reward_errors": [s.reward_error or g.score_error for s in ss],
+        "finish_reasons": [s.finish_reason for s in ss],
+        "response_lengths": [s.response_ids.shape[0] for s in ss],
+        "policy_versions": [s.policy_version for s in ss],
         "generate_seconds": g.generate_seconds, "score_seconds": g.score_seconds,
     }

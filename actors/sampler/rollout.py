@@ -26,6 +26,7 @@ from actors.sampler.scoring_client import ScoringClient
 from actors.sampler.teacher_client import teacher_logprobs
 from messages.reward import Response, ScoreReply, ScoreRequest, ScoreResult
 from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup, Turn
+from messages.tensor import Tensor
 
 if TYPE_CHECKING:
     from actors.sampler.agent.loop import AgentLoop
@@ -62,6 +63,20 @@ class Answer:
         started = time.monotonic()
         self.value = await pending
         self.seconds = time.monotonic() - started
+
+
+def reward_of(c: Generation) -> int:
+    """The index in its group of the sample whose reward ``c`` shares (an endpoint episode's
+    earlier segment shares its last one's), or -1: its own."""
+    k = getattr(c, "reward_of", None)
+    return -1 if k is None else k
+
+
+def own_prompt(c: Generation, group: list[int]) -> Tensor | None:
+    """A sample's own prompt when it differs from its group's (an endpoint call that rendered
+    another conversation), else None."""
+    ids = getattr(c, "prompt_ids", None)
+    return None if ids is None or ids == group else to_wire(torch.tensor(ids, dtype=torch.int32))
 
 
 @dataclass
@@ -168,6 +183,9 @@ class Rollout:
         teacher = teacher if teacher is not None else [None] * len(g.completions)
         results = reply.results if reply is not None else [ScoreResult(0.0, error)] * len(responses)
         results = [r if o is None else o for r, o in zip(results, own, strict=True)]
+        results = [results[k] if (k := reward_of(c)) >= 0 else r
+                   for r, c in zip(results, [*g.completions, *([g.greedy] if g.greedy else [])],
+                                   strict=True)]  # an endpoint episode's earlier segments
         rewards = [with_env_reward(r, c) for r, c in
                    zip(results, [*g.completions, *([g.greedy] if g.greedy else [])], strict=True)]
         samples = [Sample(response_ids=to_wire(c.token_ids), behaviour_logprobs=to_wire(c.logprobs),
@@ -175,7 +193,8 @@ class Rollout:
                           reward=reward, reward_error=r.error, reward_trace=r.trace,
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
-                          answer=r.answer, teacher_logprobs=t)
+                          answer=r.answer, teacher_logprobs=t, reward_of=reward_of(c),
+                          prompt_ids=own_prompt(c, g.prompt_ids))
                    for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
                                                     rewards, teacher, strict=True)]
         return ScoredGroup(

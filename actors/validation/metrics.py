@@ -50,6 +50,13 @@ class ScoredPrompt:
     extras: Sequence[dict[str, float]] = field(default_factory=tuple)  # numeric extras per sample
 
 
+def outcomes(samples: Sequence[Any]) -> list[Any]:
+    """A group's samples that validation counts: one per episode (an endpoint episode that
+    branched hands on earlier segments sharing its last sample's reward, ``Sample.reward_of``;
+    counting them would weigh that episode more)."""
+    return [s for s in samples if s.reward_of < 0]
+
+
 def bootstrap_metric(data: Sequence[Any], subset_size: int,
                      reduce_fns: Sequence[Callable[[np.ndarray], float]],
                      n_bootstrap: int = N_BOOTSTRAP, seed: int = SEED) -> list[tuple[float, float]]:

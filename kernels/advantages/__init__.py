@@ -14,7 +14,7 @@ Every estimator is checked against verl 0.9.1 by ``tests/test_verl_parity.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,8 +35,10 @@ from kernels.advantages.reinforce_plus_plus import (
 )
 from kernels.advantages.remax import remax
 from kernels.advantages.rloo import rloo
+from kernels.advantages.unequal import UNEQUAL_GROUPS, by_group, group_sizes
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageParams", "compute_advantages", "grpo_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "UNEQUAL_GROUPS", "AdvantageParams", "compute_advantages",
+           "grpo_advantages"]
 
 AdvantageFn = Callable[
     [torch.Tensor, torch.Tensor, AdvantageParams], tuple[torch.Tensor, torch.Tensor]
@@ -64,7 +66,7 @@ def compute_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    group_size: int,
+    group_size: int | Sequence[int],
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
@@ -85,7 +87,9 @@ def compute_advantages(
     ``token_level_rewards (N, T)`` holds the scalar reward on each sequence's last response
     token (and any per-token terms, e.g. ``-beta * kl``); ``response_mask (N, T)`` is 1 on the
     tokens the model generated. Rows come group by group, ``group_size`` consecutive rows per
-    prompt. Per estimator:
+    prompt; a sequence of sizes gives groups of unequal size, one count per group (verl's
+    ``index`` with any count per uid): the estimators of ``UNEQUAL_GROUPS`` take them
+    (``kernels/advantages/unequal.py``), the others raise. Per estimator:
 
     - ``gae`` needs ``values (N, T)``; ``remax`` needs ``reward_baselines (N,)``.
     - ``gamma`` discounts reinforce_plus_plus, remax and gae; ``lam`` is GAE's lambda.
@@ -112,6 +116,13 @@ def compute_advantages(
             f"response_mask shape {tuple(response_mask.shape)} != token_level_rewards shape "
             f"{tuple(token_level_rewards.shape)}"
         )
+    sizes = None
+    if not isinstance(group_size, int):
+        sizes = group_sizes(group_size, token_level_rewards.shape[0])
+        if len(set(sizes)) == 1:
+            group_size, sizes = sizes[0], None
+        else:
+            group_size = 1
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     if not 0.0 <= gamma <= 1.0:
@@ -139,4 +150,6 @@ def compute_advantages(
         reward_weights=None if reward_weights is None else tuple(reward_weights),
     )
     with torch.no_grad():
+        if sizes is not None:
+            return by_group(name, fn, token_level_rewards.detach(), response_mask, params, sizes)
         return fn(token_level_rewards.detach(), response_mask, params)

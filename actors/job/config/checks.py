@@ -14,7 +14,7 @@ import zmq
 from actors.data.files import DataFileError, jsonl_rows
 from actors.job.config.hosts import check_hosts
 from actors.registry import KINDS
-from actors.runtime.config.agent import BUILTIN_TOOLS, AgentConfig
+from actors.runtime.config.agent import BUILTIN_TOOLS, UNEQUAL_GROUP_ESTIMATORS, AgentConfig
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_pools
@@ -196,6 +196,7 @@ def check(topology: Topology) -> None:
          f"a group can be served at most once per policy version while it is fresh, so at most "
          f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
     _check_agent(topology.agent, need)
+    _check_branches(topology, need)
     sec = topology.security
     need(not sec.curve or zmq.has("curve"), "security.curve",
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
@@ -345,6 +346,20 @@ def _check_agent(A: AgentConfig, need: Any) -> None:
     else:
         need(not A.env.name, "agent.env.name", "needs agent.env.path")
     _check_rollout(A, need)
+
+
+def _check_branches(topology: Topology, need: Any) -> None:
+    R, a, L = topology.agent.rollout, topology.algorithm, topology.learner
+    if R.path and R.branches == "train":  # groups of unequal size
+        why = "train gives groups of unequal size, which "
+        need(a.adv_estimator in UNEQUAL_GROUP_ESTIMATORS, "agent.rollout.branches",
+             f"{why}{a.adv_estimator} cannot take (it normalises over the whole batch); set "
+             f"branches = \"last\" or one of {', '.join(UNEQUAL_GROUP_ESTIMATORS)}")
+        need(L.nproc_per_node * L.nnodes == 1, "agent.rollout.branches",
+             f"{why}learner ranks cannot share out evenly; set branches = \"last\"")
+        need(not topology.teacher.path, "agent.rollout.branches",
+             "train gives samples on prompts of their own, which the teacher's request (one "
+             "prompt per group) cannot carry yet; with [teacher] set branches = \"last\"")
 
 
 def _check_rollout(A: AgentConfig, need: Any) -> None:

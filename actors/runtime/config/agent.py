@@ -39,6 +39,13 @@ class AgentEnv(_Section, frozen=True):
     replace: that sum alone (no scoring request is sent)."""
 
 
+# the estimators that take groups of unequal size (kernels/advantages/unequal.py's
+# UNEQUAL_GROUPS, named here torch-free; a test holds the two equal)
+UNEQUAL_GROUP_ESTIMATORS = ("dr_grpo", "gae", "grpo", "grpo_passk", "opo",
+                            "optimal_token_baseline", "reinforce_plus_plus", "remax", "rloo",
+                            "tir_optimal_token_baseline")
+
+
 class AgentRollout(_Section, frozen=True):
     path: str = ""
     """A Python file holding ``async def rollout(client, row)``: the user's own agent, run in a
@@ -57,6 +64,11 @@ class AgentRollout(_Section, frozen=True):
     """An episode that raised, timed out or exceeded max_calls: zero: its samples are trained on
     with reward 0, the failure recorded in their turns; drop: its samples carry the error as a
     reward error, so the replay buffer records and drops their group."""
+    branches: Literal["train", "last"] = "train"
+    """A call that does not extend the episode's previous one (the agent edited its history,
+    summarised, branched): train: the episode yields one more sample in its group, each on
+    its own prompt (groups of unequal size: needs a learner of one rank and an estimator that
+    groups per prompt, as verl's index does); last: only the episode's last segment trains."""
     host: str = "127.0.0.1"
     """Address the endpoint listens on (the children reach it there)."""
     port: int = 0

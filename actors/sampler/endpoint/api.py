@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from actors.sampler.agent.parsers import Parser
+from actors.sampler.agent.parsers import Hermes, Parser
 
 
 class BadRequest(Exception):
@@ -37,6 +37,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    seed: int | None = None  # the engine's sampling seed of the first choice (vllm; hf has none)
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
@@ -49,6 +50,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     logprobs: int | None = None
     stream: bool | None = None
+    seed: int | None = None
 
 
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -69,10 +71,58 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     if isinstance(request, ChatRequest):
         if not request.messages:
             raise BadRequest("messages: must not be empty")
-        if isinstance(request.tool_choice, dict) or request.tool_choice == "required":
-            raise BadRequest("tool_choice: only 'auto' and 'none' are served (forcing a call "
-                             "needs constrained decoding)")
+        forced_tool(request)  # a tool_choice that names no tool of the request is a 400
     return request
+
+
+def forced_tool(request: ChatRequest) -> str | None:
+    """The function the request forces the model to call: ``tool_choice`` naming one
+    (``{"type": "function", "function": {"name": ...}}``), or ``"required"`` with a single tool
+    (nothing to choose). ``"required"`` among several tools is a 400: choosing one of them for
+    sure needs constrained decoding, which the engines here do not do."""
+    choice = request.tool_choice
+    names = [t.get("function", {}).get("name") for t in request.tools or []]
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        if len(names) != 1:
+            raise BadRequest(f"tool_choice: 'required' is served with one tool (the request has "
+                             f"{len(names)}): choosing among tools for sure needs constrained "
+                             "decoding, which this endpoint does not do; name the function "
+                             "(tool_choice={'type': 'function', 'function': {'name': ...}})")
+        return names[0]
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str) or name not in names:
+        raise BadRequest(f"tool_choice: {choice!r} names no tool of the request (its tools: "
+                         f"{names}); expected 'auto', 'none', 'required' or "
+                         "{'type': 'function', 'function': {'name': NAME}}")
+    return name
+
+
+def call_prefix(parser: str, name: str) -> str:
+    """The opening of a call of ``name`` in ``agent.parser``'s format, written after the
+    generation prompt so the model goes on with the call's arguments (vLLM and SGLang open
+    a named tool choice's call the same way before constraining the rest)."""
+    if parser == "hermes":
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
+    return f"<{name}>"
+
+
+def forced_message(text: str, parser: Parser, name: str, prefix: str) -> dict[str, Any]:
+    """The message of a completion made after ``call_prefix``: one call of ``name`` whatever
+    the model wrote. Its arguments are the parsed ones, else the model's text as written
+    (OpenAI: the arguments "may not be valid JSON")."""
+    calls = [c for c in parser.parse(prefix + text) if not c.error and c.name == name]
+    if calls:
+        arguments = json.dumps(calls[0].arguments, ensure_ascii=False)
+    else:
+        raw = text.split(Hermes.CLOSE if prefix.startswith(Hermes.OPEN) else f"</{name}>")[0]
+        arguments = raw.strip()
+        if prefix.startswith(Hermes.OPEN) and arguments.endswith("}"):
+            arguments = arguments[:-1].rstrip()  # the call object's own closing brace
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_0_{time.time_ns() % 10**9}", "type": "function",
+         "function": {"name": name, "arguments": arguments}}]}
 
 
 def stops_of(stop: str | list[str] | None) -> tuple[str, ...]:

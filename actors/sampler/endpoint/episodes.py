@@ -6,18 +6,22 @@ exactly (the agent appended tool results or a user turn and sent the model's ans
 unchanged) continues that segment: the engine gets the segment's own tokens (the model's
 exactly, never re-tokenized) plus the new text's tokens, which are the environment's (loss
 mask 0). A call that does not extend (the agent edited its history, summarised, or branched)
-starts a new segment on its own prompt. A segment's response keeps to the budget
-(``max_tokens``, the environment's tokens included): environment tokens past it are cut, the
-call gets no tokens (``length``), and no later call extends that segment.
+starts a new segment on its own prompt, and the segment it left behind is done. A segment's
+response keeps to the budget (``max_tokens``, the environment's tokens included): environment
+tokens past it are cut, the call gets no tokens (``length``), and no later call extends that
+segment.
 
-The learner trains on ``n`` samples per group (``learner/batch.build_batch``), so an episode
-hands on one sample: its last segment (that of the last call's first choice); the segments it
-left behind are counted (``branches``) and named in the sample's turns, not trained on.
+An episode hands on its segments as samples of its group, as verl and prime-rl do: those
+left behind (the first choice of the call before each branch) and its last one (the last
+call's first choice); the group then has more than ``n`` samples (``agent.rollout.branches =
+"train"``; ``"last"``: only the last segment, the others counted in ``branches``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 from actors.sampler.agent.loop import Transcript
 from actors.sampler.engines.base import Generation
@@ -33,6 +37,8 @@ class Segment:
     t: Transcript = field(default_factory=Transcript)
     full: bool = False  # its budget is spent (the environment's tokens were cut): no call
     # extends it any more
+    fresh: bool = False  # a call's new segment (it extends none): once answered, the previous
+    # call's segment is left behind
 
     def extend(self, ids: list[int], turn: Turn, text: str, budget: int) -> None:
         """The environment's tokens between two calls, cut to what is left of ``budget``."""
@@ -62,6 +68,7 @@ class Episode:
     calls: int = 0
     branches: int = 0  # segments left behind by a call that did not extend them
     last: list[Segment] = field(default_factory=list)  # one per choice of the last call
+    done: list[Segment] = field(default_factory=list)  # left behind by a call that branched
 
     def base(self, text: str, encode, role: str) -> Segment:
         """The segment a call on ``text`` continues (a copy, with the new tokens as the
@@ -69,8 +76,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and text.startswith(s.text)),
                     key=lambda s: len(s.text), default=None)
         if match is None:
-            self.branches += bool(self.last)
-            return Segment(encode(text), text)
+            return Segment(encode(text), text, fresh=True)
         seg = match.copy()
         new = text[len(seg.text):]
         if new:
@@ -82,8 +88,7 @@ class Episode:
         match = max((s for s in self.last if not s.full and ids[:len(s.context)] == s.context),
                     key=lambda s: len(s.context), default=None)
         if match is None:
-            self.branches += bool(self.last)
-            return Segment(list(ids), text)
+            return Segment(list(ids), text, fresh=True)
         seg = match.copy()
         new = ids[len(seg.context):]
         if new:
@@ -91,19 +96,37 @@ class Episode:
                        self.params.max_tokens)
         return seg
 
+    def _branch(self) -> None:
+        """The previous call's segment is left behind (done only for an answered call: a call
+        refused mid-way leaves the episode as it was)."""
+        if self.last:
+            self.branches += 1
+            self.done.append(self.last[0])
+
     def room(self, seg: Segment) -> int:
         """Tokens the segment's next model turn may have."""
         return 0 if seg.full else max(self.params.max_tokens - len(seg.t.ids), 0)
 
-    def answered(self, base: Segment, gens: list[Generation], texts: list[str]) -> None:
-        """The call's choices, each continuing its own copy of ``base``."""
+    def answered(self, base: Segment, gens: list[Generation], texts: list[str],
+                 request: str = "", response: str = "") -> None:
+        """The call's choices, each continuing its own copy of ``base``; each model turn keeps
+        the call's request and response bodies."""
+        if base.fresh:
+            self._branch()
         self.last = []
         for g, raw in zip(gens, texts, strict=True):
             seg = base.copy()
             seg.t.model_turn(g, raw)
+            seg.t.turns[-1] = msgspec.structs.replace(seg.t.turns[-1], request=request,
+                                                      response=response)
             seg.text = base.text + raw
             self.last.append(seg)
 
     def sample(self) -> Segment | None:
-        """The segment the episode hands on (None: it made no call)."""
+        """The episode's last segment (None: it made no call)."""
         return self.last[0] if self.last else None
+
+    def samples(self, branches: str) -> list[Segment | None]:
+        """The segments the episode hands on, in order, the last one last (``[None]``: it made
+        no call): all of them (``branches = "train"``) or the last one."""
+        return [*(self.done if branches == "train" else []), self.sample()]

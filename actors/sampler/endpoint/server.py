@@ -3,12 +3,18 @@ event loop (no thread, no bridge: a call awaits the engine like any rollout does
 
 Routes, under each episode's ``/episodes/ID/v1``: ``POST /chat/completions`` (tools through
 the chat template, hermes tool calls read back; ``n``, ``temperature``, ``top_p``,
-``max_tokens``, ``stop``, ``logprobs``, ``stream``), ``POST /completions`` (a text prompt, or
-token ids: token in, token out) and ``GET /models``. A streamed answer is sent as server-sent
-events once the engine has the whole completion (the engines here return whole completions).
+``max_tokens``, ``stop``, ``logprobs``, ``stream``; ``tool_choice`` auto, none, a named
+function or required with one tool: the call is opened in the prompt, ``api.call_prefix``),
+``POST /completions`` (a text prompt, or
+token ids: token in, token out) and ``GET /models``. A streamed chat answer on a continuous
+engine (vllm) is sent token by token as the engine samples them (``streaming.py``; with tools
+or stop strings, and on the batch engine (hf), whose completions arrive whole, it is sent once
+complete).
 Every choice carries ``token_ids`` and every response ``prompt_token_ids`` and
-``policy_version``. A bad body, an unknown episode or a call past ``max_calls`` is a 4xx with
-the reason; nothing a request holds can stop the sampler.
+``policy_version``. Each call's request and response bodies are kept on the model turn it
+produced (``Turn.request`` / ``response``: recorded, shown by ``inspect``). A bad body, an
+unknown episode or a call past ``max_calls`` is a 4xx with the reason; nothing a request holds
+can stop the sampler.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ from actors.sampler.endpoint.api import (
     ChatRequest,
     CompletionRequest,
     assistant_message,
+    call_prefix,
     decode_body,
+    forced_message,
+    forced_tool,
     logprobs_content,
     render,
     stops_of,
 )
 from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.endpoint.streaming import live_streaming, stream_tokens
 from actors.sampler.engines.base import Rejected, full_generation
 from messages.rollout import SamplingParams
 
@@ -56,8 +66,9 @@ def error(status: int, reason: str) -> JSONResponse:
 class Calls:
     """Serves one episode's calls on the strategy's engine."""
 
-    def __init__(self, rollout: EndpointRollout) -> None:
+    def __init__(self, rollout: EndpointRollout, nursery: Any = None) -> None:
         self.r = rollout
+        self.nursery = nursery  # where a streamed call's generation runs beside its events
 
     def episode(self, request: Request) -> Episode:
         ep = self.r.episodes.get(request.path_params["eid"])
@@ -100,34 +111,52 @@ class Calls:
 
     async def chat(self, request: Request) -> Response:
         ep = self.episode(request)
-        req: ChatRequest = decode_body(await request.body(), ChatRequest)
+        raw_body = await request.body()
+        req: ChatRequest = decode_body(raw_body, ChatRequest)
         text = render(self.r.tok.tokenizer, req)
+        forced = forced_tool(req)
+        prefix = call_prefix(self.r.cfg.parser, forced) if forced else ""
+        text += prefix  # the forced call opened: its tokens are the prompt's, mask 0
         role = "tool" if req.messages[-1].get("role") == "tool" else "user"
         seg = ep.base(text, self.encode, role)
         params = self.params(ep, req, seg)
-        gens = await self.generate(seg.context, params, req.n)
-        raws, contents, finishes = self.texts(gens, params.stop)
-        ep.answered(seg, gens, raws)
         parser = make_parser(self.r.cfg.parser, req.tools) if req.tools and \
             req.tool_choice != "none" else None
+        usage = bool(req.stream_options and req.stream_options.get("include_usage"))
+        if req.stream and self.nursery is not None and live_streaming(self.r.engine, params,
+                                                                        parser):
+            return StreamingResponse(stream_tokens(self, ep, seg, req, params, raw_body, usage),
+                                     media_type="text/event-stream")
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
+        body, raws = self.chat_body(req, seg, gens, params, parser, forced, prefix)
+        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
+        if req.stream:  # a batch engine's (hf) completions arrive whole: sent whole
+            return StreamingResponse(self.chunks(body, usage), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    def chat_body(self, req: ChatRequest, seg: Segment, gens, params: SamplingParams,
+                  parser, forced: str | None = None, prefix: str = ""
+                  ) -> tuple[dict[str, Any], list[str]]:
+        """The chat completion of ``gens``, and each choice's text with special tokens."""
+        raws, contents, finishes = self.texts(gens, params.stop)
         choices = []
         for k, (g, content, finish) in enumerate(zip(gens, contents, finishes, strict=True)):
-            message, called = assistant_message(content, parser)
+            if forced and parser is not None:  # OpenAI: finish "stop" on a forced function
+                message, called = forced_message(content, parser, forced, prefix), False
+            else:
+                message, called = assistant_message(content, parser)
             choice: dict[str, Any] = {
                 "index": k, "message": message, "token_ids": g.token_ids.tolist(),
                 "finish_reason": "tool_calls" if called and finish == "stop" else finish,
                 "logprobs": {"content": logprobs_content(self.pieces(g), g.logprobs.tolist())}
                 if req.logprobs else None}
             choices.append(choice)
-        body = self.envelope("chat.completion", seg.context, gens, choices)
-        if req.stream:
-            return StreamingResponse(self.chunks(body, bool(req.stream_options and req.stream_options.get("include_usage"))),
-                                     media_type="text/event-stream")
-        return JSONResponse(body)
+        return self.envelope("chat.completion", seg.context, gens, choices), raws
 
     async def complete(self, request: Request) -> Response:
         ep = self.episode(request)
-        req: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        raw_body = await request.body()
+        req: CompletionRequest = decode_body(raw_body, CompletionRequest)
         if isinstance(req.prompt, str):
             seg = ep.base(req.prompt, self.encode, "user")
         else:
@@ -137,14 +166,14 @@ class Calls:
             seg = ep.base_ids(req.prompt, self.r.tok.tokenizer.decode(
                 req.prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         params = self.params(ep, req, seg)
-        gens = await self.generate(seg.context, params, req.n)
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
         raws, contents, finishes = self.texts(gens, params.stop)
-        ep.answered(seg, gens, raws)
         choices = [{"index": k, "text": c, "finish_reason": f, "token_ids": g.token_ids.tolist(),
                     "logprobs": {"tokens": self.pieces(g), "token_logprobs": g.logprobs.tolist()}
                     if req.logprobs is not None else None}
                    for k, (g, c, f) in enumerate(zip(gens, contents, finishes, strict=True))]
         body = self.envelope("text_completion", seg.context, gens, choices)
+        ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
         if req.stream:
             return StreamingResponse(self.text_chunks(body), media_type="text/event-stream")
         return JSONResponse(body)
@@ -153,14 +182,26 @@ class Calls:
         return list(self.r.tok.tokenizer.encode(text, add_special_tokens=False))
 
     def pieces(self, g) -> list[str]:
-        hf = self.r.tok.tokenizer
-        return [str(hf.decode([t], skip_special_tokens=False)) for t in g.token_ids.tolist()]
+        return self.token_pieces(g.token_ids.tolist())
 
-    async def generate(self, context: list[int], params: SamplingParams, n: int):
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        hf = self.r.tok.tokenizer
+        return [str(hf.decode([t], skip_special_tokens=False)) for t in ids]
+
+    async def generate(self, context: list[int], params: SamplingParams, n: int, stream=None,
+                       seed: int | None = None):
         if params.max_tokens <= 0:  # the sample's budget is spent: an empty, cut answer
             return [full_generation(torch.zeros(0, dtype=torch.int32), torch.zeros(0),
                                     self.r.engine.version, "length") for _ in range(n)]
-        return await self.r.call_engine(context, params, n)
+        try:
+            return await self.r.call_engine(context, params, n, stream, seed)
+        except (ValueError, ExceptionGroup) as exc:  # a setting the engine cannot take (hf: a
+            # stop string its tokenizer cannot spell: transformers' StopStringCriteria, raised
+            # in the compute thread's task group)
+            leaf = _only(exc, ValueError)
+            if leaf is None:
+                raise
+            raise BadRequest(f"the engine refuses these settings: {leaf}") from None
 
     def envelope(self, obj: str, context: list[int], gens, choices) -> dict[str, Any]:
         completion = sum(len(g.token_ids) for g in gens)
@@ -199,8 +240,9 @@ class Calls:
         return f"data: {json.dumps(value)}\n\n"
 
 
-def app(rollout: EndpointRollout) -> Starlette:
-    calls = Calls(rollout)
+def app(rollout: EndpointRollout, nursery: Any = None) -> Starlette:
+    """The routes; ``nursery`` (trio's, the server's) runs streamed calls' generation."""
+    calls = Calls(rollout, nursery)
 
     def guarded(handler):
         async def route(request: Request) -> Response:
@@ -241,7 +283,7 @@ async def serve(rollout: EndpointRollout, *, task_status=anyio.TASK_STATUS_IGNOR
 
     async with trio.open_nursery() as nursery:
         try:
-            urls = await nursery.start(hypercorn_serve, app(rollout), config)
+            urls = await nursery.start(hypercorn_serve, app(rollout, nursery), config)
         except BaseException as exc:  # hypercorn's bind error arrives in an exception group
             bind = _leaf_oserror(exc)
             if bind is None:
@@ -252,6 +294,15 @@ async def serve(rollout: EndpointRollout, *, task_status=anyio.TASK_STATUS_IGNOR
         rollout.serving.set()
         task_status.started(rollout.base_url)
 
+
+
+def _only(exc: BaseException, kind: type[Exception]) -> Exception | None:
+    """``exc`` when it is a ``kind``, or the one ``kind`` a group holds and nothing else."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _only(exc.exceptions[0], kind)
+    return None
 
 
 def _leaf_oserror(exc: BaseException) -> OSError | None:

@@ -3,16 +3,18 @@ sandboxed child, its model calls served by this sampler's engine (``server.py``)
 into one sample token in and token out (``episodes.py``).
 
 Every episode has its own address, ``http://HOST:PORT/episodes/ID/v1``; ``n`` episodes of a
-prompt make its group. All calls of an episode go to this sampler's one engine (sticky: its
-prefix cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
+prompt make its group (more samples when episodes branched, each on its own prompt:
+``episodes.py``). All calls of an episode go to this sampler's one engine (sticky: its prefix
+cache serves the episode), inside the sampler's admission. A batch engine (hf) gets the
 calls that arrive while it is busy as one batch when it is free (one batch per sampling
 setting); a continuous engine (vllm) gets each call at once.
 
 The reward is the function's return value, or, when it returns None, the configured scorer's
 on the transcript (``Rollout.score_group``). An episode that raises, times out
 (``agent.rollout.episode_timeout_s``: its child is killed) or makes more than
-``agent.rollout.max_calls`` calls is a failure, recorded in its sample's turns and counted;
-``on_failure`` says whether its sample trains with reward 0 or is dropped with its group.
+``agent.rollout.max_calls`` calls is a failure, recorded in its last sample's turns and
+counted; ``on_failure`` says whether its samples train with reward 0 or are dropped with
+their group. Every sample of an episode has the episode's reward.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import anyio
 from actors.data.chat import ChatTokenizer, as_dicts
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
-from actors.sampler.endpoint.episodes import Episode
+from actors.sampler.endpoint.episodes import Episode, Segment
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sandbox.pool import ChildPool
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
@@ -41,7 +43,10 @@ class EndpointGeneration(AgentGeneration):
     reward its function returned (None: the scorer's)."""
 
     own: ScoreResult | None = None
-    prompt_ids: list[int] | None = None  # the group's prompt these tokens follow
+    prompt_ids: list[int] | None = None  # its own prompt: its segment's first call's tokens
+    # (None: the episode made no call; the group's prompt)
+    reward_of: int | None = None  # a segment its episode left behind: the index in the group
+    # of the episode's last sample, whose reward (the scorer's on it) it shares
 
 
 class _Slot:
@@ -146,14 +151,17 @@ class EndpointRollout:
         return self.tok.prompt_ids(prompt.messages)
 
     def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
-        """The prompt the group's samples follow: the common prefix of their own prompts."""
-        own = [c.prompt_ids for c in completions if isinstance(c, EndpointGeneration)
-               and c.prompt_ids is not None]
-        return own[0] if own else ids
+        """The group's prompt: the dataset prompt's tokens (a sample whose calls rendered
+        another conversation carries its own, ``EndpointGeneration.prompt_ids``)."""
+        return ids
 
-    async def call_engine(self, ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+    async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
+                          stream=None, seed: int | None = None) -> list[Generation]:
+        """``n`` completions of ``ids``; ``stream`` (``GenerateRequest.stream``) hears a
+        continuous engine's tokens as they come; ``seed`` (the request's) seeds an engine
+        with per-sample seeds (vllm), ``GenerateRequest.seed``."""
         started = time.monotonic()
-        request = GenerateRequest(ids, params, n)
+        request = GenerateRequest(ids, params, n, seed=seed, stream=stream)
         if self.engine.continuous:
             (gens,) = await self.engine.generate([request])
         else:
@@ -201,34 +209,23 @@ class EndpointRollout:
 
     def group(self, ids: list[int], episodes: list[tuple[Episode, Outcome]]
               ) -> list[EndpointGeneration]:
-        """The group's samples on the common prefix of their prompts (the dataset prompt's
-        tokens when no episode made a call)."""
-        prompts = [s.prompt for s in (ep.sample() for ep, _ in episodes) if s is not None] or [ids]
-        k = len(prompts[0])
-        for p in prompts[1:]:
-            k = min(k, len(p))
-            k = next((j for j in range(k) if p[j] != prompts[0][j]), k)
-        prefix = prompts[0][:k]
-        return [self.sample(prefix, ep, o) for ep, o in episodes]
+        """The group's samples, episode by episode, each on its own prompt (its segment's
+        first call's tokens); every sample of an episode gets the episode's reward."""
+        segs = [ep.samples(self.cfg.rollout.branches) for ep, _ in episodes]
+        out: list[EndpointGeneration] = []
+        for (ep, o), ss in zip(episodes, segs, strict=True):
+            last = len(out) + len(ss) - 1
+            out += [self.sample(ep, seg, o, None if j == last else last)
+                    for j, seg in enumerate(ss, len(out))]
+        return out
 
-    def sample(self, prefix: list[int], ep: Episode, o: Outcome) -> EndpointGeneration:
-        seg = ep.sample()
+    def sample(self, ep: Episode, seg: Segment | None, o: Outcome,
+               reward_of: int | None) -> EndpointGeneration:
         t = Transcript()
-        if seg is not None and len(seg.prompt) > len(prefix):  # its own prompt's remainder
-            rest = seg.prompt[len(prefix):]
-            t.observation(rest, Turn("user", 0, 0, content=self.tok.decode(rest)))
         if seg is not None:
-            offset = len(t.ids)
-            t.ids += seg.t.ids
-            t.logprobs += seg.t.logprobs
-            first_own = next((v for v, m in zip(seg.t.versions, seg.t.mask, strict=True) if m),
-                             self.engine.version)
-            t.versions = [first_own] * offset + seg.t.versions
-            t.mask += seg.t.mask
-            t.turns += [Turn(x.role, x.start + offset, x.end + offset, content=x.content,
-                             error=x.error, failure=x.failure, latency_s=x.latency_s)
-                        for x in seg.t.turns]
-        if o.error:
+            t.ids, t.logprobs = list(seg.t.ids), list(seg.t.logprobs)
+            t.versions, t.mask, t.turns = list(seg.t.versions), list(seg.t.mask), list(seg.t.turns)
+        if o.error and reward_of is None:
             t.turns.append(Turn("user", len(t.ids), len(t.ids), content="episode failed",
                                 error=o.error, failure=o.failure or "raised"))
         finish = "stop"
@@ -245,4 +242,5 @@ class EndpointRollout:
         g = t.generation(finish, self.engine.version, None)
         return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
                                   g.finish_reason, g.version, turns=g.turns, own=own,
-                                  prompt_ids=prefix)
+                                  prompt_ids=seg.prompt if seg is not None else None,
+                                  reward_of=reward_of)

@@ -18,8 +18,8 @@ a group leaves as soon as its own completions are done.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +39,12 @@ class GenerateRequest:
     """Sampling seed of the first completion (the i-th uses ``seed + i``), to regenerate a
     recorded sample (``Sample.seed``); None: the engine picks. Engines without per-sample
     seeds (hf) ignore it."""
+    stream: Callable[[int, list[int], list[float]], None] | None = field(default=None,
+                                                                         compare=False)
+    """Called with each completion's index and its new token ids and log-probs as they are
+    sampled, from the engine's own thread (the callee hands them to its loop). A continuous
+    engine (vllm) calls it per engine step; a batch engine (hf) never does: its completions
+    arrive whole."""
 
 
 @dataclass

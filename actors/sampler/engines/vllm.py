@@ -229,8 +229,8 @@ class VLLMEngine(SleepControl):
 
     async def _generate(self, jobs: list[tuple[GenerateRequest, list[int]]]
                         ) -> list[list[Generation]]:
-        tasks = [[asyncio.ensure_future(self._one(r.prompt_ids, r.params, s)) for s in seeds]
-                 for r, seeds in jobs]
+        tasks = [[asyncio.ensure_future(self._one(r.prompt_ids, r.params, s, r.stream, k))
+                  for k, s in enumerate(seeds)] for r, seeds in jobs]
         try:
             return [list(await asyncio.gather(*group)) for group in tasks]
         finally:
@@ -238,7 +238,9 @@ class VLLMEngine(SleepControl):
                 for t in group:
                     t.cancel()
 
-    async def _one(self, prompt_ids: list[int], params: SamplingParams, seed: int) -> Generation:
+    async def _one(self, prompt_ids: list[int], params: SamplingParams, seed: int,
+                   stream: Callable[[int, list[int], list[float]], None] | None = None,
+                   index: int = 0) -> Generation:
         from vllm import SamplingParams as VSamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
@@ -252,15 +254,24 @@ class VLLMEngine(SleepControl):
             n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_tokens,
             stop=list(params.stop) or None, logprobs=0, seed=seed,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(params.stop))
+            output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(params.stop))
         self.running += 1
         self.idle.clear()
         adapter = self.slots.pin() if self.slots else None  # LoRA: its version's, to the end
         try:
-            final = None
+            final, seen = None, 0
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
                                                request_id=f"{seed}-{next(self.ids)}",
                                                lora_request=adapter and adapter.request):
+                if stream is not None:  # the tokens sampled since the last step (vLLM may
+                    c = out.outputs[0]  # reuse one output object: count, do not compare)
+                    new = list(c.token_ids[seen:])
+                    if new:
+                        stream(index, new, [lp[t].logprob for lp, t in
+                                            zip(c.logprobs[seen:seen + len(new)], new,
+                                                strict=True)])
+                        seen += len(new)
                 final = out
         except VLLMClientError as exc:  # the request itself is bad (EngineDeadError is not one)
             raise Rejected(str(exc)) from None
