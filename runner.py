@@ -52,6 +52,9 @@ def attach_main(argv: list[str]) -> int:
                              "key (security.server_key in its topology.json), written --server-key=Z85 "
                              "(a key may begin with '-'); use with --key")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
+    parser.add_argument("--pool", default="", metavar="NAME",
+                        help="reward: serve the [[reward.pools]] pool NAME (a replica of its "
+                             "reward model or judge) instead of the rule workers' pool")
     parser.add_argument("--key", default=None, metavar="KEY",
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")

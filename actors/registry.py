@@ -48,7 +48,8 @@ KINDS: tuple[ActorKind, ...] = (
     ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never", gang=True,
               ends_job=True),
     ActorKind("reward", "actors.reward:reward_actor", 0, None, "on-failure", attachable=True),
-    ActorKind("teacher", "actors.teacher.worker:teacher_actor", 0, None, "on-failure"),
+    ActorKind("teacher", "actors.teacher.worker:teacher_actor", 0, None, "on-failure",
+              attachable=True),
     ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure",
               attachable=True, by_address="runner"),
 )

@@ -132,7 +132,7 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     sock = make_socket(ctx.zmq, zmq.DEALER, identity=ctx.name.encode(), curve=ctx.curve)
     monitor = handshake_monitor(sock) if ctx.curve is not None else None
     sock.socket.connect(address)
-    replica = pool_replica(cfg, ctx.index)  # None: a rule worker (an attached one: index -1)
+    replica = pool_replica(cfg, ctx.index)  # None: a rule worker (attached: -1, or --pool)
     scoring: Scoring | PoolScoring
     if replica is None:
         scoring, pool, capacity = Scoring(cfg, threads=cfg.threads), POOL, cfg.capacity

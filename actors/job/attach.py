@@ -105,6 +105,24 @@ def job_topology(args: argparse.Namespace) -> tuple[dict, str]:
     return data, "" if control == "auto" else control
 
 
+def attached_index(topology, kind: str, pool: str) -> int:
+    """The process index an attached worker runs as: -1, or with ``--pool NAME`` (reward) the
+    index of that model pool's first replica, so it serves the pool with the pool's model
+    (``config/pools.py``'s ``pool_replica``); raises ConfigError naming ``--pool``."""
+    if not pool:
+        return -1
+    if kind != "reward":
+        raise ConfigError(f"--pool {pool}: only reward workers serve model pools ([[reward.pools]])")
+    R = topology.reward
+    index = R.count
+    for p in R.pools:
+        if p.name == pool:
+            return index
+        index += p.replicas
+    names = ", ".join(p.name for p in R.pools) or "none"
+    raise ConfigError(f"--pool {pool}: the job has no such model pool (its reward.pools: {names})")
+
+
 def attach_command(args: argparse.Namespace) -> int:
     """Start one worker of ``args.kind`` in this process, joined to the running job."""
     from actors.runtime.actor import run_actor
@@ -133,6 +151,11 @@ def attach_command(args: argparse.Namespace) -> int:
     except (ConfigError, msgspec.DecodeError) as exc:
         print(f"error: bad topology {args.to}: {exc}", file=sys.stderr)
         return 2
+    try:
+        index = attached_index(topology, args.kind, getattr(args, "pool", ""))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     name = args.name or f"{args.kind}-attached-{os.getpid()}"
     if "://" in args.to:  # no run directory here: logs go to ./attached/NAME/logs
         run_dir = Path("attached") / name
@@ -144,5 +167,5 @@ def attach_command(args: argparse.Namespace) -> int:
     body = getattr(importlib.import_module(module), fn)
     print(f"=== {name} (pid {os.getpid()}) attaching to the job at {args.to}; Ctrl-C detaches it",
           flush=True)
-    return run_actor(args.kind, -1, topology, run_dir, body, name=name, supervised=False,
+    return run_actor(args.kind, index, topology, run_dir, body, name=name, supervised=False,
                      curve=curve, report_to=report_to)

@@ -29,6 +29,7 @@ from actors.runtime.tensors import from_wire, to_wire
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from actors.teacher.model import TeacherModel
 from messages.codec import Codec, DecodeError, encode
+from messages.control import Finished
 from messages.routing import Envelope, ToWorker, WorkerBye, WorkerHeartbeat, WorkerHello
 from messages.teacher import TeacherReply, TeacherRequest, ToTeacherWorker
 
@@ -155,16 +156,23 @@ async def teacher_actor(ctx: ActorContext, *, task_status) -> None:
 
     await sock.send_multipart([encode(WorkerHello(name=ctx.name, pool=POOL, capacity=cfg.capacity))])
     task_status.started()
-    with sock:
-        async with anyio.create_task_group() as outer:
-            outer.start_soon(watch_cancel)  # the only task the outside cancellation reaches
-            with anyio.CancelScope(shield=True):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(worker.heartbeats)
-                    if monitor is not None:  # a refused key fails the worker, loudly
-                        assert ctx.curve is not None
-                        tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)
-                    tg.start_soon(worker.receive, tg)
-                    await stopping.wait()
-                    await worker.drain()
-                    tg.cancel_scope.cancel()
+    try:
+        with sock:
+            async with anyio.create_task_group() as outer:
+                outer.start_soon(watch_cancel)  # the only task the outside cancellation reaches
+                with anyio.CancelScope(shield=True):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(worker.heartbeats)
+                        if monitor is not None:  # a refused key fails the worker, loudly
+                            assert ctx.curve is not None
+                            tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)
+                        tg.start_soon(worker.receive, tg)
+                        await stopping.wait()
+                        await worker.drain()
+                        if ctx.status.get("attached"):  # its runner drops its row now
+                            await ctx.report(Finished(actor=ctx.name, status=dict(ctx.status),
+                                                      detail=f"detached: {worker.done} requests done"))
+                        tg.cancel_scope.cancel()
+    finally:
+        if ctx.control is None or ctx.status.get("attached"):  # by hand, or in a test
+            print(f"=== {ctx.name} detached: {worker.done} requests done", flush=True)
