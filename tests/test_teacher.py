@@ -147,3 +147,43 @@ def test_teachers_are_placed_by_the_samplers_rules(tmp_path, sockets, teacher_mo
     assert "teacher-0" not in envs(topology(sockets, "sampler.engine=hf"), tmp_path, ["0"])
     with pytest.raises(ConfigError, match=r"teacher.replicas: 10 processes on GPU 0 would get 9%"):
         envs(topology(sockets, "sampler.engine=hf", on, "teacher.replicas=8"), tmp_path, ["0"])
+
+
+@pytest.mark.anyio
+async def test_an_idle_teacher_sleeps_and_a_request_wakes_it_with_the_same_logprobs(
+        teacher_model, tmp_path, sockets):
+    """``teacher.sleep_idle_s``: an idle worker gives its weights' memory back (on a CPU the
+    parameters emptied, read again from the checkpoint on wake), reports the sleep, and the next
+    routed request wakes it and is answered with the same log-probs as before the sleep."""
+    topo = live_topology(sockets, f"teacher.path={teacher_model}", "teacher.sleep_idle_s=0.3")
+    request = TeacherRequest(to_wire(torch.tensor(PROMPT, dtype=torch.int32)),
+                             [to_wire(torch.tensor(r, dtype=torch.int32)) for r in RESPONSES])
+    zctx = zmq.Context()
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await tg.start(serve_actor, actor_context("router", topo, zctx, tmp_path),
+                               router_actor, None)
+                teacher_ctx = actor_context("teacher", topo, zctx, tmp_path)
+                await tg.start(serve_actor, teacher_ctx, teacher_actor, None)
+                replies = []
+                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+                    for rid in (1, 2):
+                        await wait_for("the teacher asleep",  # idle since its start, then again
+                                       lambda: teacher_ctx.status.get("asleep") is True)
+                        assert teacher_ctx.status["sleeps"] == rid
+                        assert teacher_ctx.status["freed_mb"] > 0
+                        await client.send_multipart(routed(rid, request, pool="teacher"))
+                        envelope, body = await client.recv_multipart()
+                        assert Codec(ToClient).decode(envelope) == Envelope(rid)
+                        reply = Codec(ToTeacherClient).decode(body)
+                        assert isinstance(reply, TeacherReply) and reply.error == ""
+                        replies.append([from_wire(lp) for lp in reply.logprobs])
+                        assert teacher_ctx.status["wake_ms"] > 0
+                for first, second, r in zip(*replies, RESPONSES, strict=True):
+                    assert torch.equal(first, second)  # the same weights after the wake
+                    expected = reference(teacher_model, PROMPT, r)
+                    assert torch.allclose(first, expected, rtol=0, atol=1e-5)
+                tg.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)

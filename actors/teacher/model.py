@@ -43,6 +43,11 @@ class TeacherModel:
         self.pad_id = int(pad) if pad is not None else 0
         self._model = model.to(self.device).eval()
 
+    @property
+    def module(self) -> Any:
+        """The loaded torch model (None before ``load``)."""
+        return self._model
+
     def logprobs(self, prompt: list[int], responses: list[list[int]]) -> list[torch.Tensor]:
         """``log π_teacher`` of each response token given the prompt and the tokens before it,
         one ``(R_i,)`` float32 CPU tensor per response, in order."""

@@ -16,6 +16,7 @@ sent before its acknowledgement, exit.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 import torch
@@ -27,6 +28,7 @@ from actors.runtime.devices import on_device
 from actors.runtime.security import handshake_monitor, watch_handshake
 from actors.runtime.tensors import from_wire, to_wire
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
+from actors.scoring.sleep import TorchSleep
 from actors.teacher.model import TeacherModel
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Finished
@@ -57,11 +59,33 @@ class TeacherWorker:
         self.idle = anyio.Event()  # set while nothing is in flight
         self.idle.set()
         self.acked = anyio.Event()  # the router acknowledged our bye
+        self.sleeper = TorchSleep(model.module, Path(model.path)) if self.cfg.sleep_idle_s > 0 else None
+        self.last_request = time.monotonic()  # when the last forward ended (sleep_idle_s)
 
     def publish(self) -> None:
         self.ctx.status.update(requests_done=self.done, request_errors=self.errors,
                                tokens_scored=self.tokens, busy_s=round(self.busy_s, 3),
                                requests_in_flight=self.in_flight)
+        if self.sleeper is not None:
+            self.ctx.status.update(self.sleeper.clock.statistics().status())
+
+    async def keep_sleeping(self) -> None:
+        """Put the model to sleep whenever no request came for ``teacher.sleep_idle_s`` (beside
+        the worker; a request wakes it first, in ``answer``)."""
+        if self.sleeper is None:
+            await anyio.sleep_forever()
+        assert self.sleeper is not None
+        while True:
+            due = self.last_request + self.cfg.sleep_idle_s - time.monotonic()
+            if due > 0:
+                await anyio.sleep(due)
+                continue
+            async with self.lock:
+                if (self.in_flight == 0 and not self.sleeper.asleep
+                        and time.monotonic() - self.last_request >= self.cfg.sleep_idle_s):
+                    await anyio.to_thread.run_sync(self.sleeper.sleep)
+                    self.publish()
+            await anyio.sleep(self.cfg.sleep_idle_s)
 
     async def answer(self, request: TeacherRequest) -> TeacherReply:
         prompt = from_wire(request.prompt_ids).tolist()
@@ -69,12 +93,15 @@ class TeacherWorker:
         async with self.lock:
             started = time.monotonic()
             try:
+                if self.sleeper is not None and self.sleeper.asleep:  # woken by the request
+                    await anyio.to_thread.run_sync(self.sleeper.wake)
                 lps = await anyio.to_thread.run_sync(self.forward, prompt, responses)
             except Exception as exc:  # a forward's failure is the request's error, not the worker's
                 self.errors += 1
                 return TeacherReply([], error=f"teacher: {type(exc).__name__}: {exc}"[:500])
             finally:
                 self.busy_s += time.monotonic() - started
+                self.last_request = time.monotonic()
         self.done += 1
         self.tokens += sum(len(r) for r in responses)
         return TeacherReply([to_wire(lp.to(torch.float32)) for lp in lps])
@@ -163,6 +190,7 @@ async def teacher_actor(ctx: ActorContext, *, task_status) -> None:
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(worker.heartbeats)
+                        tg.start_soon(worker.keep_sleeping)
                         if monitor is not None:  # a refused key fails the worker, loudly
                             assert ctx.curve is not None
                             tg.start_soon(watch_handshake, monitor, address, ctx.curve.public)

@@ -9,6 +9,7 @@ and becomes the learner's distillation advantage (``kernels/distill.py``). Witho
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from actors.registry import BY_NAME, Restart
@@ -39,6 +40,10 @@ class TeacherConfig(_Section, frozen=True):
     """Requests (groups) one worker takes at once; its forwards run one at a time."""
     batch_size: int = 16
     """Sequences per teacher forward pass."""
+    sleep_idle_s: float = 0.0
+    """A worker idle this long gives its weights' memory back (to host memory on a GPU, read
+    again from the checkpoint on a CPU: ``actors/scoring/sleep.py``, as model pools do) and
+    wakes for the next request; 0: never sleeps."""
     weight: float = 1.0
     """Coefficient of the distillation advantage (slime ``opd_kl_coef``, verl
     ``distillation_loss_coef``): advantage += -weight * clamp(KL_t)."""
@@ -66,6 +71,8 @@ def check_teacher(topology: Any, need: Any) -> None:
     need(T.replicas >= 1, "teacher.replicas", "must be >= 1")
     need(T.capacity >= 1, "teacher.capacity", "must be >= 1")
     need(T.batch_size >= 1, "teacher.batch_size", "must be >= 1")
+    need(math.isfinite(T.sleep_idle_s) and T.sleep_idle_s >= 0, "teacher.sleep_idle_s",
+         "must be >= 0 (0: never sleeps)")
     need(T.max_restarts >= 0, "teacher.max_restarts", "must be >= 0")
     need(T.kl_clamp >= 0, "teacher.kl_clamp", "must be >= 0 (0: no clamp)")
     need(T.weight >= 0, "teacher.weight", "must be >= 0")
