@@ -14,8 +14,8 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig, AgentRollout, VLLMOptions
 from actors.sampler.endpoint.strategy import EndpointRollout
-from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
-from actors.sampler.engines.vllm_settings import vllm_options
+from actors.sampler.engines.vllm import VLLMSettings
+from actors.sampler.engines.vllm_settings import vllm_options, vllm_problem
 from messages.rollout import ChatMessage, Prompt, SamplingParams
 
 pytestmark = [pytest.mark.vllm,

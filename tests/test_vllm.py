@@ -19,8 +19,8 @@ from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
 from actors.runtime.config import VLLMOptions
 from actors.sampler.engines.base import GenerateRequest, Rejected
-from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
-from actors.sampler.engines.vllm_settings import vllm_options
+from actors.sampler.engines.vllm import VLLMSettings
+from actors.sampler.engines.vllm_settings import vllm_options, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.test_sampler import learner_logprobs, scored_group
 

@@ -19,7 +19,8 @@ from actors.learner.objective import response_logprobs
 from actors.runtime.transports.sources import AdapterWeights
 from actors.sampler.engines.base import GenerateRequest
 from actors.sampler.engines.registry import AdapterLimits
-from actors.sampler.engines.vllm import VLLMSettings, vllm_problem
+from actors.sampler.engines.vllm import VLLMSettings
+from actors.sampler.engines.vllm_settings import vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.jobs import status_lines
 from tests.learner_cases import make_trainer

@@ -80,12 +80,7 @@ from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
 from actors.sampler.engines.registry import AdapterLimits, EngineSpec
 from actors.sampler.engines.sleep_clock import SleepClock
 from actors.sampler.engines.vllm_lora import AdapterSlots, lora_options, save_tensors, write_adapter
-from actors.sampler.engines.vllm_settings import (  # noqa: F401 - vllm_problem: the row's
-    SleepControl,
-    SleepPolicy,
-    vllm_options,
-    vllm_problem,
-)
+from actors.sampler.engines.vllm_settings import SleepControl, SleepPolicy, vllm_options
 from messages.rollout import SamplingParams
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
