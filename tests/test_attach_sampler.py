@@ -73,7 +73,7 @@ def samples_per_s(lines: list[dict], names: list[str], n: int) -> float:
     return (sent[-1] - sent[0]) / max(lines[-1]["time"] - lines[0]["time"], 1e-9)
 
 
-@pytest.mark.parametrize("to", ["run_dir", "runner_address"])
+@pytest.mark.parametrize("to", ["run_dir", pytest.param("runner_address", marks=pytest.mark.slow)])
 def test_attached_sampler_works_then_hands_back_its_prompts_on_detach(tiny_model, tmp_path, to):
     """``to``: the run directory, or (as from another machine) the runner's tcp address, which
     sends the job's topology."""
@@ -165,6 +165,7 @@ def test_attached_sampler_works_then_hands_back_its_prompts_on_detach(tiny_model
           f"(attached alone {samples_per_s(two, [name], n):.2f})")
 
 
+@pytest.mark.slow  # a variant of the above by address (the fast suite keeps the run_dir one)
 def test_a_sampler_attaches_to_a_secured_job_by_the_runners_address_only_with_an_authorized_key(
         tiny_model, tmp_path):
     """As from another machine: the runner's tcp address, the job's public key and a key of
@@ -271,6 +272,7 @@ def test_a_job_sampler_told_its_machine_goes_away_hands_back_and_is_restarted(ti
     assert not actor_pids(run_dir)
 
 
+@pytest.mark.slow  # a variant by another host's runner
 def test_a_sampler_attached_at_another_hosts_runner_shows_in_the_owners_status(tiny_model,
                                                                               tmp_path):
     """Hosts a (owner) and b: the sampler attaches by host b's runner address; b relays it, so
