@@ -15,16 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import ROOT, actor_pids, balanced, metrics, start_job, status_lines
+from tests.test_pools_job import router_worker
 from tests.tiny_model import build_tiny_reward_model
-
-
-def router_worker(run_dir: Path, name: str) -> dict:
-    """The router's last recorded view of worker ``name``."""
-    for line in reversed(status_lines(run_dir)):
-        worker = line.get("router-0", {}).get(f"worker/{name}")
-        if worker is not None:
-            return worker
-    return {}
 
 
 def attach(tmp_path: Path, run_dir: Path, *args: str) -> tuple[subprocess.Popen, Path]:
