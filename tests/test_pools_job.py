@@ -5,9 +5,12 @@ counters balance, no group fails scoring) and nothing is scored twice (no reply 
 router for a request already answered, every group is recorded once).
 
 The judge is the tiny random llama, so its answers are noise: its parser is a user function
-(run in the replica's sandboxed child) that reads any answer (its length), and blocks while a
-flag file exists, so the test knows which replica holds a request when it kills it. The
+(run in the replica's sandboxed child) that reads any answer (its length). The first answer it
+reads it holds while a flag file exists, so the test knows which replica holds a request when it
+kills it; every other answer goes through, so the job goes on around the held one. The
 reward-model replica is stopped (SIGSTOP) until the router shows a request at it, then killed.
+The parser's and the router's timeouts are longer than the test holds anything: every re-send
+comes from a death, so a late second answer (a duplicate) can only be a bug.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from pathlib import Path
 
 from actors.runtime.recording import read_table
-from tests.jobs import FAST, ROOT, actor_pids, balanced, command, metrics, status_lines
+from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.tiny_model import build_tiny_reward_model
 
 PARSER = '''
@@ -31,8 +34,13 @@ FLAG = Path({flag!r})
 
 
 def parse_score(judge_answer, data_source, solution_str, ground_truth, extra_info):
-    """The answer's length / 10; while FLAG exists, says which replica holds it and waits."""
+    """The answer's length / 10. The first answer read while FLAG exists is held until FLAG goes,
+    and a file says which replica holds it."""
     if FLAG.exists():
+        try:
+            os.close(os.open(FLAG.parent / "claimed", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return len(judge_answer) / 10
         (FLAG.parent / f"judge_in_flight-{{os.getppid()}}").touch()
         while FLAG.exists():
             time.sleep(0.05)
@@ -94,7 +102,11 @@ weight = 0.1
 ''')
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
     steps = 8
-    cmd = command(tiny_model, run_dir, *FAST, f"learner.total_steps={steps}")
+    # heartbeats every 2 s: the router drops the stopped replica after 10 s (5 heartbeats), long
+    # enough for the test to see the request it holds in the status (every second)
+    cmd = command(tiny_model, run_dir, "run.status_interval=1", "run.heartbeat_interval=2",
+                  "reward.timeout_s=600", "router.request_timeout=900",
+                  f"learner.total_steps={steps}")
     cmd[2] = str(topology)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -105,13 +117,13 @@ weight = 0.1
         holder = int(next(tmp_path.glob("judge_in_flight-*")).name.rsplit("-", 1)[1])
         judges = {reward_pid(run_dir, 3): "reward-3", reward_pid(run_dir, 4): "reward-4"}
         assert holder in judges
-        os.kill(holder, signal.SIGKILL)
         victim = reward_pid(run_dir, 1)
         os.kill(victim, signal.SIGSTOP)  # it takes requests and answers none
         wait("a request at the stopped rm replica",
              lambda: router_worker(run_dir, "reward-1").get("in_flight", 0) >= 1, proc, log)
         os.kill(victim, signal.SIGKILL)
-        flag.unlink()  # the judges read answers at once from now on
+        os.kill(holder, signal.SIGKILL)
+        flag.unlink()
         proc.wait(timeout=300)
     finally:
         proc.kill()
