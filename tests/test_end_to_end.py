@@ -41,6 +41,9 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40", *ESTIMATORS[estimator]),
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    # the kinds it runs, none it does not (no teacher×0)
+    assert "=== actors: replay×1, router×1, learner×1, reward×1, sampler×1;" in res.stdout, \
+        res.stdout[:2000]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     rewards = [r["critic/score/mean"] for r in rows]

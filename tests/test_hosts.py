@@ -61,6 +61,8 @@ def test_a_learner_over_two_hosts_is_one_node_per_host():
     ([*TWO, 'sampler.host="c"'], "sampler.host: 'c' is not a host of [hosts] (a, b)"),
     ([*TWO, "sampler.count=2", 'sampler.host=["a"]'],
      "sampler.host: lists 1 hosts for sampler.count = 2 processes"),
+    ([*TWO, 'teacher.path="default"', "teacher.replicas=2", 'teacher.host=["a"]'],
+     "teacher.host: lists 1 hosts for teacher.replicas = 2 processes"),
     ([*TWO, "run.host=c"], "run.host: --host 'c' is not a host of [hosts] (a, b)"),
     ([*TWO, "run.dir=runs/{time}"], "run.dir: every host's runner must name the same run"),
     ([*TWO, 'hosts.c="tcp://10.0.0.1:5"'], "hosts.c: 'tcp://10.0.0.1:5' is not an IP address"),

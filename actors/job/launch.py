@@ -135,7 +135,8 @@ def run_job(topology: Topology) -> int:
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
-        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES)
+        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES
+                           if getattr(topology, k).count)  # (no teacher×0)
         if node > 0:
             counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
         elif here:

@@ -121,8 +121,9 @@ def check_hosts(topology: Topology, need: Any) -> None:
                  "names a host twice: one learner node per host")
             names = nodes
         elif isinstance(section.host, list):
+            key = "teacher.replicas" if kind == "teacher" else f"{kind}.count"
             need(len(names) == section.count, f"{kind}.host",
-                 f"lists {len(names)} hosts for {kind}.count = {section.count} processes")
+                 f"lists {len(names)} hosts for {key} = {section.count} processes")
         for name in names:
             need(name in hosts, f"{kind}.host",
                  f"{name!r} is not a host of [hosts] ({', '.join(hosts)})")
