@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.jobs import ROOT
 
 
+@pytest.mark.slow  # 35-70 s: behind -m slow to keep the fast suite near 15 minutes
 def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--json", str(out),

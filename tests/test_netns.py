@@ -141,6 +141,7 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
     assert_complete(job.run_dir, 12)
 
 
+@pytest.mark.slow  # about 40 s: the fast suite keeps the reward host cut off
 def test_sampler_host_cut_off_its_prompts_are_issued_again(net, tiny_model, tmp_path):
     job = Job(net, tiny_model, tmp_path, 47420, "learner.total_steps=12", "sampler.count=2",
               'sampler.host=["a", "b"]', "replay.sampler_timeout_s=2")
@@ -165,6 +166,7 @@ def test_sampler_host_cut_off_its_prompts_are_issued_again(net, tiny_model, tmp_
     assert_complete(job.run_dir, 12)
 
 
+@pytest.mark.slow  # about 65 s: the fast suite keeps the reward host cut off
 def test_learner_host_lost_stops_the_job_and_both_commands_resume_it(net, tiny_model, tmp_path):
     job = Job(net, tiny_model, tmp_path, 47440, "learner.total_steps=10", 'learner.host="c"',
               "learner.save_every=2", "run.heartbeat_timeout=15")
@@ -193,6 +195,7 @@ def test_learner_host_lost_stops_the_job_and_both_commands_resume_it(net, tiny_m
     assert_complete(job.run_dir, 10)
 
 
+@pytest.mark.slow  # about 30 s: the fast suite keeps the reward host cut off
 def test_curve_over_tcp_refuses_an_unknown_key_and_lets_an_authorized_one_attach(
         net, tiny_model, tmp_path):
     keys = tmp_path / "keys"
