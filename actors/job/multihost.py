@@ -20,7 +20,7 @@ re-sent by the router. A member that hears nothing from the owner for that long 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 import zmq
@@ -32,7 +32,33 @@ from messages.control import Heartbeat, StatusValue, Stop
 
 if TYPE_CHECKING:
     from actors.job.pools import Proc
-    from actors.job.supervisor import Job
+    from actors.runtime.config.schema import Topology
+    from actors.runtime.security import CurveKeys
+    from actors.runtime.zmq_bridge import AsyncSocket
+
+
+class HostJob(Protocol):
+    """All that the link between the hosts' runners reads or calls of this host's job
+    (``actors.job.supervisor.Job`` is one; mypy checks it): the job's topology, its processes,
+    its clock and progress, its control socket, and how to end it or say something."""
+
+    topo: Topology
+    started: float  # time.monotonic() when the runner started
+    step: int  # the learner's last reported step
+    outcome: str | None
+    all_ready: trio.Event
+    zmq: zmq.Context
+    curve: CurveKeys | None
+    control: AsyncSocket
+
+    @property
+    def procs(self) -> dict[str, Proc]: ...
+
+    def end(self, outcome: str) -> None: ...
+
+    def say(self, text: str) -> None: ...
+
+    def record_status(self, event: str, **fields: object) -> None: ...
 
 PREFIX = b"host:"
 WAIT_REPORT_S = 5.0  # seconds between "waiting for ..." lines
@@ -54,7 +80,7 @@ def outcome_code(outcome: str | None) -> str:
 class Owner:
     """The owner's side: the other hosts' runners and their actors."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: HostJob) -> None:
         self.job = job
         self.members: dict[str, float] = {}  # host -> when its runner was last heard
         self.ended: set[str] = set()  # members that reported an outcome (they took the Stop)
@@ -144,7 +170,7 @@ class Owner:
 class Member:
     """A non-owner host's runner: relays its actors' reports to the owner and obeys its Stop."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: HostJob) -> None:
         self.job = job
         topo = job.topo
         self.owner = owner(topo)

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -32,7 +32,27 @@ from actors.runtime.rundir import LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue
 
 if TYPE_CHECKING:
-    from actors.job.supervisor import Job
+    from actors.job.liveview import View
+
+
+class PoolsJob(Protocol):
+    """All that the pools read or call of the job that owns them (``actors.job.supervisor.Job``
+    is one; mypy checks it): where the run and this runner's files are, whether a live panel
+    shows the actors, whether the job is stopping, and how to record, say, end or finish."""
+
+    topo: Topology
+    run_dir: Path
+    home: Path  # this runner's own files (another host's runner: RUN_DIR/hosts/NAME)
+    view: View | None
+    stopping: bool
+
+    def work_done(self) -> None: ...
+
+    def end(self, outcome: str) -> None: ...
+
+    def say(self, text: str) -> None: ...
+
+    def record_status(self, event: str, **fields: object) -> None: ...
 
 ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
 
@@ -67,7 +87,7 @@ class Proc:
 class Pools:
     """The processes this runner follows, by name, and what happens to them over their life."""
 
-    def __init__(self, job: Job, procs: dict[str, Proc]) -> None:
+    def __init__(self, job: PoolsJob, procs: dict[str, Proc]) -> None:
         self.job = job
         self.procs = procs  # every process of the job this runner follows, attached ones too
 
