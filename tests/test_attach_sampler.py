@@ -278,7 +278,7 @@ def test_a_sampler_attached_at_another_hosts_runner_shows_in_the_owners_status(t
     """Hosts a (owner) and b: the sampler attaches by host b's runner address; b relays it, so
     the owner's record lists it (attached, its groups, detached)."""
     two = ['hosts.a="127.0.0.1"', 'hosts.b="127.0.0.2"', 'sampler.host="b"', 'reward.host="b"',
-           "learner.total_steps=400", "run.base_port=47300", "run.status_interval=1",
+           "learner.total_steps=400", "run.base_port=27300", "run.status_interval=1",
            "run.heartbeat_interval=0.5"]
     run_dir = tmp_path / "run"
     runners = {h: subprocess.Popen([*command(tiny_model, run_dir, *two), "--host", h], cwd=ROOT,
@@ -290,7 +290,7 @@ def test_a_sampler_attached_at_another_hosts_runner_shows_in_the_owners_status(t
         with (tmp_path / "attach.log").open("w") as out:
             worker = subprocess.Popen(
                 [sys.executable, str(ROOT / "runner.py"), "attach", "sampler", "--to",
-                 "tcp://127.0.0.2:47311"],  # host b's runner: base_port + 10 + its index
+                 "tcp://127.0.0.2:27311"],  # host b's runner: base_port + 10 + its index
                 cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
         name = f"sampler-attached-{worker.pid}"
         seen = wait_status(run_dir, f"{name} at the owner",

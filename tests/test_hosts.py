@@ -34,11 +34,11 @@ def test_placement_and_addresses():
     assert placement(t, "learner") == ["a"]  # no host: the replay buffer's
     assert local_actors(t) == [("reward", 0), ("sampler", 1)]
     r = resolve_addresses(t)
-    assert r.replay.address == "tcp://127.0.0.1:47100"
-    assert (r.router.address, r.router.worker_address) == ("tcp://127.0.0.1:47101",
-                                                           "tcp://127.0.0.1:47102")
-    assert r.learner.weights_address == "tcp://127.0.0.1:47103"
-    assert r.control_address == "tcp://127.0.0.2:47111"  # this runner's own: host b, the 2nd
+    assert r.replay.address == "tcp://127.0.0.1:27100"
+    assert (r.router.address, r.router.worker_address) == ("tcp://127.0.0.1:27101",
+                                                           "tcp://127.0.0.1:27102")
+    assert r.learner.weights_address == "tcp://127.0.0.1:27103"
+    assert r.control_address == "tcp://127.0.0.2:27111"  # this runner's own: host b, the 2nd
     moved = resolve_addresses(topo(*TWO, 'learner.host="b"', "run.base_port=50000"))
     assert moved.learner.weights_address == "tcp://127.0.0.2:50003"
     assert moved.control_address == "tcp://127.0.0.1:50010"  # no run.host: the owner's
@@ -49,8 +49,8 @@ def test_a_learner_over_two_hosts_is_one_node_per_host():
              'reward.host="a"']
     node1 = resolve_addresses(topo(*nodes, "run.host=b"))
     assert node1.learner.node_rank == 1  # --host b: this runner is node 1
-    assert (node1.learner.master_addr, node1.learner.master_port) == ("127.0.0.1", 47104)
-    assert node1.control_address == "tcp://127.0.0.2:47111"
+    assert (node1.learner.master_addr, node1.learner.master_port) == ("127.0.0.1", 27104)
+    assert node1.control_address == "tcp://127.0.0.2:27111"
     assert local_actors(node1) == []  # not the learner's process: node 1 runs only its ranks
     assert resolve_addresses(topo(*nodes, "run.host=a")).learner.node_rank == 0
 
@@ -107,7 +107,7 @@ def stop(*procs: subprocess.Popen) -> None:
 
 def test_two_hosts_run_one_job_and_a_second_runner_for_a_host_is_refused(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    steps = "learner.total_steps=6 run.base_port=47200".split()
+    steps = "learner.total_steps=6 run.base_port=27200".split()
     a = start(host_command(tiny_model, run_dir, "a", *steps), tmp_path / "a.log")
     b = start(host_command(tiny_model, run_dir, "b", *steps), tmp_path / "b.log")
     try:
@@ -123,7 +123,7 @@ def test_two_hosts_run_one_job_and_a_second_runner_for_a_host_is_refused(tiny_mo
         elsewhere = subprocess.run(host_command(tiny_model, tmp_path / "other", "b", *steps),
                                    cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert elsewhere.returncode == 2
-        assert "cannot listen on tcp://127.0.0.2:47211" in elsewhere.stderr
+        assert "cannot listen on tcp://127.0.0.2:27211" in elsewhere.stderr
         assert "Address already in use" in elsewhere.stderr
         assert a.wait(timeout=180) == 0, (tmp_path / "a.log").read_text()[-3000:]
         assert b.wait(timeout=60) == 0, (tmp_path / "b.log").read_text()[-3000:]
@@ -150,31 +150,31 @@ def test_two_hosts_run_one_job_and_a_second_runner_for_a_host_is_refused(tiny_mo
 def test_a_host_that_never_comes_is_waited_for_by_name_then_the_job_stops(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(host_command(tiny_model, run_dir, "a", "run.host_wait_s=4",
-                                       "run.base_port=47220"), cwd=ROOT,
+                                       "run.base_port=27220"), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout[-3000:]
     assert "=== waiting for reward-0 (host b), sampler-0 (host b)" in done.stdout
     assert ("not ready after run.host_wait_s = 4s: reward-0 (host b), sampler-0 (host b) "
             "(is `runner.py ... --host NAME` running there?)") in done.stdout
     lonely = subprocess.run(host_command(tiny_model, tmp_path / "run2", "b", "run.host_wait_s=3",
-                                         "run.base_port=47240"),
+                                         "run.base_port=27240"),
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert lonely.returncode == 1
-    assert "waiting for the owner host a (its runner at tcp://127.0.0.1:47250" in lonely.stdout
+    assert "waiting for the owner host a (its runner at tcp://127.0.0.1:27250" in lonely.stdout
     assert "did not answer within run.host_wait_s = 3s" in lonely.stdout
     assert not actor_pids(run_dir) and not actor_pids(tmp_path / "run2")
 
 
 def test_a_topology_with_hosts_needs_host_and_the_host_must_be_this_machine(tiny_model, tmp_path):
-    cmd = command(tiny_model, tmp_path / "run", *TWO, "run.base_port=47280")
+    cmd = command(tiny_model, tmp_path / "run", *TWO, "run.base_port=27280")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "places actors on hosts a, b: start one runner on each with --host NAME" in done.stderr
     away = subprocess.run(command(tiny_model, tmp_path / "run", *TWO, 'hosts.b="192.0.2.7"',
-                                  "run.base_port=47280")
+                                  "run.base_port=27280")
                           + ["--host", "b"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert away.returncode == 2
-    assert "cannot listen on tcp://192.0.2.7:47291" in away.stderr
+    assert "cannot listen on tcp://192.0.2.7:27291" in away.stderr
     assert "not one of this machine's?" in away.stderr
 
 
@@ -183,7 +183,7 @@ def test_a_learner_over_two_hosts(tiny_model, tmp_path):
     with the job (the rendezvous at host a's address, the checkpoint's shards of both ranks)."""
     run_dir = tmp_path / "run"
     nodes = ["learner.nnodes=2", 'learner.host=["a", "b"]', 'sampler.host="a"', 'reward.host="a"',
-             "learner.total_steps=4", "learner.save_every=2", "run.base_port=47500"]
+             "learner.total_steps=4", "learner.save_every=2", "run.base_port=27500"]
     procs = [start(host_command(tiny_model, run_dir, h, *nodes), tmp_path / f"{h}.log")
              for h in ("a", "b")]
     try:
@@ -216,7 +216,7 @@ def test_the_readme_srun_line_starts_one_runner_per_node(tiny_model, tmp_path):
            "RUN_DIR": str(tmp_path / "run"), "TOPOLOGY": str(hosts),
            "FLOWRL_ARGS": " ".join(a.replace('"', "") for a in [  # words, as a user writes them
                *command(tiny_model, tmp_path / "run", *TWO, "learner.total_steps=2",
-                       "run.base_port=47260")[3:]])}
+                       "run.base_port=27260")[3:]])}
     nodes = [start(["bash", "-c", srun_line()], tmp_path / f"{n}.log",
                    env={**env, "SLURMD_NODENAME": n}) for n in ("a", "b")]
     try:

@@ -118,7 +118,7 @@ def assert_complete(run_dir: Path, steps: int) -> None:
 
 
 def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, tmp_path):
-    job = Job(net, tiny_model, tmp_path, 47400, "learner.total_steps=12", "reward.count=2",
+    job = Job(net, tiny_model, tmp_path, 27400, "learner.total_steps=12", "reward.count=2",
               'reward.host=["a", "c"]', "router.request_timeout=3")
     job.start("a", "c")
     try:
@@ -143,7 +143,7 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
 
 @pytest.mark.slow  # about 40 s: the fast suite keeps the reward host cut off
 def test_sampler_host_cut_off_its_prompts_are_issued_again(net, tiny_model, tmp_path):
-    job = Job(net, tiny_model, tmp_path, 47420, "learner.total_steps=12", "sampler.count=2",
+    job = Job(net, tiny_model, tmp_path, 27420, "learner.total_steps=12", "sampler.count=2",
               'sampler.host=["a", "b"]', "replay.sampler_timeout_s=2")
     job.start("a", "b")
     try:
@@ -168,7 +168,7 @@ def test_sampler_host_cut_off_its_prompts_are_issued_again(net, tiny_model, tmp_
 
 @pytest.mark.slow  # about 65 s: the fast suite keeps the reward host cut off
 def test_learner_host_lost_stops_the_job_and_both_commands_resume_it(net, tiny_model, tmp_path):
-    job = Job(net, tiny_model, tmp_path, 47440, "learner.total_steps=10", 'learner.host="c"',
+    job = Job(net, tiny_model, tmp_path, 27440, "learner.total_steps=10", 'learner.host="c"',
               "learner.save_every=2", "run.heartbeat_timeout=15")
     job.overrides.remove("run.heartbeat_timeout=60")  # (the one given last would win anyway)
     job.start("a", "c")
@@ -204,7 +204,7 @@ def test_curve_over_tcp_refuses_an_unknown_key_and_lets_an_authorized_one_attach
         subprocess.run([sys.executable, "runner.py", "keygen", str(tmp_path / name)], cwd=ROOT,
                        check=True, capture_output=True)
     (tmp_path / "alice.key").rename(keys / "alice.key")
-    job = Job(net, tiny_model, tmp_path, 47460, "learner.total_steps=200",
+    job = Job(net, tiny_model, tmp_path, 27460, "learner.total_steps=200",
               f'security.authorized_keys="{keys}"')
     job.start("a")
     worker = None
@@ -213,7 +213,7 @@ def test_curve_over_tcp_refuses_an_unknown_key_and_lets_an_authorized_one_attach
         server_key = __import__("json").loads((job.run_dir / "topology.json").read_text())[
             "security"]["server_key"]
         attach = [sys.executable, str(ROOT / "runner.py"), "attach", "reward", "--to",
-                  f"tcp://{net.address('a')}:47462", f"--server-key={server_key}", "--key"]
+                  f"tcp://{net.address('a')}:27462", f"--server-key={server_key}", "--key"]
         refused = subprocess.run(net.command("b", [*attach, str(tmp_path / "mallory.key_secret")]),
                                  cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1

@@ -37,9 +37,11 @@ class RunConfig(_Section, frozen=True):
     """Record prompts, groups, fates, batches and metrics to RUN_DIR/record (crash resume needs it)."""
     host: str = ""
     """With ``[hosts]``: the host this runner starts the actors of (``runner.py ... --host NAME``)."""
-    base_port: int = 47100
+    base_port: int = 27100
     """With ``[hosts]``: ``auto`` addresses become ``tcp://HOST:base_port+k`` (k fixed per socket,
-    runner control ports base_port+10+i for the i-th host), the same on every host."""
+    runner control ports base_port+10+i for the i-th host), the same on every host. Below
+    Linux's ephemeral range (32768-60999 by default), so no outgoing connection on a host can
+    hold one of the job's ports before its actor binds it."""
     host_wait_s: float = 300.0
     """With ``[hosts]``: how long a runner waits for the actors (or runner) of other hosts."""
     loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
