@@ -125,13 +125,14 @@ class Owner:
             self.send(host, Heartbeat(actor="runner", status={"step": job.step}))
         if not job.all_ready.is_set():
             waiting = [p for p in self.remote() if not p.ready]
-            if waiting and now - job.started > topo.run.host_wait_s:
-                job.end(f"failed: not ready after run.host_wait_s = {topo.run.host_wait_s:g}s: "
-                        f"{names(waiting)} (is `runner.py ... --host NAME` running there?)")
-            elif waiting and now - self.last_wait_report >= WAIT_REPORT_S:
+            # said first, so a failure on a late first tick still shows what it waited for
+            if waiting and now - self.last_wait_report >= WAIT_REPORT_S:
                 self.last_wait_report = now
                 job.say(f"=== waiting for {names(waiting)} ({now - job.started:.0f}s of "
                         f"{topo.run.host_wait_s:g}s)")  # (on a terminal: the live panel's note)
+            if waiting and now - job.started > topo.run.host_wait_s:
+                job.end(f"failed: not ready after run.host_wait_s = {topo.run.host_wait_s:g}s: "
+                        f"{names(waiting)} (is `runner.py ... --host NAME` running there?)")
         for p in self.remote():
             silent = now - p.last_seen
             if not p.ready or p.finished or silent <= topo.run.heartbeat_timeout:
@@ -219,13 +220,13 @@ class Member:
             self.last_beat = now
             self.beat()
         if self.heard is None:
-            if now - job.started > run.host_wait_s:
-                job.end(f"failed: the owner host {self.owner} (its runner at {self.address}) did "
-                        f"not answer within run.host_wait_s = {run.host_wait_s:g}s")
-            elif now - self.last_wait_report >= WAIT_REPORT_S:
+            if now - self.last_wait_report >= WAIT_REPORT_S:  # (said before a failure too)
                 self.last_wait_report = now
                 job.say(f"=== waiting for the owner host {self.owner} (its runner at "
                         f"{self.address}; {now - job.started:.0f}s of {run.host_wait_s:g}s)")
+            if now - job.started > run.host_wait_s:
+                job.end(f"failed: the owner host {self.owner} (its runner at {self.address}) did "
+                        f"not answer within run.host_wait_s = {run.host_wait_s:g}s")
         elif now - self.heard > run.heartbeat_timeout:
             job.end(f"failed: lost the owner host {self.owner}: silent for {now - self.heard:.0f}s "
                     "(run every host's command again with the same run.dir to resume)")
