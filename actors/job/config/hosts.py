@@ -121,7 +121,7 @@ def check_hosts(topology: Topology, need: Any) -> None:
                  "names a host twice: one learner node per host")
             names = nodes
         elif isinstance(section.host, list):
-            key = "teacher.replicas" if kind == "teacher" else f"{kind}.count"
+            key = f"{kind}.{getattr(section, 'count_key', 'count')}"  # (teacher.replicas)
             need(len(names) == section.count, f"{kind}.host",
                  f"lists {len(names)} hosts for {key} = {section.count} processes")
         for name in names:

@@ -10,13 +10,14 @@ and becomes the learner's distillation advantage (``kernels/distill.py``). Witho
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.schema_base import _Section
 
 
 class TeacherConfig(_Section, frozen=True):
+    count_key: ClassVar[str] = "replicas"  # the key that sets ``count``, for errors naming it
     path: str = ""
     """Local Hugging Face directory of the teacher (a causal LM sharing the student's tokenizer:
     checked before the job starts), or ``default`` for the embedded model; empty: no teacher."""
