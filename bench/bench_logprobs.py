@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # kernels/, also when run as a script from a clone not installed
 
 
 def main() -> None:
@@ -166,7 +167,6 @@ def _failure(exc: BaseException) -> str:
 
 def _measure(args: argparse.Namespace) -> dict:
     """The worker: peak memory of one path, or interleaved step times of several."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from kernels.lm_head_logprobs import lm_head_logprobs

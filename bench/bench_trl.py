@@ -6,7 +6,7 @@
         --run "trl" --run "trl bf16"
 
 Each ``--run`` is ``flowrl [dotted overrides...]`` (``python runner.py topology.toml`` with them)
-or ``trl [bf16] [threads=N]`` (default: as many torch threads as cores). They run one at a time, in the order given, ``--rounds`` times (interleaved:
+or ``trl [bf16] [cuda] [threads=N]`` (``cuda``: TRL on the GPU; default: as many torch threads as cores). They run one at a time, in the order given, ``--rounds`` times (interleaved:
 on a shared machine, load that comes and goes then slows every run alike).
 
 The same job on both sides: the embedded SmolLM2-135M-Instruct, the built-in arithmetic task
@@ -96,7 +96,7 @@ def tree_cpu_seconds(root: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def run_trl(bf16: bool, threads: int, steps: int) -> dict:
+def run_trl(bf16: bool, threads: int, steps: int, cuda: bool = False) -> dict:
     """TRL's GRPOTrainer in a child process (a fresh interpreter, like flowrl's actors)."""
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         out = Path(tmp) / "result.json"
@@ -104,13 +104,15 @@ def run_trl(bf16: bool, threads: int, steps: int) -> dict:
                "--threads", str(threads)]
         if bf16:
             cmd.append("--bf16")
+        if cuda:
+            cmd.append("--cuda")
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(f"trl failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
-def trl_child(out: Path, steps: int, bf16: bool, threads: int) -> None:
+def trl_child(out: Path, steps: int, bf16: bool, threads: int, cuda: bool = False) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -139,7 +141,7 @@ def trl_child(out: Path, steps: int, bf16: bool, threads: int) -> None:
         output_dir=str(out.parent / "trl"), learning_rate=1e-5, per_device_train_batch_size=8,
         gradient_accumulation_steps=4, num_generations=8, max_completion_length=24,
         temperature=1.0, max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=True, bf16=bf16, beta=0.0, epsilon=0.2, seed=0, shuffle_dataset=False,
+        use_cpu=not cuda, bf16=bf16, beta=0.0, epsilon=0.2, seed=0, shuffle_dataset=False,
         disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_list(rows),
@@ -154,15 +156,16 @@ def trl_child(out: Path, steps: int, bf16: bool, threads: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", help="flowrl [overrides...] | trl [bf16]")
+    p.add_argument("--run", action="append", help="flowrl [overrides...] | trl [bf16] [cuda]")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--trl-child", help=argparse.SUPPRESS)
     p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
-        trl_child(Path(args.trl_child), args.steps, args.bf16, args.threads)
+        trl_child(Path(args.trl_child), args.steps, args.bf16, args.threads, args.cuda)
         return
     runs = args.run or ["flowrl", "trl"]
     print(f"{args.steps} steps × {SAMPLES_PER_STEP} samples per run; {os.cpu_count()} cores; "
@@ -173,7 +176,7 @@ def main() -> None:
             load = os.getloadavg()[0]
             threads = next((int(w.split("=")[1]) for w in rest if w.startswith("threads=")),
                            os.cpu_count() or 1)
-            r = (run_trl("bf16" in rest, threads, args.steps) if kind == "trl"
+            r = (run_trl("bf16" in rest, threads, args.steps, "cuda" in rest) if kind == "trl"
                  else run_flowrl(rest, args.steps))
             rewards = r["rewards"]
             first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])

@@ -97,3 +97,20 @@ def test_the_default_suite_pins_the_cpu_and_gpu_sessions_see_the_gpus(pytestconf
         pytest.skip("this session runs the gpu tests: the GPUs stay visible")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # so it runs on the CPU, as do its jobs
     assert not torch.cuda.is_available()
+
+
+def test_every_cuda_device_built_carries_an_index(monkeypatch):
+    """``torch.cuda.set_device`` refuses a bare ``cuda`` (ValueError: Expected a torch.device
+    with a specified index): every device the project keeps names its index."""
+    from actors.runtime.transports.ipc import IpcReceiver, IpcSender
+    from actors.runtime.transports.nccl import BroadcastReceiver
+
+    assert devices.indexed("cuda") == torch.device("cuda", 0)
+    assert devices.indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert devices.indexed("cpu") == torch.device("cpu")
+    assert IpcSender("cuda").device.index == 0 and IpcReceiver("cuda").device.index == 0
+    assert BroadcastReceiver("cuda").device.index == 0
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)  # no GPU here: record the call
+    devices.set_thread_device(torch.device("cuda"))
+    assert seen == [torch.device("cuda", 0)]

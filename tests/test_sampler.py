@@ -36,7 +36,7 @@ def scored_group(prompt_ids: list[int], completions, params: SamplingParams, gid
 
 def learner_logprobs(trainer: Trainer, groups: list[ScoredGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """(behaviour, recomputed) log-probs of every response token of ``groups``."""
-    batch = build_batch(groups, trainer.policy.pad_id)
+    batch = build_batch(groups, trainer.policy.pad_id).to(trainer.policy.device)
     mask = batch.response_mask.bool()
     with torch.no_grad():
         lp = response_logprobs(trainer.policy.model, batch, groups[0].sampling.temperature)

@@ -50,12 +50,20 @@ def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch
     return getattr(torch, setting)
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with an index: a bare ``cuda`` is ``cuda:0`` of the GPUs this process sees.
+    ``torch.cuda.set_device`` refuses a CUDA device without one, and a device kept without it
+    would follow whatever device the calling thread has current."""
+    device = torch.device(device)
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
 def set_thread_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's current CUDA device (nothing for other devices).
     CUDA's current device is per thread: FSDP2, Triton kernels and ``torch.cuda`` calls without
     an index take it from the thread that runs them, and a fresh worker thread's is device 0."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(indexed(device))
 
 
 def on_device(device: torch.device, fn: Callable[P, R]) -> Callable[P, R]:

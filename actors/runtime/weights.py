@@ -23,6 +23,7 @@ import torch
 import zmq
 from safetensors import SafetensorError
 
+from actors.runtime.devices import indexed
 from actors.runtime.tensors import from_buffer
 from actors.runtime.transports.base import TRANSPORTS, Receiver, receiver_for, sender_for
 from actors.runtime.transports.shm import (  # noqa: F401 - the channel's names for the shm parts
@@ -181,7 +182,7 @@ class WeightsSubscriber:
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.options: dict[str, Any] = {"device": self.device, "in_worker": in_worker,
                                         "ranks": ranks, "timeout_s": timeout_s}  # GPU receivers
         self.receivers: dict[str, Receiver] = {"shm": receiver_for("shm")}  # by transport

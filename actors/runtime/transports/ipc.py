@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from actors.runtime.devices import indexed
 from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
@@ -54,7 +55,7 @@ class IpcSender(Sender):
     name = "ipc"
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.tensors: list[tuple[str, torch.Tensor]] = []  # the newest version, kept alive
 
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
@@ -80,7 +81,7 @@ class IpcReceiver(Receiver):
 
     def __init__(self, device: torch.device | str = "cuda", in_worker: bool = False,
                  **_: Any) -> None:
-        self.device = torch.device(device)  # where the hf engine's model is
+        self.device = indexed(device)  # where the hf engine's model is
         self.in_worker = in_worker  # the engine's workers open the handles (vLLM)
         self.initialised = False  # vLLM's engine got its init_info
 

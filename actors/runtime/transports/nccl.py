@@ -36,6 +36,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from actors.runtime.devices import indexed
 from actors.runtime.ranks import free_port
 from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import Receiver, Sender
@@ -124,7 +125,7 @@ class BroadcastSender(Sender):
                  device: torch.device | str = "cpu") -> None:
         self.address = address  # where samplers reach this learner's rendezvous
         self.timeout_s = timeout_s
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.peers: dict[bytes, _Peer] = {}
         self.polls: dict[bytes, WeightsPoll] = {}  # the latest poll of each sampler
         self.tensors: list[tuple[str, torch.Tensor]] = []  # the version being sent
@@ -213,7 +214,7 @@ class BroadcastReceiver(Receiver):
 
     def __init__(self, device: torch.device | str = "cpu", in_worker: bool = False,
                  ranks: int = 1, timeout_s: float = 600.0) -> None:
-        self.device = torch.device(device)  # where received tensors go (not in_worker)
+        self.device = indexed(device)  # where received tensors go (not in_worker)
         self.in_worker = in_worker  # the engine's workers receive (vLLM)
         self.ranks = ranks
         self.timeout_s = timeout_s

@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from actors.runtime.actor import run_compute
-from actors.runtime.devices import cap_memory, on_device
+from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
 from actors.sampler.engines.registry import EngineSpec
@@ -138,7 +138,7 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.device = torch.device(device)  # the model, the prompts and the logits live here
+        self.device = indexed(device)  # the model, the prompts and the logits live here
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
