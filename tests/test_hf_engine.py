@@ -5,8 +5,11 @@ kept, and only the job's sampling parameters applied."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import threading
 
+import anyio
 import pytest
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
@@ -16,6 +19,7 @@ from actors.sampler.engines.base import GenerateRequest
 from actors.sampler.engines.hf import HFEngine, _Abort, _TokenLogprobs, sampling_config
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
+from tests.jobs import ROOT
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
@@ -113,3 +117,42 @@ def test_the_generation_config_is_the_jobs_parameters_only():
     greedy = sampling_config(SamplingParams(temperature=0), 0, 2)
     assert not greedy.do_sample
     greedy.validate(strict=True)  # nothing set that greedy decoding would ignore
+
+
+def test_a_bf16_engine_computes_its_logits_in_float32(tiny_model):
+    """The learner's fused kernel never rounds the logits to bf16; the engine's head must not
+    either, or the ratios would correct for rounding instead of staleness."""
+    engine = HFEngine(tiny_model, "bfloat16", seed=0)
+    head = engine.model.get_output_embeddings()
+    assert head.weight.dtype == torch.bfloat16  # the weights stay as loaded (and load by name)
+    hidden = torch.randn(3, head.weight.shape[1]).to(torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ head.weight.float().T)
+    ids = ChatTokenizer(tiny_model).prompt_ids([ChatMessage("user", "say ab")])
+    [[gen]] = anyio.run(engine.generate, [GenerateRequest(ids, SamplingParams(max_tokens=4), 1)])
+    assert len(gen.token_ids) >= 1 and gen.logprobs.dtype == torch.float32
+
+
+GENERATE_TWICE = """
+import sys, anyio
+from actors.data.chat import ChatMessage, ChatTokenizer
+from actors.sampler.engines.base import GenerateRequest
+from actors.sampler.engines.hf import HFEngine
+from messages.rollout import SamplingParams
+from tests.jobs import ROOT
+engine = HFEngine(sys.argv[1], "float32", seed=0)
+ids = ChatTokenizer(sys.argv[1]).prompt_ids([ChatMessage("user", "say ab")])
+for params in (SamplingParams(max_tokens=3), SamplingParams(temperature=0, max_tokens=3)):
+    anyio.run(engine.generate, [GenerateRequest(ids, params, 2)])
+"""
+
+
+def test_generate_warns_of_nothing_it_was_given(tiny_model):
+    """The job's config sets no pair of fields transformers warns about (min_length beside
+    min_new_tokens printed a line into the console at every call). A fresh process: transformers
+    prints some warnings once per process."""
+    done = subprocess.run([sys.executable, "-c", GENERATE_TWICE, str(tiny_model)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "min_new_tokens" not in done.stdout + done.stderr, done.stderr[-2000:]

@@ -94,13 +94,32 @@ class _TokenLogprobs(LogitsProcessor):
         return lps
 
 
+def float32_head(model: torch.nn.Module) -> None:
+    """Make the model's LM head return float32 logits from its own (bf16 or fp16) hidden states
+    and weight, as the learner's fused log-prob kernel does (``kernels/triton_logprobs.py``
+    accumulates ``hidden @ weight.T`` in float32 and never rounds it): logits rounded to bf16
+    alone move a token's log-prob by tenths of a nat (``BENCHMARKS.md``, the parity row), and the
+    importance ratios would correct for that rounding instead of for staleness. The head keeps
+    its parameters (weights load by name as before); only its forward changes."""
+    head = model.get_output_embeddings()
+    if head is None or head.weight.dtype == torch.float32:
+        return
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) float32
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward = forward
+
+
 # Every GenerationConfig field that changes which tokens are sampled or their probabilities,
-# with the value that leaves them alone. ``generate`` fills fields the caller leaves None from
+# with the value that leaves them alone (min_new_tokens stays None: set beside min_length,
+# transformers warns at every call that both are set). ``generate`` fills fields the caller leaves None from
 # the model's own generation_config, so each is set; fields whose neutral value is None
 # (min_p, suppress_tokens, bad_words_ids, ...) stay None because the engine replaces the model's
 # generation_config at load with one holding only the special token ids.
 NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-           "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+           "encoder_no_repeat_ngram_size": 0, "min_length": 0,
            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "diversity_penalty": 0.0,
            "length_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1, "guidance_scale": 1.0,
            "renormalize_logits": False, "remove_invalid_values": False}
@@ -142,6 +161,7 @@ class HFEngine:
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        float32_head(self.model)
         # generate must not apply the model's own sampling defaults (sampling_config)
         self.model.generation_config = GenerationConfig(
             bos_token_id=self.model.generation_config.bos_token_id,
