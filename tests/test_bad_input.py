@@ -168,6 +168,8 @@ def test_check_passes_a_good_topology(tiny_model, inputs):
     res = run(["check", "topology.toml", f"model.path={tiny_model}", *TINY,
                f"reward.functions=[{{path='{inputs}/good.py'}}]"])
     assert res.returncode == 0 and res.stdout.startswith("ok: "), res.stdout + res.stderr
+    # the learner's memory table, for the largest micro-batch the token budget allows
+    assert "memory estimate per rank" in res.stdout and "<- this run" in res.stdout
 
 
 def job(model: Path, run_dir: Path, function: Path, *overrides: str,

@@ -44,6 +44,12 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     # the kinds it runs, none it does not (no teacher×0)
     assert "=== actors: replay×1, router×1, learner×1, reward×1, sampler×1;" in res.stdout, \
         res.stdout[:2000]
+    # the console and the actors' logs say only what a user should read: no library warning
+    # the project could avoid, and no memory table on a CPU far from its memory
+    said = [res.stdout, res.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*"))]
+    warned = [line for text in said for line in text.splitlines() if "warn" in line.lower()]
+    assert not warned, warned[:5]
+    assert "memory estimate" not in res.stdout + res.stderr
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     rewards = [r["critic/score/mean"] for r in rows]

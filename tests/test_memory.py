@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from actors.learner.memory import describe, estimate, measured, saved_bytes
+from actors.learner.memory import announce, describe, estimate, measured, saved_bytes
 from actors.learner.objective import _forward
 from actors.learner.packing import pack
 from tests.learner_cases import make_trainer
@@ -17,13 +17,25 @@ from tests.test_packing import gradients
 def test_states_are_the_real_tensors_bytes(tiny_model, tmp_path):
     t = make_trainer(tiny_model, tmp_path)
     grads = gradients(t)
-    t.train_step(make_groups(t))
+    seen: list[int] = []
+    t.on_first_batch = seen.append
+    groups = make_groups(t)
+    t.train_step(groups)
+    t.train_step(groups)
+    # once, before the first step, with the largest micro-batch it built (each sequence's
+    # prompt and response tokens, micro_batch_size of them at most)
+    lengths = sorted((len(g.prompt_ids.data) + len(s.response_ids.data)) // 4
+                     for g in groups for s in g.samples)
+    assert len(seen) == 1 and max(lengths) <= seen[0] <= sum(lengths[-t.cfg.micro_batch_size:])
+    # on a CPU the learner says nothing of a model far from the machine's memory
+    assert announce(t.policy, seen[0]) is None
     real = measured(t.policy.model, t.policy.optimizer)
     e = estimate(t.policy.model.config, tokens=100)
     assert e.parameters == real["parameters"] > 0
     assert e.gradients == sum(g.nbytes for g in grads[0].values())
     assert e.optimizer == real["optimizer"]
-    table = describe(t.policy)
+    table = describe(t.policy, seen[0])
+    assert f"{seen[0]} tokens per micro-batch" in table
     assert "offload off" in table and "offload on" in table and "<- this run" in table
 
 

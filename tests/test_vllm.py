@@ -3,7 +3,7 @@ against the learner's recomputation before and after a weight update loaded into
 engine, per-token versions across an in-flight update, seeds that regenerate a sample, and a
 prompt the engine rejects.
 
-These need vLLM installed (``.ci/setup.sh`` installs it); they are marked ``vllm`` and skipped
+These need vLLM installed (``.ci/setup.sh --tests`` installs it); they are marked ``vllm`` and skipped
 when it is missing.
 """
 

@@ -1,8 +1,10 @@
 """verl 0.9.1 as a reference for tests/test_verl_parity.py: its import, the shared random
 batch with the edge cases, and the comparison that records every difference.
 
-verl is an optional test dependency (the ``verl-parity`` extra: ``pip install --no-deps
-verl==0.9.1`` plus the extra's packages). ``load_verl`` returns None when it cannot be imported.
+verl is an optional test dependency: ``bash .ci/setup.sh --tests`` installs it without its
+declared dependencies into ``.venv/verl-0.9.1`` (``pip install --no-deps --target``), a folder of
+its own that ``load_verl`` puts on the path, plus the ``verl-parity`` extra's packages.
+``load_verl`` returns the reason when it cannot be imported.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import math
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 VERL_VERSION = "0.9.1"
+# where .ci/setup.sh --tests installs it (outside site-packages: see the module docstring)
+VERL_DIR = Path(__file__).resolve().parent.parent / ".venv" / f"verl-{VERL_VERSION}"
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,10 @@ class Verl:
 
 def load_verl() -> Verl | str:
     """verl's two algorithm modules, or the reason they cannot be imported."""
+    if VERL_DIR.is_dir() and str(VERL_DIR) not in sys.path:
+        sys.path.append(str(VERL_DIR))
     if importlib.util.find_spec("verl") is None:
-        return ("verl is not installed (pip install --no-deps verl==0.9.1, plus the verl-parity "
-                "extra of pyproject.toml)")
+        return (f"verl is not installed (bash .ci/setup.sh --tests puts it in {VERL_DIR})")
     if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
         # verl/__init__.py imports verl.protocol, which imports ray (a 79 MB distributed
         # runtime) for ``ray.ObjectRef`` annotations and remote futures. Nothing the parity

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from actors.learner.distributed import Group
-from actors.learner.memory import describe
+from actors.learner.memory import announce
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
@@ -212,8 +212,12 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
     try:
         trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
                                                  ctx.run_dir, "latest", group)
-        if group.leader:  # what this learner will hold, before the first step shows it
-            print(f"[{ctx.name}] {describe(trainer.policy)}", file=sys.stderr, flush=True)
+        if group.leader:  # what this learner will hold, once its micro-batches are known
+            def estimate(tokens: int) -> None:
+                if (text := announce(trainer.policy, tokens)) is not None:
+                    print(f"[{ctx.name}] {text}", file=sys.stderr, flush=True)
+
+            trainer.on_first_batch = estimate
         ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
         share = share_threads(ctx, trainer, rank)
         if not group.leader:

@@ -30,6 +30,7 @@ critic (GAE), the batch's own tensors, and anything a longer sequence than the b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -144,31 +145,81 @@ def dtype_bytes(name: str) -> int:
     return torch.finfo(getattr(torch, name)).bits // 8
 
 
-def describe(policy) -> str:
-    """The estimate for a learner's ``Policy`` as it was built, with offload off and on (the
-    table the learner prints at start)."""
+def describe(policy, tokens: int, budget: str = "") -> str:
+    """The estimate for a learner's ``Policy`` as it was built and micro-batches of ``tokens``
+    tokens, with offload off and on (``budget`` says where ``tokens`` came from)."""
     cfg = policy.cfg
     core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
-    config = core.config
-    tokens = cfg.max_tokens_per_micro_batch or cfg.micro_batch_size * 1024
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-    common = dict(tokens=tokens, world=policy.group.world,
-                  param_bytes=torch.finfo(policy.dtype).bits // 8,
-                  compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
-                  checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
-                  reference=policy.ref is not None, trainable=trainable,
-                  counts=count_parameters(config))  # once for both rows below
-    budget = ("" if cfg.max_tokens_per_micro_batch else
-              " (no token budget: micro_batch_size x 1024 assumed)")
+    return table(core.config, tokens=tokens, world=policy.group.world,
+                 param_bytes=torch.finfo(policy.dtype).bits // 8,
+                 compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
+                 checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
+                 reference=policy.ref is not None, trainable=trainable, offload=cfg.offload,
+                 budget=budget)
+
+
+def table(config, *, tokens: int, world: int, offload: bool, budget: str = "",
+          **common) -> str:
+    """The estimate as a table: one row with offload off, one with it on, this run's marked."""
+    common["counts"] = count_parameters(config)  # once for both rows
     lines = [f"memory estimate per rank (actors/learner/memory.py): {tokens} tokens per "
-             f"micro-batch{budget}, {policy.group.world} rank(s), gradient checkpointing "
-             f"{'on' if policy.checkpointing else 'off'}",
+             f"micro-batch{budget}, {world} rank(s), gradient checkpointing "
+             f"{'on' if common.get('checkpointing') else 'off'}",
              f"             {HEADER}"]
-    for offload in (False, True):
-        mark = " <- this run" if offload == cfg.offload else ""
-        lines.append(f"offload {'on ' if offload else 'off'}  "
-                     f"{estimate(config, offload=offload, **common).row()}{mark}")
+    for off in (False, True):
+        mark = " <- this run" if off == offload else ""
+        lines.append(f"offload {'on ' if off else 'off'}  "
+                     f"{estimate(config, offload=off, world=world, tokens=tokens, **common).row()}"
+                     f"{mark}")
     return "\n".join(lines)
+
+
+def announce(policy, tokens: int) -> str | None:
+    """What the learner prints before its first step, its micro-batches' size now known: the
+    table on a GPU (where running out of device memory is the risk it informs), one line on a
+    CPU only when the estimate nears the machine's memory (half of it), else nothing."""
+    if policy.device.type == "cuda":
+        return describe(policy, tokens, " (the largest of the first batch)")
+    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    e = estimate(core.config, tokens=tokens, world=policy.group.world,
+                 param_bytes=torch.finfo(policy.dtype).bits // 8,
+                 compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
+                 checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
+                 reference=policy.ref is not None, trainable=trainable, offload=policy.cfg.offload)
+    total, machine = e.device_total + e.host, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if total < machine / 2:
+        return None
+    return (f"memory estimate per rank: {total / GB:.1f} GB for micro-batches of {tokens} tokens, "
+            f"of this machine's {machine / GB:.1f} GB (runner.py check prints the table)")
+
+
+def planned(topology, device: str) -> str:
+    """The table ``runner.py check`` prints, from the topology alone (no weights loaded): the
+    largest micro-batch the token budget allows, on ``device`` (``cpu`` or ``cuda``)."""
+    from transformers import AutoConfig
+
+    from actors.model_store import resolve_model_path
+
+    L, model = topology.learner, topology.model
+    config = AutoConfig.from_pretrained(resolve_model_path(model.path))
+    cuda = device == "cuda"
+    params = model.dtype
+    compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
+    checkpointing = cuda if L.gradient_checkpointing == "auto" else bool(L.gradient_checkpointing)
+    tokens = L.max_tokens_per_micro_batch or L.micro_batch_size * 1024
+    budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
+              if L.max_tokens_per_micro_batch else
+              " (no token budget: micro_batch_size x 1024 assumed)")
+    a = topology.algorithm
+    return table(config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
+                 budget=f"{budget} on {device}", param_bytes=dtype_bytes(params),
+                 compute_bytes=dtype_bytes(compute), checkpointing=checkpointing,
+                 keep_gathered=(not cuda) if L.reshard_after_forward is None
+                 else not L.reshard_after_forward,
+                 reference=a.use_kl_loss or a.use_kl_in_reward,
+                 trainable=None if L.lora.rank == 0 else 0)
 
 
 def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -44,6 +44,7 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -108,6 +109,8 @@ class Trainer:
         self.group = self.policy.group
         self.abort = threading.Event()
         self._updated = False  # this step has taken an optimizer update (it can no longer abort)
+        # called once, before the first step's forward, with its largest micro-batch's tokens
+        self.on_first_batch: Callable[[int], None] | None = None
 
     def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
         """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
@@ -161,6 +164,9 @@ class Trainer:
         batch.packed = cfg.packing
         lengths = batch.attention_mask.sum(1).tolist()  # tokens of each row
         N, mask = batch.size, batch.response_mask
+        if self.on_first_batch is not None:  # the micro-batches' size is known from here
+            self.on_first_batch(max(sum(lengths[s]) for s in self._micro_slices(lengths, 0, N)))
+            self.on_first_batch = None
         c = algo.correction
         otb = algo.adv_estimator in OPTIMAL_TOKEN_BASELINES  # needs π_old before advantages
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
