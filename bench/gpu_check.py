@@ -22,6 +22,8 @@ Rows, each ``ok``, ``FAIL`` (with the reason; the other rows still run) or ``ski
 - ``learner step``: one training step (after one untimed) of a Qwen2 model of 1.5B shape built
   from its config with random weights (fp32 master weights, bf16 compute, the default job's
   loss): step seconds, tokens/s, peak GPU memory.
+- ``offload``: the same step with ``learner.offload = true`` (FSDP2's CPU offload: the shards
+  in host memory, their collectives on gloo beside NCCL).
 - ``job``: the default job (``topology.toml``, the embedded SmolLM2-135M) on CUDA for 2 steps
   with a checkpoint, then resumed from it to 4 steps: exit statuses, the steps recorded, and
   the checkpoint each run ended with.
@@ -75,7 +77,7 @@ QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 # the parity row's bound on the share of tokens whose behaviour/learner ratio leaves [0.9, 1.1]
 PARITY_SHARE = 0.05
-ROWS = ("kernels", "logprobs", "hf parity", "learner step", "job")
+ROWS = ("kernels", "logprobs", "hf parity", "learner step", "offload", "job")
 
 
 class Check:
@@ -225,7 +227,7 @@ class Check:
         ok = worst_share <= PARITY_SHARE and control > PARITY_SHARE
         return ("ok" if ok else "FAIL"), "; ".join(parts)
 
-    def learner_step(self) -> tuple[str, str]:
+    def learner_step(self, *extra: str) -> tuple[str, str]:
         import torch
         from bench_learner import batches
 
@@ -233,7 +235,8 @@ class Check:
 
         groups, n, response = (2, 4, 8) if self.dry else (4, 8, 512)
         trainer = Trainer(self.topology(f"algorithm.n={n}", f"learner.groups_per_step={groups}",
-                                        "learner.micro_batch_size=8"), self.workdir / "step")
+                                        "learner.micro_batch_size=8", *extra),
+                          self.workdir / ("step" + "-".join(extra).replace("=", "_")))
         warm, timed = batches(trainer, 2, groups, n, response, seed=0)
         trainer.train_step(warm)
         if not self.dry:
@@ -342,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         check.run("hf parity", check.hf_parity)
     if "learner step" in only:
         check.run("learner step", check.learner_step)
+    if "offload" in only:  # FSDP2's CPU offload: collectives on CPU shards beside NCCL
+        check.run("offload", lambda: check.learner_step("learner.offload=true"))
     if "job" in only:
         check.run("job", check.job)
     print(f"\n=== gpu_check on {where}: {time.monotonic() - started:.0f} s")

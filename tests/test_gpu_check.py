@@ -21,7 +21,8 @@ def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "learner step", "job"]
+    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "learner step", "offload",
+                          "job"]
     assert all(r["status"] == "ok" for r in rows.values()), rows
     assert "max" in rows["hf parity"]["detail"] and "tokens/s" in rows["learner step"]["detail"]
     assert "steps recorded [1, 2]" in rows["job"]["detail"]

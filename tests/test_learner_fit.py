@@ -57,3 +57,33 @@ def test_offload_with_lora_is_a_config_error():
 
     with pytest.raises(ConfigError, match="learner.offload: needs full fine-tuning"):
         decode_topology(apply_overrides({}, ["learner.offload=true", "learner.lora.rank=4"]))
+
+
+OFFLOAD_COLLECTIVES = """
+import torch, torch.distributed as dist
+dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1)
+out = torch.empty(4)
+dist.all_gather_into_tensor(out, torch.arange(4.0))  # what publishing offloaded shards runs
+norm = torch.tensor([9.0])
+dist.all_reduce(norm)  # what clip_grad_norm_ over offloaded gradients runs
+print(out.tolist(), norm.item())
+"""
+
+
+def test_an_offloading_learner_on_gpus_has_gloo_beside_nccl():
+    """FSDP2's CPU offload keeps the shards in host memory: the weights' all-gather, gradient
+    clipping and the state dict are collectives on CPU tensors, which an NCCL-only group
+    refuses. The backend names gloo for CPU tensors beside NCCL for CUDA ones; a CPU shows the
+    device-typed form runs those collectives (bench/gpu_check.py's offload row runs the step)."""
+    import subprocess
+    import sys
+
+    from actors.learner.distributed import backend_for
+
+    assert backend_for(torch.device("cuda", 0), offload=True) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cuda", 0), offload=False) == "nccl"
+    assert backend_for(torch.device("cpu"), offload=True) == "gloo"
+    done = subprocess.run([sys.executable, "-c", OFFLOAD_COLLECTIVES], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["[0.0,", "1.0,", "2.0,", "3.0]", "9.0"], \
+        done.stdout + done.stderr

@@ -38,6 +38,16 @@ from actors.runtime.ranks import Rank
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 
 
+def backend_for(device: torch.device, offload: bool) -> str:
+    """The process group's backend: gloo on a CPU; NCCL on GPUs, with gloo beside it for CPU
+    tensors when FSDP2 offloads (``CPUOffloadPolicy`` keeps the shards in host memory, so the
+    weights' all-gather, gradient clipping and the state dict run collectives on CPU tensors,
+    which an NCCL-only group refuses: "No backend type associated with device type cpu")."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if offload else "nccl"
+
+
 class Group:
     """This process's view of the learner's ranks (``rank 0`` leads: it alone has a batch to
     broadcast, a step to report, weights to send)."""
@@ -66,12 +76,13 @@ class Group:
         return cls(Rank.from_env({}), device or torch.device("cpu"), distributed=False)
 
     @classmethod
-    def join(cls, rank: Rank, device: torch.device, *, timeout_s: float = 600.0) -> Group:
+    def join(cls, rank: Rank, device: torch.device, *, timeout_s: float = 600.0,
+             offload: bool = False) -> Group:
         """Join the group; returns once every rank has (the rendezvous at rank 0's store).
 
         A single rank gets a process group of its own (a local store) so FSDP2 can hold its
         mixed precision; several rendezvous at ``MASTER_ADDR:MASTER_PORT``."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend_for(device, offload)
         timeout = datetime.timedelta(seconds=timeout_s)
         extra = {"device_id": device} if device.type == "cuda" else {}
         if rank.world_size == 1:

@@ -357,7 +357,8 @@ def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
     mixed = compute_dtype(topology, device) != getattr(torch, topology.model.dtype)
     if rank.world_size == 1 and not mixed and not topology.learner.offload:
         return Group.lone(device)
-    return Group.join(rank, device, timeout_s=topology.learner.collective_timeout_s)
+    return Group.join(rank, device, timeout_s=topology.learner.collective_timeout_s,
+                      offload=topology.learner.offload)
 
 
 def gradient_checkpointing(setting: bool | str, device: torch.device) -> bool:
