@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from actors.job.config.checks import check
+from actors.runtime.config.constraints import refusal
 from actors.runtime.config.schema import ConfigError, Topology
 
 
@@ -48,16 +49,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 
-def _key_path_message(msg: str) -> str:
-    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown keys get their own name)."""
+def _key_path_message(msg: str, data: Any = None) -> str:
+    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown and missing keys get their
+    own name; a value its field's constraint refuses reads as the checks do: "must be >= 1")."""
     where = ""
     if " - at `$." in msg:
         msg, where = msg.rsplit(" - at `$.", 1)
         where = where.rstrip("`")
-    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", msg)
-    if unknown:
-        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return f"{key}: unknown key"
+    named = re.fullmatch(r"Object (contains unknown|missing required) field `(.+)`", msg)
+    if named:
+        key = f"{where}.{named.group(2)}" if where else named.group(2)
+        return f"{key}: {'unknown key' if named.group(1) == 'contains unknown' else 'must be set'}"
+    if where and re.match(r"Expected `\w+` (>|<|matching|of length)", msg):
+        msg = refusal(where, data, Topology) or msg
     return f"{where}: {msg}" if where else msg
 
 
@@ -67,7 +71,7 @@ def decode_topology(data: dict[str, Any]) -> Topology:
         topology = msgspec.convert(data, Topology)
     except msgspec.ValidationError as exc:
         # msgspec reports "... - at `$.learner.total_stepz`"; restate it as a key path
-        raise ConfigError(_key_path_message(str(exc))) from None
+        raise ConfigError(_key_path_message(str(exc), data)) from None
     check(topology)
     return _derived(_absolute_paths(topology))
 
