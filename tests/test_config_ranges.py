@@ -1,6 +1,6 @@
 """What one key may hold is declared on its field (``actors/runtime/config/constraints.py``):
 decoding refuses a bad value naming its full key path, in the words the checks use; the
-hand-written checks keep what spans keys or looks at the world."""
+hand-written checks keep what spans keys or looks at the world; path fields are one type."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from actors.job.config import load_topology
+from actors.job.config.load import _absolute_paths
 from actors.runtime.config import ConfigError, Topology, constraints
 from tests.jobs import ROOT
 
@@ -155,3 +156,50 @@ def test_no_check_restates_a_range_its_field_declares(path):
     assert "need(" in source
     assert single_key_ranges(source) == [], "declare it on the field (constraints.py)"
 
+
+# -- paths -----------------------------------------------------------------------------------
+
+PATH_KEYS = {"task.datasets[].path", "validation.datasets[].path", "reward.functions[].path",
+             "reward.pools[].path", "reward.pools[].function_path", "agent.tools[].path",
+             "agent.env.path", "security.keys_dir", "security.authorized_keys"}
+
+
+def path_keys(t: msgspec.inspect.Type, prefix: str = "") -> set[str]:
+    """The keys of the schema whose type is a ``FilePath``."""
+    if isinstance(t, msgspec.inspect.Metadata):
+        if (t.extra or {}).get("path"):
+            return {prefix}
+        t = t.type
+    if isinstance(t, msgspec.inspect.StructType):
+        return set().union(*(path_keys(f.type, f"{prefix}.{f.encode_name}".lstrip("."))
+                             for f in t.fields))
+    if isinstance(t, msgspec.inspect.ListType):
+        return path_keys(t.item_type, prefix + "[]")
+    return set()
+
+
+def test_the_path_fields_are_the_ones_made_absolute():
+    assert path_keys(msgspec.inspect.type_info(Topology)) == PATH_KEYS
+    relative = {"task": {"datasets": [{"path": "d.jsonl"}]},
+                "validation": {"datasets": [{"path": "v.jsonl"}]},
+                "reward": {"functions": [{"path": "f.py"}],
+                           "pools": [{"name": "p", "path": "rm", "function_path": "j.py"}]},
+                "agent": {"tools": [{"path": "t.py"}], "env": {"path": "e.py"},
+                          "rollout": {"path": "r.py"}},
+                "security": {"keys_dir": "keys", "authorized_keys": "a.key"},
+                "model": {"path": "m"}, "teacher": {"path": "m"},
+                "run": {"dir": "runs/x", "socket_dir": "s"}}
+    before = msgspec.convert(relative, Topology)
+    after = _absolute_paths(before)
+
+    def leaves(value, prefix=""):
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items()
+                    for k, v in leaves(item, f"{prefix}.{key}".lstrip(".")).items()}
+        if isinstance(value, list):
+            return {k: v for item in value for k, v in leaves(item, prefix + "[]").items()}
+        return {prefix: value}
+
+    old, new = leaves(msgspec.to_builtins(before)), leaves(msgspec.to_builtins(after))
+    assert {k for k in old if old[k] != new[k]} == PATH_KEYS
+    assert all(new[k].startswith("/") and new[k].endswith(old[k]) for k in PATH_KEYS)

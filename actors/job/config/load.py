@@ -94,26 +94,21 @@ def _derived(topology: Topology) -> Topology:
     return msgspec.structs.replace(topology, sampler=s, validation=v)
 
 
-def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files, dataset files, tool and environment files and key paths are named
-    relative to where the job is started; the actors run elsewhere (and read the resolved
-    topology), so the paths are made absolute here."""
-    R, T, sec, V = topology.reward, topology.task, topology.security, topology.validation
-    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
-    pools = [msgspec.structs.replace(p, path=_absolute(p.path),
-                                     function_path=_absolute(p.function_path)) for p in R.pools]
-    datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
-    val_datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in V.datasets]
-    A = topology.agent
-    agent = msgspec.structs.replace(
-        A, tools=[msgspec.structs.replace(t, path=_absolute(t.path)) for t in A.tools],
-        env=msgspec.structs.replace(A.env, path=_absolute(A.env.path)))
-    return msgspec.structs.replace(
-        topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions, pools=pools),
-        task=msgspec.structs.replace(T, datasets=datasets),
-        validation=msgspec.structs.replace(V, datasets=val_datasets),
-        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
-                                         authorized_keys=_absolute(sec.authorized_keys)))
+def _absolute_paths(value: Any) -> Any:
+    """Every ``FilePath`` field (files and directories named relative to where the job is
+    started) made absolute: the actors run elsewhere and read the resolved topology."""
+    if isinstance(value, list):
+        return [_absolute_paths(item) for item in value]
+    if not isinstance(value, msgspec.Struct):
+        return value
+    changes = {}
+    for field in msgspec.structs.fields(value):
+        old = getattr(value, field.name)
+        path = any((m.extra or {}).get("path") for m in getattr(field.type, "__metadata__", ()))
+        new = _absolute(old) if path else _absolute_paths(old)
+        if new is not old:
+            changes[field.name] = new
+    return msgspec.structs.replace(value, **changes) if changes else value
 
 
 def _absolute(path: str) -> str:

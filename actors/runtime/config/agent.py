@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from actors.runtime.config.constraints import (
+    FilePath,
     NonNegInt,
     Port,
     PositiveFloat,
@@ -26,7 +27,7 @@ class AgentTool(_Section, frozen=True):
     builtin: Annotated[str, one_of(BUILTIN_TOOLS, unset=True)] = ""
     """A built-in tool: ``calculator`` (exact arithmetic on an expression) or ``python`` (runs a
     program in a new interpreter, returns what it printed); set this or ``path``."""
-    path: str = ""
+    path: FilePath = ""
     """A Python file (relative to where the runner is started) holding the tool function; its
     signature, type hints and docstring make the JSON schema the model is shown."""
     name: PythonNameOrUnset = ""
@@ -36,7 +37,7 @@ class AgentTool(_Section, frozen=True):
 
 
 class AgentEnv(_Section, frozen=True):
-    path: str = ""
+    path: FilePath = ""
     """A Python file holding the environment class: ``reset(prompt) -> observation`` and
     ``step(action) -> (observation, reward, done)``; one object per sample, in a sandboxed child."""
     name: PythonNameOrUnset = ""

@@ -1,7 +1,8 @@
 """What a single key may hold, declared on its field (msgspec ``Meta``): decoding refuses a bad
 value naming its key path, and ``refusal`` words it as the checks do (``must be >= 1 (got 0)``).
 A pattern says what a value failing it is (``extra["bad"]``: ``'gpu' is not auto, cpu, cuda or
-cuda:N``); a bound at the largest float (``BIG``) refuses inf and nan.
+cuda:N``); a bound at the largest float (``BIG``) refuses inf and nan. A ``FilePath`` is named
+relative to where the runner starts: the loader makes every one absolute (``job/config/load.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ NonNegFinite = Annotated[float, Meta(ge=0, le=BIG)]
 Fraction = Annotated[float, Meta(ge=0, le=1)]  # [0, 1]
 Share = Annotated[float, Meta(gt=0, le=1)]  # (0, 1]
 Port = Annotated[int, Meta(ge=0, le=65535)]
+FilePath = Annotated[str, Meta(extra={"path": True})]
 
 
 def matching(regex: str, bad: str) -> Meta:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from actors.runtime.config.constraints import (
+    FilePath,
     Finite,
     NonNegFloat,
     PositiveFinite,
@@ -54,7 +55,7 @@ class PoolConfig(_Section, frozen=True):
     kind: Literal["reward_model", "judge"] = "reward_model"
     """reward_model: a sequence-classification checkpoint (one label; its logit is the score);
     judge: a causal LM that reads ``template`` and writes an answer ``parser`` reads."""
-    path: str = ""
+    path: FilePath = ""
     """The local Hugging Face directory of the pool's model."""
     replicas: PositiveInt = 1
     """Worker processes of this pool; the router balances requests between them."""
@@ -86,7 +87,7 @@ class PoolConfig(_Section, frozen=True):
     last ``[[x]]``), boxed (the last ``\\boxed{x}``), yes_no (the last yes/no word: 1 or 0), or
     function (``function_path``'s function, run in a sandboxed child). An answer it cannot read
     is a recorded score error, never a silent 0."""
-    function_path: str = ""
+    function_path: FilePath = ""
     """judge, parser = function: a Python file whose ``function_name`` takes
     ``(judge_answer, data_source, solution_str, ground_truth, extra_info)`` and returns a score
     (float or dict(score=...)); raising is an unreadable answer."""

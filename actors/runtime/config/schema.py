@@ -13,6 +13,7 @@ from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import (
+    FilePath,
     Finite,
     Fraction,
     NonNegFloat,
@@ -78,7 +79,7 @@ class ModelConfig(_Section, frozen=True):
 
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
-DatasetPath = Annotated[str, matching(r".*[^/]\.(?:parquet|jsonl)|",
+DatasetPath = Annotated[FilePath, matching(r".*[^/]\.(?:parquet|jsonl)|",
                                            "is neither .parquet nor .jsonl")]
 
 
@@ -233,7 +234,7 @@ class RewardFunction(_Section, frozen=True):
     builtin: Annotated[str, one_of(BUILTIN_SCORERS, unset=True)] = ""
     """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
     calculator, reward_model); set this or ``path`` (reward_model: both)."""
-    path: str = ""
+    path: FilePath = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
     function, which runs in a child process; for ``reward_model``, the local Hugging Face
     directory of a sequence-classification checkpoint (one label: its logit is the score)."""
@@ -400,9 +401,9 @@ class SecurityConfig(_Section, frozen=True):
     curve: bool = False
     """Encrypt and authenticate every socket of the job with ZeroMQ CURVE: binding sockets are
     CURVE servers, connecting ones clients, and only the job's own key and authorized keys pass."""
-    keys_dir: str = ""
+    keys_dir: FilePath = ""
     """Where the runner keeps the job's keypairs (``server``, ``client``; default RUN_DIR/keys)."""
-    authorized_keys: str = ""
+    authorized_keys: FilePath = ""
     """A public key file (``NAME.key``, from ``runner.py keygen NAME``) or a directory of them:
     the clients allowed to attach besides the job's own actors. Re-read at every handshake."""
     server_key: Annotated[str, matching(r"(?s:.{40})?", "is not a 40-character Z85 key")] = ""
