@@ -48,8 +48,8 @@ Only output the score as a single number (integer)."""
 
 
 class PoolConfig(_Section, frozen=True):
-    name: Annotated[str, matching(r"[A-Za-z0-9_.-]+", "is not a pool name (letters, digits, "
-                                                     "'_', '.' or '-')")]
+    name: Annotated[str, matching(r"[A-Za-z0-9_.-]+",
+                                  "is not a pool name (letters, digits, '_', '.' or '-')")]
     """The pool's name: the router's pool its replicas serve, and the key of its score in each
     result's ``extra`` (not ``reward``: that is the rule workers' pool)."""
     kind: Literal["reward_model", "judge"] = "reward_model"

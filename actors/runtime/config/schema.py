@@ -79,7 +79,7 @@ class ModelConfig(_Section, frozen=True):
 
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
-DatasetPath = Annotated[FilePath, matching(r".*[^/]\.(?:parquet|jsonl)|",
+DatasetPath = Annotated[FilePath, matching(r"(?:.*[^/]\.(?:parquet|jsonl))?",
                                            "is neither .parquet nor .jsonl")]
 
 
