@@ -1,10 +1,10 @@
-"""Checks of a decoded topology that the types alone cannot express (ranges, combinations,
-files that must exist). Each failure is a ``ConfigError`` that names the full key path."""
+"""Checks of a decoded topology that its fields' types cannot express (combinations of keys,
+files that must exist; a key's own range is declared on its field). Each failure is a
+``ConfigError`` that names the full key path."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,15 +18,7 @@ from actors.registry import KINDS
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_pools
-from actors.runtime.config.schema import (
-    BUILTIN_SCORERS,
-    BUILTIN_TASKS,
-    DATASET_SUFFIXES,
-    ActorCommon,
-    ConfigError,
-    DatasetConfig,
-    Topology,
-)
+from actors.runtime.config.schema import ActorCommon, ConfigError, DatasetConfig, Topology
 from actors.runtime.config.teacher import check_teacher
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
@@ -39,39 +31,20 @@ def check(topology: Topology) -> None:
 
     for kind in KINDS:
         section: ActorCommon = getattr(topology, kind.name)
-        need(section.threads >= 1, f"{kind.name}.threads", "must be >= 1")
         if kind.max_count == 1:
-            need(section.count == 1, f"{kind.name}.count", "must be 1 (one owner)")
+            need(section.count == kind.max_count, f"{kind.name}.count", "must be 1 (one owner)")
         else:
             need(section.count >= kind.min_count, f"{kind.name}.count",
                  f"must be >= {kind.min_count}")
     a = topology.algorithm
-    need(a.n >= 1, "algorithm.n", "must be >= 1")
-    need(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
     _check_correction(a, need)
     _check_losses(a, need)
-    need(a.clip_ratio_low >= 0, "algorithm.clip_ratio_low", "must be >= 0")
     need(a.clip_ratio_low < 1 or a.policy_loss in ("geo_mean", "dppo_tv", "dppo_kl"),
          "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss!r}")
-    need(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
-    need(0 <= a.gamma <= 1, "algorithm.gamma", "must be in [0, 1]")
-    need(0 <= a.lam <= 1, "algorithm.lam", "must be in [0, 1]")
-    need(a.entropy_coeff >= 0, "algorithm.entropy_coeff", "must be >= 0")
-    need(a.kl_ctrl.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1")
-    need(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
     need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
          or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
     s = topology.sampler
-    need(s.temperature > 0, "sampler.temperature", "must be > 0")
-    need(0 < s.top_p <= 1, "sampler.top_p", "must be in (0, 1]")
-    need(s.top_k >= 0, "sampler.top_k", "must be >= 0")
-    need(s.max_tokens >= 1, "sampler.max_tokens", "must be >= 1")
-    need(s.prompts_per_request >= 1, "sampler.prompts_per_request", "must be >= 1")
-    need(s.score_timeout_s >= 0, "sampler.score_timeout_s", "must be >= 0 (0: derived)")
-    need(s.score_attempts >= 1, "sampler.score_attempts", "must be >= 1")
-    need(s.drain_grace_s >= 0, "sampler.drain_grace_s", "must be >= 0 (0: hand back at once)")
-    need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
     if s.engine != "auto":
         from actors.sampler.engines.registry import ENGINES, engine_problem
 
@@ -90,21 +63,10 @@ def check(topology: Topology) -> None:
     need(VL.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
     need(VL.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
     L = topology.learner
-    need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
-    need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")
-    need(L.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
-    need(L.max_tokens_per_micro_batch >= 0, "learner.max_tokens_per_micro_batch",
-         "must be >= 0 (0: no token budget)")
-    need(L.lr > 0, "learner.lr", "must be > 0")
-    need(L.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
-    need(1 <= L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
+    need(L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
          f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
-    need(L.warmup_steps >= 0, "learner.warmup_steps", "must be >= 0")
-    need(0 <= L.min_lr_ratio <= 1, "learner.min_lr_ratio", "must be in [0, 1]")
-    need(L.lora.rank >= 0, "learner.lora.rank", "must be >= 0")
     need(not (L.offload and L.lora.rank > 0), "learner.offload",
          "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
-    need(L.save_every >= 1, "learner.save_every", "must be >= 1")
     if L.lora.rank > 0:
         _check_adapters(topology, need)
     if L.weights_transport != "auto":
@@ -117,7 +79,6 @@ def check(topology: Topology) -> None:
                                     needs_cuda=row.needs_cuda, weights_address=L.weights_address,
                                     learner_device=L.device, sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
-    need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)
     check_teacher(topology, need)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
@@ -129,69 +90,35 @@ def check(topology: Topology) -> None:
     need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
          f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
     R = topology.reward
-    need(R.capacity >= 1, "reward.capacity", "must be >= 1")
     for i, fn in enumerate(R.functions):
         key = f"reward.functions[{i}]"
         if fn.builtin == "reward_model":
             need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
             problem = _reward_model_problem(Path(fn.path))
             need(problem is None, f"{key}.path", str(problem))
-            need(fn.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
-            need(fn.max_length >= 1, f"{key}.max_length", "must be >= 1")
-            need(math.isfinite(fn.reward_mean), f"{key}.reward_mean", "must be finite")
-            need(math.isfinite(fn.reward_std) and fn.reward_std > 0, f"{key}.reward_std",
-                 "must be > 0")
             need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
             continue
         need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
-        need(not fn.builtin or fn.builtin in BUILTIN_SCORERS, f"{key}.builtin",
-             f"{fn.builtin!r} is not one of {', '.join(BUILTIN_SCORERS)}")
         need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
         need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
-        need(fn.name.isidentifier(), f"{key}.name", f"{fn.name!r} is not a Python name")
-        need(math.isfinite(fn.weight), f"{key}.weight", "must be finite")
     check_pools(topology, need)
     for i, pool in enumerate(R.pools):
         if pool.kind == "reward_model":
             problem = _reward_model_problem(Path(pool.path))
             need(problem is None, f"reward.pools[{i}].path", str(problem))
-    need(R.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    need(0 <= R.max_error_share <= 1, "reward.max_error_share", "must be in [0, 1]")
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
-    need(R.cpu_s >= 0, "reward.cpu_s", "must be >= 0")
-    need(R.processes >= 1, "reward.processes", "must be >= 1")
-    need(R.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0")
-    need(R.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0")
-    need(R.max_response_length >= 0, "reward.max_response_length", "must be >= 0")
     max_length = R.max_response_length or s.max_tokens
     need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
          f"must be <= the response length limit ({max_length})")
-    need(topology.task.size >= 1, "task.size", "must be >= 1")
-    T = topology.task
-    need(T.name in BUILTIN_TASKS, "task.name", f"{T.name!r} is not one of {', '.join(BUILTIN_TASKS)}")
-    need(T.max_prompt_length >= 0, "task.max_prompt_length", "must be >= 0 (0: no limit)")
-    _check_datasets(T.datasets, need)
-    V = topology.validation
-    need(V.every >= 0, "validation.every", "must be >= 0 (0: never)")
-    need(V.n >= 1, "validation.n", "must be >= 1")
-    need(V.temperature is None or V.temperature >= 0, "validation.temperature",
-         "must be >= 0 (0: greedy)")
-    need(V.top_p is None or 0 < V.top_p <= 1, "validation.top_p", "must be in (0, 1]")
-    need(V.max_tokens is None or V.max_tokens >= 1, "validation.max_tokens", "must be >= 1")
-    need(math.isfinite(V.pass_threshold), "validation.pass_threshold", "must be finite")
-    for i, d in enumerate(V.datasets):
-        need(d.size >= 0, f"validation.datasets[{i}].size", "must be >= 0 (0: all of a file)")
-    _check_datasets(V.datasets, need, "validation.datasets")
+    _check_datasets(topology.task.datasets, need)
+    _check_datasets(topology.validation.datasets, need, "validation.datasets")
     loggers = topology.run.loggers
     need(len(set(loggers)) == len(loggers), "run.loggers", "names a logger twice")
     F = a.filter_groups
     need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
          "needs algorithm.n >= 2 (a group of one always has equal rewards)")
-    need(F.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
-         "must be >= 0 (0: no limit)")
     reuse = topology.replay.reuse
-    need(reuse >= 1, "replay.reuse", "must be >= 1 (1: each group is served once)")
     need(reuse <= a.max_staleness + 1, "replay.reuse",
          f"a group can be served at most once per policy version while it is fresh, so at most "
          f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
@@ -202,10 +129,6 @@ def check(topology: Topology) -> None:
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
     need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
          "needs security.curve = true")
-    need(not sec.server_key or len(sec.server_key) == 40, "security.server_key",
-         "must be a 40-character Z85 public key")
-    need(topology.replay.sampler_timeout_s >= 0, "replay.sampler_timeout_s",
-         "must be >= 0 (0: prompts are issued again only when a sampler restarts)")
     check_hosts(topology, need)
 
 
@@ -241,7 +164,6 @@ def _check_adapters(topology: Topology, need: Any) -> None:
 def _check_correction(a: AlgorithmConfig, need: Any) -> None:
     c = a.correction
     key = "algorithm.correction"
-    need(math.isfinite(c.is_cap) and c.is_cap > 0, f"{key}.is_cap", "must be > 0")
     need(c.is_low is None or 0 < c.is_low <= c.is_cap, f"{key}.is_low",
          f"must be in (0, is_cap = {c.is_cap}]")
     need(c.is_low is None or c.is_level != "none", f"{key}.is_low",
@@ -291,21 +213,12 @@ def _check_losses(a: AlgorithmConfig, need: Any) -> None:
         need(not a.gdpo_reward_weights or len(a.gdpo_reward_weights) == len(a.gdpo_reward_keys),
              "algorithm.gdpo_reward_weights",
              f"needs one weight per key ({len(a.gdpo_reward_keys)}), or none (all 1.0)")
-        need(all(math.isfinite(w) for w in a.gdpo_reward_weights),
-             "algorithm.gdpo_reward_weights", "must be finite")
     match a.policy_loss:
-        case "sapo":
-            need(a.tau_pos > 0, "algorithm.tau_pos", "must be > 0")
-            need(a.tau_neg > 0, "algorithm.tau_neg", "must be > 0")
         case "clip_cov":
-            need(0 < a.clip_cov_ratio <= 1, "algorithm.clip_cov_ratio", "must be in (0, 1]")
             need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_ub",
                  f"must be > clip_cov_lb = {a.clip_cov_lb}")
-        case "kl_cov":
-            need(0 < a.kl_cov_ratio <= 1, "algorithm.kl_cov_ratio", "must be in (0, 1]")
-            need(a.ppo_kl_coef >= 0, "algorithm.ppo_kl_coef", "must be >= 0")
         case "dro":
-            need(a.dro_beta is not None and a.dro_beta > 0, "algorithm.dro_beta",
+            need(a.dro_beta is not None, "algorithm.dro_beta",
                  "dro needs dro_beta > 0 (verl has no default)")
 
 
@@ -333,18 +246,13 @@ def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
     for i, d in enumerate(datasets):
         key = f"{where}[{i}]"
         need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
-        need(math.isfinite(d.weight) and d.weight > 0, f"{key}.weight", "must be > 0")
         name = d.name or d.builtin or Path(d.path).stem
         need(name not in names, f"{key}.name",
              f"{name!r} is already the name of {where}[{names.get(name)}]; name one")
         names[name] = i
         if d.builtin:
-            need(d.builtin in BUILTIN_TASKS, f"{key}.builtin",
-                 f"{d.builtin!r} is not one of {', '.join(BUILTIN_TASKS)}")
             continue
         path = Path(d.path)
-        need(path.suffix in DATASET_SUFFIXES, f"{key}.path",
-             f"{d.path!r} is neither .parquet nor .jsonl")
         need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
         try:
             columns = _dataset_columns(path)
@@ -381,7 +289,6 @@ def _reward_model_problem(path: Path) -> str | None:
 
 def _check_sleep(s: Any, need: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
-    need(s.sleep_idle_s >= 0, "sampler.sleep_idle_s", "must be >= 0 (0: never sleeps)")
     if s.sleep_idle_s > 0:
         need(s.engine == "vllm", "sampler.sleep_idle_s",
              "sleeping frees GPU memory through vLLM's sleep mode: needs sampler.engine = vllm")

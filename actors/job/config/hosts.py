@@ -136,9 +136,8 @@ def check_hosts(topology: Topology, need: Any) -> None:
          f"--host {run.host!r} is not a host of [hosts] ({', '.join(hosts)})")
     need("{time}" not in run.dir, "run.dir",
          "every host's runner must name the same run directory: set run.dir (no {time})")
-    need(0 < run.base_port and run.base_port + CONTROL_PORT + len(hosts) < 65536, "run.base_port",
+    need(run.base_port + CONTROL_PORT + len(hosts) < 65536, "run.base_port",
          "must leave room for the job's ports below 65536")
-    need(run.host_wait_s > 0, "run.host_wait_s", "must be > 0")
     for key in (*PORTS, "control_address"):
         value = _get(topology, key)
         need(value == "auto" or value.startswith("tcp://"), key,

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from actors.job.config.checks import check
+from actors.runtime.config.constraints import refusal
 from actors.runtime.config.schema import ConfigError, Topology
 
 
@@ -48,16 +49,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 
-def _key_path_message(msg: str) -> str:
-    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown keys get their own name)."""
+def _key_path_message(msg: str, data: Any = None) -> str:
+    """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown and missing keys get their
+    own name; a value its field's constraint refuses reads as the checks do: "must be >= 1")."""
     where = ""
     if " - at `$." in msg:
         msg, where = msg.rsplit(" - at `$.", 1)
         where = where.rstrip("`")
-    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", msg)
-    if unknown:
-        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return f"{key}: unknown key"
+    named = re.fullmatch(r"Object (contains unknown|missing required) field `(.+)`", msg)
+    if named:
+        key = f"{where}.{named.group(2)}" if where else named.group(2)
+        return f"{key}: {'unknown key' if named.group(1) == 'contains unknown' else 'must be set'}"
+    if where and re.match(r"Expected `\w+` (>|<|matching|of length)", msg):
+        msg = refusal(where, data, Topology) or msg
     return f"{where}: {msg}" if where else msg
 
 
@@ -67,7 +71,7 @@ def decode_topology(data: dict[str, Any]) -> Topology:
         topology = msgspec.convert(data, Topology)
     except msgspec.ValidationError as exc:
         # msgspec reports "... - at `$.learner.total_stepz`"; restate it as a key path
-        raise ConfigError(_key_path_message(str(exc))) from None
+        raise ConfigError(_key_path_message(str(exc), data)) from None
     check(topology)
     return _derived(_absolute_paths(topology))
 
@@ -90,26 +94,21 @@ def _derived(topology: Topology) -> Topology:
     return msgspec.structs.replace(topology, sampler=s, validation=v)
 
 
-def _absolute_paths(topology: Topology) -> Topology:
-    """Reward function files, dataset files, tool and environment files and key paths are named
-    relative to where the job is started; the actors run elsewhere (and read the resolved
-    topology), so the paths are made absolute here."""
-    R, T, sec, V = topology.reward, topology.task, topology.security, topology.validation
-    functions = [msgspec.structs.replace(fn, path=_absolute(fn.path)) for fn in R.functions]
-    pools = [msgspec.structs.replace(p, path=_absolute(p.path),
-                                     function_path=_absolute(p.function_path)) for p in R.pools]
-    datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in T.datasets]
-    val_datasets = [msgspec.structs.replace(d, path=_absolute(d.path)) for d in V.datasets]
-    A = topology.agent
-    agent = msgspec.structs.replace(
-        A, tools=[msgspec.structs.replace(t, path=_absolute(t.path)) for t in A.tools],
-        env=msgspec.structs.replace(A.env, path=_absolute(A.env.path)))
-    return msgspec.structs.replace(
-        topology, agent=agent, reward=msgspec.structs.replace(R, functions=functions, pools=pools),
-        task=msgspec.structs.replace(T, datasets=datasets),
-        validation=msgspec.structs.replace(V, datasets=val_datasets),
-        security=msgspec.structs.replace(sec, keys_dir=_absolute(sec.keys_dir),
-                                         authorized_keys=_absolute(sec.authorized_keys)))
+def _absolute_paths(value: Any) -> Any:
+    """Every ``FilePath`` field (files and directories named relative to where the job is
+    started) made absolute: the actors run elsewhere and read the resolved topology."""
+    if isinstance(value, list):
+        return [_absolute_paths(item) for item in value]
+    if not isinstance(value, msgspec.Struct):
+        return value
+    changes = {}
+    for field in msgspec.structs.fields(value):
+        old = getattr(value, field.name)
+        path = any((m.extra or {}).get("path") for m in getattr(field.type, "__metadata__", ()))
+        new = _absolute(old) if path else _absolute_paths(old)
+        if new is not old:
+            changes[field.name] = new
+    return msgspec.structs.replace(value, **changes) if changes else value
 
 
 def _absolute(path: str) -> str:

@@ -6,31 +6,41 @@ holds it as ``agent``. Every field has a one-line docstring below it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+from actors.runtime.config.constraints import (
+    FilePath,
+    NonNegInt,
+    Port,
+    PositiveFloat,
+    PositiveInt,
+    PythonName,
+    PythonNameOrUnset,
+    one_of,
+)
 from actors.runtime.config.schema_base import _Section
 
 BUILTIN_TOOLS = ("calculator", "python")
 
 
 class AgentTool(_Section, frozen=True):
-    builtin: str = ""
+    builtin: Annotated[str, one_of(BUILTIN_TOOLS, unset=True)] = ""
     """A built-in tool: ``calculator`` (exact arithmetic on an expression) or ``python`` (runs a
     program in a new interpreter, returns what it printed); set this or ``path``."""
-    path: str = ""
+    path: FilePath = ""
     """A Python file (relative to where the runner is started) holding the tool function; its
     signature, type hints and docstring make the JSON schema the model is shown."""
-    name: str = ""
+    name: PythonNameOrUnset = ""
     """The function in ``path``, and the name the model calls the tool by."""
     kwargs: dict[str, str | int | float | bool] = {}
     """Keyword arguments added to every call (not shown to the model)."""
 
 
 class AgentEnv(_Section, frozen=True):
-    path: str = ""
+    path: FilePath = ""
     """A Python file holding the environment class: ``reset(prompt) -> observation`` and
     ``step(action) -> (observation, reward, done)``; one object per sample, in a sandboxed child."""
-    name: str = ""
+    name: PythonNameOrUnset = ""
     """The class in ``path``."""
     kwargs: dict[str, str | int | float | bool] = {}
     """Keyword arguments of the class's constructor."""
@@ -51,13 +61,13 @@ class AgentRollout(_Section, frozen=True):
     """A Python file holding ``async def rollout(client, row)``: the user's own agent, run in a
     sandboxed child against an OpenAI-compatible endpoint the sampler serves per episode
     (``actors/sampler/endpoint/``); set instead of tools or an environment."""
-    name: str = "rollout"
+    name: PythonName = "rollout"
     """The function in ``path``: ``(client: openai.AsyncOpenAI, row: dict) -> float | dict |
     None`` (None: the configured scorer scores the transcript; a dict: reward components)."""
-    max_calls: int = 16
+    max_calls: PositiveInt = 16
     """Model calls one episode may make; the call past them is refused (400) and the episode
     recorded as failed."""
-    episode_timeout_s: float = 300.0
+    episode_timeout_s: PositiveFloat = 300.0
     """Seconds one episode may run; past them its child is killed and the episode is recorded
     as failed (``timeout``)."""
     on_failure: Literal["zero", "drop"] = "zero"
@@ -71,7 +81,7 @@ class AgentRollout(_Section, frozen=True):
     groups per prompt, as verl's index does); last: only the episode's last segment trains."""
     host: str = "127.0.0.1"
     """Address the endpoint listens on (the children reach it there)."""
-    port: int = 0
+    port: Port = 0
     """TCP port of the endpoint (0: a free one, chosen when the sampler starts)."""
 
 
@@ -84,11 +94,11 @@ class AgentConfig(_Section, frozen=True):
     rollout: AgentRollout = AgentRollout()
     """A user's agent function served by an OpenAI-compatible endpoint (``[agent.rollout]``),
     instead of tools or an environment."""
-    max_turns: int = 4
+    max_turns: PositiveInt = 4
     """The model's turns per sample; a tool call made in the last one is not run."""
-    max_tool_response_tokens: int = 256
+    max_tool_response_tokens: PositiveInt = 256
     """Longer tool output (or environment observation) is cut in the middle to this many tokens."""
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: PositiveFloat = 10.0
     """Seconds per tool call or environment step, in a sandboxed child; past them the child is
     killed and the model reads a timeout error."""
     parser: Literal["hermes", "xml"] = "hermes"
@@ -98,13 +108,13 @@ class AgentConfig(_Section, frozen=True):
     stop_at_call: bool = True
     """End the model's turn where its first tool call closes (the tokens that end a turn are
     then added as tool tokens); false: the turn runs to EOS and every call in it is run."""
-    processes: int = 4
+    processes: PositiveInt = 4
     """Sandboxed child processes for tools (or environments) per sampler."""
     memory_mb: int = 2048
     """Address-space limit (RLIMIT_AS) of each tool child in MiB (0: none)."""
-    cpu_s: int = 30
+    cpu_s: NonNegInt = 30
     """CPU seconds one tool call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
-    max_tool_failures: int = 20
+    max_tool_failures: NonNegInt = 20
     """A tool that fails (raises, times out or crashes its child; not the model's bad calls)
     this many calls in a row is broken: the job stops (0: never). Below it every failure is an
     error the model reads, counted in the sampler's ``tool_errors``."""

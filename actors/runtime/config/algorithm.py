@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from typing import Literal
 
+from actors.runtime.config.constraints import (
+    Finite,
+    Fraction,
+    NonNegFloat,
+    NonNegInt,
+    PositiveFinite,
+    PositiveFloat,
+    PositiveInt,
+    Share,
+)
 from actors.runtime.config.schema_base import _Section
 
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
@@ -46,7 +56,7 @@ class CorrectionConfig(_Section, frozen=True):
     is_level: Literal["token", "sequence", "none"] = "token"
     """Truncated importance weight min(π_old/μ, is_cap) per token, per sequence, or none
     (verl ``rollout_is``)."""
-    is_cap: float = 2.0
+    is_cap: PositiveFinite = 2.0
     """Cap of the truncated importance weight (verl ``rollout_is_threshold``: verl 2.0, AReaL
     5.0, TRL 3.0)."""
     is_low: float | None = None
@@ -74,9 +84,9 @@ class KLControl(_Section, frozen=True):
     """Fixed coefficient, or adaptive towards target_kl (verl kl_ctrl)."""
     kl_coef: float = 0.001
     """Initial β of the KL penalty in the reward."""
-    target_kl: float = 0.1
+    target_kl: PositiveFloat = 0.1
     """adaptive: the KL the controller steers to."""
-    horizon: int = 10000
+    horizon: PositiveInt = 10000
     """adaptive: steps over which β moves by at most 20%."""
 
 
@@ -86,7 +96,7 @@ class FilterGroups(_Section, frozen=True):
     admit replacement prompts until the batch is full."""
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
     """verl's metric names; here all of them are the sample's reward (the scorers' score)."""
-    max_num_gen_batches: int = 0
+    max_num_gen_batches: NonNegInt = 0
     """Stop the job with an error when more than this many batches' worth of groups
     (× learner.groups_per_step) are filtered between two served batches (0: no limit)."""
 
@@ -103,41 +113,41 @@ class AlgorithmConfig(_Section, frozen=True):
     """gdpo: the reward components, keys of the scorer's result dict (``compute_score``
     returning ``{"score": ..., "format_reward": ...}``; with several ``[[reward.functions]]``,
     each function's label holds its score), each normalised within its group on its own."""
-    gdpo_reward_weights: list[float] = []
+    gdpo_reward_weights: list[Finite] = []
     """gdpo: one weight per key in gdpo_reward_keys (empty: all 1.0)."""
-    gamma: float = 1.0
+    gamma: Fraction = 1.0
     """Discount for reinforce_plus_plus, remax and gae."""
-    lam: float = 1.0
+    lam: Fraction = 1.0
     """GAE λ."""
-    n: int = 8
+    n: PositiveInt = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
     policy_loss: PolicyLoss = "vanilla"
     """vanilla (PPO clip), gspo (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean
     (GMPO), clip_cov, kl_cov, dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs
     correction.mode = "bypass")."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: NonNegFloat = 0.2
     """PPO clip ε_low (geo_mean: a log-ratio range, GMPO uses 0.4; dppo_*: the divergence
     threshold for negative advantages)."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: NonNegFloat = 0.2
     """PPO clip ε_high (> ε_low is DAPO clip-higher; geo_mean, dppo_*: as clip_ratio_low)."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant c > 1 for negative advantages (0 disables); dppo_*: the cap of the
     truncated ratio (0: verl's fallback 20)."""
-    tau_pos: float = 1.0
+    tau_pos: PositiveFloat = 1.0
     """sapo: temperature of the gate for positive advantages (verl ``actor.tau_pos``)."""
-    tau_neg: float = 1.05
+    tau_neg: PositiveFloat = 1.05
     """sapo: temperature of the gate for negative advantages (verl ``actor.tau_neg``)."""
-    clip_cov_ratio: float = 0.0002
+    clip_cov_ratio: Share = 0.0002
     """clip_cov: share of tokens whose gradient is dropped (verl ``policy_loss.clip_cov_ratio``)."""
     clip_cov_lb: float = 1.0
     """clip_cov: lower bound of the covariance of the tokens that may be dropped."""
     clip_cov_ub: float = 5.0
     """clip_cov: upper bound of that covariance."""
-    kl_cov_ratio: float = 0.0002
+    kl_cov_ratio: Share = 0.0002
     """kl_cov: share of tokens that get the KL penalty (verl ``policy_loss.kl_cov_ratio``)."""
-    ppo_kl_coef: float = 0.1
+    ppo_kl_coef: NonNegFloat = 0.1
     """kl_cov: coefficient of that penalty |lp − lp_old| (verl ``policy_loss.ppo_kl_coef``)."""
-    dro_beta: float | None = None
+    dro_beta: PositiveFloat | None = None
     """dro: coefficient of the quadratic penalty on lp − lp_old (verl ``policy_loss.dro_beta``;
     no default, required with dro)."""
     loss_agg_mode: LossAggMode = "token-mean"
@@ -145,7 +155,7 @@ class AlgorithmConfig(_Section, frozen=True):
     normaliser, the loss grows with the token count)."""
     loss_scale_factor: float = 0.0
     """seq-mean-token-sum-norm: the constant to divide by (0: sampler.max_tokens)."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: NonNegFloat = 0.0
     """Entropy bonus: loss −= entropy_coeff·H."""
     use_kl_loss: bool = False
     """Add kl_loss_coef·KL(π_θ‖π_ref) to the loss, against the frozen initial model."""
@@ -163,7 +173,7 @@ class AlgorithmConfig(_Section, frozen=True):
     """gae: value clipping range of the critic loss."""
     correction: CorrectionConfig = CorrectionConfig()
     """Off-policy correction between the sampler's policy μ and the learner's."""
-    max_staleness: int = 1
+    max_staleness: NonNegInt = 1
     """Policy versions a sample may lag the learner (0 = synchronous). Older groups are dropped."""
     filter_groups: FilterGroups = FilterGroups()
     """DAPO dynamic sampling: drop groups whose rewards are all equal (verl

@@ -7,39 +7,37 @@ torch unless a key asks for CUDA (the check then asks torch whether there is one
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
+from actors.runtime.config.constraints import Device, NonNegInt, Port, PositiveFloat, PositiveInt
 from actors.runtime.config.schema_base import ActorCommon
-
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class LearnerPlacement(ActorCommon, frozen=True):
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when a GPU is visible, else cpu), cpu, cuda, or cuda:N (one rank only); with
     several ranks on a node, rank r uses cuda:LOCAL_RANK."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of forward and backward (auto: bfloat16 on a GPU, model.dtype on a CPU).
     When it differs from model.dtype the parameters and optimizer state stay in model.dtype
     (fp32 master weights) and FSDP2 casts for compute, reducing gradients in float32."""
-    nproc_per_node: int = 1
+    nproc_per_node: PositiveInt = 1
     """Learner ranks on each node (one per GPU): FSDP2 across them, gloo on CPU, NCCL on GPU."""
-    nnodes: int = 1
+    nnodes: PositiveInt = 1
     """Nodes the learner spans; run the runner on each with its own learner.node_rank."""
-    node_rank: int = 0
+    node_rank: NonNegInt = 0
     """This node's index (0 runs the whole job; k > 0 runs only its learner ranks)."""
     master_addr: str = "127.0.0.1"
     """Host of rank 0 (the group's rendezvous); reachable from every node."""
-    master_port: int = 0
+    master_port: Port = 0
     """Rendezvous port on master_addr (0: a free port, one node only)."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after each forward and reduce gradients after every
     micro-batch (true: least memory), or keep them gathered until backward and reduce once per
     mini-batch (false: fewest copies); unset: true on a GPU, false on a CPU."""
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: PositiveFloat = 600.0
     """A collective waiting longer than this fails its rank (and so the job), not hangs it."""
-    weights_bucket_mb: int = 256
+    weights_bucket_mb: PositiveInt = 256
     """Weights are gathered from the shards and sent to samplers in messages of at most this
     many MiB each (one tensor larger than that travels alone)."""
     weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -48,7 +46,7 @@ class LearnerPlacement(ActorCommon, frozen=True):
 
 
 class SamplerPlacement(ActorCommon, frozen=True):
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda when a GPU is visible, else cpu), cpu, cuda, or cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The engine's dtype (auto: bfloat16 on a GPU, model.dtype on a CPU)."""
@@ -69,22 +67,15 @@ def check_placement(topology: Any, need: Any) -> None:
     """The placement keys of ``topology``; ``need(ok, key, why)`` raises naming the key."""
     L, S = topology.learner, topology.sampler
     for key, device in (("learner.device", L.device), ("sampler.device", S.device)):
-        need(DEVICE.fullmatch(device) is not None, key,
-             f"{device!r} is not auto, cpu, cuda or cuda:N")
         if device.startswith("cuda"):
             ok, why = _cuda_problem(device)
             need(ok, key, why)
-    need(L.nproc_per_node >= 1, "learner.nproc_per_node", "must be >= 1")
-    need(L.nnodes >= 1, "learner.nnodes", "must be >= 1")
-    need(0 <= L.node_rank < L.nnodes, "learner.node_rank",
+    need(L.node_rank < L.nnodes, "learner.node_rank",
          f"must be in [0, learner.nnodes = {L.nnodes})")
-    need(0 <= L.master_port < 65536, "learner.master_port", "must be a port number (0: free)")
     need(L.nnodes == 1 or L.master_port > 0 or bool(topology.hosts), "learner.master_port",
          "several nodes must agree on the rendezvous port: set it")
     need(L.node_rank == 0 or "{time}" not in topology.run.dir, "run.dir",
          "every node's runner must name the same run directory (shared by the nodes): set it")
-    need(L.collective_timeout_s > 0, "learner.collective_timeout_s", "must be > 0")
-    need(L.weights_bucket_mb >= 1, "learner.weights_bucket_mb", "must be >= 1")
     world = L.nproc_per_node * L.nnodes
     need(world == 1 or ":" not in L.device, "learner.device",
          f"{L.device} names one GPU, but the learner has {world} ranks: use cuda (rank r "

@@ -14,13 +14,19 @@ Torch-free: the runner and the config checks import it.
 
 from __future__ import annotations
 
-import math
-import re
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from actors.runtime.config.placement import DEVICE
+from actors.runtime.config.constraints import (
+    FilePath,
+    Finite,
+    NonNegFloat,
+    PositiveFinite,
+    PositiveInt,
+    PythonName,
+    matching,
+)
 from actors.runtime.config.schema_base import _Section
 
 RULES_POOL = "reward"  # the rule workers' pool
@@ -39,36 +45,36 @@ Please evaluate how well the solution addresses the problem. Give a score from 1
 and 10 means it is fully correct and well reasoned.
 
 Only output the score as a single number (integer)."""
-NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class PoolConfig(_Section, frozen=True):
-    name: str = ""
+    name: Annotated[str, matching(r"[A-Za-z0-9_.-]+",
+                                  "is not a pool name (letters, digits, '_', '.' or '-')")]
     """The pool's name: the router's pool its replicas serve, and the key of its score in each
     result's ``extra`` (not ``reward``: that is the rule workers' pool)."""
     kind: Literal["reward_model", "judge"] = "reward_model"
     """reward_model: a sequence-classification checkpoint (one label; its logit is the score);
     judge: a causal LM that reads ``template`` and writes an answer ``parser`` reads."""
-    path: str = ""
+    path: FilePath = ""
     """The local Hugging Face directory of the pool's model."""
-    replicas: int = 1
+    replicas: PositiveInt = 1
     """Worker processes of this pool; the router balances requests between them."""
-    device: str = "cpu"
+    device: Annotated[str, matching(r"cpu|cuda(:\d+)?", "is not cpu, cuda or cuda:N")] = "cpu"
     """cpu, or cuda:N (the runner's GPU N, shared with whatever else it places there: each
     process gets an equal memory share, as samplers sharing a GPU do)."""
-    weight: float = 1.0
+    weight: Finite = 1.0
     """This pool's weight in a response's reward (the weighted sum over the scoring pools)."""
-    capacity: int = 8
+    capacity: PositiveInt = 8
     """Requests one replica takes at once; concurrent requests share forwards (batched)."""
-    threads: int = 1
+    threads: PositiveInt = 1
     """torch intra-op threads of each replica."""
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     """Most responses in one forward (reward_model) or one engine call (judge)."""
-    max_length: int = 1024
+    max_length: PositiveInt = 1024
     """reward_model: tokens kept per sequence (the start is cut, so the response's end stays)."""
-    reward_mean: float = 0.0
+    reward_mean: Finite = 0.0
     """reward_model: the score is (logit - reward_mean) / reward_std."""
-    reward_std: float = 1.0
+    reward_std: PositiveFinite = 1.0
     """reward_model: see reward_mean."""
     engine: Literal["hf", "vllm"] = "hf"
     """judge: the generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s
@@ -81,19 +87,19 @@ class PoolConfig(_Section, frozen=True):
     last ``[[x]]``), boxed (the last ``\\boxed{x}``), yes_no (the last yes/no word: 1 or 0), or
     function (``function_path``'s function, run in a sandboxed child). An answer it cannot read
     is a recorded score error, never a silent 0."""
-    function_path: str = ""
+    function_path: FilePath = ""
     """judge, parser = function: a Python file whose ``function_name`` takes
     ``(judge_answer, data_source, solution_str, ground_truth, extra_info)`` and returns a score
     (float or dict(score=...)); raising is an unreadable answer."""
-    function_name: str = "parse_score"
+    function_name: PythonName = "parse_score"
     """judge, parser = function: the function's name in function_path."""
-    scale: float = 1.0
+    scale: Finite = 1.0
     """judge: the score is the parsed value times this (0.1 turns a 1-10 rating into 0.1-1)."""
-    max_tokens: int = 64
+    max_tokens: PositiveInt = 64
     """judge: the most tokens of one answer."""
-    temperature: float = 0.0
+    temperature: NonNegFloat = 0.0
     """judge: sampling temperature of its answers (0: greedy)."""
-    sleep_idle_s: float = 0.0
+    sleep_idle_s: NonNegFloat = 0.0
     """Put the model to sleep once its replica has had no request for this long, freeing its
     memory (a torch model's weights moved to host memory on a GPU, dropped and read again from
     ``path`` on a CPU; a vllm judge sleeps with vLLM's sleep level 1); it wakes for the next
@@ -145,38 +151,19 @@ def check_pools(topology: Any, need: Any) -> None:
     names: set[str] = set()
     for i, p in enumerate(R.pools):
         key = f"reward.pools[{i}]"
-        need(NAME.fullmatch(p.name) is not None, f"{key}.name",
-             f"{p.name!r}: a pool's name is letters, digits, '_', '.' or '-'")
         need(p.name != RULES_POOL, f"{key}.name", f"{RULES_POOL!r} is the rule workers' pool")
         need(p.name not in names, f"{key}.name", f"{p.name!r} names two pools")
         names.add(p.name)
         need(bool(p.path) and Path(p.path).is_dir(), f"{key}.path",
              f"{p.path!r} is not a model directory")
-        need(p.replicas >= 1, f"{key}.replicas", "must be >= 1")
-        need(DEVICE.fullmatch(p.device) is not None and p.device != "auto", f"{key}.device",
-             f"{p.device!r} is not cpu, cuda or cuda:N")
-        need(math.isfinite(p.weight), f"{key}.weight", "must be finite")
-        need(p.capacity >= 1, f"{key}.capacity", "must be >= 1")
-        need(p.threads >= 1, f"{key}.threads", "must be >= 1")
-        need(p.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
-        need(p.sleep_idle_s >= 0, f"{key}.sleep_idle_s", "must be >= 0 (0: never sleeps)")
         if p.kind == "reward_model":
-            need(p.max_length >= 1, f"{key}.max_length", "must be >= 1")
-            need(math.isfinite(p.reward_mean), f"{key}.reward_mean", "must be finite")
-            need(math.isfinite(p.reward_std) and p.reward_std > 0, f"{key}.reward_std",
-                 "must be > 0")
             need(p.engine == "hf", f"{key}.engine", "a reward_model runs on torch: hf")
             continue
         problem = template_problem(p.template)
         need(problem is None, f"{key}.template", str(problem))
-        need(p.max_tokens >= 1, f"{key}.max_tokens", "must be >= 1")
-        need(p.temperature >= 0, f"{key}.temperature", "must be >= 0")
-        need(math.isfinite(p.scale), f"{key}.scale", "must be finite")
         if p.parser == "function":
             need(Path(p.function_path).is_file(), f"{key}.function_path",
                  f"no file {p.function_path!r} (parser = function needs one)")
-            need(p.function_name.isidentifier(), f"{key}.function_name",
-                 f"{p.function_name!r} is not a Python name")
         else:
             need(not p.function_path, f"{key}.function_path", "only with parser = function")
         if p.engine == "vllm" and p.sleep_idle_s > 0:

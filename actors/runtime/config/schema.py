@@ -7,11 +7,25 @@ field has a one-line docstring below it. The checks that need more than one fiel
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
+from actors.runtime.config.constraints import (
+    FilePath,
+    Finite,
+    Fraction,
+    NonNegFloat,
+    NonNegInt,
+    PositiveFinite,
+    PositiveFloat,
+    PositiveInt,
+    PythonName,
+    Share,
+    matching,
+    one_of,
+)
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.pools import PoolConfig
@@ -37,12 +51,12 @@ class RunConfig(_Section, frozen=True):
     """Record prompts, groups, fates, batches and metrics to RUN_DIR/record (crash resume needs it)."""
     host: str = ""
     """With ``[hosts]``: the host this runner starts the actors of (``runner.py ... --host NAME``)."""
-    base_port: int = 27100
+    base_port: PositiveInt = 27100
     """With ``[hosts]``: ``auto`` addresses become ``tcp://HOST:base_port+k`` (k fixed per socket,
     runner control ports base_port+10+i for the i-th host), the same on every host. Below
     Linux's ephemeral range (32768-60999 by default), so no outgoing connection on a host can
     hold one of the job's ports before its actor binds it."""
-    host_wait_s: float = 300.0
+    host_wait_s: PositiveFloat = 300.0
     """With ``[hosts]``: how long a runner waits for the actors (or runner) of other hosts."""
     loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
         "console", "jsonl")
@@ -65,18 +79,19 @@ class ModelConfig(_Section, frozen=True):
 
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
-DATASET_SUFFIXES = (".parquet", ".jsonl")
+DatasetPath = Annotated[FilePath, matching(r"(?:.*[^/]\.(?:parquet|jsonl))?",
+                                           "is neither .parquet nor .jsonl")]
 
 
 class DatasetConfig(_Section, frozen=True):
-    path: str = ""
+    path: DatasetPath = ""
     """A parquet or jsonl file of prompts (relative to where the runner is started), in verl's
     row layout: ``prompt`` (list of chat messages), ``data_source``,
     ``reward_model.ground_truth``, ``extra_info``. Set this or ``builtin``."""
-    builtin: str = ""
+    builtin: Annotated[str, one_of(BUILTIN_TASKS, unset=True)] = ""
     """A built-in task instead of a file (``arithmetic``, ``repeat_letter``, ``calculator``;
     task.size, task.max_operand and task.system_prompt apply)."""
-    weight: float = 1.0
+    weight: PositiveFinite = 1.0
     """Share of the prompts drawn from this dataset (weights are normalised over the list)."""
     name: str = ""
     """Name in the recording's ``prompts.dataset`` column (default: the file's stem or the
@@ -95,16 +110,16 @@ class DatasetConfig(_Section, frozen=True):
 
 
 class TaskConfig(_Section, frozen=True):
-    name: str = "arithmetic"
+    name: Annotated[str, one_of(BUILTIN_TASKS)] = "arithmetic"
     """Built-in task (``arithmetic``, ``repeat_letter``, ``calculator``: multi-digit arithmetic
     for the calculator tool); not used when ``datasets`` is set."""
     datasets: list[DatasetConfig] = []
     """Prompt sources mixed by weight (``[[task.datasets]]``): the source of the i-th prompt
     drawn is a function of run.seed and i alone, so a run's data order is reproducible."""
-    max_prompt_length: int = 0
+    max_prompt_length: NonNegInt = 0
     """Skip prompts longer than this many chat-templated tokens of the model's tokenizer (verl
     ``data.max_prompt_length``; 0: no limit). Skipped prompts are counted, never issued."""
-    size: int = 100_000
+    size: PositiveInt = 100_000
     """Number of distinct prompts the task generates."""
     max_operand: int = 9
     """arithmetic: operands are drawn from 1..max_operand."""
@@ -113,7 +128,7 @@ class TaskConfig(_Section, frozen=True):
 
 
 class LoraConfig(_Section, frozen=True):
-    rank: int = 0
+    rank: NonNegInt = 0
     """LoRA rank (0 trains all weights). Samplers receive the adapters alone, each version
     applied to the base they started with; checkpoints are PEFT adapters."""
     alpha: float = 16.0
@@ -167,36 +182,36 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     clear_cache: bool = True
     """in_flight: drop the KV cache computed with the old weights at a swap (the kept requests
     recompute it); false keeps it (faster; later tokens then attend to old-weight keys)."""
-    sleep_idle_s: float = 0.0
+    sleep_idle_s: NonNegFloat = 0.0
     """vllm on a GPU shared with the learner: put the engine to sleep (vLLM sleep level 1:
     weights to host memory, KV cache freed) once it has had no request for this many seconds,
     so the learner has the GPU's memory while it trains; it wakes for the next generation or
     weights load (0: never sleeps; vLLM's CPU build has no sleep mode)."""
-    max_concurrent_prompts: int = 0
+    max_concurrent_prompts: NonNegInt = 0
     """Most prompts in a continuous engine at once (each with its n completions); a group goes
     to scoring as soon as its own completions are done (0: 8 on a CPU, 64 on a GPU)."""
-    prompts_per_request: int = 4
+    prompts_per_request: PositiveInt = 4
     """Prompts a sampler asks for (and generates) per batch."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature (the learner computes log-probs at the same temperature)."""
-    top_p: float = 1.0
+    top_p: Share = 1.0
     """Nucleus sampling mass."""
-    top_k: int = 0
+    top_k: NonNegInt = 0
     """Top-k sampling (0 disables)."""
-    max_tokens: int = 32
+    max_tokens: PositiveInt = 32
     """Maximum response tokens."""
     stop: list[str] = []
     """Extra stop strings (EOS always stops)."""
-    score_timeout_s: float = 0.0
+    score_timeout_s: NonNegFloat = 0.0
     """Seconds a group's scoring request may go unanswered before it is sent again (0: the
     router's request_timeout plus reward.timeout_s plus 10 s, so the router's own failover to
     another worker comes first)."""
-    score_attempts: int = 3
+    score_attempts: PositiveInt = 3
     """Sends of a scoring request before its group is given up: recorded and dropped as
     ``score_failed``, never waited on forever."""
     restart: Restart = BY_NAME["sampler"].restart
     """Samplers hold no state worth keeping, so they restart by default."""
-    drain_grace_s: float = 20.0
+    drain_grace_s: NonNegFloat = 20.0
     """On SIGTERM or Ctrl-C (a detach, or a spot machine's notice) a sampler takes no more
     prompts, finishes what it holds for at most this many seconds, then hands the rest back to
     the replay buffer (issued again to the others) and exits; a second signal ends it at once."""
@@ -216,17 +231,17 @@ BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "
 
 
 class RewardFunction(_Section, frozen=True):
-    builtin: str = ""
+    builtin: Annotated[str, one_of(BUILTIN_SCORERS, unset=True)] = ""
     """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
     calculator, reward_model); set this or ``path`` (reward_model: both)."""
-    path: str = ""
+    path: FilePath = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
     function, which runs in a child process; for ``reward_model``, the local Hugging Face
     directory of a sequence-classification checkpoint (one label: its logit is the score)."""
-    name: str = "compute_score"
+    name: PythonName = "compute_score"
     """The function in ``path``: ``(data_source, solution_str, ground_truth, extra_info)`` ->
     float or dict(score=..., **numeric extras); ``async def`` works too."""
-    weight: float = 1.0
+    weight: Finite = 1.0
     """This function's weight in the item's reward (the weighted sum over functions)."""
     batch: bool = False
     """``path`` function takes lists (``data_sources, solution_strs, ground_truths,
@@ -234,39 +249,39 @@ class RewardFunction(_Section, frozen=True):
     kwargs: dict[str, str | int | float | bool] = {}
     """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
     format_score)."""
-    batch_size: int = 8
+    batch_size: PositiveInt = 8
     """reward_model: sequences per forward pass."""
-    max_length: int = 1024
+    max_length: PositiveInt = 1024
     """reward_model: tokens kept per sequence (the start is cut, so the response's end stays)."""
-    reward_mean: float = 0.0
+    reward_mean: Finite = 0.0
     """reward_model: the score is (logit - reward_mean) / reward_std."""
-    reward_std: float = 1.0
+    reward_std: PositiveFinite = 1.0
     """reward_model: see reward_mean."""
 
 
 class RewardConfig(ActorCommon, frozen=True):
-    capacity: int = 4
+    capacity: PositiveInt = 4
     """Requests one reward worker takes at once."""
     restart: Restart = BY_NAME["reward"].restart
     """Reward workers are stateless, so they restart by default."""
     functions: list[RewardFunction] = []
     """Scoring functions, combined by weight (``[[reward.functions]]``). None: each item is
     scored by the built-in its ``data_source`` names (the task's scorer, verl's defaults)."""
-    timeout_s: float = 15.0
+    timeout_s: PositiveFloat = 15.0
     """Per call of a function in a child: past it the child is killed, the item scores 0.0."""
     memory_mb: int = 2048
     """Address-space limit (RLIMIT_AS) of each scoring child in MiB (0: none)."""
-    cpu_s: int = 60
+    cpu_s: NonNegInt = 60
     """CPU seconds one call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
-    processes: int = 4
+    processes: PositiveInt = 4
     """Scoring child processes per worker (calls run in parallel up to this)."""
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: NonNegInt = 0
     """DAPO overlong penalty: tokens before max_response_length where it starts (0: off)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: NonNegFloat = 1.0
     """DAPO overlong penalty at max_response_length (it falls linearly from 0 to -factor)."""
-    max_response_length: int = 0
+    max_response_length: NonNegInt = 0
     """L_max of the overlong penalty (0: sampler.max_tokens)."""
-    max_error_share: float = 0.5
+    max_error_share: Fraction = 0.5
     """The job stops when scoring failed (an exception, a bad value, a timeout, a crash) on more
     than this share of a step's samples, or of a validation round's; below it the failures are
     counted (``replay/score_errors``) and shown. 0.5: a systematic bug stops the first step, one
@@ -284,10 +299,10 @@ class ReplayConfig(ActorCommon, frozen=True):
     """Where samplers and the learner connect (ZeroMQ endpoint, or ``auto``)."""
     capacity: int = 256
     """Most scored groups held at once; admission never lets more be in flight."""
-    reuse: int = 1
+    reuse: PositiveInt = 1
     """Serve each group in up to this many batches (one per policy version, while it is within
     algorithm.max_staleness of the version that generated it; so at most max_staleness + 1)."""
-    sampler_timeout_s: float = 60.0
+    sampler_timeout_s: NonNegFloat = 60.0
     """A sampler silent this long (no request, group or keep-alive: its process hangs or its
     host is cut off) loses its prompts in flight: they are issued again (0: only on restart)."""
 
@@ -305,29 +320,29 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     sampler lends while it has nothing to generate, and lend the learner's own while it waits
     for a batch (a transformers engine takes them). Checked before every layer, so a lender has
     its threads back within one layer of work (actors/runtime/cores.py)."""
-    total_steps: int = 40
+    total_steps: PositiveInt = 40
     """Optimizer steps before the job ends."""
-    groups_per_step: int = 4
+    groups_per_step: PositiveInt = 4
     """Prompts (groups of ``n`` samples) per training step (verl ``data.train_batch_size``)."""
-    ppo_mini_batches: int = 1
+    ppo_mini_batches: PositiveInt = 1
     """Optimizer updates per batch: the batch is split into this many mini-batches."""
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over the batch per step."""
-    micro_batch_size: int = 8
+    micro_batch_size: PositiveInt = 8
     """Most sequences per forward/backward; gradients accumulate over a mini-batch."""
-    max_tokens_per_micro_batch: int = 8192
+    max_tokens_per_micro_batch: NonNegInt = 8192
     """Most tokens (prompt + response, padding not counted) per forward/backward, besides
     micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own."""
     packing: bool = True
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart
     per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
-    lr: float = 1e-5
+    lr: PositiveFloat = 1e-5
     """AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warmup (decays to min_lr_ratio·lr over the run)."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegInt = 0
     """Optimizer updates of linear warmup from 0."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     """linear/cosine: final learning rate as a fraction of lr."""
     critic_lr: float = 1e-5
     """gae: the critic's AdamW learning rate."""
@@ -345,9 +360,9 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """AdamW betas."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    save_every: int = 10
+    save_every: PositiveInt = 10
     """Checkpoint every K steps (and always at the end)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: PositiveInt = 3
     """Most recent checkpoints kept on disk, besides the final one (of ``total_steps``, always
     kept); older ``step_N`` folders are removed once a newer checkpoint is complete."""
     resume: bool = True
@@ -355,26 +370,26 @@ class LearnerConfig(LearnerPlacement, frozen=True):
 
 
 class ValidationDataset(DatasetConfig, frozen=True):
-    size: int = 0
+    size: NonNegInt = 0
     """Prompts taken: the first ``size`` rows in the dataset's order (a file's seeded order with
     ``shuffle``); 0: every row of a file, 64 prompts of a built-in task. ``weight`` is not used:
     every prompt of every validation dataset is validated each time."""
 
 
 class ValidationConfig(_Section, frozen=True):
-    every: int = 0
+    every: NonNegInt = 0
     """Validate every this many learner steps, and after the last one (0: never)."""
     before_training: bool = True
     """Validate the initial policy too (step 0), when ``datasets`` are set."""
-    n: int = 4
+    n: PositiveInt = 4
     """Samples per prompt: the N of mean@N, best@N, pass@k (k = 1, 2, 4, ... <= N)."""
-    temperature: float | None = None
+    temperature: NonNegFloat | None = None
     """Sampling temperature of validation (default: sampler.temperature)."""
-    top_p: float | None = None
+    top_p: Share | None = None
     """Nucleus mass of validation (default: sampler.top_p)."""
-    max_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
     """Response budget of validation (default: sampler.max_tokens)."""
-    pass_threshold: float = 1.0
+    pass_threshold: Finite = 1.0
     """A sample counts as correct for pass@k when its score is at least this."""
     datasets: list[ValidationDataset] = []
     """Validation prompts (``[[validation.datasets]]``), in the forms of ``task.datasets``: files
@@ -386,12 +401,12 @@ class SecurityConfig(_Section, frozen=True):
     curve: bool = False
     """Encrypt and authenticate every socket of the job with ZeroMQ CURVE: binding sockets are
     CURVE servers, connecting ones clients, and only the job's own key and authorized keys pass."""
-    keys_dir: str = ""
+    keys_dir: FilePath = ""
     """Where the runner keeps the job's keypairs (``server``, ``client``; default RUN_DIR/keys)."""
-    authorized_keys: str = ""
+    authorized_keys: FilePath = ""
     """A public key file (``NAME.key``, from ``runner.py keygen NAME``) or a directory of them:
     the clients allowed to attach besides the job's own actors. Re-read at every handshake."""
-    server_key: str = ""
+    server_key: Annotated[str, matching(r"(?s:.{40})?", "is not a 40-character Z85 key")] = ""
     """Set by the runner: the job's CURVE server public key (Z85), which attaching workers use."""
     allow_insecure: bool = False
     """Run a job whose ``[hosts]`` are not all private addresses without CURVE (refused unless

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.registry import Restart
+from actors.runtime.config.constraints import PositiveInt
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -15,7 +16,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 class ActorCommon(_Section, frozen=True):
     count: int = 1
     """How many processes of this actor kind to start."""
-    threads: int = 1
+    threads: PositiveInt = 1
     """torch intra-op threads for this actor's compute (its share of the cores)."""
     restart: Restart = "never"
     """What the runner does when one of these processes dies: stop the job, or restart it

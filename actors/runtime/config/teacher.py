@@ -9,10 +9,16 @@ and becomes the learner's distillation advantage (``kernels/distill.py``). Witho
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 from actors.registry import BY_NAME, Restart
+from actors.runtime.config.constraints import (
+    Device,
+    NonNegFinite,
+    NonNegFloat,
+    NonNegInt,
+    PositiveInt,
+)
 from actors.runtime.config.schema_base import _Section
 
 
@@ -21,31 +27,31 @@ class TeacherConfig(_Section, frozen=True):
     path: str = ""
     """Local Hugging Face directory of the teacher (a causal LM sharing the student's tokenizer:
     checked before the job starts), or ``default`` for the embedded model; empty: no teacher."""
-    replicas: int = 1
+    replicas: PositiveInt = 1
     """Teacher worker processes (the router balances requests over them by load)."""
-    threads: int = 1
+    threads: PositiveInt = 1
     """torch intra-op threads of each teacher worker."""
     restart: Restart = BY_NAME["teacher"].restart
     """A teacher holds no state but its weights, so a failed worker restarts by default (the
     router re-sends what it held)."""
-    max_restarts: int = 3
+    max_restarts: NonNegInt = 3
     """Restarts allowed per teacher worker before the job is stopped."""
     host: str | list[str] = ""
     """With ``[hosts]``: the host of the teacher workers, or one host per replica."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (a GPU of its own when one is free, else shared with the others; cpu without GPUs),
     cpu, cuda, or cuda:N: the placement rules of the samplers (``config/layout.py``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The teacher's dtype (auto: bfloat16 on a GPU, model.dtype on a CPU)."""
-    capacity: int = 4
+    capacity: PositiveInt = 4
     """Requests (groups) one worker takes at once; its forwards run one at a time."""
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """Sequences per teacher forward pass."""
-    sleep_idle_s: float = 0.0
+    sleep_idle_s: NonNegFinite = 0.0
     """A worker idle this long gives its weights' memory back (to host memory on a GPU, read
     again from the checkpoint on a CPU: ``actors/scoring/sleep.py``, as model pools do) and
     wakes for the next request; 0: never sleeps."""
-    weight: float = 1.0
+    weight: NonNegFloat = 1.0
     """Coefficient of the distillation advantage (slime ``opd_kl_coef``, verl
     ``distillation_loss_coef``): advantage += -weight * clamp(KL_t)."""
     task_rewards: bool = True
@@ -54,7 +60,7 @@ class TeacherConfig(_Section, frozen=True):
     kl_kind: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
     """The per-token KL estimate of the advantage (verl ``loss_mode``; k1 = log π_student -
     log π_teacher, the sampled reverse KL of Thinking Machines' write-up)."""
-    kl_clamp: float = 10.0
+    kl_clamp: NonNegFloat = 10.0
     """Per-token KL estimates are clamped to ±kl_clamp (verl ``loss_max_clamp``; 0: no clamp,
     slime's form)."""
 
@@ -66,19 +72,9 @@ class TeacherConfig(_Section, frozen=True):
 
 def check_teacher(topology: Any, need: Any) -> None:
     """The ``teacher`` keys; ``need(ok, key, why)`` raises a ``ConfigError`` naming the key."""
-    from actors.runtime.config.placement import DEVICE, _cuda_problem
+    from actors.runtime.config.placement import _cuda_problem
 
     T = topology.teacher
-    need(T.replicas >= 1, "teacher.replicas", "must be >= 1")
-    need(T.capacity >= 1, "teacher.capacity", "must be >= 1")
-    need(T.batch_size >= 1, "teacher.batch_size", "must be >= 1")
-    need(math.isfinite(T.sleep_idle_s) and T.sleep_idle_s >= 0, "teacher.sleep_idle_s",
-         "must be >= 0 (0: never sleeps)")
-    need(T.max_restarts >= 0, "teacher.max_restarts", "must be >= 0")
-    need(T.kl_clamp >= 0, "teacher.kl_clamp", "must be >= 0 (0: no clamp)")
-    need(T.weight >= 0, "teacher.weight", "must be >= 0")
-    need(DEVICE.fullmatch(T.device) is not None, "teacher.device",
-         f"{T.device!r} is not auto, cpu, cuda or cuda:N")
     if T.path and T.device.startswith("cuda"):
         ok, why = _cuda_problem(T.device)
         need(ok, "teacher.device", why)
