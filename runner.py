@@ -237,6 +237,29 @@ def check_main(argv: list[str]) -> int:
     return 0
 
 
+def keys_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py keys",
+        description="Every key of topology.toml with its type, range, default and doc, from the "
+                    "schema itself.")
+    parser.add_argument("prefix", nargs="?", default="", help="only keys starting with this, "
+                        "e.g. learner or sampler.vllm")
+    parser.add_argument("--markdown", action="store_true",
+                        help="the whole reference as Markdown (docs/configuration.md)")
+    args = parser.parse_args(argv)
+    from actors.job.config.reference import markdown, terminal
+
+    if args.markdown:
+        print(markdown(), end="")
+        return 0
+    text = terminal(args.prefix)
+    if not text:
+        print(f"error: no key starts with {args.prefix!r}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":
@@ -249,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         return keygen_main(argv[1:])
     if argv and argv[0] == "validate":
         return validate_main(argv[1:])
+    if argv and argv[0] == "keys":
+        return keys_main(argv[1:])
     if argv and argv[0] == "check":
         return check_main(argv[1:])
     if argv and argv[0] == "export":
