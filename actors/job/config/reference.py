@@ -41,7 +41,7 @@ SET_BY_THE_RUNNER = ("placement", "security.server_key")
 def keys(root: type = Topology) -> list[Key]:
     """Every leaf key under ``root`` a user sets, in the schema's order."""
     out: list[Key] = []
-    _walk(mi.type_info(root), "", out)
+    _walk(mi.type_info(root), "", out)  # type: ignore[arg-type]  # a Struct: a StructType
     return [k for k in out if not k.path.startswith(SET_BY_THE_RUNNER)]
 
 
