@@ -48,8 +48,8 @@ async def main(args: argparse.Namespace) -> None:
     model = resolve_model_path(args.model)
     if args.engine == "vllm":
         from actors.runtime.config import VLLMOptions
-        from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
-        from actors.sampler.engines.vllm_settings import vllm_options
+        from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
+        from actors.sampler.engines.vllm.options import vllm_options
 
         engine = await VLLMEngine.start(model, "float32", 0, VLLMSettings(vllm_options(
             VLLMOptions(max_model_len=1024, kv_cache_memory_bytes=512 << 20), gpu=False)))

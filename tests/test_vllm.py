@@ -19,8 +19,8 @@ from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
 from actors.runtime.config import VLLMOptions
 from actors.sampler.engines.base import GenerateRequest, Rejected
-from actors.sampler.engines.vllm import VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_options, vllm_problem
+from actors.sampler.engines.vllm.engine import VLLMSettings
+from actors.sampler.engines.vllm.options import vllm_options, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.test_sampler import learner_logprobs, scored_group
 
@@ -35,7 +35,7 @@ OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 <
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model):
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     eng = trio.run(VLLMEngine.start, tiny_vllm_model, "float32", 0,
                    VLLMSettings(OPTIONS, weight_update="in_flight"))
@@ -119,7 +119,7 @@ async def test_in_flight_update_keeps_requests_and_stamps_tokens_after_the_swap(
     """Weights loaded while requests run: none is lost, and each request's tokens carry the old
     version up to the swap and the new one after it (vLLM's weight-version spans), whether the
     old weights' KV cache is dropped (recomputed) or kept."""
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     trainer = trainer_for(tiny_vllm_model, tmp_path)
     snapshot = dict(trainer.policy.snapshot())

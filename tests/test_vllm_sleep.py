@@ -14,8 +14,8 @@ import trio
 
 from actors.job.config import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
-from actors.sampler.engines.vllm import SleepPolicy, VLLMEngine, VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_problem
+from actors.sampler.engines.vllm.engine import SleepPolicy, VLLMEngine, VLLMSettings
+from actors.sampler.engines.vllm.options import vllm_problem
 
 
 def test_the_policy_sleeps_only_after_the_idle_time_and_wakes_for_work():

@@ -224,7 +224,7 @@ class BroadcastReceiver(Receiver):
     @property
     def vllm_nccl(self) -> bool:
         """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU they use
-        ``engines/vllm_transfer.py``'s engine, which speaks this module's torch protocol."""
+        ``engines/vllm/transfer.py``'s engine, which speaks this module's torch protocol."""
         return self.in_worker and self.device.type == "cuda"
 
     def poll_fields(self) -> dict[str, Any]:

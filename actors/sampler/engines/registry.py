@@ -39,8 +39,8 @@ class EngineRow:
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow("hf", "actors.sampler.engines.hf", receives=("zmq", "shm", "nccl", "ipc"),
               needs_cuda=("ipc",), adapters=True),  # nccl: gloo on a CPU
-    EngineRow("vllm", "actors.sampler.engines.vllm",
-              problem="actors.sampler.engines.vllm_settings:vllm_problem", continuous=True,
+    EngineRow("vllm", "actors.sampler.engines.vllm.engine",
+              problem="actors.sampler.engines.vllm.options:vllm_problem", continuous=True,
               prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
               receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",),  # nccl: gloo on CPU
               adapters=True, max_adapter_rank=512),

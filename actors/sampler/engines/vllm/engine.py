@@ -9,7 +9,7 @@ asyncio task, which aborts its requests in the engine.
 Processes: ``AsyncLLM`` starts vLLM's engine core as a child of the sampler (with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set here, the model runs inside it: two
 processes in all, measured the fastest layout on a 2-core CPU). The engine core imports
-``vllm_worker.py`` (the worker extension), which asks the kernel to kill it when the engine
+``worker.py`` (the worker extension), which asks the kernel to kill it when the engine
 thread of the sampler dies: a ``kill -9`` of the sampler leaves no vLLM process. An engine that
 dies under the sampler raises out of ``generate``: the sampler fails, the runner restarts it
 and the replay buffer issues its prompts again.
@@ -17,7 +17,7 @@ and the replay buffer issues its prompts again.
 Per request: each of the ``n`` completions is its own vLLM request with its own seed (recorded
 in the ``Generation``; ``SamplingParams(seed=s)`` regenerates it exactly, alone or in a batch).
 Behaviour log-probs are ``log_softmax(logits / T)`` at the sampled token before top-k/top-p
-truncation (``vllm_worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
+truncation (``worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
 from vLLM's own weight-version spans: the engine core stamps every step's output with the
 version it was computed with, and the version is changed only while generation is paused.
 
@@ -35,12 +35,12 @@ the new version. ``clear_cache`` drops the KV cache computed with the old weight
 requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
 
 LoRA (``learner.lora.rank > 0``): each version is an adapter of its own, requests pinned to the
-one newest at their admission, loaded without a pause (``vllm_lora.py``).
+one newest at their admission, loaded without a pause (``lora.py``).
 
 Between-batches loads reset the prefix cache (its blocks hold keys computed with the old
 weights). Both of vLLM 0.32's model runners are supported: the V1 runner (the CPU's) and the V2
 runner (every GPU where Triton works), told apart by the running sampler
-(``vllm_worker.sampler_kind``, reported as ``sampler`` in the engine's statistics). With
+(``worker.sampler_kind``, reported as ``sampler`` in the engine's statistics). With
 ``sampler.sleep_idle_s`` (a GPU shared with the learner) the engine sleeps (level 1) once idle
 that long and wakes for the next request or load (``SleepPolicy``); vLLM's CPU build has no
 sleep mode, so on a CPU only the control flow is tested.
@@ -79,8 +79,8 @@ from actors.runtime.transports.sources import (
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
 from actors.sampler.engines.registry import AdapterLimits, EngineSpec
 from actors.sampler.engines.sleep_clock import SleepClock
-from actors.sampler.engines.vllm_lora import AdapterSlots, lora_options, save_tensors, write_adapter
-from actors.sampler.engines.vllm_settings import SleepControl, SleepPolicy, vllm_options
+from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
+from actors.sampler.engines.vllm.options import SleepControl, SleepPolicy, vllm_options
 from messages.rollout import SamplingParams
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -95,7 +95,7 @@ class VLLMSettings:
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
     sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
     weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
-    adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (vllm_lora.py)
+    adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (lora.py)
 
 
 class _Loop:
@@ -203,9 +203,9 @@ class VLLMEngine(SleepControl):
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
             worker_extension_cls=(
-                "actors.sampler.engines.vllm_transfer.FlowrlTransferWorkerExtension"
+                "actors.sampler.engines.vllm.transfer.FlowrlTransferWorkerExtension"
                 if self.settings.weight_transfer else
-                "actors.sampler.engines.vllm_worker.FlowrlWorkerExtension"),
+                "actors.sampler.engines.vllm.worker.FlowrlWorkerExtension"),
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
         (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
@@ -299,7 +299,7 @@ class VLLMEngine(SleepControl):
         transport) from there, a GPU transfer through vLLM's weight-transfer API (the worker
         receives the bytes), and tensors in this process through a file in ``/dev/shm``."""
         match source:
-            case AdapterWeights() if self.slots is not None:  # no pause: see vllm_lora.py
+            case AdapterWeights() if self.slots is not None:  # no pause: see lora.py
                 started = time.perf_counter()
                 lora_id, folder = self.slots.reserve(version)
                 await anyio.to_thread.run_sync(write_adapter, folder, source)
@@ -435,7 +435,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
 
 def weight_transfer(transport: str) -> str:
     """vLLM's weight-transfer backend for a weights transport ("": files): its NCCL and IPC
-    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``vllm_transfer.py``)."""
+    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``transfer.py``)."""
     if transport == "nccl" and not torch.cuda.is_available():
         return "flowrl_gloo"
     return transport if transport in ("nccl", "ipc") else ""

@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from actors.runtime.tensors import _TORCH
 from actors.runtime.transports.nccl import TorchGroup, buckets_of, nbytes
-from actors.sampler.engines.vllm_worker import FlowrlWorkerExtension
+from actors.sampler.engines.vllm.worker import FlowrlWorkerExtension
 from messages.tensor import TensorMeta
 from messages.weights import TransferGroup
 
