@@ -257,14 +257,13 @@ async def main_async(args) -> None:
     import torch
 
     from actors.model_store import resolve_model_path
-    from actors.runtime.config import VLLMOptions
     from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
-    from actors.sampler.engines.vllm.options import vllm_options
+    from actors.sampler.engines.vllm.options import VLLMOptions
 
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")
     engine = await VLLMEngine.start(model, "float32", 0, VLLMSettings(
-        vllm_options(VLLMOptions(), gpu=torch.cuda.is_available()), threads=args.threads))
+        VLLMOptions().engine_args(gpu=torch.cuda.is_available()), threads=args.threads))
     try:
         from transformers import AutoModelForCausalLM
 

@@ -12,16 +12,16 @@ import pytest
 import trio
 
 from actors.data.chat import ChatTokenizer
-from actors.runtime.config import AgentConfig, AgentRollout, VLLMOptions
+from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.endpoint.strategy import EndpointRollout
 from actors.sampler.engines.vllm.engine import VLLMSettings
-from actors.sampler.engines.vllm.options import vllm_options, vllm_problem
+from actors.sampler.engines.vllm.options import VLLMOptions, vllm_problem
 from messages.rollout import ChatMessage, Prompt, SamplingParams
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))]
 
-OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20), gpu=False)
+OPTIONS = VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20).engine_args(gpu=False)
 
 
 def test_episodes_on_vllm_merge_and_carry_the_engines_logprobs(tiny_vllm_model, tmp_path):

@@ -17,10 +17,9 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
-from actors.runtime.config import VLLMOptions
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm.engine import VLLMSettings
-from actors.sampler.engines.vllm.options import vllm_options, vllm_problem
+from actors.sampler.engines.vllm.options import VLLMOptions, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.test_sampler import learner_logprobs, scored_group
 
@@ -30,7 +29,7 @@ pytestmark = [pytest.mark.vllm,
 TOLERANCE = 1e-5  # fp32 on the CPU; vLLM's kernels (oneDNN GEMMs, its attention) sum in another
 # order than torch's: measured max 9.5e-7, mean 1.5e-7 on the tiny model (the printed report)
 # the options a sampler passes for [sampler.vllm] max_model_len = 256, 64 MiB of KV cache
-OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20), gpu=False)
+OPTIONS = VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20).engine_args(gpu=False)
 
 
 @pytest.fixture(scope="module")

@@ -143,8 +143,8 @@ class PoolScoring:
             out.update(judge_answers=self.model.answers, judge_unreadable=self.model.unreadable)
         if self.sleeper is not None:
             out.update(self.sleeper.clock.statistics().status())
-        elif self.engine is not None and self.pool.sleep_idle_s > 0:  # vllm's own sleep
-            out.update(self.engine.sleep_clock.statistics().status())
+        elif self.engine is not None and self.pool.sleep_idle_s > 0:  # the engine's own sleep
+            out.update(self.engine.sleep.clock.statistics().status())
         return out
 
     async def aclose(self) -> None:

@@ -81,14 +81,6 @@ def check(topology: Topology) -> None:
              "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine "
              f"= vllm): the {s.engine} engine loads weights between batches")
     _check_sleep(s, need)
-    VL = s.vllm
-    need(0 < VL.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
-         "must be in (0, 1]")
-    need(VL.kv_cache_memory_bytes >= 0, "sampler.vllm.kv_cache_memory_bytes", "must be >= 0")
-    need(VL.tensor_parallel_size >= 1, "sampler.vllm.tensor_parallel_size", "must be >= 1")
-    need(VL.max_num_seqs >= 1, "sampler.vllm.max_num_seqs", "must be >= 1")
-    need(VL.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
-    need(VL.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
     L = topology.learner
     need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
     need(L.groups_per_step >= 1, "learner.groups_per_step", "must be >= 1")

@@ -1,3 +1,3 @@
-"""The vLLM engine (``sampler.engine = "vllm"``): ``engine``, ``options`` (availability, engine
-arguments, sleep; torch-free), ``lora``, and in vLLM's engine process ``worker`` and
+"""The vLLM engine (``sampler.engine = "vllm"``): ``options`` (its ``[sampler.vllm]`` section;
+torch-free), ``engine``, ``sleep``, ``lora``, and in vLLM's engine process ``worker`` and
 ``transfer``."""

@@ -9,10 +9,9 @@ asyncio task, which aborts its requests in the engine.
 Processes: ``AsyncLLM`` starts vLLM's engine core as a child of the sampler (with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set here, the model runs inside it: two
 processes in all, measured the fastest layout on a 2-core CPU). The engine core imports
-``worker.py`` (the worker extension), which asks the kernel to kill it when the engine
-thread of the sampler dies: a ``kill -9`` of the sampler leaves no vLLM process. An engine that
-dies under the sampler raises out of ``generate``: the sampler fails, the runner restarts it
-and the replay buffer issues its prompts again.
+``worker.py`` (the worker extension), which ties its life to the sampler's. An engine that dies
+under the sampler raises out of ``generate``: the sampler fails, the runner restarts it and the
+replay buffer issues its prompts again.
 
 Per request: each of the ``n`` completions is its own vLLM request with its own seed (recorded
 in the ``Generation``; ``SamplingParams(seed=s)`` regenerates it exactly, alone or in a batch).
@@ -28,28 +27,21 @@ from zmq are written to one here first), loaded by the worker extension into the
 the worker receives (``init_weight_transfer_engine``, ``start_weight_update``,
 ``update_weights``, ``finish_weight_update``), written against vLLM 0.32 and not run here.
 ``weight_update = "between_batches"`` waits until no request is running (new ones wait for the
-load; the learner's broadcast of a GPU transfer waits with it); ``"in_flight"`` pauses the
-engine keeping its
+load; the learner's broadcast of a GPU transfer waits with it) and resets the prefix cache (its
+blocks hold keys computed with the old weights); ``"in_flight"`` pauses the engine keeping its
 requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after the swap carry
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
-requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
-
-LoRA (``learner.lora.rank > 0``): each version is an adapter of its own, requests pinned to the
-one newest at their admission, loaded without a pause (``lora.py``).
-
-Between-batches loads reset the prefix cache (its blocks hold keys computed with the old
-weights). Both of vLLM 0.32's model runners are supported: the V1 runner (the CPU's) and the V2
-runner (every GPU where Triton works), told apart by the running sampler
-(``worker.sampler_kind``, reported as ``sampler`` in the engine's statistics). With
-``sampler.sleep_idle_s`` (a GPU shared with the learner) the engine sleeps (level 1) once idle
-that long and wakes for the next request or load (``SleepPolicy``); vLLM's CPU build has no
-sleep mode, so on a CPU only the control flow is tested.
+requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys). LoRA
+versions load as adapters without a pause (``lora.py``); an engine on a GPU shared with the
+learner sleeps while idle (``sleep.py``). Both of vLLM 0.32's model runners are supported (V1:
+the CPU's; V2: every GPU where Triton works), told apart by the running sampler
+(``worker.sampler_kind``, ``sampler`` in the engine's statistics).
 
 GPU note: the same code runs on a GPU with vLLM's CUDA build. With the shm or zmq transport the
 file in ``/dev/shm`` is read by the worker and copied to the device by ``load_weights``;
-``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
-and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour no test here
-exercises.
+``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (in front of FlashInfer's sampler when
+it is chosen) and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour
+no test here exercises.
 """
 
 from __future__ import annotations
@@ -57,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,6 +61,7 @@ import torch
 import trio
 
 from actors.runtime.config.gpus import process_share
+from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
     SharedWeights,
@@ -78,12 +70,11 @@ from actors.runtime.transports.sources import (
 )
 from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
 from actors.sampler.engines.registry import AdapterLimits, EngineSpec
-from actors.sampler.engines.sleep_clock import SleepClock
 from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
-from actors.sampler.engines.vllm.options import SleepControl, SleepPolicy, vllm_options
+from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
 @dataclass(frozen=True)
 class VLLMSettings:
     """What the engine needs from the topology (``sampler.vllm`` plus a few sampler keys)."""
@@ -134,7 +125,7 @@ class _Loop:
         self.thread.join(timeout=10)
 
 
-class VLLMEngine(SleepControl):
+class VLLMEngine:
     """One ``AsyncLLM`` holding the policy weights of one sampler. Build it with ``start``."""
 
     continuous = True
@@ -154,12 +145,8 @@ class VLLMEngine(SleepControl):
         self.updates_in_flight = 0  # updates that found requests in the engine and kept them
         self.load_s = 0.0  # of which: loading the file into the model
         self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
-        self.sleep = SleepPolicy(settings.sleep_idle_s)
-        self.sleeps = 0  # times the engine went to sleep
-        self.sleep_clock = SleepClock()  # time asleep, wake latency, memory freed
-        self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
-        self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
-        self.slots = AdapterSlots(SHM_DIR / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
+        self.sleep = EngineSleep(settings.sleep_idle_s)
+        self.slots = AdapterSlots(SHM_ROOT / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
             if settings.adapters else None  # LoRA (a killed sampler's: remove_orphaned_shm)
 
     @classmethod
@@ -174,7 +161,7 @@ class VLLMEngine(SleepControl):
         return engine
 
     async def _start(self) -> None:
-        self.idle, self.gate, self.waking = asyncio.Event(), asyncio.Event(), asyncio.Lock()
+        self.idle, self.gate = asyncio.Event(), asyncio.Event()
         self.idle.set()
         self.gate.set()
         # VLLM_LOGGING_LEVEL: vLLM's start-up notes (in this process and the engine's) would
@@ -209,9 +196,7 @@ class VLLMEngine(SleepControl):
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
         (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
-        if self.settings.sleep_idle_s > 0:
-            self.sleep.idle(asyncio.get_running_loop().time())
-            self.sleeper = asyncio.ensure_future(self._sleeper())
+        self.sleep.start(self.llm, lambda: self.running)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -243,7 +228,7 @@ class VLLMEngine(SleepControl):
 
         assert self.gate is not None and self.idle is not None
         await self.gate.wait()  # a between-batches load is waiting for the engine to empty
-        await self._wake()
+        await self.sleep.wake(self.llm)
         greedy = params.temperature == 0
         sp = VSamplingParams(
             n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -314,7 +299,7 @@ class VLLMEngine(SleepControl):
             case WorkerTransfer():
                 await self.loop.call(self._swap(version, self._receive(source)))
             case _:
-                written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
+                written = SHM_ROOT / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
                 await anyio.to_thread.run_sync(save_tensors, dict(source), written)
                 try:
                     await self.loop.call(self._swap(version, self._load_file(str(written))))
@@ -367,7 +352,7 @@ class VLLMEngine(SleepControl):
                 raise
             started = time.perf_counter()
         try:
-            await self._wake()  # the weights must be resident to be replaced
+            await self.sleep.wake(self.llm)  # the weights must be resident to be replaced
             seconds = await load()
             if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
                 return
@@ -399,14 +384,14 @@ class VLLMEngine(SleepControl):
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
                 "in_engine": self.running, "sampler": self.sampler_kind,
-                **self.sleep_clock.statistics().status(),
-                "sleeps": self.sleeps, "asleep": str(self.sleep.asleep).lower(),
+                **self.sleep.clock.statistics().status(),
+                "sleeps": self.sleep.clock.sleeps, "asleep": str(self.sleep.asleep).lower(),
                 "clear_cache": str(self.settings.clear_cache).lower(),
                 "adapters": len(self.slots.loaded) if self.slots else 0}
 
     async def aclose(self) -> None:
-        if self.sleeper is not None:
-            self.loop.loop.call_soon_threadsafe(self.sleeper.cancel)
+        if self.sleep.task is not None:
+            self.loop.loop.call_soon_threadsafe(self.sleep.task.cancel)
         if self.llm is not None:
             llm, self.llm = self.llm, None
             with anyio.CancelScope(shield=True):
@@ -424,7 +409,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
     worker build vLLM's weight-transfer engine of the same name."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
-    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=gpu, share=process_share()),
+    settings = VLLMSettings(cfg.vllm.engine_args(gpu=gpu, share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
                             sleep_idle_s=cfg.sleep_idle_s,

