@@ -17,8 +17,7 @@ from actors.data.chat import ChatTokenizer
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.transports.sources import AdapterWeights
-from actors.sampler.engines.base import GenerateRequest
-from actors.sampler.engines.registry import AdapterLimits
+from actors.sampler.engines.base import AdapterLimits, GenerateRequest
 from actors.sampler.engines.vllm.engine import VLLMSettings
 from actors.sampler.engines.vllm.options import vllm_problem
 from messages.rollout import ChatMessage, SamplingParams

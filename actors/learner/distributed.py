@@ -71,7 +71,7 @@ class Group:
 
         A single rank gets a process group of its own (a local store) so FSDP2 can hold its
         mixed precision; several rendezvous at ``MASTER_ADDR:MASTER_PORT``."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = dist.Backend.NCCL if device.type == "cuda" else dist.Backend.GLOO
         timeout = datetime.timedelta(seconds=timeout_s)
         extra = {"device_id": device} if device.type == "cuda" else {}
         if rank.world_size == 1:

@@ -67,14 +67,15 @@ class PoolScoring:
             await anyio.to_thread.run_sync(self.model.load)
             module = self.model.module
         else:
-            from actors.sampler.engines.registry import EngineSpec, start_engine
+            from actors.sampler.engines.base import EngineSpec
+            from actors.sampler.engines.registry import ENGINES
             from actors.scoring.judge import Judge
 
             dtype = str(resolve_dtype("auto", device, self.topology.model.dtype))
             sampler = msgspec.structs.replace(
                 self.topology.sampler, engine=self.pool.engine, threads=self.pool.threads,
-                sleep_idle_s=self.pool.sleep_idle_s if self.pool.engine == "vllm" else 0.0)
-            self.engine = await start_engine(self.pool.engine, EngineSpec(
+                sleep_idle_s=self.pool.sleep_idle_s if ENGINES[self.pool.engine].sleeps else 0.0)
+            self.engine = await ENGINES[self.pool.engine].start(EngineSpec(
                 Path(self.pool.path), dtype.removeprefix("torch."), self.topology.run.seed,
                 device, sampler, label=self.label))
             tokenizer = getattr(self.engine, "tokenizer", None)

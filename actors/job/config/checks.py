@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from actors.runtime.config.schema import (
     Topology,
 )
 from actors.runtime.config.teacher import check_teacher
+from actors.sampler.engines.registry import ENGINES, EngineRow, auto_engine
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
 
@@ -73,13 +74,12 @@ def check(topology: Topology) -> None:
     need(s.drain_grace_s >= 0, "sampler.drain_grace_s", "must be >= 0 (0: hand back at once)")
     need(s.max_concurrent_prompts >= 0, "sampler.max_concurrent_prompts", "must be >= 0 (0: auto)")
     if s.engine != "auto":
-        from actors.sampler.engines.registry import ENGINES, engine_problem
-
-        problem = engine_problem(s.engine)
+        problem = ENGINES[s.engine].problem()
         need(problem is None, "sampler.engine", f"{s.engine}: {problem}")
         need(s.weight_update == "between_batches" or ENGINES[s.engine].continuous,
-             "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine "
-             f"= vllm): the {s.engine} engine loads weights between batches")
+             "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine = "
+             f"{_engines(lambda r: r.continuous)}): the {s.engine} engine loads weights between "
+             "batches")
     _check_sleep(s, need)
     L = topology.learner
     need(L.total_steps >= 1, "learner.total_steps", "must be >= 1")
@@ -101,13 +101,11 @@ def check(topology: Topology) -> None:
         _check_adapters(topology, need)
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
-        from actors.sampler.engines.registry import ENGINES, auto_engine
 
         engine = s.engine if s.engine != "auto" else auto_engine()
-        row = ENGINES[engine]
-        problem = transport_problem(L.weights_transport, engine=engine, receives=row.receives,
-                                    needs_cuda=row.needs_cuda, weights_address=L.weights_address,
-                                    learner_device=L.device, sampler_device=s.device)
+        problem = transport_problem(L.weights_transport, engine=engine,
+                                    weights_address=L.weights_address, learner_device=L.device,
+                                    sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
     need(L.keep_checkpoints >= 1, "learner.keep_checkpoints", "must be >= 1")
     check_placement(topology, need)
@@ -205,13 +203,12 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
     from actors.job.config.capacity import linear_modules
-    from actors.sampler.engines.registry import ENGINES, auto_engine
 
     L, s = topology.learner, topology.sampler
     engine = s.engine if s.engine != "auto" else auto_engine()
     need(ENGINES[engine].adapters, "sampler.engine",
          f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
-         "(engines that can: " + ", ".join(n for n, r in ENGINES.items() if r.adapters) + ")")
+         f"(engines that can: {_engines(lambda r: r.adapters, ', ')})")
     row = ENGINES[engine]
     need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
          f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
@@ -375,7 +372,13 @@ def _check_sleep(s: Any, need: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
     need(s.sleep_idle_s >= 0, "sampler.sleep_idle_s", "must be >= 0 (0: never sleeps)")
     if s.sleep_idle_s > 0:
-        need(s.engine == "vllm", "sampler.sleep_idle_s",
-             "sleeping frees GPU memory through vLLM's sleep mode: needs sampler.engine = vllm")
+        need(s.engine in ENGINES and ENGINES[s.engine].sleeps, "sampler.sleep_idle_s",
+             "sleeping frees GPU memory through the engine's sleep mode: needs sampler.engine "
+             f"= {_engines(lambda r: r.sleeps)}")
         need(s.device != "cpu", "sampler.sleep_idle_s",
-             "vLLM has no sleep mode on a CPU (sampler.device = cpu)")
+             f"{s.engine} has no sleep mode on a CPU (sampler.device = cpu)")
+
+
+def _engines(has: Callable[[EngineRow], bool], join: str = " or ") -> str:
+    """The engines whose row ``has`` it (for an error naming what to choose instead)."""
+    return join.join(n for n, row in ENGINES.items() if has(row))

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from actors.runtime.config.placement import DEVICE
 from actors.runtime.config.schema_base import _Section
+from actors.sampler.engines.registry import ENGINES, FALLBACK, EngineName
 
 RULES_POOL = "reward"  # the rule workers' pool
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "problem", "solution")
@@ -70,9 +71,9 @@ class PoolConfig(_Section, frozen=True):
     """reward_model: the score is (logit - reward_mean) / reward_std."""
     reward_std: float = 1.0
     """reward_model: see reward_mean."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """judge: the generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s
-    engine arguments)."""
+    engine: EngineName = FALLBACK
+    """judge: the generation engine (the sampler's engines, with their sections: vllm takes
+    ``sampler.vllm``'s engine arguments)."""
     template: str = DEFAULT_TEMPLATE
     """judge: the user message it reads, with {prompt}, {response}, {ground_truth} and
     {data_source} filled in (verl's {problem} and {solution} work too); literal braces doubled."""
@@ -165,7 +166,7 @@ def check_pools(topology: Any, need: Any) -> None:
             need(math.isfinite(p.reward_mean), f"{key}.reward_mean", "must be finite")
             need(math.isfinite(p.reward_std) and p.reward_std > 0, f"{key}.reward_std",
                  "must be > 0")
-            need(p.engine == "hf", f"{key}.engine", "a reward_model runs on torch: hf")
+            need(p.engine == FALLBACK, f"{key}.engine", f"a reward_model runs on torch: {FALLBACK}")
             continue
         problem = template_problem(p.template)
         need(problem is None, f"{key}.template", str(problem))
@@ -179,9 +180,9 @@ def check_pools(topology: Any, need: Any) -> None:
                  f"{p.function_name!r} is not a Python name")
         else:
             need(not p.function_path, f"{key}.function_path", "only with parser = function")
-        if p.engine == "vllm" and p.sleep_idle_s > 0:
+        if ENGINES[p.engine].sleeps and p.sleep_idle_s > 0:
             need(p.device != "cpu", f"{key}.sleep_idle_s",
-                 "vLLM has no sleep mode on a CPU (device = cpu)")
+                 f"{p.engine} has no sleep mode on a CPU (device = cpu)")
     need(R.rules or bool(R.pools), "reward.rules",
          "false needs at least one [[reward.pools]] to score with")
 

@@ -17,6 +17,8 @@ from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.pools import PoolConfig
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
+from actors.runtime.transports.base import TransportChoice
+from actors.sampler.engines.registry import EngineChoice
 from actors.sampler.engines.vllm.options import VLLMOptions
 
 
@@ -127,8 +129,8 @@ class LoraConfig(_Section, frozen=True):
 
 
 class SamplerConfig(SamplerPlacement, frozen=True):
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
+    engine: EngineChoice = "auto"
+    """What generates (a row of ``actors/sampler/engines/registry.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
     and vLLM is installed, hf otherwise (a CPU: measured the faster there; README)."""
     vllm: VLLMOptions = VLLMOptions()
@@ -268,11 +270,11 @@ class ReplayConfig(ActorCommon, frozen=True):
 class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
-    weights_transport: Literal["auto", "zmq", "shm", "nccl", "ipc"] = "auto"
-    """How weights travel: zmq (the tensors in the message), shm (a safetensors file in
-    /dev/shm, only its path in the message: samplers on the same host), nccl (GPU to GPU, a
-    broadcast group per sampler), ipc (CUDA IPC on one host), or auto (shm when
-    weights_address is ipc://, zmq otherwise). Table: actors/runtime/transports/base.py."""
+    weights_transport: TransportChoice = "auto"
+    """How weights travel (a row of ``actors/runtime/transports/base.py``): zmq (the tensors in
+    the message), shm (a safetensors file in /dev/shm, only its path in the message: samplers on
+    the same host), nccl (GPU to GPU, a broadcast group per sampler), ipc (CUDA IPC on one
+    host), or auto (shm when weights_address is ipc://, or auto without [hosts]; zmq else)."""
     share_threads: bool = True
     """On a CPU, share threads with the samplers of this host: compute also on the threads a
     sampler lends while it has nothing to generate, and lend the learner's own while it waits

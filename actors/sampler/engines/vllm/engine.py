@@ -61,6 +61,7 @@ import torch
 import trio
 
 from actors.runtime.config.gpus import process_share
+from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
@@ -68,8 +69,13 @@ from actors.runtime.transports.sources import (
     WeightsSource,
     WorkerTransfer,
 )
-from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
-from actors.sampler.engines.registry import AdapterLimits, EngineSpec
+from actors.sampler.engines.base import (
+    AdapterLimits,
+    EngineSpec,
+    GenerateRequest,
+    Generation,
+    Rejected,
+)
 from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
 from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
@@ -171,8 +177,6 @@ class VLLMEngine:
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_LOGGING_LEVEL", "ERROR")):
             os.environ.setdefault(key, value)
-        if self.settings.weight_transfer == "ipc":  # vLLM's RPC pickles torch's handle types
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (its own child)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -405,25 +409,20 @@ class VLLMEngine:
 
 async def start(spec: EngineSpec) -> VLLMEngine:
     """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
-    ``sampler.vllm`` and the sampler's keys; a GPU weights transport (nccl, ipc) makes its
-    worker build vLLM's weight-transfer engine of the same name."""
+    ``sampler.vllm`` and the sampler's keys; a weights transport whose receiver has a backend
+    for vLLM's weight-transfer API (nccl, ipc) makes the worker build that backend's engine."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
+    receiver = TRANSPORTS[spec.transport].halves().receiver if spec.transport else None
+    for key, value in receiver.worker_env.items() if receiver else ():
+        os.environ.setdefault(key, value)  # read by the engine process vLLM starts
     settings = VLLMSettings(cfg.vllm.engine_args(gpu=gpu, share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
-                            sleep_idle_s=cfg.sleep_idle_s,
-                            weight_transfer=weight_transfer(spec.transport),
-                            adapters=spec.adapters)
+                            sleep_idle_s=cfg.sleep_idle_s, adapters=spec.adapters,
+                            weight_transfer=receiver.worker_backend(torch.cuda.is_available())
+                            if receiver else "")
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
-
-
-def weight_transfer(transport: str) -> str:
-    """vLLM's weight-transfer backend for a weights transport ("": files): its NCCL and IPC
-    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``transfer.py``)."""
-    if transport == "nccl" and not torch.cuda.is_available():
-        return "flowrl_gloo"
-    return transport if transport in ("nccl", "ipc") else ""
 
 
 async def _shutdown(llm: Any) -> None:
