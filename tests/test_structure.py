@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("actors", "messages", "kernels")
 MAX_LINES = 450  # actors/ and runner.py: a file past this is a sign to split it
-TABLES = ("actors.sampler.engines.registry",  # rows that load their variant's
+TABLES = ("actors.registry", "actors.sampler.engines.registry",  # rows that load their variant's
           "actors.runtime.transports.base")  # code when it is used
 
 
