@@ -1,13 +1,12 @@
 """Process entry point of one actor: ``python -m actors.main RUN_DIR KIND INDEX``.
 
 The runner writes the resolved topology to ``RUN_DIR/topology.json`` and starts one process per
-actor instance with this command. Actor bodies are imported lazily from the registry, so the
-router and the replay buffer never import torch.
+actor instance with this command. Actor bodies are imported lazily by the registry's rows, so
+the router and the replay buffer never import torch.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -31,8 +30,7 @@ def main(argv: list[str]) -> int:
     # runner's copy (``FLOWRL_TOPOLOGY``)
     path = Path(os.environ.get("FLOWRL_TOPOLOGY") or run_dir / TOPOLOGY)
     topology = msgspec.json.decode(path.read_bytes(), type=Topology)
-    module, name = BY_NAME[kind].body.split(":")
-    body = getattr(importlib.import_module(module), name)
+    body = BY_NAME[kind].body()
     rank = Rank.from_env().rank if kind == "learner" else 0  # the runner's RANK for each rank
     return run_actor(kind, index, topology, run_dir, body, name=rank_label(kind, index, rank),
                      curve=job_keys(topology))

@@ -2,8 +2,9 @@
 
 The runner starts the kinds in this order (the replay buffer and the router bind the sockets
 the others connect to; the learner publishes the first weights the samplers wait for), the
-config check enforces the counts, ``python -m actors.main`` imports ``body`` lazily (so the
-router and the replay buffer never import torch) and ``runner.py attach`` accepts the
+config check enforces the counts, ``python -m actors.main`` calls ``body`` for the actor's body
+(imported then, so the router and the replay buffer never import torch) and ``runner.py attach``
+accepts the
 attachable kinds; the runner's pools (``actors/job/pools.py``) apply each row's lifecycle
 (restart, gang, ends the job, attached). Adding an actor kind is one row here plus its config
 section.
@@ -11,18 +12,58 @@ section.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from actors.runtime.actor import Body
 
 Restart = Literal["never", "on-failure"]
+
+
+def _replay() -> Body:  # each imports its actor's module, in the actor's own process only
+    from actors.replay.actor import replay_actor
+
+    return replay_actor
+
+
+def _router() -> Body:
+    from actors.router.actor import router_actor
+
+    return router_actor
+
+
+def _learner() -> Body:
+    from actors.learner.actor import learner_actor
+
+    return learner_actor
+
+
+def _reward() -> Body:
+    from actors.reward import reward_actor
+
+    return reward_actor
+
+
+def _teacher() -> Body:
+    from actors.teacher.worker import teacher_actor
+
+    return teacher_actor
+
+
+def _sampler() -> Body:
+    from actors.sampler.actor import sampler_actor
+
+    return sampler_actor
 
 
 @dataclass(frozen=True)
 class ActorKind:
     name: str
     """The kind's name: its ``topology.toml`` section and its processes' ``NAME-INDEX``."""
-    body: str
-    """``module:function`` of the actor body, imported only in the actor's own process."""
+    body: Callable[[], Body]
+    """The actor body (its module imported when called, only in the actor's own process)."""
     min_count: int
     """Fewest processes a job may start (0: the job runs without one, e.g. rewards attached)."""
     max_count: int | None
@@ -43,15 +84,12 @@ class ActorKind:
 
 
 KINDS: tuple[ActorKind, ...] = (
-    ActorKind("replay", "actors.replay.actor:replay_actor", 1, 1, "never"),
-    ActorKind("router", "actors.router.actor:router_actor", 1, 1, "never"),
-    ActorKind("learner", "actors.learner.actor:learner_actor", 1, 1, "never", gang=True,
-              ends_job=True),
-    ActorKind("reward", "actors.reward:reward_actor", 0, None, "on-failure", attachable=True),
-    ActorKind("teacher", "actors.teacher.worker:teacher_actor", 0, None, "on-failure",
-              attachable=True),
-    ActorKind("sampler", "actors.sampler.actor:sampler_actor", 1, None, "on-failure",
-              attachable=True, by_address="runner"),
+    ActorKind("replay", _replay, 1, 1, "never"),
+    ActorKind("router", _router, 1, 1, "never"),
+    ActorKind("learner", _learner, 1, 1, "never", gang=True, ends_job=True),
+    ActorKind("reward", _reward, 0, None, "on-failure", attachable=True),
+    ActorKind("teacher", _teacher, 0, None, "on-failure", attachable=True),
+    ActorKind("sampler", _sampler, 1, None, "on-failure", attachable=True, by_address="runner"),
 )
 BY_NAME: dict[str, ActorKind] = {k.name: k for k in KINDS}
 NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)

@@ -57,6 +57,7 @@ async def main_async(args) -> None:
     from actors.job.config import apply_overrides, decode_topology
     from actors.learner.policy import Policy
     from actors.model_store import resolve_model_path
+    from actors.runtime.transports.base import TRANSPORTS
     from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
     from actors.runtime.zmq_bridge import make_socket
     from actors.sampler.engines.hf import HFEngine
@@ -84,7 +85,8 @@ async def main_async(args) -> None:
             ends = {}
             for i, (kind, r, t) in enumerate(variants):
                 address = f"ipc://{folder}/w{i}"
-                pub = WeightsPublisher(make_socket(zctx, zmq.ROUTER, bind=address), t)
+                pub = WeightsPublisher(make_socket(zctx, zmq.ROUTER, bind=address),
+                                       TRANSPORTS[t].halves().sender())
                 sub = WeightsSubscriber(make_socket(zctx, zmq.DEALER, connect=address))
                 tg.start_soon(pub.serve)
                 tg.start_soon(sub.serve)

@@ -6,7 +6,7 @@
 Parts (each prints a table; results go in BENCHMARKS.md):
 
 - ``engines``: the transformers engine (one ``generate`` per batch) against the vLLM engine
-  (``actors/sampler/engines/vllm.py``, all requests of the batch submitted at once) on the same
+  (``actors/sampler/engines/vllm/engine.py``, all requests of the batch submitted at once) on the same
   prompts: ``--prompts`` arithmetic prompts × ``--n`` completions × up to ``--max-tokens``
   tokens. Tokens/s = generated tokens / wall seconds of the call.
 - ``actor``: the sampler actor's own loop (``ContinuousSampler``: prompts admitted one by one,
@@ -257,14 +257,13 @@ async def main_async(args) -> None:
     import torch
 
     from actors.model_store import resolve_model_path
-    from actors.runtime.config import VLLMOptions
-    from actors.sampler.engines.vllm import VLLMEngine, VLLMSettings
-    from actors.sampler.engines.vllm_settings import vllm_options
+    from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
+    from actors.sampler.engines.vllm.options import VLLMOptions
 
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")
     engine = await VLLMEngine.start(model, "float32", 0, VLLMSettings(
-        vllm_options(VLLMOptions(), gpu=torch.cuda.is_available()), threads=args.threads))
+        VLLMOptions().engine_args(gpu=torch.cuda.is_available()), threads=args.threads))
     try:
         from transformers import AutoModelForCausalLM
 

@@ -34,6 +34,7 @@ async def child(address: str, reports: str, model: str) -> None:
     import anyio
     import zmq
 
+    from actors.runtime.transports.base import ReceiveInto
     from actors.runtime.weights import WeightsSubscriber
     from actors.runtime.zmq_bridge import make_socket
     from actors.sampler.engines.hf import HFEngine
@@ -42,7 +43,7 @@ async def child(address: str, reports: str, model: str) -> None:
     zctx = zmq.Context()
     with make_socket(zctx, zmq.DEALER, connect=address) as sock, \
          make_socket(zctx, zmq.PUSH, connect=reports) as report:
-        sub = WeightsSubscriber(sock, device="cpu", timeout_s=120)
+        sub = WeightsSubscriber(sock, into=ReceiveInto(timeout_s=120))
         async with anyio.create_task_group() as tg:
             tg.start_soon(sub.serve)
             while True:
@@ -60,6 +61,7 @@ async def main_async(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from actors.model_store import resolve_model_path
+    from actors.runtime.transports.base import TRANSPORTS
     from actors.runtime.weights import WeightsPublisher
     from actors.runtime.zmq_bridge import make_socket
 
@@ -80,8 +82,8 @@ async def main_async(args) -> None:
                 address = f"ipc://{folder}/{name}"
                 sock = make_socket(zctx, zmq.ROUTER, bind=address)
                 pulls[name] = make_socket(zctx, zmq.PULL, bind=f"{address}-reports")
-                pubs[name] = WeightsPublisher(sock, name, **(
-                    {"address": "127.0.0.1", "timeout_s": 120} if name == "nccl" else {}))
+                pubs[name] = WeightsPublisher(sock, TRANSPORTS[name].halves().sender(**(
+                    {"address": "127.0.0.1", "timeout_s": 120} if name == "nccl" else {})))
                 tg.start_soon(pubs[name].serve)
                 procs.append(await anyio.open_process(
                     [sys.executable, __file__, "--child", address, f"{address}-reports",

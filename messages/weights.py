@@ -19,7 +19,7 @@ class WeightsPoll(msgspec.Struct, tag=True, gc=False):
 
     have_version: int
     ranks: int = 1  # GPU transports: this sampler's receiving ranks (its engine's TP workers)
-    receiver: str = ""  # GPU transports: "" a torch.distributed group, "vllm": vLLM's own
+    receiver: str = ""  # GPU transports: "" a torch.distributed group, "pynccl": vLLM's NCCL
     # weight-transfer engine in the engine's workers
     group: int = 0  # GPU transports: the port of the transfer group it holds (0: none)
 

@@ -8,14 +8,12 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from actors.job.config import apply_overrides, decode_topology
-from actors.job.config.capacity import (
-    VERSIONS_AT_ONCE,
-    check_shm,
-    parameter_count,
-    sent_dtype,
-)
+from actors.job.config.capacity import check_shm, parameter_count, sent_dtype
 from actors.runtime.config import ConfigError
-from actors.runtime.weights import SHM_KEEP
+from actors.runtime.transports.base import TRANSPORTS
+from actors.runtime.transports.shm import SHM_KEEP
+
+VERSIONS_AT_ONCE = TRANSPORTS["shm"].shm_versions  # what the check counts
 
 
 def topo(model, *extra: str):

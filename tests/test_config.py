@@ -92,7 +92,8 @@ def test_dotted_overrides_are_typed():
      "algorithm.gdpo_reward_weights: needs one weight per key (2)"),
     ("sampler.engine=sglang", "sampler.engine: Invalid enum value 'sglang'"),
     ("sampler.max_concurrent_prompts=-1", "sampler.max_concurrent_prompts: must be >= 0"),
-    ("sampler.vllm.gpu_memory_utilization=0", "sampler.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("sampler.vllm.gpu_memory_utilization=0",
+     "sampler.vllm.gpu_memory_utilization: must be in (0, 1] (got 0)"),
     ("sampler.vllm.max_num_sequences=4", "sampler.vllm.max_num_sequences: unknown key"),
 ])
 def test_bad_values_name_the_key(override, message):

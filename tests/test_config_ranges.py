@@ -94,7 +94,6 @@ CHECK_FILES = ["actors/job/config/checks.py", "actors/job/config/agent_checks.py
                "actors/runtime/config/pools.py", "actors/runtime/config/teacher.py"]
 # keys whose one-key need stays, and why
 KEPT = {"'learner.node_rank'": "with [hosts] --host sets it: 0 is the only value to write"}
-KEPT_PREFIX = "'sampler.vllm."  # vLLM's options move to the engine's own section (issue 32)
 
 
 def _number(node: ast.expr) -> bool:
@@ -130,8 +129,7 @@ def single_key_ranges(source: str) -> list[str]:
             else [cond]
         keys = {_one_key_test(p) for p in parts}
         key = ast.unparse(node.args[1])
-        if len(keys) == 1 and None not in keys and key not in KEPT \
-                and not key.startswith(KEPT_PREFIX):
+        if len(keys) == 1 and None not in keys and key not in KEPT:
             found.append(ast.unparse(node))
     return found
 

@@ -12,20 +12,20 @@ import pytest
 import trio
 
 from actors.data.chat import ChatTokenizer
-from actors.runtime.config import AgentConfig, AgentRollout, VLLMOptions
+from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.endpoint.strategy import EndpointRollout
-from actors.sampler.engines.vllm import VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_options, vllm_problem
+from actors.sampler.engines.vllm.engine import VLLMSettings
+from actors.sampler.engines.vllm.options import VLLMOptions, vllm_problem
 from messages.rollout import ChatMessage, Prompt, SamplingParams
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))]
 
-OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20), gpu=False)
+OPTIONS = VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20).engine_args(gpu=False)
 
 
 def test_episodes_on_vllm_merge_and_carry_the_engines_logprobs(tiny_vllm_model, tmp_path):
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     user = tmp_path / "agent.py"
     user.write_text(textwrap.dedent('''
@@ -76,7 +76,7 @@ def test_a_streamed_call_on_vllm_comes_token_by_token(tiny_vllm_model):
     import openai
 
     from actors.sampler.endpoint.episodes import Episode
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     async def main():
         engine = await VLLMEngine.start(tiny_vllm_model, "float32", 0, VLLMSettings(OPTIONS))

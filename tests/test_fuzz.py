@@ -40,6 +40,7 @@ from actors.reward import reward_actor
 from actors.router.actor import router_actor
 from actors.runtime.actor import ActorContext, serve_actor
 from actors.runtime.tensors import from_buffer
+from actors.runtime.transports.zmq import ZmqSender
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -447,7 +448,7 @@ async def test_fuzz_learner_weights_router(sockets):
     with anyio.fail_after(60):
         with make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
              make_socket(zctx, zmq.DEALER, connect=address) as sampler:
-            server = WeightsPublisher(sock)
+            server = WeightsPublisher(sock, ZmqSender())
             await server.publish(5, weights)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(server.serve)

@@ -19,6 +19,7 @@ from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
+from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.sources import AdapterWeights
 from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
@@ -98,7 +99,8 @@ async def test_sampler_logprobs_after_an_adapter_update_are_the_learners(tiny_mo
                 make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock, \
                 make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
             options = {"address": "127.0.0.1", "timeout_s": 60} if transport == "nccl" else {}
-            publisher = WeightsPublisher(learner_sock, transport, **options)
+            publisher = WeightsPublisher(learner_sock,
+                                         TRANSPORTS[transport].halves().sender(**options))
             subscriber = WeightsSubscriber(sampler_sock)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
@@ -162,12 +164,10 @@ def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from actors.job.config.capacity import (
-        VERSIONS_AT_ONCE,
-        adapter_count,
-        check_shm,
-        parameter_count,
-    )
+    from actors.job.config.capacity import adapter_count, check_shm, parameter_count
+    from actors.runtime.transports.base import TRANSPORTS
+
+    VERSIONS_AT_ONCE = TRANSPORTS["shm"].shm_versions
 
     targets = ("q_proj", "v_proj", "down_proj")
     peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),

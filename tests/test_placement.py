@@ -17,8 +17,9 @@ from actors.runtime.config.gpus import visible_gpus
 
 
 def topology(sockets: str, *extra: str):
+    # zmq: auto is shm on one host, whose check reads the model (left unresolved here)
     return decode_topology(apply_overrides({}, [f"control_address=ipc://{sockets}/control",
-                                                *extra]))
+                                                "learner.weights_transport=zmq", *extra]))
 
 
 def envs(topo, tmp_path, gpus: list[str]) -> dict[str, dict[str, str]]:

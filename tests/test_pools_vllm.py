@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from actors.job.config import apply_overrides, decode_topology
-from actors.sampler.engines.vllm_settings import vllm_problem
+from actors.sampler.engines.vllm.options import vllm_problem
 from actors.scoring.pool import PoolScoring
 from tests.test_pools import items
 

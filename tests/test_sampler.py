@@ -142,7 +142,7 @@ async def test_shared_weights_removed_before_loading_leave_the_old_weights(tiny_
     the learner exited at the end of the job): the engine keeps its weights and version."""
     from safetensors.torch import save_file
 
-    from actors.runtime.weights import SharedWeights
+    from actors.runtime.transports.sources import SharedWeights
 
     engine = HFEngine(tiny_model, "float32", seed=0)
     before = {n: p.detach().clone() for n, p in engine.params.items()}

@@ -17,10 +17,9 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.job.config import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
-from actors.runtime.config import VLLMOptions
 from actors.sampler.engines.base import GenerateRequest, Rejected
-from actors.sampler.engines.vllm import VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_options, vllm_problem
+from actors.sampler.engines.vllm.engine import VLLMSettings
+from actors.sampler.engines.vllm.options import VLLMOptions, vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.test_sampler import learner_logprobs, scored_group
 
@@ -30,12 +29,12 @@ pytestmark = [pytest.mark.vllm,
 TOLERANCE = 1e-5  # fp32 on the CPU; vLLM's kernels (oneDNN GEMMs, its attention) sum in another
 # order than torch's: measured max 9.5e-7, mean 1.5e-7 on the tiny model (the printed report)
 # the options a sampler passes for [sampler.vllm] max_model_len = 256, 64 MiB of KV cache
-OPTIONS = vllm_options(VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20), gpu=False)
+OPTIONS = VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20).engine_args(gpu=False)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model):
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     eng = trio.run(VLLMEngine.start, tiny_vllm_model, "float32", 0,
                    VLLMSettings(OPTIONS, weight_update="in_flight"))
@@ -119,7 +118,7 @@ async def test_in_flight_update_keeps_requests_and_stamps_tokens_after_the_swap(
     """Weights loaded while requests run: none is lost, and each request's tokens carry the old
     version up to the swap and the new one after it (vLLM's weight-version spans), whether the
     old weights' KV cache is dropped (recomputed) or kept."""
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     trainer = trainer_for(tiny_vllm_model, tmp_path)
     snapshot = dict(trainer.policy.snapshot())

@@ -17,10 +17,9 @@ from actors.data.chat import ChatTokenizer
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.transports.sources import AdapterWeights
-from actors.sampler.engines.base import GenerateRequest
-from actors.sampler.engines.registry import AdapterLimits
-from actors.sampler.engines.vllm import VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_problem
+from actors.sampler.engines.base import AdapterLimits, GenerateRequest
+from actors.sampler.engines.vllm.engine import VLLMSettings
+from actors.sampler.engines.vllm.options import vllm_problem
 from messages.rollout import ChatMessage, SamplingParams
 from tests.jobs import status_lines
 from tests.learner_cases import make_trainer
@@ -36,7 +35,7 @@ PARAMS = SamplingParams(temperature=1.0, max_tokens=10)
 
 @pytest.fixture(scope="module")
 def engine(tiny_vllm_model):
-    from actors.sampler.engines.vllm import VLLMEngine
+    from actors.sampler.engines.vllm.engine import VLLMEngine
 
     eng = trio.run(VLLMEngine.start, tiny_vllm_model, "float32", 0,
                    VLLMSettings(OPTIONS, weight_update="in_flight",

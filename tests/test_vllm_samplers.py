@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.sampler.engines.vllm_settings import vllm_problem
+from actors.sampler.engines.vllm.options import vllm_problem
 
 pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
 
@@ -25,7 +25,7 @@ def v2_sampler():
 def test_the_v1_runners_sampler_is_wrapped_in_front_of_top_k_top_p():
     from vllm.v1.sample.sampler import Sampler
 
-    from actors.sampler.engines.vllm_worker import UntruncatedLogprobs, make_untruncated
+    from actors.sampler.engines.vllm.worker import UntruncatedLogprobs, make_untruncated
 
     sampler = Sampler(logprobs_mode="processed_logprobs")
     assert make_untruncated(sampler) == "v1"
@@ -37,7 +37,7 @@ def test_the_v1_runners_sampler_is_wrapped_in_front_of_top_k_top_p():
 def test_the_v2_runners_sampler_returns_the_logits_before_truncation():
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from actors.sampler.engines.vllm_worker import make_untruncated, sampler_kind
+    from actors.sampler.engines.vllm.worker import make_untruncated, sampler_kind
 
     sampler = v2_sampler()
     assert sampler_kind(sampler) == "v2"
@@ -66,7 +66,7 @@ def test_the_v2_runners_sampler_returns_the_logits_before_truncation():
 
 
 def test_an_unknown_sampler_is_an_error_naming_it():
-    from actors.sampler.engines.vllm_worker import sampler_kind
+    from actors.sampler.engines.vllm.worker import sampler_kind
 
     class Strange:
         pass

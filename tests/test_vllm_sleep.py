@@ -14,8 +14,9 @@ import trio
 
 from actors.job.config import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
-from actors.sampler.engines.vllm import SleepPolicy, VLLMEngine, VLLMSettings
-from actors.sampler.engines.vllm_settings import vllm_problem
+from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
+from actors.sampler.engines.vllm.options import vllm_problem
+from actors.sampler.engines.vllm.sleep import SleepPolicy
 
 
 def test_the_policy_sleeps_only_after_the_idle_time_and_wakes_for_work():
@@ -61,9 +62,7 @@ async def test_an_idle_engine_sleeps_and_the_next_work_wakes_it():
     llm = engine.llm = RecordingLLM()
 
     async def start() -> None:  # what _start does after the engine is up
-        engine.waking = asyncio.Lock()
-        engine.sleep.idle(asyncio.get_running_loop().time())
-        engine.sleeper = asyncio.ensure_future(engine._sleeper())
+        engine.sleep.start(llm, lambda: engine.running)
 
     async def asleep() -> None:
         await llm.asleep.wait()
@@ -72,14 +71,14 @@ async def test_an_idle_engine_sleeps_and_the_next_work_wakes_it():
         await engine.loop.call(start())
         with trio.fail_after(30):
             await engine.loop.call(asleep())
-        assert engine.sleep.asleep and engine.sleeps == 1
-        await engine.loop.call(engine._wake())  # a request or a load comes
+        assert engine.sleep.asleep and engine.sleep.clock.sleeps == 1
+        await engine.loop.call(engine.sleep.wake(llm))  # a request or a load comes
         assert llm.calls == ["sleep1", "wake"] and not engine.sleep.asleep
-        await engine.loop.call(engine._wake())  # awake already: nothing to do
+        await engine.loop.call(engine.sleep.wake(llm))  # awake already: nothing to do
         assert llm.calls == ["sleep1", "wake"]
         assert engine.statistics()["sleeps"] == 1
         assert engine.statistics()["freed_mb"] == 4.0  # the free bytes' rise over the sleep
-        assert engine.statistics()["wake_ms"] >= 0 and engine.sleep_clock.sleeps == 1
+        assert engine.statistics()["wake_ms"] >= 0 and engine.statistics()["asleep"] == "false"
     finally:
         await engine.aclose()
     assert llm.calls[-1] == "shutdown"

@@ -10,7 +10,9 @@ import torch
 import zmq
 
 from actors.runtime.tensors import meta, raw_bytes
-from actors.runtime.weights import WeightsPublisher, WeightsSubscriber, split_buckets
+from actors.runtime.transports.shm import ShmReceiver, ShmSender
+from actors.runtime.transports.zmq import ZmqSender, split_buckets
+from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, encode
 from messages.weights import WeightsHeader, WeightsPoll
@@ -37,7 +39,8 @@ async def test_a_version_in_buckets_arrives_whole_through_full_queues(sockets):
         # buckets here; ROUTER_MANDATORY makes it wait instead
         with make_socket(zctx, zmq.ROUTER, bind=address, hwm=1) as learner_sock, \
              make_socket(zctx, zmq.DEALER, connect=address, hwm=1) as sampler_sock:
-            publisher, subscriber = WeightsPublisher(learner_sock), WeightsSubscriber(sampler_sock)
+            publisher = WeightsPublisher(learner_sock, ZmqSender())
+            subscriber = WeightsSubscriber(sampler_sock)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
                 tg.start_soon(subscriber.serve)
@@ -103,22 +106,24 @@ async def test_shared_memory_versions_outlive_the_learners_files(sockets):
     with anyio.fail_after(60):
         with make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock, \
              make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
-            publisher = WeightsPublisher(learner_sock, "shm")
+            sender, receiver = ShmSender(), ShmReceiver()
+            publisher = WeightsPublisher(learner_sock, sender)
             subscriber = WeightsSubscriber(sampler_sock)
+            subscriber.receivers["shm"] = receiver
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
                 tg.start_soon(subscriber.serve)
                 for version in (0, 1, 2, 3):
                     await publisher.publish(version, tensors(version))
                     await subscriber.wait_for(version)
-                assert len(publisher.shm_files) == 2  # the learner keeps the newest 2
+                assert len(sender.shm_files) == 2  # the learner keeps the newest 2
                 publisher.close()  # the learner exits: its folder goes
-                assert not publisher.shm_dir.exists()
+                assert not sender.shm_dir.exists()
                 got_version, got = subscriber.take()
-                assert got_version == 3 and got.path.startswith(str(subscriber.shm_dir))
+                assert got_version == 3 and got.path.startswith(str(receiver.shm_dir))
                 assert all(torch.equal(t, dict(tensors(3))[n]) for n, t in got.items())
-                assert len(subscriber.links) == 2 and not subscriber.error
+                assert len(receiver.links) == 2 and not subscriber.error
                 tg.cancel_scope.cancel()
             subscriber.close()
-            assert not subscriber.shm_dir.exists()
+            assert not receiver.shm_dir.exists()
     zctx.destroy(linger=0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import make_socket
 from tests.jobs import ROOT
@@ -44,7 +45,7 @@ async def test_versions_reach_a_sampler_on_cuda(sockets, tmp_path, transport, gp
         with anyio.fail_after(240), make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
              make_socket(zctx, zmq.PULL, bind=f"{address}-reports") as pull:
             reports = Reports(pull)
-            publisher = WeightsPublisher(sock, transport, **options)
+            publisher = WeightsPublisher(sock, TRANSPORTS[transport].halves().sender(**options))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
                 for version in (0, 1, 2):

@@ -16,7 +16,7 @@ from actors.job.config import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig
 from actors.runtime.transports.base import TRANSPORTS, resolve_transport
-from actors.sampler.engines.registry import ENGINES, auto_engine, engine_problem, start_engine
+from actors.sampler.engines.registry import ENGINES, auto_engine
 from tests.jobs import ROOT, command, metrics, status_lines
 
 
@@ -31,7 +31,7 @@ def test_every_choice_in_the_schema_has_one_row():
     assert set(choices) == {"auto", *TRANSPORTS}
     engines = typing.get_args(typing.get_type_hints(SamplerConfig)["engine"])
     assert set(engines) == {"auto", *ENGINES}
-    assert engine_problem("hf") is None
+    assert ENGINES["hf"].problem() is None
     assert auto_engine() == "hf"  # no GPU here
 
 
@@ -51,11 +51,11 @@ def test_a_transport_that_cannot_carry_the_weights_names_the_key(overrides, mess
 async def test_an_engine_starts_from_its_row(tiny_model):
     import torch
 
+    from actors.sampler.engines.base import EngineSpec
     from actors.sampler.engines.hf import HFEngine
-    from actors.sampler.engines.registry import EngineSpec
 
     topo = decode_topology(apply_overrides({}, ["sampler.engine=hf"]))
-    engine = await start_engine("hf", EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
+    engine = await ENGINES["hf"].start(EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
                                                  topo.sampler))
     assert isinstance(engine, HFEngine) and engine.version == -1 and not engine.continuous
 

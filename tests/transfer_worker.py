@@ -18,6 +18,7 @@ import zmq
 from safetensors.torch import save_file
 
 from actors.runtime.transports import nccl
+from actors.runtime.transports.base import ReceiveInto
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
 
@@ -47,8 +48,8 @@ async def main(address: str, reports: str, out: Path) -> None:
     zctx = zmq.Context()
     with make_socket(zctx, zmq.DEALER, connect=address) as sock, \
          make_socket(zctx, zmq.PUSH, connect=reports) as report:
-        sub = WeightsSubscriber(sock, device=os.environ.get("FLOWRL_TEST_DEVICE", "cpu"),
-                                timeout_s=30)
+        sub = WeightsSubscriber(sock, into=ReceiveInto(
+            device=os.environ.get("FLOWRL_TEST_DEVICE", "cpu"), timeout_s=30))
         async with anyio.create_task_group() as tg:
             tg.start_soon(sub.serve)
             while True:

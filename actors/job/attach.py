@@ -15,7 +15,6 @@ for kinds that drain: ``ActorContext.drain_grace_s``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -163,8 +162,7 @@ def attach_command(args: argparse.Namespace) -> int:
         to = Path(args.to)
         run_dir = Path(topology.run.dir) if topology.run.dir else \
             to.parent if to.suffix == ".json" else to
-    module, fn = BY_NAME[args.kind].body.split(":")
-    body = getattr(importlib.import_module(module), fn)
+    body = BY_NAME[args.kind].body()
     print(f"=== {name} (pid {os.getpid()}) attaching to the job at {args.to}; Ctrl-C detaches it",
           flush=True)
     return run_actor(args.kind, index, topology, run_dir, body, name=name, supervised=False,

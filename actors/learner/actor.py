@@ -38,8 +38,9 @@ from actors.runtime.devices import on_device
 from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
-from actors.runtime.transports.base import TRANSPORTS, resolve_transport
-from actors.runtime.weights import WeightsPublisher, remove_orphaned_shm
+from actors.runtime.transports.base import TRANSPORTS
+from actors.runtime.transports.shm import remove_orphaned_shm
+from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import StepReport
@@ -78,7 +79,7 @@ class Learner:
                               samplers=samplers_dtype(self.ctx.topology, torch.cuda.is_available())
                               if self.cfg.lora.rank else None)
         self.tell(RanksPublish(dtype=str(dtype).removeprefix("torch.")))
-        on_gpu = TRANSPORTS[self.weights.transport].gpu
+        on_gpu = TRANSPORTS[self.cfg.weights_transport].gpu
         return policy.published(dtype, policy.device if on_gpu else "cpu",
                                 live=self.weights.sender.reads_at_prepare)
 
@@ -255,11 +256,10 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
                                curve=ctx.curve)
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
-    transport = resolve_transport(cfg.weights_transport, weights_address=cfg.weights_address)
     remove_orphaned_shm()
-    weights = WeightsPublisher(weights_sock, transport,
-                               **sender_options(transport, cfg, trainer.group.device))
-    ctx.status["weights_transport"] = transport
+    sender = TRANSPORTS[cfg.weights_transport].halves().sender.build(cfg, trainer.group.device)
+    weights = WeightsPublisher(weights_sock, sender)
+    ctx.status["weights_transport"] = cfg.weights_transport
     learner = Learner(ctx, trainer, replay, weights, share)
     if trainer.policy.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.policy.resumed_from.name
@@ -293,19 +293,6 @@ def follow(trainer: Trainer) -> int:
                 policy.save_checkpoint()
             case RanksEnd():
                 return policy.step
-
-
-def sender_options(transport: str, cfg, device: torch.device) -> dict:
-    """What a GPU transport's sender needs: where samplers reach the learner's rendezvous (the
-    weights address's host; 127.0.0.1 for ipc:// or a wildcard), the device and a timeout."""
-    if transport == "ipc":
-        return {"device": device}
-    if transport != "nccl":
-        return {}
-    address = cfg.weights_address
-    host = address.removeprefix("tcp://").rpartition(":")[0] if address.startswith("tcp://") else ""
-    return {"address": host if host and host not in ("*", "0.0.0.0") else "127.0.0.1",
-            "timeout_s": cfg.collective_timeout_s, "device": device}
 
 
 def weights_dtype(setting: str, compute: torch.dtype, samplers: str | None = None) -> torch.dtype:

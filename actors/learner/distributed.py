@@ -44,8 +44,9 @@ def backend_for(device: torch.device, offload: bool) -> str:
     weights' all-gather, gradient clipping and the state dict run collectives on CPU tensors,
     which an NCCL-only group refuses: "No backend type associated with device type cpu")."""
     if device.type != "cuda":
-        return "gloo"
-    return "cpu:gloo,cuda:nccl" if offload else "nccl"
+        return dist.Backend.GLOO
+    nccl = dist.Backend.NCCL
+    return f"cpu:{dist.Backend.GLOO},cuda:{nccl}" if offload else nccl
 
 
 class Group:

@@ -8,8 +8,8 @@ newest weights, never a queue of stale ones.
 What carries the tensors is a transport (``actors/runtime/transports/``): its learner-side
 sender makes the messages of a version (and, for a GPU transport, moves the bytes after them),
 its sampler-side receiver turns what arrived into the typed source the engine loads. The
-learner's transport is ``learner.weights_transport`` (``auto`` resolved once, in
-``transports/base.resolve_transport``); a sampler takes whatever transport each message names.
+learner's transport is ``learner.weights_transport`` (``auto`` resolved when the topology
+loads); a sampler takes whatever transport each message names.
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ import torch
 import zmq
 from safetensors import SafetensorError
 
-from actors.runtime.devices import indexed
 from actors.runtime.tensors import from_buffer
-from actors.runtime.transports.base import TRANSPORTS, Receiver, receiver_for, sender_for
-from actors.runtime.transports.shm import (  # noqa: F401 - the channel's names for the shm parts
-    SHM_KEEP,
-    SHM_PREFIX,
-    SHM_ROOT,
-    remove_orphaned_shm,
+from actors.runtime.transports.base import (
+    TRANSPORTS,
+    ReceiveInto,
+    Receiver,
+    Sender,
+    arrived_by,
 )
-from actors.runtime.transports.sources import AdapterWeights, SharedWeights, WeightsSource
-from actors.runtime.transports.zmq import split_buckets
+from actors.runtime.transports.sources import AdapterWeights, WeightsSource
 from actors.runtime.zmq_bridge import AsyncSocket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
@@ -45,19 +43,15 @@ from messages.weights import (
     WeightsPoll,
 )
 
-__all__ = ["SharedWeights", "WeightsPublisher", "WeightsSubscriber", "remove_orphaned_shm",
-           "split_buckets"]
-
 
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, transport: str = "zmq", **options: Any) -> None:
+    def __init__(self, sock: AsyncSocket, sender: Sender) -> None:
         self.sock = sock  # a ROUTER the samplers connect to
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
         sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.transport = transport  # a row of transports.base.TRANSPORTS, resolved
-        self.sender = sender_for(transport, **options)
+        self.sender = sender  # of a transport of transports.base.TRANSPORTS
         self.version = -1  # the version of ``messages``; -1 until the first publish
         self.messages: list[list] = []  # per message: [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has
@@ -66,16 +60,7 @@ class WeightsPublisher:
         self.sent = 0  # weight messages sent, all pollers together
         self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
         self.transfers = 0  # GPU transports: transfers under way
-        self._idle = anyio.Event()  # set and replaced whenever transfers drops to 0
         self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
-
-    @property
-    def shm_dir(self):
-        return self.sender.shm_dir  # type: ignore[attr-defined]  # shm only
-
-    @property
-    def shm_files(self):
-        return self.sender.shm_files  # type: ignore[attr-defined]  # shm only
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = 0, adapter: AdapterSpec | None = None) -> None:
@@ -120,14 +105,6 @@ class WeightsPublisher:
                 self.failed += 1  # its receiver polls again (a new group) or is gone
         finally:
             self.transfers -= 1
-            if not self.transfers:
-                self._idle.set()
-                self._idle = anyio.Event()
-
-    async def wait_transfers(self) -> None:
-        """Return once no transfer is under way (GPU transports move bytes after a publish)."""
-        while self.transfers:
-            await self._idle.wait()
 
     async def serve(self) -> None:
         """Take polls until cancelled (run it beside the training loop)."""
@@ -171,29 +148,21 @@ class WeightsSubscriber:
     """Sampler side: receives every newer version as it is published; ``take`` hands the
     newest not yet applied to the engine (older ones it replaced are never applied).
 
-    ``device``: where a GPU transport's receiver puts the tensors it receives for an engine
-    that loads them itself (hf); ``in_worker``: the engine's own workers (``ranks`` of them)
-    receive GPU transfers (vllm), so the receiver hands it a ``WorkerTransfer`` instead."""
+    ``transport``: the learner's, whose receiver is built at once (its first poll may say what
+    it needs, as nccl's says the engine's ranks); any other a header names is built when one
+    does. ``into``: what a receiver needs of the engine."""
 
-    def __init__(self, sock: AsyncSocket, *, device: torch.device | str = "cpu",
-                 in_worker: bool = False, ranks: int = 1, timeout_s: float = 600.0) -> None:
+    def __init__(self, sock: AsyncSocket, transport: str = "",
+                 into: ReceiveInto | None = None) -> None:
         self.sock = sock  # a DEALER connected to the learner's weights ROUTER
         self.received = -1  # newest version received (applied or not); -1: none yet
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
-        self.device = indexed(device)
-        self.options: dict[str, Any] = {"device": self.device, "in_worker": in_worker,
-                                        "ranks": ranks, "timeout_s": timeout_s}  # GPU receivers
-        self.receivers: dict[str, Receiver] = {"shm": receiver_for("shm")}  # by transport
-
-    @property
-    def shm_dir(self):
-        return self.receivers["shm"].shm_dir  # type: ignore[attr-defined]
-
-    @property
-    def links(self):
-        return self.receivers["shm"].links  # type: ignore[attr-defined]
+        self.into = into or ReceiveInto()  # (each receiver indexes its device)
+        self.receivers: dict[str, Receiver] = {}  # by transport
+        if transport:
+            self.receiver(transport)
 
     async def wait_for(self, version: int) -> None:
         """Return once weights of ``version`` or newer have been received."""
@@ -208,20 +177,17 @@ class WeightsSubscriber:
         return newest
 
     def poll(self) -> WeightsPoll:
-        vllm_nccl = self.options["in_worker"] and self.device.type == "cuda"
-        fields: dict[str, Any] = {"ranks": self.options["ranks"],  # as nccl's poll_fields
-                                  "receiver": "vllm" if vllm_nccl else ""}
+        fields: dict[str, Any] = {}
         for receiver in self.receivers.values():
             fields.update(receiver.poll_fields())
         return WeightsPoll(have_version=self.received, **fields)
 
-    def receiver(self, header: WeightsHeader) -> Receiver:
-        name = header.transport or ("shm" if header.path else "zmq")
+    def receiver(self, name: str) -> Receiver:
+        """The receiver of transport ``name`` (built at its first use)."""
         if name not in TRANSPORTS:
             raise DecodeError(f"weights: unknown transport {name!r}")
         if name not in self.receivers:
-            options = self.options if name in ("nccl", "ipc") else {}
-            self.receivers[name] = receiver_for(name, **options)
+            self.receivers[name] = TRANSPORTS[name].halves().receiver.build(self.into)
         return self.receivers[name]
 
     async def serve(self) -> None:
@@ -245,7 +211,7 @@ class WeightsSubscriber:
                                           f"{header.buckets} expected, got {more.bucket} of "
                                           f"version {more.version}")
                     parts.update(part)
-                source = await self.receiver(header).receive(header, parts)
+                source = await self.receiver(arrived_by(header)).receive(header, parts)
                 if header.adapter is not None:
                     if not isinstance(source, Mapping):  # a vLLM worker transfer
                         raise DecodeError(f"weights version {header.version}: LoRA adapters "
@@ -274,7 +240,8 @@ def _bucket(codec: Codec[FromLearnerWeights], frames: list) -> tuple[WeightsHead
     header = codec.decode(frames[0].buffer)
     if not isinstance(header, WeightsHeader):
         raise DecodeError("weights header does not match its frames")
-    framed = header.transport in ("", "zmq")  # the others carry no tensor frames
+    row = TRANSPORTS.get(arrived_by(header))
+    framed = row is not None and row.framed  # the others carry no tensor frames
     if len(frames) != (len(header.tensors) if framed else 0) + 1:
         raise DecodeError("weights header does not match its frames")
     if not 0 <= header.bucket < header.buckets:

@@ -381,10 +381,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> str:
     weights_sock = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
                                curve=ctx.curve)
     lora = topo.learner.lora.rank > 0  # adapters: received here, not by the engine's workers
-    weights = WeightsSubscriber(weights_sock, device=placement(cfg.device, ctx.index),
-                                in_worker=registry.worker_receives(cfg.engine, lora),
-                                ranks=registry.receiving_ranks(cfg.engine, cfg, lora),
-                                timeout_s=topo.learner.collective_timeout_s)
+    weights = WeightsSubscriber(weights_sock, topo.learner.weights_transport, registry.receive_into(
+        cfg.engine, cfg, placement(cfg.device, ctx.index), topo.learner.collective_timeout_s, lora))
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts,
                             targets=score_targets(topo.reward))
     agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn

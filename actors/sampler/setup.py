@@ -10,9 +10,8 @@ import torch
 
 from actors.runtime.actor import ActorContext
 from actors.runtime.devices import resolve_device, resolve_dtype
-from actors.runtime.transports.base import resolve_transport
 from actors.sampler.engines import registry
-from actors.sampler.engines.base import Engine
+from actors.sampler.engines.base import AdapterLimits, Engine, EngineSpec
 
 
 async def start_engine(ctx: ActorContext) -> Engine:
@@ -23,9 +22,9 @@ async def start_engine(ctx: ActorContext) -> Engine:
     device = placement(cfg.device, ctx.index)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
     ctx.status.update(device=str(device), dtype=dtype)
-    return await registry.start_engine(cfg.engine, registry.EngineSpec(
+    return await registry.ENGINES[cfg.engine].start(EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
-        label=f"{ctx.name} {ctx.run_dir}", transport=weights_transport(ctx),
+        label=f"{ctx.name} {ctx.run_dir}", transport=topo.learner.weights_transport,
         adapters=adapter_limits(topo)))
 
 
@@ -34,16 +33,11 @@ def seed_offset(ctx: ActorContext) -> int:
     return ctx.index if ctx.index >= 0 else 1_000_000 + os.getpid()
 
 
-def adapter_limits(topo) -> registry.AdapterLimits | None:
+def adapter_limits(topo) -> AdapterLimits | None:
     """LoRA: the learner publishes adapters of its rank; versions in flight are at most
     max_staleness behind the newest, so max_staleness + 2 versions are held at once."""
     rank = topo.learner.lora.rank
-    return registry.AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
-
-
-def weights_transport(ctx: ActorContext) -> str:
-    L = ctx.topology.learner
-    return resolve_transport(L.weights_transport, weights_address=L.weights_address)
+    return AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
 
 
 def prompts_in_flight(setting: int, *, gpu: bool) -> int:

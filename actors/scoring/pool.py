@@ -67,14 +67,15 @@ class PoolScoring:
             await anyio.to_thread.run_sync(self.model.load)
             module = self.model.module
         else:
-            from actors.sampler.engines.registry import EngineSpec, start_engine
+            from actors.sampler.engines.base import EngineSpec
+            from actors.sampler.engines.registry import ENGINES
             from actors.scoring.judge import Judge
 
             dtype = str(resolve_dtype("auto", device, self.topology.model.dtype))
             sampler = msgspec.structs.replace(
                 self.topology.sampler, engine=self.pool.engine, threads=self.pool.threads,
-                sleep_idle_s=self.pool.sleep_idle_s if self.pool.engine == "vllm" else 0.0)
-            self.engine = await start_engine(self.pool.engine, EngineSpec(
+                sleep_idle_s=self.pool.sleep_idle_s if ENGINES[self.pool.engine].sleeps else 0.0)
+            self.engine = await ENGINES[self.pool.engine].start(EngineSpec(
                 Path(self.pool.path), dtype.removeprefix("torch."), self.topology.run.seed,
                 device, sampler, label=self.label))
             tokenizer = getattr(self.engine, "tokenizer", None)
@@ -143,8 +144,8 @@ class PoolScoring:
             out.update(judge_answers=self.model.answers, judge_unreadable=self.model.unreadable)
         if self.sleeper is not None:
             out.update(self.sleeper.clock.statistics().status())
-        elif self.engine is not None and self.pool.sleep_idle_s > 0:  # vllm's own sleep
-            out.update(self.engine.sleep_clock.statistics().status())
+        elif self.engine is not None and self.pool.sleep_idle_s > 0:  # the engine's own sleep
+            out.update(self.engine.sleep.clock.statistics().status())
         return out
 
     async def aclose(self) -> None:

@@ -1,8 +1,8 @@
 """Checks at start of what a machine holds, from the model's files (torch-free, in the runner).
 
 ``check_shm``: with the shared-memory weights transport the learner keeps each published
-version as a file in ``/dev/shm`` (``actors/runtime/weights.py``: the newest ``SHM_KEEP = 2``
-plus the one being written). A ``/dev/shm`` too small for that (Docker's default is 64 MB) would
+version as a file in ``/dev/shm`` (its row's ``shm_versions``: the newest ``SHM_KEEP = 2`` plus
+the one being written). A ``/dev/shm`` too small for that (Docker's default is 64 MB) would
 crash the learner at its first publish; it is a config error at start instead, naming
 ``learner.weights_transport``. A version's bytes are the model's parameter count (read from its
 safetensors headers, or estimated from config.json) times the size of the dtype it is sent in;
@@ -18,10 +18,9 @@ from pathlib import Path
 
 from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.config.schema import ConfigError
-from actors.runtime.transports.base import resolve_transport
+from actors.runtime.transports.base import TRANSPORTS
 
 SHM_DIR = Path("/dev/shm")
-VERSIONS_AT_ONCE = 3  # weights.SHM_KEEP versions kept, plus the one being written
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -112,10 +111,10 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
               shm_bytes: int | None = None) -> None:
     """ConfigError naming ``learner.weights_transport`` when the shared-memory transport is
     used and ``shm_dir`` (its size: ``shm_bytes``, default its filesystem's) cannot hold
-    ``VERSIONS_AT_ONCE`` versions of the weights."""
+    the versions of the weights it holds at once."""
     L = topology.learner
-    if (resolve_transport(L.weights_transport, weights_address=L.weights_address) != "shm"
-            or L.node_rank > 0):
+    versions = TRANSPORTS[L.weights_transport].shm_versions
+    if not versions or L.node_rank > 0:
         return
     if shm_bytes is None:
         if not shm_dir.is_dir():
@@ -126,11 +125,11 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
     model = Path(topology.model.path)
     count = adapter_count(model, L.lora.rank, L.lora.target_modules) if L.lora.rank else None
     version = (count or parameter_count(model)) * DTYPE_BYTES[dtype]  # LoRA: the adapters
-    need = VERSIONS_AT_ONCE * version
+    need = versions * version
     if shm_bytes < need:
         raise ConfigError(
             f"learner.weights_transport: the shared-memory transport keeps up to "
-            f"{VERSIONS_AT_ONCE} versions of the weights in {shm_dir} ({version / 2**20:.0f} MiB "
+            f"{versions} versions of the weights in {shm_dir} ({version / 2**20:.0f} MiB "
             f"each in {dtype}: {need / 2**20:.0f} MiB), but it holds {shm_bytes / 2**20:.0f} "
             f"MiB: set learner.weights_transport = \"zmq\", or give the machine a larger "
             f"{shm_dir} (docker run --shm-size=...)")

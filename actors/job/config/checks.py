@@ -5,7 +5,7 @@ files that must exist; a key's own range is declared on its field). Each failure
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_pools
 from actors.runtime.config.schema import ActorCommon, ConfigError, DatasetConfig, Topology
 from actors.runtime.config.teacher import check_teacher
+from actors.sampler.engines.registry import ENGINES, EngineRow, auto_engine
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
 
@@ -46,22 +47,13 @@ def check(topology: Topology) -> None:
          or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
     s = topology.sampler
     if s.engine != "auto":
-        from actors.sampler.engines.registry import ENGINES, engine_problem
-
-        problem = engine_problem(s.engine)
+        problem = ENGINES[s.engine].problem()
         need(problem is None, "sampler.engine", f"{s.engine}: {problem}")
         need(s.weight_update == "between_batches" or ENGINES[s.engine].continuous,
-             "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine "
-             f"= vllm): the {s.engine} engine loads weights between batches")
+             "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine = "
+             f"{_engines(lambda r: r.continuous)}): the {s.engine} engine loads weights between "
+             "batches")
     _check_sleep(s, need)
-    VL = s.vllm
-    need(0 < VL.gpu_memory_utilization <= 1, "sampler.vllm.gpu_memory_utilization",
-         "must be in (0, 1]")
-    need(VL.kv_cache_memory_bytes >= 0, "sampler.vllm.kv_cache_memory_bytes", "must be >= 0")
-    need(VL.tensor_parallel_size >= 1, "sampler.vllm.tensor_parallel_size", "must be >= 1")
-    need(VL.max_num_seqs >= 1, "sampler.vllm.max_num_seqs", "must be >= 1")
-    need(VL.max_num_batched_tokens >= 0, "sampler.vllm.max_num_batched_tokens", "must be >= 0")
-    need(VL.max_model_len >= 0, "sampler.vllm.max_model_len", "must be >= 0 (0: the model's)")
     L = topology.learner
     need(L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
          f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
@@ -71,13 +63,11 @@ def check(topology: Topology) -> None:
         _check_adapters(topology, need)
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
-        from actors.sampler.engines.registry import ENGINES, auto_engine
 
         engine = s.engine if s.engine != "auto" else auto_engine()
-        row = ENGINES[engine]
-        problem = transport_problem(L.weights_transport, engine=engine, receives=row.receives,
-                                    needs_cuda=row.needs_cuda, weights_address=L.weights_address,
-                                    learner_device=L.device, sampler_device=s.device)
+        problem = transport_problem(L.weights_transport, engine=engine,
+                                    weights_address=L.weights_address, learner_device=L.device,
+                                    sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
     check_placement(topology, need)
     check_teacher(topology, need)
@@ -136,13 +126,12 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
     from actors.job.config.capacity import linear_modules
-    from actors.sampler.engines.registry import ENGINES, auto_engine
 
     L, s = topology.learner, topology.sampler
     engine = s.engine if s.engine != "auto" else auto_engine()
     need(ENGINES[engine].adapters, "sampler.engine",
          f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
-         "(engines that can: " + ", ".join(n for n, r in ENGINES.items() if r.adapters) + ")")
+         f"(engines that can: {_engines(lambda r: r.adapters, ', ')})")
     row = ENGINES[engine]
     need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
          f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
@@ -290,7 +279,13 @@ def _reward_model_problem(path: Path) -> str | None:
 def _check_sleep(s: Any, need: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
     if s.sleep_idle_s > 0:
-        need(s.engine == "vllm", "sampler.sleep_idle_s",
-             "sleeping frees GPU memory through vLLM's sleep mode: needs sampler.engine = vllm")
+        need(s.engine in ENGINES and ENGINES[s.engine].sleeps, "sampler.sleep_idle_s",
+             "sleeping frees GPU memory through the engine's sleep mode: needs sampler.engine "
+             f"= {_engines(lambda r: r.sleeps)}")
         need(s.device != "cpu", "sampler.sleep_idle_s",
-             "vLLM has no sleep mode on a CPU (sampler.device = cpu)")
+             f"{s.engine} has no sleep mode on a CPU (sampler.device = cpu)")
+
+
+def _engines(has: Callable[[EngineRow], bool], join: str = " or ") -> str:
+    """The engines whose row ``has`` it (for an error naming what to choose instead)."""
+    return join.join(n for n, row in ENGINES.items() if has(row))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
 from actors.runtime.config.pools import pool_devices
 from actors.runtime.config.schema import ConfigError
+from actors.sampler.engines.registry import ENGINES, engine_gpus
 
 
 def _wants_gpu(setting: str, gpus: Sequence[str]) -> bool:
@@ -41,17 +42,17 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                 taken[name] = [gpus[i]]
     used = {g for v in taken.values() for g in v}
     if samplers and _wants_gpu(S.device, gpus):
-        width = S.vllm.tensor_parallel_size if S.engine == "vllm" else 1
+        width = engine_gpus(S.engine, S)
         if not gpus:
             raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
                               "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
         if width > len(gpus):
-            raise ConfigError(f"sampler.vllm.tensor_parallel_size: {width} GPUs per sampler, but "
+            raise ConfigError(f"sampler.{ENGINES[S.engine].ranks}: {width} GPUs per sampler, but "
                               f"the runner sees {len(gpus)} GPU(s)")
         if ":" in S.device:
             index = int(S.device.split(":")[1])
             if index + width > len(gpus):
-                raise ConfigError(f"sampler.device: {S.device} with tensor_parallel_size {width} "
+                raise ConfigError(f"sampler.device: {S.device} with {width} GPUs per sampler "
                                   f"needs GPUs {index}..{index + width - 1}, but the runner sees "
                                   f"{len(gpus)}")
             for name in samplers:

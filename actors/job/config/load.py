@@ -18,6 +18,7 @@ import msgspec
 from actors.job.config.checks import check
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.schema import ConfigError, Topology
+from actors.runtime.transports.base import resolve_transport
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -86,12 +87,15 @@ def _derived(topology: Topology) -> Topology:
         from actors.sampler.engines.registry import auto_engine
 
         s = msgspec.structs.replace(s, engine=auto_engine())
+    L = topology.learner  # auto: shm on one host, zmq across hosts
+    L = msgspec.structs.replace(L, weights_transport=resolve_transport(
+        L.weights_transport, weights_address=L.weights_address, hosts=bool(topology.hosts)))
     v = topology.validation  # validation samples like the sampler unless told otherwise
     v = msgspec.structs.replace(
         v, temperature=s.temperature if v.temperature is None else v.temperature,
         top_p=s.top_p if v.top_p is None else v.top_p,
         max_tokens=s.max_tokens if v.max_tokens is None else v.max_tokens)
-    return msgspec.structs.replace(topology, sampler=s, validation=v)
+    return msgspec.structs.replace(topology, sampler=s, learner=L, validation=v)
 
 
 def _absolute_paths(value: Any) -> Any:

@@ -40,7 +40,6 @@ from actors.runtime.config.schema import (
     Topology,
     ValidationConfig,
     ValidationDataset,
-    VLLMOptions,
 )
 
 __all__ = [
@@ -49,5 +48,5 @@ __all__ = [
     "CorrectionConfig", "DatasetConfig", "FilterGroups", "KLControl", "LearnerConfig",
     "LoraConfig", "ModelConfig", "RejectionRule", "ReplayConfig", "RewardConfig",
     "RewardFunction", "RouterConfig", "RunConfig", "SamplerConfig", "SecurityConfig",
-    "TaskConfig", "Topology", "VLLMOptions", "ValidationConfig", "ValidationDataset",
+    "TaskConfig", "Topology", "ValidationConfig", "ValidationDataset",
 ]

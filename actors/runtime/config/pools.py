@@ -28,6 +28,7 @@ from actors.runtime.config.constraints import (
     matching,
 )
 from actors.runtime.config.schema_base import _Section
+from actors.sampler.engines.registry import ENGINES, FALLBACK, EngineName
 
 RULES_POOL = "reward"  # the rule workers' pool
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "problem", "solution")
@@ -76,9 +77,9 @@ class PoolConfig(_Section, frozen=True):
     """reward_model: the score is (logit - reward_mean) / reward_std."""
     reward_std: PositiveFinite = 1.0
     """reward_model: see reward_mean."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """judge: the generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s
-    engine arguments)."""
+    engine: EngineName = FALLBACK
+    """judge: the generation engine (the sampler's engines, with their sections: vllm takes
+    ``sampler.vllm``'s engine arguments)."""
     template: str = DEFAULT_TEMPLATE
     """judge: the user message it reads, with {prompt}, {response}, {ground_truth} and
     {data_source} filled in (verl's {problem} and {solution} work too); literal braces doubled."""
@@ -157,7 +158,7 @@ def check_pools(topology: Any, need: Any) -> None:
         need(bool(p.path) and Path(p.path).is_dir(), f"{key}.path",
              f"{p.path!r} is not a model directory")
         if p.kind == "reward_model":
-            need(p.engine == "hf", f"{key}.engine", "a reward_model runs on torch: hf")
+            need(p.engine == FALLBACK, f"{key}.engine", f"a reward_model runs on torch: {FALLBACK}")
             continue
         problem = template_problem(p.template)
         need(problem is None, f"{key}.template", str(problem))
@@ -166,9 +167,9 @@ def check_pools(topology: Any, need: Any) -> None:
                  f"no file {p.function_path!r} (parser = function needs one)")
         else:
             need(not p.function_path, f"{key}.function_path", "only with parser = function")
-        if p.engine == "vllm" and p.sleep_idle_s > 0:
+        if ENGINES[p.engine].sleeps and p.sleep_idle_s > 0:
             need(p.device != "cpu", f"{key}.sleep_idle_s",
-                 "vLLM has no sleep mode on a CPU (device = cpu)")
+                 f"{p.engine} has no sleep mode on a CPU (device = cpu)")
     need(R.rules or bool(R.pools), "reward.rules",
          "false needs at least one [[reward.pools]] to score with")
 

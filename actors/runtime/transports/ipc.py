@@ -20,16 +20,19 @@ msgspec handles above.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from actors.runtime.devices import indexed
 from actors.runtime.tensors import _TORCH, meta
-from actors.runtime.transports.base import Receiver, Sender
+from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
 from messages.codec import encode
 from messages.weights import AdapterSpec, CudaIpcHandle, WeightsHeader
+
+if TYPE_CHECKING:
+    from actors.runtime.config import LearnerConfig
 
 
 def share(t: torch.Tensor) -> CudaIpcHandle:
@@ -58,6 +61,10 @@ class IpcSender(Sender):
         self.device = indexed(device)
         self.tensors: list[tuple[str, torch.Tensor]] = []  # the newest version, kept alive
 
+    @classmethod
+    def build(cls, learner: LearnerConfig, device: torch.device) -> IpcSender:
+        return cls(device)
+
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = 0, adapter: AdapterSpec | None = None
                       ) -> list[list]:
@@ -78,12 +85,21 @@ class IpcSender(Sender):
 
 class IpcReceiver(Receiver):
     name = "ipc"
+    # vLLM's RPC to its engine process pickles torch's handle types (allowed there only)
+    worker_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
-    def __init__(self, device: torch.device | str = "cuda", in_worker: bool = False,
-                 **_: Any) -> None:
+    def __init__(self, device: torch.device | str = "cuda", in_worker: bool = False) -> None:
         self.device = indexed(device)  # where the hf engine's model is
         self.in_worker = in_worker  # the engine's workers open the handles (vLLM)
         self.initialised = False  # vLLM's engine got its init_info
+
+    @classmethod
+    def build(cls, into: ReceiveInto) -> IpcReceiver:
+        return cls(into.device, into.in_worker)
+
+    @classmethod
+    def worker_backend(cls, cuda: bool) -> str:
+        return "ipc"  # vLLM's IPCWeightTransferEngine
 
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
                       ) -> WeightsSource:
@@ -107,5 +123,3 @@ class IpcReceiver(Receiver):
             "shapes": [list(m.shape) for m in header.tensors],
             "ipc_handles": handles})
 
-
-SENDER, RECEIVER = IpcSender, IpcReceiver

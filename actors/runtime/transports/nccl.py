@@ -18,19 +18,21 @@ sampler but need no re-forming of one big group whenever a sampler comes or goes
 Receivers: with ``receiver = ""`` (the hf engine) the sampler itself joins a torch.distributed
 group (``ProcessGroupNCCL`` on CUDA, ``ProcessGroupGloo`` on the CPU, neither the default group)
 and receives into fresh tensors on its device, handed to the engine as a mapping while the old
-weights keep generating. With ``receiver = "vllm"`` the engine's own workers receive: vLLM's
+weights keep generating. With ``receiver = PYNCCL`` the engine's own workers receive: vLLM's
 ``NCCLWeightTransferEngine`` (``init_weight_transfer_engine`` with ``rank_offset`` 1, packed
 buffers), straight into the running model through its layerwise reload; the learner then sends
 with vLLM's own trainer side (``nccl_common.trainer_init``, ``packed_nccl_broadcast_producer``),
 since vLLM's PyNccl communicator and a torch process group cannot share a group. vLLM's NCCL
-engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here.
+engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here. On a CPU the
+engine's workers receive with ``GLOO_BACKEND`` (``engines/vllm/transfer.py``), which speaks this
+module's torch protocol.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -39,12 +41,17 @@ import torch.distributed as dist
 from actors.runtime.devices import indexed
 from actors.runtime.ranks import free_port
 from actors.runtime.tensors import _TORCH, meta
-from actors.runtime.transports.base import Receiver, Sender
+from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
 from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
 from messages.codec import encode
 from messages.tensor import TensorMeta
 from messages.weights import AdapterSpec, TransferGroup, WeightsHeader, WeightsPoll
 
+if TYPE_CHECKING:
+    from actors.runtime.config import LearnerConfig
+
+PYNCCL = "pynccl"  # WeightsPoll.receiver: vLLM's NCCL engine in the engine's workers (packed)
+GLOO_BACKEND = "flowrl_gloo"  # vLLM's weight-transfer backend of this protocol on a CPU
 PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed broadcast: bytes per buffer (its default)
 PACKED_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight (its default)
 
@@ -134,6 +141,16 @@ class BroadcastSender(Sender):
         self.adapter: AdapterSpec | None = None  # the version's adapter spec (LoRA), or None
         self.groups_made = 0  # groups formed, all samplers together (rejoins included)
 
+    @classmethod
+    def build(cls, learner: LearnerConfig, device: torch.device) -> BroadcastSender:
+        """Samplers reach the rendezvous at the weights address's host (127.0.0.1 for ipc:// or
+        a wildcard)."""
+        address = learner.weights_address
+        host = address.removeprefix("tcp://").rpartition(":")[0] \
+            if address.startswith("tcp://") else ""
+        return cls(host if host and host not in ("*", "0.0.0.0") else "127.0.0.1",
+                   learner.collective_timeout_s, device)
+
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = 0, adapter: AdapterSpec | None = None
                       ) -> list[list]:
@@ -170,8 +187,8 @@ class BroadcastSender(Sender):
             return False
 
     def _send(self, held: _Peer) -> None:
-        if held.receiver == "vllm":
-            return self._send_vllm(held)
+        if held.receiver == PYNCCL:
+            return self._send_pynccl(held)
         if held.joined is None:
             held.joined = TorchGroup(held.group, 0, self.device, self.timeout_s)
         metas = [meta(n, t) for n, t in self.tensors]
@@ -182,7 +199,7 @@ class BroadcastSender(Sender):
         if not held.joined.all_have(True, self.device):
             raise RuntimeError("a receiver did not take the version")
 
-    def _send_vllm(self, held: _Peer) -> None:
+    def _send_pynccl(self, held: _Peer) -> None:
         """vLLM's trainer side: PyNccl at rank 0 of the group, packed broadcast in the order of
         the header's names (the worker's ``packed_nccl_broadcast_consumer`` mirrors it)."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
@@ -221,14 +238,22 @@ class BroadcastReceiver(Receiver):
         self.group: TransferGroup | None = None  # the group held (joined, or handed to vLLM)
         self.joined: TorchGroup | None = None
 
+    @classmethod
+    def build(cls, into: ReceiveInto) -> BroadcastReceiver:
+        return cls(into.device, into.in_worker, into.ranks, into.timeout_s)
+
+    @classmethod
+    def worker_backend(cls, cuda: bool) -> str:
+        return "nccl" if cuda else GLOO_BACKEND  # vLLM's NCCLWeightTransferEngine, or ours
+
     @property
-    def vllm_nccl(self) -> bool:
-        """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU they use
-        ``engines/vllm_transfer.py``'s engine, which speaks this module's torch protocol."""
+    def pynccl(self) -> bool:
+        """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU with
+        ``GLOO_BACKEND``."""
         return self.in_worker and self.device.type == "cuda"
 
     def poll_fields(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "receiver": "vllm" if self.vllm_nccl else "",
+        return {"ranks": self.ranks, "receiver": PYNCCL if self.pynccl else "",
                 "group": self.group.port if self.group is not None else 0}
 
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
@@ -269,7 +294,7 @@ class BroadcastReceiver(Receiver):
         if self.group != g:  # a new group: the worker joins it at rank_offset 1
             init = {"master_address": g.address, "master_port": g.port, "rank_offset": g.rank,
                     "world_size": g.world}
-            if self.vllm_nccl:
+            if self.pynccl:
                 init.update(packed=True, packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
                             packed_num_buffers=PACKED_BUFFERS)
             else:
@@ -280,7 +305,7 @@ class BroadcastReceiver(Receiver):
             if exc is not None:
                 self.group = None  # the next header brings a new group
 
-        return WorkerTransfer("nccl" if self.vllm_nccl else "flowrl_gloo", init, {
+        return WorkerTransfer(self.worker_backend(self.pynccl), init, {
             "names": [m.name for m in header.tensors],
             "dtype_names": [m.dtype for m in header.tensors],
             "shapes": [list(m.shape) for m in header.tensors]}, done)
@@ -293,5 +318,3 @@ class BroadcastReceiver(Receiver):
     def close(self) -> None:
         self.drop()
 
-
-SENDER, RECEIVER = BroadcastSender, BroadcastReceiver

@@ -109,5 +109,3 @@ class ShmReceiver(Receiver):
         """Remove this sampler's links (an engine that mapped one keeps its mapping)."""
         shutil.rmtree(self.shm_dir, ignore_errors=True)
 
-
-SENDER, RECEIVER = ShmSender, ShmReceiver

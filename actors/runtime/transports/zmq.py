@@ -53,5 +53,3 @@ def split_buckets(tensors: list[tuple[str, torch.Tensor]], limit: int
         size += n
     return buckets
 
-
-SENDER, RECEIVER = ZmqSender, ZmqReceiver

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from messages.rollout import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.runtime.config import SamplerConfig
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,28 @@ class Engine(Protocol):
     async def aclose(self) -> None:
         """Release the engine (and any process it started)."""
         ...
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """The LoRA adapters an engine applies (``learner.lora.rank > 0``), known at its start."""
+
+    rank: int  # learner.lora.rank
+    slots: int  # adapter versions held at once: algorithm.max_staleness + 2 (in flight + new)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine's ``start`` is given."""
+
+    model: Path  # the Hugging Face directory of the policy
+    dtype: str  # torch dtype name the engine computes in
+    seed: int  # this sampler's seed
+    device: Any  # torch.device the engine runs on
+    sampler: SamplerConfig  # the sampler's section (the engine's own section is a key of it)
+    label: str = ""  # names the engine's processes (sampler name and run directory)
+    transport: str = ""  # the weights transport ("": none; GPU ones configure its worker)
+    adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
 
 
 def full_generation(token_ids: torch.Tensor, logprobs: torch.Tensor, version: int,

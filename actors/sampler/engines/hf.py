@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,7 @@ from transformers import (
 from actors.runtime.actor import run_compute
 from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
-from actors.sampler.engines.base import GenerateRequest, Generation, full_generation
-from actors.sampler.engines.registry import EngineSpec
+from actors.sampler.engines.base import EngineSpec, GenerateRequest, Generation, full_generation
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
 from messages.weights import AdapterSpec
@@ -94,7 +93,7 @@ class _TokenLogprobs(LogitsProcessor):
         return lps
 
 
-def float32_head(model: torch.nn.Module) -> None:
+def float32_head(model: Any) -> None:
     """Make the model's LM head return float32 logits from its own (bf16 or fp16) hidden states
     and weight, as the learner's fused log-prob kernel does (``kernels/triton_logprobs.py``
     accumulates ``hidden @ weight.T`` in float32 and never rounds it): logits rounded to bf16
@@ -159,8 +158,8 @@ class HFEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = indexed(device)  # the model, the prompts and the logits live here
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to oddly
         float32_head(self.model)
         # generate must not apply the model's own sampling defaults (sampling_config)
         self.model.generation_config = GenerationConfig(
@@ -255,7 +254,7 @@ class HFEngine:
             started = time.perf_counter()
             match source:
                 case AdapterWeights():
-                    copy = self._copy_adapter
+                    copy: Callable[[Any], None] = self._copy_adapter
                 case WorkerTransfer():
                     raise TypeError("the hf engine takes tensors, not a vLLM worker transfer")
                 case _:
@@ -278,7 +277,7 @@ class HFEngine:
 
             if self.version >= 0:
                 raise ValueError("LoRA adapters sent to an engine that holds full weights")
-            inject_adapter_in_model(LoraConfig(r=spec.rank, lora_alpha=spec.alpha,
+            inject_adapter_in_model(LoraConfig(r=spec.rank, lora_alpha=spec.alpha,  # type: ignore[arg-type]
                                                target_modules=list(spec.target_modules)),
                                     self.model)
             self.model.eval()

@@ -1,22 +1,36 @@
 """The engines, one row each, and the one place an engine is chosen.
 
-An engine is one file under ``actors/sampler/engines/`` holding its class, its ``start(spec)``
-(what it needs from the topology: its own config section and the sampler's keys), its defaults
-and its availability check; its row here says what the rest of the system needs to know
-without importing it (this module is torch-free: the config checks read it). ``sampler.engine
-= "auto"`` is resolved by ``auto_engine`` alone, every other use goes through ``ENGINES``.
+An engine is one file (or folder) under ``actors/sampler/engines/`` holding its class, its
+``start(spec)``, its options section, its defaults and its availability check; its row here
+says what the rest of the system needs to know without importing it (this module is
+torch-free: the config reads it). ``sampler.engine = "auto"`` is resolved by ``auto_engine``
+alone, when the topology loads; every other use goes through ``ENGINES``.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from actors.runtime.transports.base import ReceiveInto
+from actors.sampler.engines.vllm.options import vllm_problem
 
 if TYPE_CHECKING:
     from actors.runtime.config import SamplerConfig
-    from actors.sampler.engines.base import Engine
+    from actors.sampler.engines.base import Engine, EngineSpec
+
+
+async def _start_hf(spec: EngineSpec) -> Engine:
+    from actors.sampler.engines.hf import start  # torch and transformers: only when started
+
+    return await start(spec)
+
+
+async def _start_vllm(spec: EngineSpec) -> Engine:
+    from actors.sampler.engines.vllm.engine import start  # torch and vLLM: only when started
+
+    return await start(spec)
 
 
 @dataclass(frozen=True)
@@ -24,94 +38,61 @@ class EngineRow:
     """What the system knows of an engine without importing it."""
 
     name: str  # sampler.engine
-    module: str  # its file: defines ``start(spec) -> Engine``
-    problem: str = ""  # "module:function" returning why it cannot run here, or None ("": never)
+    start: Callable[[EngineSpec], Awaitable[Engine]]  # its ``start`` (imported when called)
+    problem: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
     continuous: bool = False  # takes prompts one by one and can load weights in flight
     prefer_on_gpu: bool = False  # auto picks it when the sampler has a GPU and it can run
     in_worker: bool = False  # its own worker receives GPU weight transfers (WorkerTransfer)
-    ranks: str = ""  # the sampler key giving its receiving workers ("": one), dotted
-    receives: tuple[str, ...] = ("zmq", "shm")  # the weights transports it has a receiver for
-    needs_cuda: tuple[str, ...] = ()  # of those, the ones it can take only on CUDA
+    ranks: str = ""  # the sampler key giving its GPUs, one receiving worker each ("": one)
     adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
     max_adapter_rank: int = 0  # the highest LoRA rank it serves (0: any)
+    sleeps: bool = False  # has a sleep mode of its own, on a GPU (sampler.sleep_idle_s)
 
 
+FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    EngineRow("hf", "actors.sampler.engines.hf", receives=("zmq", "shm", "nccl", "ipc"),
-              needs_cuda=("ipc",), adapters=True),  # nccl: gloo on a CPU
-    EngineRow("vllm", "actors.sampler.engines.vllm",
-              problem="actors.sampler.engines.vllm_settings:vllm_problem", continuous=True,
-              prefer_on_gpu=True, in_worker=True, ranks="vllm.tensor_parallel_size",
-              receives=("zmq", "shm", "nccl", "ipc"), needs_cuda=("ipc",),  # nccl: gloo on CPU
-              adapters=True, max_adapter_rank=512),
+    EngineRow(FALLBACK, _start_hf, adapters=True),
+    EngineRow("vllm", _start_vllm, vllm_problem, continuous=True, prefer_on_gpu=True,
+              in_worker=True, ranks="vllm.tensor_parallel_size", adapters=True,
+              max_adapter_rank=512, sleeps=True),
 )}
+if TYPE_CHECKING:
+    EngineName = str
+    EngineChoice = str
+else:  # the values of a pool's engine and of sampler.engine (auto too): decoding refuses others
+    EngineName = Literal[tuple(ENGINES)]
+    EngineChoice = Literal[("auto", *ENGINES)]
 
 
-@dataclass(frozen=True)
-class AdapterLimits:
-    """The LoRA adapters an engine applies (``learner.lora.rank > 0``), known at its start."""
-
-    rank: int  # learner.lora.rank
-    slots: int  # adapter versions held at once: algorithm.max_staleness + 2 (in flight + new)
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What an engine's ``start`` is given."""
-
-    model: Path  # the Hugging Face directory of the policy
-    dtype: str  # torch dtype name the engine computes in
-    seed: int  # this sampler's seed
-    device: Any  # torch.device the engine runs on
-    sampler: SamplerConfig  # the sampler's section (the engine's own section is a key of it)
-    label: str = ""  # names the engine's processes (sampler name and run directory)
-    transport: str = "zmq"  # the weights transport (GPU ones configure the engine's worker)
-    adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
+def receive_into(name: str, sampler: SamplerConfig, device: Any, timeout_s: float,
+                 adapters: bool) -> ReceiveInto:
+    """What a weights receiver needs of engine ``name``: whether its own workers (one per GPU)
+    take GPU transfers (``WorkerTransfer``). Not with LoRA (``adapters``): the sampler process
+    receives the adapters itself and hands them to the engine as tensors (megabytes; vLLM's
+    weight-transfer API moves full weights only, its LoRA loading reads adapter folders)."""
+    in_worker = ENGINES[name].in_worker and not adapters
+    return ReceiveInto(device, in_worker, engine_gpus(name, sampler) if in_worker else 1,
+                       timeout_s)
 
 
-def worker_receives(name: str, adapters: bool) -> bool:
-    """Whether engine ``name``'s own workers take GPU weight transfers (``WorkerTransfer``).
-    Not for LoRA adapters (``adapters``): the sampler process receives those itself over the
-    same transport and hands them to the engine as tensors (megabytes; vLLM's weight-transfer
-    API moves full weights only, its LoRA loading reads adapter folders)."""
-    return ENGINES[name].in_worker and not adapters
-
-
-def receiving_ranks(name: str, sampler: SamplerConfig, adapters: bool = False) -> int:
-    """The processes of engine ``name`` that receive a GPU weights transfer."""
-    if not worker_receives(name, adapters):
-        return 1
+def engine_gpus(name: str, sampler: SamplerConfig) -> int:
+    """The GPUs one engine ``name`` spans (its ``ranks`` key; 1 without one)."""
     value: Any = sampler
     for key in ENGINES[name].ranks.split(".") if ENGINES[name].ranks else ():
         value = getattr(value, key)
     return value if isinstance(value, int) else 1
 
 
-def engine_problem(name: str) -> str | None:
-    """Why engine ``name`` cannot run in this environment (with how to fix it), or None."""
-    row = ENGINES[name]
-    if not row.problem:
-        return None
-    module, _, function = row.problem.partition(":")
-    return getattr(importlib.import_module(module), function)()
-
-
 def auto_engine() -> str:
     """``sampler.engine = "auto"``: the first engine preferred on a GPU that can run, when the
-    sampler has a GPU; hf otherwise. On the 2-core CPU hf and vllm were measured in the default
-    job side by side: hf 542 s, vllm 559 s for 10 steps (BENCHMARKS.md, "In the default job");
-    again with the cores shared between sampler and learner (issue 23; a quiet machine, 10
-    steps and one validation round): hf 154.7 s, vllm 153.0 s, while vLLM's start costs about
-    45 s more and its engine cannot borrow the learner's threads. So a CPU keeps hf."""
+    sampler has a GPU; hf otherwise. On a CPU hf and vllm train the default job equally fast,
+    while vLLM starts about 45 s later and cannot borrow the learner's threads (BENCHMARKS.md,
+    "In the default job"; issue 23), so a CPU keeps hf."""
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]
-    runnable = [name for name in candidates if engine_problem(name) is None]
+    runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
-        return "hf"
+        return FALLBACK
     import torch  # only with a GPU engine installed: a config check stays torch-free without
 
-    return runnable[0] if torch.cuda.is_available() else "hf"
+    return runnable[0] if torch.cuda.is_available() else FALLBACK
 
-
-async def start_engine(name: str, spec: EngineSpec) -> Engine:
-    """Start the engine ``name`` (``auto`` resolved already)."""
-    return await importlib.import_module(ENGINES[name].module).start(spec)

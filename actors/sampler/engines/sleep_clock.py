@@ -1,6 +1,6 @@
 """What a model that sleeps reports: sleeps, time asleep, wake latency, memory freed.
 
-Kept by whatever puts a model to sleep: a vLLM engine (``vllm_settings.SleepControl``: the
+Kept by whatever puts a model to sleep: a vLLM engine (``vllm/sleep.py``: the
 sampler's ``sleep_idle_s``, a judge pool's) or a model pool's torch model
 (``actors/scoring/sleep.py``). Pure bookkeeping on the monotonic clock; torch-free.
 """

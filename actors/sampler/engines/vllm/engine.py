@@ -9,15 +9,14 @@ asyncio task, which aborts its requests in the engine.
 Processes: ``AsyncLLM`` starts vLLM's engine core as a child of the sampler (with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set here, the model runs inside it: two
 processes in all, measured the fastest layout on a 2-core CPU). The engine core imports
-``vllm_worker.py`` (the worker extension), which asks the kernel to kill it when the engine
-thread of the sampler dies: a ``kill -9`` of the sampler leaves no vLLM process. An engine that
-dies under the sampler raises out of ``generate``: the sampler fails, the runner restarts it
-and the replay buffer issues its prompts again.
+``worker.py`` (the worker extension), which ties its life to the sampler's. An engine that dies
+under the sampler raises out of ``generate``: the sampler fails, the runner restarts it and the
+replay buffer issues its prompts again.
 
 Per request: each of the ``n`` completions is its own vLLM request with its own seed (recorded
 in the ``Generation``; ``SamplingParams(seed=s)`` regenerates it exactly, alone or in a batch).
 Behaviour log-probs are ``log_softmax(logits / T)`` at the sampled token before top-k/top-p
-truncation (``vllm_worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
+truncation (``worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
 from vLLM's own weight-version spans: the engine core stamps every step's output with the
 version it was computed with, and the version is changed only while generation is paused.
 
@@ -28,28 +27,21 @@ from zmq are written to one here first), loaded by the worker extension into the
 the worker receives (``init_weight_transfer_engine``, ``start_weight_update``,
 ``update_weights``, ``finish_weight_update``), written against vLLM 0.32 and not run here.
 ``weight_update = "between_batches"`` waits until no request is running (new ones wait for the
-load; the learner's broadcast of a GPU transfer waits with it); ``"in_flight"`` pauses the
-engine keeping its
+load; the learner's broadcast of a GPU transfer waits with it) and resets the prefix cache (its
+blocks hold keys computed with the old weights); ``"in_flight"`` pauses the engine keeping its
 requests (``pause_generation(mode="keep")``), loads, and resumes: tokens after the swap carry
 the new version. ``clear_cache`` drops the KV cache computed with the old weights (the kept
-requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys).
-
-LoRA (``learner.lora.rank > 0``): each version is an adapter of its own, requests pinned to the
-one newest at their admission, loaded without a pause (``vllm_lora.py``).
-
-Between-batches loads reset the prefix cache (its blocks hold keys computed with the old
-weights). Both of vLLM 0.32's model runners are supported: the V1 runner (the CPU's) and the V2
-runner (every GPU where Triton works), told apart by the running sampler
-(``vllm_worker.sampler_kind``, reported as ``sampler`` in the engine's statistics). With
-``sampler.sleep_idle_s`` (a GPU shared with the learner) the engine sleeps (level 1) once idle
-that long and wakes for the next request or load (``SleepPolicy``); vLLM's CPU build has no
-sleep mode, so on a CPU only the control flow is tested.
+requests recompute it) or keeps it (faster; their next tokens attend to old-weight keys). LoRA
+versions load as adapters without a pause (``lora.py``); an engine on a GPU shared with the
+learner sleeps while idle (``sleep.py``). Both of vLLM 0.32's model runners are supported (V1:
+the CPU's; V2: every GPU where Triton works), told apart by the running sampler
+(``worker.sampler_kind``, ``sampler`` in the engine's statistics).
 
 GPU note: the same code runs on a GPU with vLLM's CUDA build. With the shm or zmq transport the
 file in ``/dev/shm`` is read by the worker and copied to the device by ``load_weights``;
-``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (which sits in front of FlashInfer's sampler when it is chosen)
-and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour no test here
-exercises.
+``_die_with_parent``, the ``UntruncatedLogprobs`` wrapper (in front of FlashInfer's sampler when
+it is chosen) and the tied ``lm_head`` re-dispatch (CPU only) are the lines whose GPU behaviour
+no test here exercises.
 """
 
 from __future__ import annotations
@@ -57,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -70,20 +61,26 @@ import torch
 import trio
 
 from actors.runtime.config.gpus import process_share
+from actors.runtime.transports.base import TRANSPORTS
+from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
     SharedWeights,
     WeightsSource,
     WorkerTransfer,
 )
-from actors.sampler.engines.base import GenerateRequest, Generation, Rejected
-from actors.sampler.engines.registry import AdapterLimits, EngineSpec
-from actors.sampler.engines.sleep_clock import SleepClock
-from actors.sampler.engines.vllm_lora import AdapterSlots, lora_options, save_tensors, write_adapter
-from actors.sampler.engines.vllm_settings import SleepControl, SleepPolicy, vllm_options
+from actors.sampler.engines.base import (
+    AdapterLimits,
+    EngineSpec,
+    GenerateRequest,
+    Generation,
+    Rejected,
+)
+from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
+from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
 @dataclass(frozen=True)
 class VLLMSettings:
     """What the engine needs from the topology (``sampler.vllm`` plus a few sampler keys)."""
@@ -95,7 +92,7 @@ class VLLMSettings:
     label: str = ""  # names the engine's processes (their title: flowrl-vllm[LABEL]::EngineCore)
     sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
     weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
-    adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (vllm_lora.py)
+    adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (lora.py)
 
 
 class _Loop:
@@ -134,7 +131,7 @@ class _Loop:
         self.thread.join(timeout=10)
 
 
-class VLLMEngine(SleepControl):
+class VLLMEngine:
     """One ``AsyncLLM`` holding the policy weights of one sampler. Build it with ``start``."""
 
     continuous = True
@@ -154,12 +151,8 @@ class VLLMEngine(SleepControl):
         self.updates_in_flight = 0  # updates that found requests in the engine and kept them
         self.load_s = 0.0  # of which: loading the file into the model
         self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
-        self.sleep = SleepPolicy(settings.sleep_idle_s)
-        self.sleeps = 0  # times the engine went to sleep
-        self.sleep_clock = SleepClock()  # time asleep, wake latency, memory freed
-        self.waking: asyncio.Lock | None = None  # one sleep or wake transition at a time
-        self.sleeper: asyncio.Future | None = None  # the task that puts the engine to sleep
-        self.slots = AdapterSlots(SHM_DIR / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
+        self.sleep = EngineSleep(settings.sleep_idle_s)
+        self.slots = AdapterSlots(SHM_ROOT / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
             if settings.adapters else None  # LoRA (a killed sampler's: remove_orphaned_shm)
 
     @classmethod
@@ -174,7 +167,7 @@ class VLLMEngine(SleepControl):
         return engine
 
     async def _start(self) -> None:
-        self.idle, self.gate, self.waking = asyncio.Event(), asyncio.Event(), asyncio.Lock()
+        self.idle, self.gate = asyncio.Event(), asyncio.Event()
         self.idle.set()
         self.gate.set()
         # VLLM_LOGGING_LEVEL: vLLM's start-up notes (in this process and the engine's) would
@@ -184,8 +177,6 @@ class VLLMEngine(SleepControl):
                            ("OMP_NUM_THREADS", str(self.settings.threads)),
                            ("VLLM_LOGGING_LEVEL", "ERROR")):
             os.environ.setdefault(key, value)
-        if self.settings.weight_transfer == "ipc":  # vLLM's RPC pickles torch's handle types
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (its own child)
         if self.settings.label:  # read when vLLM is imported (below), so set first
             os.environ["VLLM_PROCESS_NAME_PREFIX"] = f"flowrl-vllm[{self.settings.label}]"
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -203,15 +194,13 @@ class VLLMEngine(SleepControl):
             model=str(self.model_path), dtype=self.dtype, seed=0,  # type: ignore[arg-type]
             logprobs_mode="processed_logprobs",
             worker_extension_cls=(
-                "actors.sampler.engines.vllm_transfer.FlowrlTransferWorkerExtension"
+                "actors.sampler.engines.vllm.transfer.FlowrlTransferWorkerExtension"
                 if self.settings.weight_transfer else
-                "actors.sampler.engines.vllm_worker.FlowrlWorkerExtension"),
+                "actors.sampler.engines.vllm.worker.FlowrlWorkerExtension"),
             **options)
         self.llm = AsyncLLM.from_engine_args(args, start_engine_loop=True)
         (self.sampler_kind, *_) = await self.llm.collective_rpc("flowrl_untruncated_logprobs")
-        if self.settings.sleep_idle_s > 0:
-            self.sleep.idle(asyncio.get_running_loop().time())
-            self.sleeper = asyncio.ensure_future(self._sleeper())
+        self.sleep.start(self.llm, lambda: self.running)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -243,7 +232,7 @@ class VLLMEngine(SleepControl):
 
         assert self.gate is not None and self.idle is not None
         await self.gate.wait()  # a between-batches load is waiting for the engine to empty
-        await self._wake()
+        await self.sleep.wake(self.llm)
         greedy = params.temperature == 0
         sp = VSamplingParams(
             n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -299,7 +288,7 @@ class VLLMEngine(SleepControl):
         transport) from there, a GPU transfer through vLLM's weight-transfer API (the worker
         receives the bytes), and tensors in this process through a file in ``/dev/shm``."""
         match source:
-            case AdapterWeights() if self.slots is not None:  # no pause: see vllm_lora.py
+            case AdapterWeights() if self.slots is not None:  # no pause: see lora.py
                 started = time.perf_counter()
                 lora_id, folder = self.slots.reserve(version)
                 await anyio.to_thread.run_sync(write_adapter, folder, source)
@@ -314,7 +303,7 @@ class VLLMEngine(SleepControl):
             case WorkerTransfer():
                 await self.loop.call(self._swap(version, self._receive(source)))
             case _:
-                written = SHM_DIR / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
+                written = SHM_ROOT / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
                 await anyio.to_thread.run_sync(save_tensors, dict(source), written)
                 try:
                     await self.loop.call(self._swap(version, self._load_file(str(written))))
@@ -367,7 +356,7 @@ class VLLMEngine(SleepControl):
                 raise
             started = time.perf_counter()
         try:
-            await self._wake()  # the weights must be resident to be replaced
+            await self.sleep.wake(self.llm)  # the weights must be resident to be replaced
             seconds = await load()
             if seconds < 0:  # the learner's file was replaced by a newer one: keep the old
                 return
@@ -399,14 +388,14 @@ class VLLMEngine(SleepControl):
         return {"weight_updates": self.updates, "weight_updates_in_flight": self.updates_in_flight,
                 "weight_sync_s": round(self.weight_sync_s, 3), "weight_load_s": round(self.load_s, 3),
                 "in_engine": self.running, "sampler": self.sampler_kind,
-                **self.sleep_clock.statistics().status(),
-                "sleeps": self.sleeps, "asleep": str(self.sleep.asleep).lower(),
+                **self.sleep.clock.statistics().status(),
+                "sleeps": self.sleep.clock.sleeps, "asleep": str(self.sleep.asleep).lower(),
                 "clear_cache": str(self.settings.clear_cache).lower(),
                 "adapters": len(self.slots.loaded) if self.slots else 0}
 
     async def aclose(self) -> None:
-        if self.sleeper is not None:
-            self.loop.loop.call_soon_threadsafe(self.sleeper.cancel)
+        if self.sleep.task is not None:
+            self.loop.loop.call_soon_threadsafe(self.sleep.task.cancel)
         if self.llm is not None:
             llm, self.llm = self.llm, None
             with anyio.CancelScope(shield=True):
@@ -420,25 +409,20 @@ class VLLMEngine(SleepControl):
 
 async def start(spec: EngineSpec) -> VLLMEngine:
     """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
-    ``sampler.vllm`` and the sampler's keys; a GPU weights transport (nccl, ipc) makes its
-    worker build vLLM's weight-transfer engine of the same name."""
+    ``sampler.vllm`` and the sampler's keys; a weights transport whose receiver has a backend
+    for vLLM's weight-transfer API (nccl, ipc) makes the worker build that backend's engine."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
-    settings = VLLMSettings(vllm_options(cfg.vllm, gpu=gpu, share=process_share()),
+    receiver = TRANSPORTS[spec.transport].halves().receiver if spec.transport else None
+    for key, value in receiver.worker_env.items() if receiver else ():
+        os.environ.setdefault(key, value)  # read by the engine process vLLM starts
+    settings = VLLMSettings(cfg.vllm.engine_args(gpu=gpu, share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
-                            sleep_idle_s=cfg.sleep_idle_s,
-                            weight_transfer=weight_transfer(spec.transport),
-                            adapters=spec.adapters)
+                            sleep_idle_s=cfg.sleep_idle_s, adapters=spec.adapters,
+                            weight_transfer=receiver.worker_backend(torch.cuda.is_available())
+                            if receiver else "")
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
-
-
-def weight_transfer(transport: str) -> str:
-    """vLLM's weight-transfer backend for a weights transport ("": files): its NCCL and IPC
-    engines on CUDA; on a CPU, nccl's ``flowrl_gloo`` (``vllm_transfer.py``)."""
-    if transport == "nccl" and not torch.cuda.is_available():
-        return "flowrl_gloo"
-    return transport if transport in ("nccl", "ipc") else ""
 
 
 async def _shutdown(llm: Any) -> None:

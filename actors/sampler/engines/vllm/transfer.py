@@ -25,12 +25,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from actors.runtime.tensors import _TORCH
-from actors.runtime.transports.nccl import TorchGroup, buckets_of, nbytes
-from actors.sampler.engines.vllm_worker import FlowrlWorkerExtension
+from actors.runtime.transports.nccl import GLOO_BACKEND, TorchGroup, buckets_of, nbytes
+from actors.sampler.engines.vllm.worker import FlowrlWorkerExtension
 from messages.tensor import TensorMeta
 from messages.weights import TransferGroup
-
-BACKEND = "flowrl_gloo"
 
 
 @dataclass
@@ -111,12 +109,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.group = None
 
 
-def register() -> None:
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-
-
-register()
+if GLOO_BACKEND not in WeightTransferEngineFactory._registry:  # registered once per process
+    WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
 
 
 class FlowrlTransferWorkerExtension(FlowrlWorkerExtension):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from actors.runtime.transports.sources import AdapterWeights
-from actors.sampler.engines.registry import AdapterLimits
+from actors.sampler.engines.base import AdapterLimits
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's LoRAConfig.max_lora_rank
 
@@ -77,7 +77,6 @@ class AdapterSlots:
         # may send a version number again, with other weights)
         self.loaded: dict[int, _Adapter] = {}  # lora_int_id -> adapter
         self.newest: _Adapter | None = None  # what a request admitted now is pinned to
-        self.removed = 0  # adapters unloaded, all versions together
 
     def reserve(self, version: int) -> tuple[int, Path]:
         """The id and folder a new load of ``version`` takes."""
@@ -110,10 +109,9 @@ class AdapterSlots:
     async def prune(self, llm: Any) -> None:
         """Remove every adapter that is not the newest and that no request uses."""
         for lora_id, a in list(self.loaded.items()):
-            if a is not self.newest and a.users == 0 and self.loaded.pop(lora_id, None):
+            if a is not self.newest and a.users == 0 and self.loaded.pop(lora_id, None) is not None:
                 await llm.remove_lora(lora_id)
                 shutil.rmtree(a.folder, ignore_errors=True)
-                self.removed += 1
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
