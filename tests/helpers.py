@@ -75,12 +75,11 @@ from messages.routing import (
     WorkerHello,
 )
 from messages.teacher import TeacherReply, TeacherRequest, ToTeacherClient, ToTeacherWorker
-from messages.tensor import Tensor
+from messages.tensor import Tensor, TensorMeta
 from messages.weights import (
     AdapterSpec,
     CudaIpcHandle,
     FromLearnerWeights,
-    TensorMeta,
     ToLearnerWeights,
     TransferGroup,
     WeightsHeader,

@@ -71,9 +71,10 @@ from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
 from kernels.distill import distill_advantages, reverse_kl_metrics
-from kernels.importance import staleness_histogram, weight_metrics
 from kernels.kl import kl_estimate
+from kernels.offpolicy import weight_metrics
 from kernels.rollout_corr import rollout_correction
+from kernels.staleness import staleness_histogram
 from messages.rollout import SamplingParams, ScoredGroup
 
 

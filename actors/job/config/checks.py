@@ -18,7 +18,8 @@ from actors.registry import KINDS
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_pools
-from actors.runtime.config.schema import ActorCommon, ConfigError, DatasetConfig, Topology
+from actors.runtime.config.schema import ConfigError, DatasetConfig, Topology
+from actors.runtime.config.schema_base import ActorCommon
 from actors.runtime.config.teacher import check_teacher
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
