@@ -18,7 +18,7 @@ import msgspec
 
 from actors.runtime.config import RewardFunction, Topology
 from actors.runtime.config.pools import PoolConfig
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.batching import Batcher
 from actors.scoring.items import ScoreItem
@@ -36,10 +36,10 @@ class PoolScoring:
         self.sleeper: TorchSleep | None = None  # a torch model's sleep (set by load)
         self.engine: Any = None  # a judge's engine
         self.model: Any = None  # RewardModel or Judge
-        self.children: ChildPool | None = None  # a judge's parser = function
+        self.children: Children | None = None  # a judge's parser = function
         if pool.kind == "judge" and pool.parser == "function":
             R = topology.reward
-            self.children = ChildPool(
+            self.children = Children(
                 [FunctionSpec(path=pool.function_path, name=pool.function_name)], size=1,
                 timeout_s=R.timeout_s, memory_mb=R.memory_mb, cpu_s=R.cpu_s, limits_key="reward")
         self.last_request = time.monotonic()
