@@ -146,8 +146,8 @@ def test_no_actor_imports_the_runner():
     found = runner_importers(graph)
     assert not found, f"modules importing the runner: {found}"
     # the check itself sees an offender
-    assert runner_importers({"actors.sampler.x": {"actors.job.pools"}}) == {
-        "actors.sampler.x": ["actors.job.pools"]}
+    assert runner_importers({"actors.sampler.x": {"actors.job.processes"}}) == {
+        "actors.sampler.x": ["actors.job.processes"]}
 
 
 def test_an_actor_process_loads_no_runner_module():
