@@ -319,7 +319,7 @@ async def test_a_reward_models_concurrent_requests_share_forwards_and_keep_their
 
 @pytest.mark.anyio
 async def test_offline_tools_score_with_the_jobs_pools_as_the_sampler_adds_them(reward_model):
-    """``runner.py validate`` and ``replay --rescore``'s live path (``LocalScoring``): the rule
+    """``runner.py validate`` and ``rerun --rescore``'s live path (``LocalScoring``): the rule
     workers' score plus each pool's, weighted, in this process."""
     from actors.offline.live_path import LocalScoring
     from messages.reward import Response, ScoreRequest

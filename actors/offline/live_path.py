@@ -4,7 +4,7 @@
 the endpoint with the user's rollout function) and ``Rollout`` (templating, generation,
 scoring one request per group), with the reward workers' own scorers (the rules' ``Scoring``
 and the model pools' ``PoolScoring``) standing where the router and reward workers stand in a
-job. ``runner.py validate`` generates and scores through ``live_rollout``; ``replay --rescore``
+job. ``runner.py validate`` generates and scores through ``live_rollout``; ``rerun --rescore``
 scores recorded groups through ``scoring_rollout`` (``Rollout.score_group``: the same request
 per group, the same items, as live).
 """
