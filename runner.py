@@ -53,8 +53,8 @@ def attach_main(argv: list[str]) -> int:
                              "(a key may begin with '-'); use with --key")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
     parser.add_argument("--pool", default="", metavar="NAME",
-                        help="reward: serve the [[reward.pools]] pool NAME (a replica of its "
-                             "reward model or judge) instead of the rule workers' pool")
+                        help="reward: serve the pool NAME of a [[reward.models]] entry (a "
+                             "replica of its reward model or judge) instead of the rule workers' pool")
     parser.add_argument("--key", default=None, metavar="KEY",
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")
