@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 
-from actors.job.config import load_topology
+from actors.job.config.load import load_topology
 from actors.registry import ATTACHABLE
 from actors.runtime.config import ConfigError
 from actors.runtime.security import keygen

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def topology(args: argparse.Namespace, sockets: str):
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
 
     return decode_topology(apply_overrides({}, [
         f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",

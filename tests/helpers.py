@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import zmq
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import Topology
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire

@@ -261,7 +261,7 @@ def test_a_function_that_hangs_is_killed_at_its_timeout_and_counted(tiny_model, 
 
 @pytest.mark.anyio
 async def test_a_tool_failing_every_call_is_broken_while_the_models_bad_calls_are_not(tmp_path):
-    from actors.job.config import load_topology
+    from actors.job.config.load import load_topology
     from actors.sampler.agent.parsers import ToolCall
     from actors.sampler.agent.toolbox import ToolBox
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from actors.job.config import apply_overrides, decode_topology
 from actors.job.config.capacity import (
     VERSIONS_AT_ONCE,
     check_shm,
     parameter_count,
     sent_dtype,
 )
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
 from actors.runtime.weights import SHM_KEEP
 

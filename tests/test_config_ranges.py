@@ -12,8 +12,7 @@ import typing
 import msgspec
 import pytest
 
-from actors.job.config import load_topology
-from actors.job.config.load import _absolute_paths
+from actors.job.config.load import _absolute_paths, load_topology
 from actors.runtime.config import ConfigError, Topology, constraints
 from tests.jobs import ROOT
 

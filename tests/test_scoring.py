@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import actors.data.tasks
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import BUILTIN_SCORERS, BUILTIN_TASKS, ConfigError, RewardConfig
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome

@@ -176,7 +176,7 @@ def test_light_processes_never_import_torch(module):
 
 
 def test_every_toml_file_parses_as_a_topology():
-    from actors.job.config import load_topology
+    from actors.job.config.load import load_topology
 
     files = [p for p in ROOT.rglob("*.toml")
              if ".venv" not in p.parts and p.name != "pyproject.toml"]

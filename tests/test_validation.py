@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.scoring.rules import INVALID, extract_answer
 from actors.validation.metrics import (
     ScoredPrompt,

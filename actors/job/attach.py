@@ -24,7 +24,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.registry import BY_NAME
 from actors.runtime.config import ConfigError
 from actors.runtime.rundir import TOPOLOGY
