@@ -9,8 +9,8 @@ hands back its prompts within ``sampler.drain_grace_s``) and exits 0. A job with
 curve = true`` lets it in only with an authorized key (``--key NAME.key_secret``, made by
 ``python runner.py keygen NAME``); a refused key ends it with an error and status 1.
 
-Debug a recorded run offline (``actors/offline``): ``python runner.py replay RUN_DIR --step N``
-trains step N again and compares its metrics with the recorded ones; ``python runner.py replay
+Debug a recorded run offline (``actors/offline``): ``python runner.py rerun RUN_DIR --step N``
+trains step N again and compares its metrics with the recorded ones; ``python runner.py rerun
 RUN_DIR --rescore FILE.py[:NAME]`` re-scores the recorded completions; ``python runner.py
 inspect RUN_DIR`` summarises the run and plots it; ``python runner.py validate RUN_DIR
 [--checkpoint step_N] [validation.*=...]`` validates a saved checkpoint (no learner).
@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 
-from actors.job.config import load_topology
+from actors.job.config.load import load_topology
 from actors.registry import ATTACHABLE
 from actors.runtime.config import ConfigError
 from actors.runtime.security import keygen
@@ -53,8 +53,8 @@ def attach_main(argv: list[str]) -> int:
                              "(a key may begin with '-'); use with --key")
     parser.add_argument("--name", default="", help="worker name (unique; default KIND-attached-PID)")
     parser.add_argument("--pool", default="", metavar="NAME",
-                        help="reward: serve the [[reward.pools]] pool NAME (a replica of its "
-                             "reward model or judge) instead of the rule workers' pool")
+                        help="reward: serve the pool NAME of a [[reward.models]] entry (a "
+                             "replica of its reward model or judge) instead of the rule workers' pool")
     parser.add_argument("--key", default=None, metavar="KEY",
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")
@@ -64,18 +64,18 @@ def attach_main(argv: list[str]) -> int:
     return attach_command(parser.parse_intermixed_args(argv))
 
 
-def replay_main(argv: list[str]) -> int:
+def rerun_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="runner.py replay",
-        description="Replay a recorded learner step offline and compare its metrics with the "
+        prog="runner.py rerun",
+        description="Rerun a recorded learner step offline and compare its metrics with the "
                     "recorded ones (--step), or re-score the recorded completions with another "
                     "reward function (--rescore). Exit status: 0 match, 1 mismatch, 2 bad input.",
-        epilog="examples: python runner.py replay RUN_DIR --step 12 --dump 40:3; "
-               "python runner.py replay RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
+        epilog="examples: python runner.py rerun RUN_DIR --step 12 --dump 40:3; "
+               "python runner.py rerun RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--step", type=int, help="the learner step to replay")
+    what.add_argument("--step", type=int, help="the learner step to rerun")
     what.add_argument("--rescore", metavar="FILE.py[:NAME]",
                       help="a verl-style compute_score function (NAME defaults to compute_score)")
     parser.add_argument("--dump", action="append", default=[], metavar="GROUP_ID[:SAMPLE]",
@@ -97,9 +97,9 @@ def replay_main(argv: list[str]) -> int:
 
     try:
         if args.step is not None:
-            from actors.offline.replay import replay
-            return replay(args.run_dir, args.step, overrides=args.overrides, dump=args.dump,
-                          dump_dir=args.dump_dir)
+            from actors.offline.rerun import rerun
+            return rerun(args.run_dir, args.step, overrides=args.overrides, dump=args.dump,
+                         dump_dir=args.dump_dir)
         from actors.offline.rescore import rescore
         return rescore(args.run_dir, args.rescore, steps=args.steps, limit=args.limit,
                        threshold=args.threshold, timeout_s=args.timeout)
@@ -264,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":
         return attach_main(argv[1:])
-    if argv and argv[0] == "replay":
-        return replay_main(argv[1:])
+    if argv and argv[0] == "rerun":
+        return rerun_main(argv[1:])
+    if argv and argv[0] == "replay":  # the replay buffer is [replay]: the tool was renamed
+        print("error: 'replay' is now 'rerun' (runner.py rerun --step N)", file=sys.stderr)
+        return 2
     if argv and argv[0] == "inspect":
         return inspect_main(argv[1:])
     if argv and argv[0] == "keygen":
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="runner.py", description="Run an async RL post-training job from a topology file.",
         epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
                "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job; "
-               "python runner.py replay RUN_DIR --step N | --rescore FILE.py[:NAME] and "
+               "python runner.py rerun RUN_DIR --step N | --rescore FILE.py[:NAME] and "
                "python runner.py inspect RUN_DIR debug a recorded run; "
                "python runner.py validate RUN_DIR [--checkpoint step_N] validates a checkpoint; "
                "python runner.py check TOPOLOGY [overrides] runs the checks before a start; "

@@ -4,8 +4,7 @@ The runner starts the kinds in this order (the replay buffer and the router bind
 the others connect to; the learner publishes the first weights the samplers wait for), the
 config check enforces the counts, ``python -m actors.main`` calls ``body`` for the actor's body
 (imported then, so the router and the replay buffer never import torch) and ``runner.py attach``
-accepts the
-attachable kinds; the runner's pools (``actors/job/pools.py``) apply each row's lifecycle
+accepts the attachable kinds; the runner (``actors/job/processes.py``) applies each row's lifecycle
 (restart, gang, ends the job, attached). Adding an actor kind is one row here plus its config
 section.
 """

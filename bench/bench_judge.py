@@ -4,10 +4,10 @@
     .venv/bin/python bench/bench_judge.py --model PATH --concurrency 1,8 --items 8 --requests 32
 
 A request is one ``ScoreRequest`` of ``--items`` responses (a group, as a sampler sends it),
-scored by a judge pool (``[[reward.pools]]`` with ``kind = "judge"``, the hf engine, greedy,
+scored by a judge pool (``[[reward.models]]`` with ``kind = "judge"``, the hf engine, greedy,
 ``--max-tokens`` per answer) on the CPU. Two modes, interleaved round by round:
 
-- ``engine``: the judge alone, in this process: ``PoolScoring`` (the replica's scorer: the
+- ``engine``: the judge alone, in this process: ``ServedScoring`` (the replica's scorer: the
   engine, the template, the parser, batching across concurrent requests), called by C tasks.
 - ``router``: C tasks of the sampler's ``ScoringClient`` -> ``router_actor`` (own process) ->
   ``--replicas`` judge replicas (``reward_actor`` processes, as the runner starts them).
@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def topology(args: argparse.Namespace, sockets: str):
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
 
     return decode_topology(apply_overrides({}, [
         f"router.address=ipc://{sockets}/router", f"router.worker_address=ipc://{sockets}/workers",
         "sampler.engine=hf", "reward.count=0", "reward.rules=false", "run.heartbeat_interval=0.5",
-        f"reward.pools=[{{name=\"judge\", kind=\"judge\", path=\"{args.model}\", "
+        f"reward.models=[{{name=\"judge\", kind=\"judge\", path=\"{args.model}\", "
         f"replicas={args.replicas}, capacity={args.capacity}, max_tokens={args.max_tokens}, "
         f"batch_size={args.batch_size}, template={json.dumps(args.template)}}}]"]))
 
@@ -103,11 +103,11 @@ async def measure(args: argparse.Namespace, sockets: str) -> None:
     from actors.runtime.zmq_bridge import make_socket
     from actors.sampler.scoring_client import ScoringClient
     from actors.scoring.items import items_of
-    from actors.scoring.pool import PoolScoring
+    from actors.scoring.served import ServedScoring
 
     topo = topology(args, sockets)
     req = request(args.items)
-    alone = PoolScoring(topo.reward.pools[0], topo)
+    alone = ServedScoring(topo.reward.models[0], topo)
     await alone.load()
     zctx = zmq.Context()
     sock = make_socket(zctx, zmq.DEALER, connect=topo.router.address)

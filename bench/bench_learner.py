@@ -69,7 +69,7 @@ def batches(trainer, count: int, groups: int, n: int, response: int, seed: int,
 def rank_main(args) -> None:
     import torch
 
-    from actors.job.config import load_topology
+    from actors.job.config.load import load_topology
     from actors.learner.packing import micro_batches
     from actors.learner.policy import learner_group
     from actors.learner.trainer import Trainer

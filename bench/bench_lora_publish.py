@@ -54,7 +54,7 @@ async def main_async(args) -> None:
     import torch
     import zmq
 
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner.policy import Policy
     from actors.model_store import resolve_model_path
     from actors.runtime.transports.base import TRANSPORTS

@@ -151,7 +151,7 @@ def role_zmq_worker(args: argparse.Namespace) -> None:
 
 def role_router(args: argparse.Namespace) -> None:
     """The project's router actor, as the runner would start it (trio, no control channel)."""
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.router.actor import router_actor
     from actors.runtime.actor import run_actor
 

@@ -151,7 +151,7 @@ async def run_actor(args, model: Path, engine, all_prompts) -> tuple[float, int]
     import zmq
 
     from actors.data.chat import ChatTokenizer
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.runtime.actor import ActorContext
     from actors.sampler.actor import ContinuousSampler, sampling_params
     from actors.sampler.rollout import Rollout

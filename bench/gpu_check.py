@@ -129,7 +129,7 @@ class Check:
         return path
 
     def topology(self, *extra: str):
-        from actors.job.config import apply_overrides, decode_topology
+        from actors.job.config.load import apply_overrides, decode_topology
 
         return decode_topology(apply_overrides({}, [
             f"model.path={self.model()}", "model.dtype=float32", f"learner.device={self.device}",

@@ -8,40 +8,20 @@ response tokens selected by the 0/1 ``mask``, all ``(B, T)``.
 
 Truncated importance sampling (TIS) and IcePop turn rho into detached loss weights
 (``truncated_is_weights``, verl's ``compute_rollout_correction_weights``);
-``normalize_weights`` rescales them to mean 1. ``mismatch_metrics`` reports how far apart the
-two policies are. Rejection (masked IS) lives in ``kernels.rejection``, the staleness histogram
-in ``kernels.staleness``, verl's whole pipeline in one call in ``kernels.rollout_corr``; the
-first two are re-exported here.
+``normalize_weights`` rescales them to mean 1. How far apart the two policies are is
+``kernels.offpolicy``; rejection (masked IS) is ``kernels.rejection``, verl's whole pipeline in
+one call ``kernels.rollout_corr``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.is_metrics import IS_METRIC_NAMES, is_weight_metrics
+from kernels.is_metrics import is_weight_metrics
 from kernels.masked import masked_mean, masked_sum
-from kernels.offpolicy import METRIC_NAMES, mismatch_metrics, offpolicy_metrics, weight_metrics
 from kernels.ratios import LOG_RATIO_BOUND, masked_log_ratio
-from kernels.rejection import RejectionRule, parse_rs_preset, rejection_mask
-from kernels.rollout_options import parse_is_threshold
-from kernels.staleness import staleness_histogram
 
-__all__ = [
-    "IS_LEVELS",
-    "IS_METRIC_NAMES",
-    "LOG_RATIO_BOUND",
-    "METRIC_NAMES",
-    "RejectionRule",
-    "mismatch_metrics",
-    "normalize_weights",
-    "offpolicy_metrics",
-    "parse_is_threshold",
-    "parse_rs_preset",
-    "rejection_mask",
-    "staleness_histogram",
-    "truncated_is_weights",
-    "weight_metrics",
-]
+__all__ = ["IS_LEVELS", "normalize_weights", "truncated_is_weights"]
 
 IS_LEVELS = ("token", "sequence")
 
@@ -67,7 +47,7 @@ def truncated_is_weights(
 
     Without ``lower`` the weight is ``min(rho, cap)`` (truncated IS). With ``lower`` it is
     ``rho`` inside ``[lower, cap]`` and 0 outside (IcePop; verl's ``"lower_upper"``
-    threshold, see ``parse_is_threshold``). ``normalize`` rescales the weights to mean 1 as
+    threshold, see ``kernels.rollout_options.parse_is_threshold``). ``normalize`` rescales the weights to mean 1 as
     ``normalize_weights`` does (verl ``rollout_is_batch_normalize``). Weights are 0 outside
     the mask.
 

@@ -1,16 +1,13 @@
 """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman's k1 / k2 / k3).
 
-The controllers of a KL penalty's coefficient live in ``kernels.kl_control`` and are re-exported
-here.
+The controllers of a KL penalty's coefficient live in ``kernels.kl_control``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.kl_control import AdaptiveKLController, FixedKLController
-
-__all__ = ["KL_KINDS", "AdaptiveKLController", "FixedKLController", "kl_estimate"]
+__all__ = ["KL_KINDS", "kl_estimate"]
 
 _BASE_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_KINDS = _BASE_KINDS + tuple(f"{kind}+" for kind in _BASE_KINDS)

@@ -18,7 +18,7 @@ its mask to 0. Every statistic is a function of the per-token log-ratio
 A rule keeps what lies in ``[low, high]``; a statistic that is NaN is rejected. The metrics
 (``kernels.rejection_metrics``) are verl's ``rollout_corr/rollout_rs_*``. The rules and
 verl's option strings (``RejectionRule``, ``parse_rs_preset``) live in the torch-free
-``kernels.rollout_options``, re-exported here.
+``kernels.rollout_options``.
 """
 
 from __future__ import annotations
@@ -30,16 +30,9 @@ import torch
 from kernels.masked import masked_mean, masked_sum
 from kernels.ratios import masked_log_ratio
 from kernels.rejection_metrics import rule_metrics
-from kernels.rollout_options import (
-    RS_LEVELS,
-    RS_REDUCTIONS,
-    RS_STATISTICS,
-    RejectionRule,
-    parse_rs_preset,
-)
+from kernels.rollout_options import RejectionRule
 
-__all__ = ["RS_LEVELS", "RS_REDUCTIONS", "RS_STATISTICS", "RejectionRule", "parse_rs_preset",
-           "rejection_mask"]
+__all__ = ["rejection_mask"]
 
 
 def rejection_mask(

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.importance import parse_is_threshold, truncated_is_weights
+from kernels.importance import truncated_is_weights
 from kernels.offpolicy import offpolicy_metrics
-from kernels.rejection import RejectionRule, parse_rs_preset, rejection_mask
+from kernels.rejection import rejection_mask
+from kernels.rollout_options import RejectionRule, parse_is_threshold, parse_rs_preset
 
 
 @dataclass(frozen=True)

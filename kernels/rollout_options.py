@@ -4,8 +4,8 @@ Nothing here imports torch, so the topology's checks (``actors.job.config.checks
 light processes import) validate ``[algorithm.correction]`` with the very code the kernels
 run: ``RejectionRule`` (what ``kernels.rejection.rejection_mask`` applies),
 ``parse_rs_preset`` (verl's ``rollout_rs`` / ``rollout_rs_threshold`` strings) and
-``parse_is_threshold`` (verl's ``rollout_is_threshold``). ``kernels.rejection`` and
-``kernels.importance`` re-export them.
+``parse_is_threshold`` (verl's ``rollout_is_threshold``). ``kernels.rollout_corr`` takes
+verl's strings as verl's function does, and reads them with the same code.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import zmq
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.actor import ActorContext
 from actors.runtime.config import Topology
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, Outcomes, Setup
@@ -75,12 +75,11 @@ from messages.routing import (
     WorkerHello,
 )
 from messages.teacher import TeacherReply, TeacherRequest, ToTeacherClient, ToTeacherWorker
-from messages.tensor import Tensor
+from messages.tensor import Tensor, TensorMeta
 from messages.weights import (
     AdapterSpec,
     CudaIpcHandle,
     FromLearnerWeights,
-    TensorMeta,
     ToLearnerWeights,
     TransferGroup,
     WeightsHeader,
@@ -277,3 +276,9 @@ def byte_leaves(value) -> list[bytes]:
     if isinstance(value, list | tuple):
         return [b for v in value for b in byte_leaves(v)]
     return []
+
+
+def child_pids(children) -> list[int]:
+    """The pids of a ``Children``'s live children (its own table: the product has no use for
+    them)."""
+    return list(children._alive)

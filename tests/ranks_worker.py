@@ -18,7 +18,7 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Trainer
 from actors.runtime.ranks import Rank

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
@@ -482,7 +482,7 @@ async def test_a_tool_that_does_not_load_stops_the_sampler_at_start(tok, tmp_pat
     loop = AgentLoop(ScriptedEngine(tok, lambda c: EOS), tok, cfg)
     with pytest.raises(RuntimeError, match=r"agent.tools\[0\] \(f\): .*No module named"):
         await loop.start()
-    assert loop.tools is not None and not loop.tools.pool.pids  # its children are gone
+    assert loop.tools is not None and not loop.tools.children.statistics().children  # all gone
 
 
 def test_old_samples_decode_without_turns():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.offline.replay import replay
+from actors.offline.rerun import rerun
 from actors.runtime.recording import decode_group, read_table
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.tiny_model import build_tiny_model
@@ -114,9 +114,9 @@ def test_the_recording_keeps_every_turn(run_dir):
     assert calls > 100
 
 
-def test_replay_of_a_multi_turn_step_is_exact(run_dir):
+def test_rerun_of_a_multi_turn_step_is_exact(run_dir):
     out = io.StringIO()
-    assert replay(run_dir, STEPS, out=out) == 0, out.getvalue()
+    assert rerun(run_dir, STEPS, out=out) == 0, out.getvalue()
     text = out.getvalue()
     assert "checkpoints/step_30" in text and "result: match — all" in text
     assert "agent/tool_call_share" in text and "agent/tool_latency_s/p99" in text

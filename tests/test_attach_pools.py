@@ -1,5 +1,5 @@
 """Model-pool workers join and leave a running job like reward workers: ``runner.py attach
-reward --pool NAME`` adds a replica of a ``[[reward.pools]]`` pool (its model, its pool name at
+reward --pool NAME`` adds a replica of a ``[[reward.models]]`` entry (its model, its pool name at
 the router), ``runner.py attach teacher`` adds a teacher worker; both take routed work, show in
 the job's status as attached, and detach (SIGTERM) with nothing lost: every step whole, the
 counters balanced, no score or teacher failure."""
@@ -33,7 +33,8 @@ def test_a_pool_replica_and_a_teacher_attach_work_and_detach(tiny_model, tmp_pat
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
     total = 60
     proc = start_job(tiny_model, run_dir, log, f"learner.total_steps={total}",
-                     f'reward.pools=[{{name="rm", path="{rm}", replicas=1, capacity=1}}]',
+                     f'reward.models=[{{kind="reward_model", name="rm", path="{rm}", replicas=1, '
+                     'capacity=1}]',
                      f"teacher.path={tiny_model}", "teacher.capacity=1")
     workers: list[subprocess.Popen] = []
     try:
@@ -83,20 +84,21 @@ def test_attach_pool_names_a_pool_of_the_job(tiny_model, tmp_path):
     """``--pool NAME``: the first replica index of that pool; any other name, or a kind that
     serves no model pool, is an error naming ``--pool`` and what the job has."""
     from actors.job.attach import attached_index
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.runtime.config import ConfigError
-    from actors.runtime.config.pools import pool_replica
+    from actors.runtime.config.pools import model_replica
 
     rm = build_tiny_reward_model(tmp_path / "rm")
     topology = decode_topology(apply_overrides({}, [
         f"model.path={tiny_model}", "reward.count=2",
-        f'reward.pools=[{{name="a", path="{rm}", replicas=3}}, {{name="b", path="{rm}"}}]']))
+        f'reward.models=[{{kind="reward_model", name="a", path="{rm}", replicas=3}}, '
+        f'{{kind="judge", name="b", path="{rm}"}}]']))
     assert attached_index(topology, "reward", "") == -1  # a rule worker
     assert attached_index(topology, "reward", "a") == 2
     assert attached_index(topology, "reward", "b") == 5
-    assert pool_replica(topology.reward, 5)[0].name == "b"
+    assert model_replica(topology.reward, 5)[0].name == "b"
     with pytest.raises(ConfigError, match=r"--pool c: the job has no such model pool \(its "
-                                          r"reward.pools: a, b\)"):
+                                          r"reward.models: a, b\)"):
         attached_index(topology, "reward", "c")
     with pytest.raises(ConfigError, match="--pool a: only reward workers serve model pools"):
         attached_index(topology, "teacher", "a")

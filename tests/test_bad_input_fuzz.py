@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.job.config import load_topology
+from actors.job.config.load import load_topology
 from actors.job.config.preflight import preflight
 from actors.runtime.config import ConfigError, Topology
 from tests.jobs import ROOT

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from actors.job.config import apply_overrides, decode_topology
 from actors.job.config.capacity import check_shm, parameter_count, sent_dtype
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
 from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import SHM_KEEP

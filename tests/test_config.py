@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology, load_topology
+from actors.job.config.load import apply_overrides, decode_topology, load_topology
 from actors.runtime.config import ConfigError, Topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,7 @@ import typing
 import msgspec
 import pytest
 
-from actors.job.config import load_topology
-from actors.job.config.load import _absolute_paths
+from actors.job.config.load import _absolute_paths, load_topology
 from actors.runtime.config import ConfigError, Topology, constraints
 from tests.jobs import ROOT
 
@@ -43,11 +42,16 @@ OTHERS = [  # one_of, patterns of their own, list items, nested sections, a requ
      "agent.tools[0].builtin: 'abacus' is not one of calculator, python"),
     ("task.datasets=[{path='d.csv'}]", "task.datasets[0].path: 'd.csv' is neither .parquet nor "
                                        ".jsonl"),
-    ("reward.pools=[{name='a b'}]", "reward.pools[0].name: 'a b' is not a pool name"),
-    ("reward.pools=[{name='p', device='auto'}]",
-     "reward.pools[0].device: 'auto' is not cpu, cuda or cuda:N"),
-    ("reward.pools=[{name='p', replicas=0}]", "reward.pools[0].replicas: must be >= 1 (got 0)"),
-    ("reward.pools=[{path='m'}]", "reward.pools[0].name: must be set"),
+    ("reward.models=[{kind='reward_model', name='a b'}]",
+     "reward.models[0].name: 'a b' is not a pool name"),
+    ("reward.models=[{kind='judge', name='p', device='auto'}]",
+     "reward.models[0].device: 'auto' is not cpu, cuda or cuda:N"),
+    ("reward.models=[{kind='reward_model', name='p', replicas=0}]",
+     "reward.models[0].replicas: must be >= 1 (got 0)"),
+    ("reward.models=[{kind='reward_model', path='m'}]", "reward.models[0].name: must be set"),
+    ("reward.models=[{kind='judge', name='p', max_tokens=0}]",  # a field of one kind
+     "reward.models[0].max_tokens: must be >= 1 (got 0)"),
+    ("reward.models=[{name='p'}]", "reward.models[0].kind: must be set"),
     ("security.server_key=abc", "security.server_key: 'abc' is not a 40-character Z85 key"),
     LIST_ITEM,
     ("algorithm.gdpo_reward_weights=[1.0, inf]",
@@ -91,7 +95,8 @@ def test_the_default_topology_holds_every_constraint():
 
 CHECK_FILES = ["actors/job/config/checks.py", "actors/job/config/agent_checks.py",
                "actors/job/config/hosts.py", "actors/runtime/config/placement.py",
-               "actors/runtime/config/pools.py", "actors/runtime/config/teacher.py"]
+               "actors/runtime/config/pools.py", "actors/runtime/config/teacher.py",
+               "actors/scoring/reward_model.py", "actors/scoring/judge.py"]
 # keys whose one-key need stays, and why
 KEPT = {"'learner.node_rank'": "with [hosts] --host sets it: 0 is the only value to write"}
 
@@ -158,7 +163,7 @@ def test_no_check_restates_a_range_its_field_declares(path):
 # -- paths -----------------------------------------------------------------------------------
 
 PATH_KEYS = {"task.datasets[].path", "validation.datasets[].path", "reward.functions[].path",
-             "reward.pools[].path", "reward.pools[].function_path", "agent.tools[].path",
+             "reward.models[].path", "reward.models[].function_path", "agent.tools[].path",
              "agent.env.path", "security.keys_dir", "security.authorized_keys"}
 
 
@@ -173,6 +178,8 @@ def path_keys(t: msgspec.inspect.Type, prefix: str = "") -> set[str]:
                              for f in t.fields))
     if isinstance(t, msgspec.inspect.ListType):
         return path_keys(t.item_type, prefix + "[]")
+    if isinstance(t, msgspec.inspect.UnionType):  # the kinds of [[reward.models]]
+        return set().union(*(path_keys(member, prefix) for member in t.types))
     return set()
 
 
@@ -181,7 +188,8 @@ def test_the_path_fields_are_the_ones_made_absolute():
     relative = {"task": {"datasets": [{"path": "d.jsonl"}]},
                 "validation": {"datasets": [{"path": "v.jsonl"}]},
                 "reward": {"functions": [{"path": "f.py"}],
-                           "pools": [{"name": "p", "path": "rm", "function_path": "j.py"}]},
+                           "models": [{"kind": "judge", "name": "p", "path": "rm",
+                                       "function_path": "j.py"}]},
                 "agent": {"tools": [{"path": "t.py"}], "env": {"path": "e.py"},
                           "rollout": {"path": "r.py"}},
                 "security": {"keys_dir": "keys", "authorized_keys": "a.key"},

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from actors.data.sources import make_task
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.replay.state import ReplayState
 from actors.runtime.config import ConfigError
 

@@ -70,7 +70,7 @@ def test_on_device_names_its_device_and_function():
 
 
 def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner.policy import Policy
 
     topo = decode_topology(apply_overrides({}, [

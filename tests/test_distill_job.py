@@ -7,7 +7,7 @@ steps. Checked on the run's recording and metrics:
 
 - every recorded sample carries the teacher's log-probs of its own tokens, equal to the
   teacher's forward on the recorded ids (through the router, the wire, the recording);
-- ``replay --step`` reproduces a step exactly from the checkpoint before it;
+- ``rerun --step`` reproduces a step exactly from the checkpoint before it;
 - the per-token reverse KL to the teacher (``distill/reverse_kl/mean``) falls.
 
 And a teacher worker killed while it holds requests (frozen with SIGSTOP while the sampler's
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.offline.replay import replay
+from actors.offline.rerun import rerun
 from actors.runtime.recording import decode_group, read_table
 from actors.runtime.tensors import from_wire
 from actors.teacher.model import TeacherModel
@@ -71,12 +71,12 @@ def test_recorded_samples_carry_the_teachers_logprobs_of_their_tokens(job):
     assert all(s.teacher_logprobs is not None for g in groups for s in g.samples)
 
 
-def test_replay_of_a_distillation_step_is_exact(job):
+def test_rerun_of_a_distillation_step_is_exact(job):
     run, _ = job
     out = io.StringIO()
-    assert replay(run, 12, out=out) == 0, out.getvalue()
+    assert rerun(run, 12, out=out) == 0, out.getvalue()
     text = out.getvalue()
-    assert "replayed step 11 forward: match" in text and "result: match — all" in text
+    assert "rerun step 11 on the way: match" in text and "result: match — all" in text
     assert "distill/reverse_kl/mean" in text and "critic/advantages/mean" in text
 
 

@@ -3,8 +3,8 @@ about half of the episodes the second call does not send the first answer back b
 of it as a new conversation, so the episode yields two samples (each on its own prompt) and its
 group has more than ``n``. The groups of unequal size are trained on (GRPO normalised over each
 group's own samples: ``kernels/advantages/unequal.py``, compared with verl in
-``tests/test_verl_parity.py``), recorded whole, shown by ``inspect`` and replayed exactly by
-``replay --step``. The tiny random model, the real ``openai`` client in sandboxed children."""
+``tests/test_verl_parity.py``), recorded whole, shown by ``inspect`` and rerun exactly by
+``rerun --step``. The tiny random model, the real ``openai`` client in sandboxed children."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from actors.data.chat import ChatTokenizer
 from actors.offline.inspection import inspect_run
 from actors.offline.recorded import open_run
-from actors.offline.replay import replay
+from actors.offline.rerun import rerun
 from actors.offline.rescore import score_recorded
 from actors.runtime.config import RewardFunction
 from actors.runtime.recording import decode_group, read_table
@@ -116,12 +116,12 @@ def test_branched_episodes_train_in_groups_of_unequal_size(run_dir):
     print(f"group sizes (n = {N}): {sorted(sizes)}; summarised episodes: {summaries}")
 
 
-def test_replay_and_inspect_of_a_step_with_unequal_groups(run_dir):
+def test_rerun_and_inspect_of_a_step_with_unequal_groups(run_dir):
     run = open_run(run_dir)
     step = next(s for s in reversed(run.steps)
                 if len({len(g.samples) for g in run.batch_groups(s)}) > 1)
     out = io.StringIO()
-    assert replay(run_dir, step, out=out) == 0, out.getvalue()
+    assert rerun(run_dir, step, out=out) == 0, out.getvalue()
     assert "result: match — all" in out.getvalue(), out.getvalue()
     text = io.StringIO()
     assert inspect_run(run_dir, step=step, plots=str(run_dir / "plots2"), out=text) == 0
@@ -130,7 +130,7 @@ def test_replay_and_inspect_of_a_step_with_unequal_groups(run_dir):
 
 
 def test_rescore_scores_a_branched_episode_as_the_live_job_does(run_dir, tmp_path):
-    """``replay --rescore`` goes through the live scoring path (``Rollout.score_group``): an
+    """``rerun --rescore`` goes through the live scoring path (``Rollout.score_group``): an
     episode's earlier segment takes the score of the episode's last sample, as live."""
     fn = tmp_path / "length.py"
     fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"

@@ -2,7 +2,7 @@
 (``[agent.rollout]``), on the tiny random model: the function makes two chat calls per episode
 with the real ``openai`` client (the second sends the first answer back with a new user turn,
 so the two merge into one sample token in and token out) and returns its own reward; the job
-learns it, the counters balance, the recording keeps every turn, and ``replay --step`` is exact.
+learns it, the counters balance, the recording keeps every turn, and ``rerun --step`` is exact.
 
 A second job kills the sampler with SIGKILL while episodes are between their two calls:
 nothing of them is recorded, the runner restarts the sampler, their prompts are issued again,
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from actors.offline.recorded import open_run
-from actors.offline.replay import replay
+from actors.offline.rerun import rerun
 from actors.runtime.recording import decode_group, read_table
 from tests.jobs import (
     FAST,
@@ -120,9 +120,9 @@ def test_the_recording_keeps_both_calls_in_one_sample(run_dir):
     assert merged >= len(groups)  # most episodes' two calls are one sample
 
 
-def test_replay_of_an_endpoint_step_is_exact(run_dir):
+def test_rerun_of_an_endpoint_step_is_exact(run_dir):
     out = io.StringIO()
-    assert replay(run_dir, STEPS, out=out) == 0, out.getvalue()
+    assert rerun(run_dir, STEPS, out=out) == 0, out.getvalue()
     assert "result: match — all" in out.getvalue()
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from actors.data.chat import ChatMessage, ChatTokenizer
+from actors.data.chat import ChatTokenizer
 from actors.sampler.engines.base import GenerateRequest
 from actors.sampler.engines.hf import HFEngine, _Abort, _TokenLogprobs, sampling_config
 from kernels.logprobs import token_logprobs
-from messages.rollout import SamplingParams
+from messages.rollout import ChatMessage, SamplingParams
 from tests.jobs import ROOT
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.job.config import load_topology
 from actors.job.config.hosts import local_actors, owner, placement, resolve_addresses
+from actors.job.config.load import load_topology
 from actors.runtime.config import ConfigError
 from tests.jobs import ROOT, actor_pids, balanced, command, jsonl, metrics
 

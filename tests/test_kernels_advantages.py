@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.advantages import grpo_advantages
+from kernels.advantages.grpo import grpo_advantages
 
 
 def test_hand_case_two_groups_of_two():
@@ -59,7 +59,8 @@ def test_unequal_group_estimators_named_alike_in_the_config_and_the_kernels():
     """The config check (torch-free) and the kernels name the same estimators as taking groups
     of unequal size (``agent.rollout.branches = "train"``)."""
     from actors.runtime.config.agent import UNEQUAL_GROUP_ESTIMATORS
-    from kernels.advantages import ADVANTAGE_ESTIMATORS, UNEQUAL_GROUPS
+    from kernels.advantages import ADVANTAGE_ESTIMATORS
+    from kernels.advantages.unequal import UNEQUAL_GROUPS
 
     assert set(UNEQUAL_GROUP_ESTIMATORS) == UNEQUAL_GROUPS <= set(ADVANTAGE_ESTIMATORS)
 

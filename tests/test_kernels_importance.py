@@ -3,14 +3,11 @@ import math
 import pytest
 import torch
 
-from kernels.importance import (
-    IS_METRIC_NAMES,
-    METRIC_NAMES,
-    mismatch_metrics,
-    parse_is_threshold,
-    truncated_is_weights,
-)
-from kernels.losses import ppo_clip_loss
+from kernels.importance import truncated_is_weights
+from kernels.is_metrics import IS_METRIC_NAMES
+from kernels.offpolicy import METRIC_NAMES, mismatch_metrics
+from kernels.policy_losses.vanilla import ppo_clip_loss
+from kernels.rollout_options import parse_is_threshold
 
 
 def test_on_policy_weights_are_one_and_metrics_neutral():

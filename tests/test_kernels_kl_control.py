@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.kl import AdaptiveKLController, FixedKLController
+from kernels.kl_control import AdaptiveKLController, FixedKLController
 
 
 def test_fixed_controller_never_moves():

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from kernels.losses import aggregate, ppo_clip_loss
+from kernels.aggregate import aggregate
+from kernels.policy_losses.vanilla import ppo_clip_loss
 
 # aggregate ------------------------------------------------------------------------------------
 

@@ -3,14 +3,10 @@ import math
 import pytest
 import torch
 
-from kernels.losses import (
-    DEFAULT_AGG_MODES,
-    POLICY_LOSSES,
-    aggregate,
-    policy_loss,
-    ppo_clip_loss,
-    value_loss,
-)
+from kernels.aggregate import aggregate
+from kernels.policy_losses import DEFAULT_AGG_MODES, POLICY_LOSSES, policy_loss
+from kernels.policy_losses.vanilla import ppo_clip_loss
+from kernels.value_loss import value_loss
 
 METRIC_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
 OPTIONS = {"dro": {"dro_beta": 0.1}}  # options without a default

@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from kernels.importance import RejectionRule, normalize_weights, parse_rs_preset, rejection_mask
+from kernels.importance import normalize_weights
+from kernels.rejection import rejection_mask
+from kernels.rollout_options import RejectionRule, parse_rs_preset
 
 # Three sequences; rho per token, padding (mask 0) holds wild values that must not count.
 RHO = torch.tensor(

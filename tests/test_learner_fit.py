@@ -52,7 +52,7 @@ def test_checkpointing_is_on_by_default_on_a_gpu_only():
 
 
 def test_offload_with_lora_is_a_config_error():
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.runtime.config import ConfigError
 
     with pytest.raises(ConfigError, match="learner.offload: needs full fine-tuning"):

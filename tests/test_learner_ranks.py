@@ -38,7 +38,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def one_rank_trainer(model: Path, run_dir: Path, case: list[str]):
-    from actors.job.config import apply_overrides, decode_topology
+    from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner.trainer import Trainer
 
     topo = decode_topology(apply_overrides({}, [f"model.path={model}", *BASE, *case]))

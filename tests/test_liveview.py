@@ -145,7 +145,7 @@ def test_a_finished_actor_shows_as_finished_not_as_silent():
     """The learner done with its last step sends no heartbeat while the final validation runs:
     its row (as the runner builds it, ``Proc.row``) says finished, in no problem and not red;
     the same silence from a learner that has not finished is a problem."""
-    from actors.job.pools import Proc
+    from actors.job.processes import Proc
 
     now = 1000.0
     done = Proc("learner", 0, ready=True, finished=True, last_seen=now - 16.0,

@@ -1,6 +1,6 @@
 """A whole LoRA job through ``runner.py`` on the tiny model: the learner publishes adapters, the
 sampler applies every version (its behaviour log-probs are the learner's: importance weights of
-1), checkpoints are PEFT adapters, ``replay --step`` rebuilds a step from one, ``validate`` runs one,
+1), checkpoints are PEFT adapters, ``rerun --step`` rebuilds a step from one, ``validate`` runs one,
 and the run resumes from its last."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ LORA = ["learner.lora.rank=8", "learner.lr=2e-2", "learner.save_every=3",
         "algorithm.max_staleness=0"]  # on-policy: every behaviour log-prob is the current policy's
 
 
-def test_a_lora_job_publishes_adapters_replays_and_resumes(tiny_model, tmp_path):
+def test_a_lora_job_publishes_adapters_reruns_and_resumes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=6", *LORA), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -37,9 +37,9 @@ def test_a_lora_job_publishes_adapters_replays_and_resumes(tiny_model, tmp_path)
     assert max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n) > 1e-2
     assert not actor_pids(run_dir)
 
-    from actors.offline.replay import replay
+    from actors.offline.rerun import rerun
     report = io.StringIO()
-    assert replay(run_dir, 4, out=report) == 0, report.getvalue()[-3000:]
+    assert rerun(run_dir, 4, out=report) == 0, report.getvalue()[-3000:]
     assert "step_3" in report.getvalue()
 
     # validate merges the adapter checkpoint into its base for the engine

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from actors.data.chat import chat_ids
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.config import ConfigError

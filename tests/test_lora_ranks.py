@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
 from actors.runtime.rundir import checkpoint_dir
 from tests.rank_cases import BASE, LORA

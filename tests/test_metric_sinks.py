@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from actors.job.config import decode_topology
+from actors.job.config.load import decode_topology
 from actors.job.metrics import Background, JsonlSink, Metrics, Resume, read_resume
 from actors.job.trackers import TrackerError, mlflow_key, open_trackers
 from tests.jobs import ROOT, jsonl

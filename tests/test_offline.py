@@ -1,7 +1,7 @@
 """Offline tools on a real recorded run: a 6-step tiny-model job with a checkpoint at step 3.
 
-``replay --step`` must reproduce recorded steps exactly, both right after a checkpoint and after
-replaying steps forward from one; a corrupted recording is caught at the first differing
+``rerun --step`` must reproduce recorded steps exactly, both right after a checkpoint and after
+rerunning the steps on the way from one; a corrupted recording is caught at the first differing
 quantity; ``--rescore`` counts changed scores; ``inspect`` prints the summary and writes PNGs.
 """
 
@@ -18,7 +18,7 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from actors.offline.replay import replay
+from actors.offline.rerun import rerun
 from actors.runtime.recording import decode_group, last_by, parts, read_table
 from tests.tiny_model import build_tiny_model
 
@@ -51,37 +51,37 @@ def runner(*args: str) -> subprocess.CompletedProcess:
 def check_match(text: str, forward: list[int]) -> None:
     assert "checkpoints/step_3" in text
     for s in forward:
-        assert f"replayed step {s} forward: match" in text
+        assert f"rerun step {s} on the way: match" in text
     assert "result: match — all" in text
     assert "actor/grad_norm" in text and "rollout_corr/is_weight_mean" in text
     assert "not compared (about the live system" in text and "timing_s/step" in text
 
 
-def test_replay_right_after_a_checkpoint_matches_exactly(run_dir):
+def test_rerun_right_after_a_checkpoint_matches_exactly(run_dir):
     out = io.StringIO()
-    assert replay(run_dir, 4, out=out) == 0, out.getvalue()
+    assert rerun(run_dir, 4, out=out) == 0, out.getvalue()
     check_match(out.getvalue(), [])
 
 
 def test_the_recorded_learner_borrowed_the_samplers_idle_thread(run_dir):
-    """The replays here are exact although the live learner computed on a varying number of
+    """The reruns here are exact although the live learner computed on a varying number of
     threads (the sampler's, lent while it waited: actors/runtime/cores.py)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["perf/borrowed_share"] > 0 for r in rows), [r["perf/borrowed_share"] for r in rows]
 
 
-def test_replay_with_forward_steps_matches_exactly(run_dir):
-    res = runner("replay", str(run_dir), "--step", "6")  # the command line, as a user runs it
+def test_rerun_with_forward_steps_matches_exactly(run_dir):
+    res = runner("rerun", str(run_dir), "--step", "6")  # the command line, as a user runs it
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     check_match(res.stdout, [4, 5])
 
 
-def test_replay_dumps_per_token_tensors(run_dir, tmp_path):
+def test_rerun_dumps_per_token_tensors(run_dir, tmp_path):
     import torch
 
     gid = read_table(run_dir, "batches").to_pylist()[1]["group_ids"][0]  # step 2: base + 1 forward
     out = io.StringIO()
-    assert replay(run_dir, 2, dump=[f"{gid}:1"], dump_dir=str(tmp_path), out=out) == 0
+    assert rerun(run_dir, 2, dump=[f"{gid}:1"], dump_dir=str(tmp_path), out=out) == 0
     assert "base model" in out.getvalue()
     dump = torch.load(tmp_path / "step_2_dump.pt")
     one = dump[f"{gid}:1"]
@@ -107,7 +107,7 @@ def test_corrupted_recording_names_the_first_difference(run_dir, tmp_path):
                     msgspec.structs.replace(g, samples=[s0, *g.samples[1:]]))
         pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
     out = io.StringIO()
-    assert replay(copy, 4, out=out) == 1, out.getvalue()
+    assert rerun(copy, 4, out=out) == 1, out.getvalue()
     assert "MISMATCH — first differing quantity: critic/score/mean at step 4" in out.getvalue()
 
 
@@ -119,7 +119,7 @@ def test_rescore_counts_changed_scores(run_dir, tmp_path):
     batches = last_by(read_table(run_dir, "batches"), "step")
     rewards = [r for s in (2, 3) for g in batches[s]["group_ids"] for r in groups[g]["rewards"]]
     expected = sum(r != 1.0 for r in rewards)
-    res = runner("replay", str(run_dir), "--rescore", f"{fn}:always_one", "--steps", "2:3")
+    res = runner("rerun", str(run_dir), "--rescore", f"{fn}:always_one", "--steps", "2:3")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"changed: {expected} of {len(rewards)} scores; errors: 0" in res.stdout
     assert "after 1.0000" in res.stdout
@@ -129,7 +129,7 @@ def test_rescore_with_a_hanging_function_ends_with_errors(run_dir, tmp_path):
     fn = tmp_path / "hang.py"
     fn.write_text("import time\n\n\ndef compute_score(data_source, solution_str, ground_truth, "
                   "extra_info=None):\n    time.sleep(600)\n")
-    res = runner("replay", str(run_dir), "--rescore", str(fn), "--limit", "1", "--timeout", "0.5")
+    res = runner("rerun", str(run_dir), "--rescore", str(fn), "--limit", "1", "--timeout", "0.5")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "errors: 8" in res.stdout and "timed out after 0.5 s" in res.stdout
 
@@ -174,11 +174,11 @@ def test_validate_a_checkpoint_offline(run_dir, tmp_path):
 def test_bad_input_exits_2(run_dir, tmp_path):
     (tmp_path / "r.py").write_text("def compute_score(*a):\n    return 0.0\n")
     cases = [
-        (("replay", str(tmp_path / "nope"), "--step", "1"), "no run directory"),
-        (("replay", str(tmp_path), "--step", "1"), "topology.json"),
-        (("replay", str(run_dir), "--step", "99"), "step 99 is not recorded"),
-        (("replay", str(run_dir), "--rescore", str(tmp_path / "missing.py")), "no reward file"),
-        (("replay", str(run_dir), "--rescore", f"{tmp_path / 'r.py'}:absent"),
+        (("rerun", str(tmp_path / "nope"), "--step", "1"), "no run directory"),
+        (("rerun", str(tmp_path), "--step", "1"), "topology.json"),
+        (("rerun", str(run_dir), "--step", "99"), "step 99 is not recorded"),
+        (("rerun", str(run_dir), "--rescore", str(tmp_path / "missing.py")), "no reward file"),
+        (("rerun", str(run_dir), "--rescore", f"{tmp_path / 'r.py'}:absent"),
          "defines no function 'absent'"),
         (("inspect", str(tmp_path)), "topology.json"),
         (("validate", str(run_dir), "learner.lr=1"), "only validation.* keys"),

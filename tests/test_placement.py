@@ -9,7 +9,7 @@ import subprocess
 import msgspec
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.job.launch import with_placement
 from actors.job.supervisor import Job
 from actors.runtime.config import ConfigError

@@ -82,16 +82,17 @@ def test_pools_with_a_killed_replica_each_lose_nothing_and_score_nothing_twice(t
     (tmp_path / "parse.py").write_text(PARSER.format(flag=str(flag)))
     topology = tmp_path / "topology.toml"
     topology.write_text((ROOT / "topology.toml").read_text() + f'''
-[[reward.pools]]
+[[reward.models]]
+kind = "reward_model"
 name = "rm"
 path = "{rm}"
 replicas = 2
 capacity = 2
 weight = 0.5
 
-[[reward.pools]]
-name = "judge"
+[[reward.models]]
 kind = "judge"
+name = "judge"
 path = "{tiny_model}"
 replicas = 2
 capacity = 2

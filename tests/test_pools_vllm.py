@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.sampler.engines.vllm.options import vllm_problem
-from actors.scoring.pool import PoolScoring
+from actors.scoring.served import ServedScoring
 from tests.test_pools import items
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))]
 
 
-def judge(engine: str, model) -> PoolScoring:
+def judge(engine: str, model) -> ServedScoring:
     topo = decode_topology(apply_overrides({}, [
         "sampler.engine=hf", "sampler.vllm.max_model_len=256",
         "sampler.vllm.kv_cache_memory_bytes=67108864",
-        f'reward.pools=[{{name="j", kind="judge", path="{model}", engine="{engine}", '
+        f'reward.models=[{{name="j", kind="judge", path="{model}", engine="{engine}", '
         'parser="yes_no", max_tokens=8, template="q {prompt} a {response}"}]']))
-    return PoolScoring(topo.reward.pools[0], topo, label=f"judge-{engine}")
+    return ServedScoring(topo.reward.models[0], topo, label=f"judge-{engine}")
 
 
 @pytest.mark.anyio

@@ -57,11 +57,11 @@ def test_two_ranks_learn_and_resume_on_one(tiny_model, tmp_path):
         "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
     assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
-    # offline replay of a step the two ranks took, on one rank from their checkpoint of step 20:
+    # an offline rerun of a step the two ranks took, on one rank from their checkpoint of step 20:
     # the same computation with sums in another order (measured: a few 1e-7 relative)
-    from actors.offline.replay import replay
+    from actors.offline.rerun import rerun
     report = io.StringIO()
-    replay(run_dir, 21, out=report)
+    rerun(run_dir, 21, out=report)
     text = report.getvalue()
     assert "rebuilt from checkpoint" in text and "step_20" in text and "had 2 ranks" in text
     table = [line.split() for line in text.splitlines()

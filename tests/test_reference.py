@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.job.config.reference import keys, markdown
 from tests.jobs import ROOT
 

@@ -1,6 +1,8 @@
-"""The ``reward_model`` scorer on a tiny random ``LlamaForSequenceClassification``: its scores are
-the model's own forward on the chat-templated text, batching changes nothing, bad checkpoints are
-config errors, and a live reward worker serves them (weighted with a rule) over real sockets."""
+"""A served reward model (``[[reward.models]] kind = "reward_model"``) on a tiny random
+``LlamaForSequenceClassification``: its scores are the model's own forward on the
+chat-templated text, batching changes nothing, bad checkpoints are config errors (and the old
+way, a ``reward_model`` function, names the new one), and a live replica serves its scores
+behind the router, added to a rule's by weight as the sampler adds them."""
 
 from __future__ import annotations
 
@@ -12,16 +14,16 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from actors.reward import reward_actor
 from actors.router.actor import router_actor
-from actors.runtime.actor import serve_actor
+from actors.runtime.actor import ActorContext, serve_actor
 from actors.runtime.config import ConfigError
+from actors.runtime.config.pools import score_targets
 from actors.runtime.zmq_bridge import make_socket
+from actors.sampler.scoring_client import ScoringClient
 from actors.scoring.items import ScoreItem, items_of
-from actors.scoring.scorer import Scoring
-from messages.codec import Codec
-from messages.reward import Response, ScoreReply, ScoreRequest, ToScoringClient
+from actors.scoring.served import ServedScoring
+from messages.reward import Response, ScoreRequest
 from messages.rollout import ChatMessage
-from messages.routing import Envelope, ToClient
-from tests.helpers import actor_context, live_topology, routed
+from tests.helpers import actor_context, live_topology
 from tests.tiny_model import build_tiny_model, build_tiny_reward_model
 
 
@@ -56,10 +58,14 @@ def reference(path, item: ScoreItem) -> float:
         return model(input_ids=ids).logits[0, 0].item()
 
 
-def scoring(path, *extra: str, sockets: str = "/tmp") -> Scoring:
-    fields = ", ".join(['builtin="reward_model"', f'path="{path}"', *extra])
-    topo = live_topology(sockets, f"reward.functions=[{{{fields}}}]")
-    return Scoring(topo.reward)
+def entry(path, *extra: str) -> str:
+    fields = ", ".join(['kind="reward_model"', 'name="rm"', f'path="{path}"', *extra])
+    return f"reward.models=[{{{fields}}}]"
+
+
+def scoring(path, *extra: str, sockets: str = "/tmp") -> ServedScoring:
+    topo = live_topology(sockets, entry(path, *extra))
+    return ServedScoring(topo.reward.models[0], topo)
 
 
 @pytest.mark.anyio
@@ -69,6 +75,8 @@ async def test_scores_are_the_models_forward_and_batching_changes_nothing(reward
     batched = scoring(reward_model, "batch_size=4")
     normalised = scoring(reward_model, "batch_size=8", "reward_mean=0.5", "reward_std=2.0")
     try:
+        for s in (one_by_one, batched, normalised):
+            await s.load()
         single = [r.score for r in await one_by_one.score(items())]
         many = [r.score for r in await batched.score(items())]
         norm = [r.score for r in await normalised.score(items())]
@@ -84,26 +92,33 @@ async def test_scores_are_the_models_forward_and_batching_changes_nothing(reward
 
 
 def test_bad_reward_model_paths_are_config_errors(reward_model, tmp_path, sockets):
-    def check(fields: str, match: str) -> None:
+    def check(override: str, match: str) -> None:
         with pytest.raises(ConfigError, match=match):
-            live_topology(sockets, f"reward.functions=[{{{fields}}}]")
+            live_topology(sockets, override)
 
-    check('builtin="reward_model"', r"reward.functions\[0\].path: reward_model needs")
-    check(f'builtin="reward_model", path="{tmp_path}/none"', r"reward.functions\[0\].path: .*no config")
+    check('reward.models=[{kind="reward_model", name="rm"}]',
+          r"reward.models\[0\].path: '' is not a model directory")
+    check(entry(tmp_path), r"reward.models\[0\].path: .*no config")
     causal = build_tiny_model(tmp_path / "causal")
-    check(f'builtin="reward_model", path="{causal}"',
-          r"reward.functions\[0\].path: .*LlamaForCausalLM, not a ...ForSequenceClassification")
-    check(f'builtin="reward_model", path="{reward_model}", batch_size=0',
-          r"reward.functions\[0\].batch_size: must be >= 1")
+    check(entry(causal),
+          r"reward.models\[0\].path: .*LlamaForCausalLM, not a ...ForSequenceClassification")
+    check(entry(reward_model, "batch_size=0"), r"reward.models\[0\].batch_size: must be >= 1")
+    # the old way (a rule worker's function) names the new one
+    check(f'reward.functions=[{{builtin="reward_model", path="{reward_model}"}}]',
+          r'reward.functions\[0\].builtin: a reward model is a \[\[reward.models\]\] entry with '
+          r'kind = "reward_model"')
+    check(f'reward.pools=[{{name="rm", path="{reward_model}"}}]',
+          "reward.pools: renamed to reward.models")
 
 
 @pytest.mark.anyio
-async def test_a_live_worker_serves_reward_model_scores_weighted_with_a_rule(reward_model, tmp_path,
-                                                                               sockets):
-    topo = live_topology(sockets, "reward.functions=["
-                         f'{{builtin="reward_model", path="{reward_model}", weight=0.5, batch_size=4}},'
-                         '{builtin="exact_match", weight=2.0}]')
+async def test_a_live_replica_serves_reward_model_scores_weighted_with_a_rule(reward_model,
+                                                                             tmp_path, sockets):
+    topo = live_topology(sockets, entry(reward_model, "weight=0.5", "batch_size=4"),
+                         'reward.functions=[{builtin="exact_match", weight=2.0}]')
     zctx = zmq.Context()
+    replica = ActorContext(kind="reward", index=topo.reward.count, topology=topo,
+                           run_dir=tmp_path, zmq=zctx)  # reward-1: the model's replica 0
     try:
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -111,18 +126,20 @@ async def test_a_live_worker_serves_reward_model_scores_weighted_with_a_rule(rew
                                router_actor, None)
                 await tg.start(serve_actor, actor_context("reward", topo, zctx, tmp_path),
                                reward_actor, None)
-                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                    for request_id, request in enumerate(requests()):
-                        expected = [0.5 * reference(reward_model, item)
-                                    + 2.0 * (item.solution_str == "5") for item in items_of(request)]
-                        await client.send_multipart(routed(request_id, request))
-                        envelope, body = await client.recv_multipart()
-                        assert Codec(ToClient).decode(envelope) == Envelope(request_id)
-                        reply = Codec(ToScoringClient).decode(body)
-                        assert isinstance(reply, ScoreReply)
-                        assert [r.error for r in reply.results] == [""] * len(expected)
-                        assert [r.score for r in reply.results] == pytest.approx(expected, abs=1e-5)
-                        assert set(reply.results[0].extra) == {"reward_model", "exact_match"}
+                await tg.start(serve_actor, replica, reward_actor, None)
+                sock = make_socket(zctx, zmq.DEALER, connect=topo.router.address)
+                client = ScoringClient(sock, timeout_s=30, attempts=1,
+                                       targets=score_targets(topo.reward))
+                tg.start_soon(client.serve)
+                for request in requests():
+                    expected = [0.5 * reference(reward_model, item)
+                                + 2.0 * (item.solution_str == "5") for item in items_of(request)]
+                    reply = await client.score(request)
+                    assert reply is not None
+                    assert [r.error for r in reply.results] == [""] * len(expected)
+                    assert [r.score for r in reply.results] == pytest.approx(expected, abs=1e-5)
+                    assert set(reply.results[0].extra) == {"reward", "rm"}
+                sock.close(linger=0)
                 tg.cancel_scope.cancel()
     finally:
         zctx.destroy(linger=0)

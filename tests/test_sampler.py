@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.data.chat import ChatTokenizer
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer

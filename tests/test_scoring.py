@@ -10,9 +10,9 @@ import anyio
 import pytest
 
 import actors.data.tasks
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import BUILTIN_SCORERS, BUILTIN_TASKS, ConfigError, RewardConfig
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem, items_of, verl_arguments
 from actors.scoring.rules import (
@@ -29,6 +29,7 @@ from actors.scoring.rules import (
 from actors.scoring.scorer import Scoring, builtin_spec
 from messages.reward import Response, ScoreRequest, ScoreResult
 from messages.rollout import ChatMessage
+from tests.helpers import child_pids
 
 USER_FUNCTIONS = '''
 import asyncio, ctypes, math, os, time
@@ -168,7 +169,7 @@ def test_overlong_penalty_numbers():
 
 
 def test_registries_agree():
-    assert set(BUILTINS) | {"reward_model"} == set(BUILTIN_SCORERS)  # a model, not a rule
+    assert set(BUILTINS) == set(BUILTIN_SCORERS)  # a reward model is served: [[reward.models]]
     # the built-in tasks' scorers live with the other rules; BUILTINS is the one table
     assert BUILTINS["arithmetic"] is arithmetic_score
     assert BUILTINS["repeat_letter"] is repeat_letter_score
@@ -320,17 +321,17 @@ async def test_crashes_replace_the_child(user_file):
     scoring = Scoring(cfg)
     try:
         results = await scoring.score([item("ok")])
-        (first,) = scoring.pool.pids
+        (first,) = child_pids(scoring.children)
         results = await scoring.score([item("exit")])
         assert results[0].error == ("my_reward.exits: child process exited with status 1 "
                                     "while running; replaced")
         assert (await scoring.score([item("ok")]))[0].score == 1.0
-        assert scoring.pool.pids != [first] and scoring.statistics().crashes == 1
-        (second,) = scoring.pool.pids
+        assert child_pids(scoring.children) != [first] and scoring.statistics().crashes == 1
+        (second,) = child_pids(scoring.children)
         os.kill(second, 9)  # an idle child killed from outside is replaced before its next call
         await anyio.to_thread.run_sync(exited, second)
         assert (await scoring.score([item("ok")]))[0] == ScoreResult(1.0)
-        assert scoring.pool.pids not in ([first], [second])
+        assert child_pids(scoring.children) not in ([first], [second])
         assert scoring.statistics().crashes == 1  # found dead before a call: no call crashed
     finally:
         await scoring.aclose()
@@ -348,23 +349,23 @@ async def test_cpu_limit(user_file):
 
 @pytest.mark.anyio
 async def test_the_sandbox_serves_any_caller_and_names_its_limits(user_file):
-    # the pool knows nothing of rewards: functions by module or by path, keyword arguments as
-    # the caller names them, and errors that name the caller's config section
-    pool = ChildPool([builtin_spec("exact_match"), FunctionSpec(path=user_file, name="hangs")],
-                     size=1, timeout_s=0.5, memory_mb=0, cpu_s=0, limits_key="tools")
+    # the children know nothing of rewards: functions by module or by path, keyword arguments
+    # as the caller names them, and errors that name the caller's config section
+    children = Children([builtin_spec("exact_match"), FunctionSpec(path=user_file, name="hangs")],
+                        size=1, timeout_s=0.5, memory_mb=0, cpu_s=0, limits_key="tools")
     args = {"data_source": "", "solution_str": "x", "ground_truth": "x", "extra_info": {}}
     try:
-        assert await pool.call(Call(0, [args, {**args, "solution_str": "y"}], 2)) == \
+        assert await children.call(Call(0, [args, {**args, "solution_str": "y"}], 2)) == \
             [Outcome(1.0), Outcome(0.0)]
-        (outcome,) = await pool.call(Call(1, [{**args, "solution_str": "hang"}], 1))
+        (outcome,) = await children.call(Call(1, [{**args, "solution_str": "hang"}], 1))
         assert outcome == Outcome(error="timed out after 0.5 s (tools.timeout_s); child killed "
                                         "and replaced", failure="timeout")
-        assert (await pool.call(Call(1, [args], 1))) == [Outcome(1.0)]
-        stats = pool.statistics()
+        assert (await children.call(Call(1, [args], 1))) == [Outcome(1.0)]
+        stats = children.statistics()
         assert (stats.timeouts, stats.crashes, stats.started, stats.children) == (1, 0, 2, 1)
     finally:
-        await pool.aclose()
-    assert pool.statistics().children == 0
+        await children.aclose()
+    assert children.statistics().children == 0
 
 
 @pytest.mark.anyio
@@ -372,7 +373,7 @@ async def test_children_are_parallel_and_reaped(user_file):
     cfg = reward_config(f'{{path="{user_file}", name="pid"}}', processes=3)
     scoring = Scoring(cfg)
     results = await scoring.score([item("x")] * 9)
-    pids = scoring.pool.pids
+    pids = child_pids(scoring.children)
     assert len(pids) == 3 and {int(r.score) for r in results} <= set(pids)
     await scoring.aclose()
     for pid in pids:

@@ -1,5 +1,6 @@
 """The shape of the tree: no import circles, one concern per module, light actors, every TOML
-parses, each variant named only in its own file and its table's row, rows that name code as code.
+parses, each variant named only in its own file and its table's row, rows that name code as code,
+no forwarding modules, and "pool" and "replay" each naming one thing.
 
 The import graph is read from the source (``ast``), with function-level imports counted (they
 run too) and ``if TYPE_CHECKING:`` blocks left out (they never run). The variant tables are the
@@ -156,8 +157,8 @@ def test_no_actor_imports_the_runner():
     found = runner_importers(graph)
     assert not found, f"modules importing the runner: {found}"
     # the check itself sees an offender
-    assert runner_importers({"actors.sampler.x": {"actors.job.pools"}}) == {
-        "actors.sampler.x": ["actors.job.pools"]}
+    assert runner_importers({"actors.sampler.x": {"actors.job.processes"}}) == {
+        "actors.sampler.x": ["actors.job.processes"]}
 
 
 def test_an_actor_process_loads_no_runner_module():
@@ -257,7 +258,7 @@ def test_light_processes_never_import_torch(module):
 
 
 def test_every_toml_file_parses_as_a_topology():
-    from actors.job.config import load_topology
+    from actors.job.config.load import load_topology
 
     files = [p for p in ROOT.rglob("*.toml")
              if ".venv" not in p.parts and p.name != "pyproject.toml"]
@@ -265,3 +266,92 @@ def test_every_toml_file_parses_as_a_topology():
     for path in files:
         tomllib.loads(path.read_text())
         load_topology(path)
+
+
+# -- one name, one meaning -------------------------------------------------------------------
+
+# "pool" is the router's word: a named set of workers it routes requests to (``reward``, the
+# teacher, each served model). These are the names that say it; another thing gets its own word
+# (the runner's processes, the sandbox's children, a served model's config), so a name that
+# says pool outside this list fails until it is one of these.
+ROUTER_POOL_NAMES = {
+    "pool",  # the pool a request, a worker or a replica's status names
+    "POOL", "RULES_POOL",  # the pool a worker kind serves; the rule workers' pool
+    "PoolWorker",  # a worker of one of the router's pools
+    "per_pool", "unserved_pools",  # replies per pool (combine); pools waiting for a worker
+    "--pool",  # runner.py attach: the pool an attached worker serves
+    "actors.runtime.config.pools",  # the router's pools that score a group
+}
+# "replay" is the replay buffer's (``[replay]``, ``actors/replay/``); the offline tool that
+# trains a recorded step again is ``rerun``. Outside the buffer's package, these say replay:
+REPLAY_BUFFER_NAMES = {"replay", "FromReplay", "ToReplay", "ReplayConfig", "_replay", "replay_actor"}
+
+
+def names_in(source: str) -> list[str]:
+    """The names a module gives: classes, functions, arguments, variables, attributes set,
+    keyword arguments, imported names, command-line options."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        match node:
+            case (ast.FunctionDef(name=name) | ast.AsyncFunctionDef(name=name)
+                  | ast.ClassDef(name=name) | ast.arg(arg=name) | ast.keyword(arg=str(name))
+                  | ast.Name(id=name, ctx=ast.Store()) | ast.Attribute(attr=name, ctx=ast.Store())):
+                names.append(name)
+            case ast.alias(name=imported, asname=alias):
+                names.append(alias or imported.rpartition(".")[2])
+            case ast.Constant(value=str(option)) if option.startswith("--") and " " not in option:
+                names.append(option)
+    return names
+
+
+def names_saying(word: str) -> dict[str, set[str]]:
+    """Every name of the product (its modules' too) holding ``word`` -> the modules giving it."""
+    found: dict[str, set[str]] = {}
+    for module, path in sources().items():
+        for name in [module, *names_in(path.read_text())]:
+            if word in name.lower():
+                found.setdefault(name, set()).add(module)
+    return found
+
+
+def test_pool_names_only_the_routers_pools():
+    found = {name: sorted(modules) for name, modules in names_saying("pool").items()
+             if name not in ROUTER_POOL_NAMES}
+    assert not found, f"'pool' naming something other than the router's pools: {found}"
+    # the scan sees each kind of name
+    assert {"ChildPool", "size", "self", "pools", "--pool", "Pools", "x"} <= set(names_in(
+        "from a import Pools\nclass ChildPool:\n    def __init__(self, size):\n"
+        "        self.pools = f(x=1, y='--pool')\n"))
+
+
+def test_replay_names_only_the_replay_buffer():
+    found = {name: sorted(m for m in modules if not m.startswith("actors.replay"))
+             for name, modules in names_saying("replay").items()
+             if name not in REPLAY_BUFFER_NAMES}
+    found = {name: modules for name, modules in found.items() if modules}
+    assert not found, f"'replay' naming something other than the replay buffer: {found}"
+
+
+# package faces that pass names on, and why they stay
+FACADES = {
+    "actors.runtime.config": "the config types' public names, imported by actors and engines",
+}
+
+
+def passed_on(source: str) -> list[str]:
+    """The names a module imports from the project and never uses: it only passes them on."""
+    tree = ast.parse(source)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return [alias.asname or alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES
+            for alias in node.names if (alias.asname or alias.name) not in used]
+
+
+def test_no_module_passes_names_on():
+    """A name is imported from the module that defines it: no forwarding layer between."""
+    found = {module: names for module, path in sources().items()
+             if module not in FACADES and (names := passed_on(path.read_text()))}
+    assert not found, f"modules re-exporting names they do not use: {found}"
+    # the check sees an offender
+    assert passed_on("from kernels.aggregate import aggregate\n__all__ = ['aggregate']\n") == [
+        "aggregate"]

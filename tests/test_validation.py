@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.scoring.rules import INVALID, extract_answer
 from actors.validation.metrics import (
     ScoredPrompt,
@@ -202,4 +202,4 @@ def test_built_in_scorers_read_answers_for_majority_votes():
     assert extract_answer("gsm8k", "it is 12 or 13", method="flexible") == "13"
     assert extract_answer("math", r"thus \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
     assert extract_answer("answer_tag", "<answer> 5 </answer>") == "5"
-    assert extract_answer("reward_model", "x") == ""  # a score, no answer
+    assert extract_answer("calculator", "x") == ""  # a rule reading no answer for votes

@@ -201,7 +201,7 @@ UNEQUAL_2 = [3, 2, 7, 6, 2, 8, 4, 4]  # grpo_passk: two samples or more per grou
 
 
 def _unequal_cases():
-    from kernels.advantages import UNEQUAL_GROUPS
+    from kernels.advantages.unequal import UNEQUAL_GROUPS
 
     for name in ESTIMATORS:
         if name in UNEQUAL_GROUPS:

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from actors.data.chat import ChatTokenizer
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm.engine import VLLMSettings

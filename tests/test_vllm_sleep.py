@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
 from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
 from actors.sampler.engines.vllm.options import vllm_problem

@@ -12,7 +12,7 @@ import typing
 
 import pytest
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig
 from actors.runtime.transports.base import TRANSPORTS, resolve_transport

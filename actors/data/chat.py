@@ -52,7 +52,7 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of generated tokens, special tokens (EOS) left out."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))  # typed str | list
 
 
 def prompt_token_counter(model_path: str) -> Callable[[Prompt], int]:

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.registry import BY_NAME
 from actors.runtime.config import ConfigError
 from actors.runtime.rundir import TOPOLOGY
@@ -107,19 +107,19 @@ def job_topology(args: argparse.Namespace) -> tuple[dict, str]:
 def attached_index(topology, kind: str, pool: str) -> int:
     """The process index an attached worker runs as: -1, or with ``--pool NAME`` (reward) the
     index of that model pool's first replica, so it serves the pool with the pool's model
-    (``config/pools.py``'s ``pool_replica``); raises ConfigError naming ``--pool``."""
+    (``config/pools.py``'s ``model_replica``); raises ConfigError naming ``--pool``."""
     if not pool:
         return -1
     if kind != "reward":
-        raise ConfigError(f"--pool {pool}: only reward workers serve model pools ([[reward.pools]])")
+        raise ConfigError(f"--pool {pool}: only reward workers serve model pools ([[reward.models]])")
     R = topology.reward
     index = R.count
-    for p in R.pools:
-        if p.name == pool:
+    for m in R.models:
+        if m.name == pool:
             return index
-        index += p.replicas
-    names = ", ".join(p.name for p in R.pools) or "none"
-    raise ConfigError(f"--pool {pool}: the job has no such model pool (its reward.pools: {names})")
+        index += m.replicas
+    names = ", ".join(m.name for m in R.models) or "none"
+    raise ConfigError(f"--pool {pool}: the job has no such model pool (its reward.models: {names})")
 
 
 def attach_command(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from actors.job.config.layout import place
 from actors.job.config.preflight import preflight
 from actors.job.liveview import LiveView
 from actors.job.loggers import open_metrics
-from actors.job.pools import job_procs, learner_ranks
+from actors.job.processes import job_procs, learner_ranks
 from actors.job.supervisor import Job
 from actors.job.trackers import TrackerError
 from actors.registry import NAMES

@@ -31,7 +31,7 @@ from messages.codec import Codec, DecodeError, encode
 from messages.control import Heartbeat, StatusValue, Stop
 
 if TYPE_CHECKING:
-    from actors.job.pools import Proc
+    from actors.job.processes import Proc
     from actors.runtime.config.schema import Topology
     from actors.runtime.security import CurveKeys
     from actors.runtime.zmq_bridge import AsyncSocket

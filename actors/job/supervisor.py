@@ -1,6 +1,6 @@
 """The supervisor: start one process per actor, watch them, stop them.
 
-The processes' lifecycle (spawn, restart, attach, detach) is the pools' (``actors/job/pools.py``);
+The processes' lifecycle (spawn, restart, attach, detach) is ``Processes``' (``actors/job/processes.py``);
 ``Job`` holds the job's side: the control socket, the status, the console, the signals and the
 end conditions. ``Job`` (given a resolved topology by ``actors/job/launch.py``, which also opened
 the metric sinks of ``run.loggers``) starts the actors in the registry's order (``python -m
@@ -40,7 +40,7 @@ from actors.job.config.hosts import owner
 from actors.job.liveview import View
 from actors.job.metrics import Metrics, Resume
 from actors.job.multihost import PREFIX, Member, Owner
-from actors.job.pools import Pools, Proc, job_procs
+from actors.job.processes import Proc, Processes, job_procs
 from actors.registry import BY_NAME
 from actors.runtime.config import Topology
 from actors.runtime.cores import remove_table
@@ -83,7 +83,7 @@ class Job:
         # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
         # owner: RUN_DIR/hosts/NAME)
         self.home = home or run_dir
-        self.pools = Pools(self, job_procs(topology, self.home))
+        self.processes = Processes(self, job_procs(topology, self.home))
         placed = {p.name: p for p in topology.placement}
         for p in self.procs.values():  # each process on the GPUs the runner gave it
             if p.name in placed and not p.remote:
@@ -123,7 +123,7 @@ class Job:
 
     @property
     def procs(self) -> dict[str, Proc]:
-        return self.pools.procs
+        return self.processes.procs
 
     def work_done(self) -> None:
         """The kind that ends the job (the learner) finished: the job ends, or waits for the
@@ -160,7 +160,7 @@ class Job:
                     continue
                 case Ready(status=status) if p is None and (not relayed or host in self.members()):
                     # a worker attached by hand, to this runner or to another host's
-                    p = self.pools.attach(name, status, host=host, remote=relayed)
+                    p = self.processes.attach(name, status, host=host, remote=relayed)
             if p is None:
                 continue
             p.last_seen = time.monotonic()
@@ -200,7 +200,7 @@ class Job:
                     if p.remote and BY_NAME[p.kind].ends_job:  # its own host's runner ends there
                         self.work_done()
                     if p.attached:
-                        self.pools.detach(p, "finished")
+                        self.processes.detach(p, "finished")
 
     def send_topology(self, ident: bytes) -> None:
         """``topology.json`` to an attaching process (an answer it may miss: it asks again)."""
@@ -238,12 +238,12 @@ class Job:
             for hosts in (self.owner, self.member):
                 if hosts is not None:
                     hosts.tick(now)
-            for p, process in self.pools.running():
+            for p, process in self.processes.running():
                 silent = now - p.last_seen
                 if silent > self.topo.run.heartbeat_timeout:
                     self.say(f"!!! {p.name} silent for {silent:.0f}s: killing it")
                     process.kill()
-            self.pools.lost(now, self.topo.run.heartbeat_timeout)
+            self.processes.lost(now, self.topo.run.heartbeat_timeout)
             if self.view is not None:
                 self.view.actors = [p.row(now) for p in self.procs.values()]
             else:
@@ -272,14 +272,14 @@ class Job:
                     self.end("interrupted")
                     continue
                 self.say("=== interrupted again: killing every actor")
-                self.pools.kill(self.procs.values())
+                self.processes.kill(self.procs.values())
 
     async def shutdown(self) -> None:
         """Stop message, then SIGTERM, then SIGKILL; every child is reaped before returning."""
         self.stopping = True
         if self.owner is not None:
             self.owner.announce()
-        live = self.pools.running()
+        live = self.processes.running()
         # workers attached by hand are told too (they end with the job), not waited for
         attached = [p for p in self.procs.values() if p.attached]
 
@@ -316,7 +316,7 @@ class Job:
                 async with trio.open_nursery() as nursery:
                     if self.member is not None:
                         nursery.start_soon(self.member.serve)
-                    await self.pools.start(nursery)
+                    await self.processes.start(nursery)
                     nursery.start_soon(self.watch)
                     await self.done.wait()
                     nursery.cancel_scope.cancel()

@@ -13,11 +13,13 @@ import torch
 from actors.learner.batch import RolloutBatch
 from actors.learner.packing import pack
 from actors.runtime.config import AlgorithmConfig
+from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs
-from kernels.losses import aggregate, policy_loss, value_loss
+from kernels.policy_losses import policy_loss
 from kernels.rollout_corr import rollout_correction
 from kernels.rollout_options import RejectionRule, parse_rs_preset
+from kernels.value_loss import value_loss
 from kernels.varlen_attention import packed_call
 
 FORWARD = "flowrl_response_logprobs"  # the method a sharded model computes log-probs with

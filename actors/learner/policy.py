@@ -35,7 +35,7 @@ from actors.runtime.rundir import (
     read_state,
 )
 from kernels import varlen_attention
-from kernels.kl import AdaptiveKLController, FixedKLController
+from kernels.kl_control import AdaptiveKLController, FixedKLController
 from messages.weights import AdapterSpec
 
 

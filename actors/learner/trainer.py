@@ -71,9 +71,10 @@ from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
 from kernels.distill import distill_advantages, reverse_kl_metrics
-from kernels.importance import staleness_histogram, weight_metrics
 from kernels.kl import kl_estimate
+from kernels.offpolicy import weight_metrics
 from kernels.rollout_corr import rollout_correction
+from kernels.staleness import staleness_histogram
 from messages.rollout import SamplingParams, ScoredGroup
 
 
@@ -125,7 +126,7 @@ class Trainer:
 
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so
-        # a stop's checkpoint of step k is exactly the state after step k (offline replay);
+        # a stop's checkpoint of step k is exactly the state after step k (an offline rerun);
         # with ranks, rank 0's stop is every rank's (they decide at the same check)
         if not self._updated and self.group.any(self.abort.is_set()):
             self.policy.optimizer.zero_grad(set_to_none=True)
@@ -135,14 +136,14 @@ class Trainer:
 
     def step_seed(self) -> int:
         """The RNG seed of the next step: a function of the run seed and the step only, so a
-        step draws the same numbers (dropout) live, after a resume and in offline replay."""
+        step draws the same numbers (dropout) live, after a resume and in an offline rerun."""
         return self.topo.run.seed * 1_000_003 + self.policy.step
 
     def train_step(self, groups: list[ScoredGroup],
                    trace: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on ``groups``; returns its metrics.
 
-        ``trace`` (offline replay's hook): when a dict is given, it is filled with the step's
+        ``trace`` (the offline rerun's hook): when a dict is given, it is filled with the step's
         per-token tensors, each (N, W-1) with rows in batch order (``group_sizes[g]`` rows
         for group g): ``input_ids`` (N, W), ``mask``, ``keep`` (after rejection), ``advantages``,
         ``behaviour_logprobs``, ``old_logprobs`` (proximal), ``current_logprobs`` (π_θ in

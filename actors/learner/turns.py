@@ -1,6 +1,6 @@
 """Per-step metrics of multi-turn samples, read from the turns each sample records.
 
-Computed from the batch alone, so offline replay reproduces them. A batch without multi-turn
+Computed from the batch alone, so an offline rerun reproduces them. A batch without multi-turn
 samples has none of these metrics. An environment's steps count as its tool calls.
 """
 

@@ -3,8 +3,8 @@
 ``[agent]`` names (``actors/sampler/strategies.py``: single-turn, tools or environment, or
 the endpoint with the user's rollout function) and ``Rollout`` (templating, generation,
 scoring one request per group), with the reward workers' own scorers (the rules' ``Scoring``
-and the model pools' ``PoolScoring``) standing where the router and reward workers stand in a
-job. ``runner.py validate`` generates and scores through ``live_rollout``; ``replay --rescore``
+and the served models' ``ServedScoring``) standing where the router and reward workers stand in a
+job. ``runner.py validate`` generates and scores through ``live_rollout``; ``rerun --rescore``
 scores recorded groups through ``scoring_rollout`` (``Rollout.score_group``: the same request
 per group, the same items, as live).
 """
@@ -30,8 +30,8 @@ from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.strategies import start_strategy
 from actors.scoring.combine import combine
 from actors.scoring.items import items_of
-from actors.scoring.pool import PoolScoring
 from actors.scoring.scorer import Scoring
+from actors.scoring.served import ServedScoring
 from messages.reward import ScoreReply, ScoreRequest
 from messages.rollout import SamplingParams, ScoredGroup
 
@@ -39,16 +39,16 @@ from messages.rollout import SamplingParams, ScoredGroup
 class LocalScoring:
     """The job's scorers in this process behind the face ``Rollout`` scores through
     (``ScoringClient.score``): one request per group, never unanswered. The pools that score
-    are the job's (``score_targets``: the rules' ``Scoring``, and each model pool's
-    ``PoolScoring``, its model loaded here), added up as the sampler adds them."""
+    are the job's (``score_targets``: the rules' ``Scoring``, and each served model's
+    ``ServedScoring``, its model loaded here), added up as the sampler adds them."""
 
     attempts, timeout_s = 1, 0.0  # named in the error of an unanswered request: never here
 
     def __init__(self, topo: Topology) -> None:
         self.targets = score_targets(topo.reward)
-        self.scorers: dict[str, Scoring | PoolScoring] = {
+        self.scorers: dict[str, Scoring | ServedScoring] = {
             name: Scoring(topo.reward) if name == RULES_POOL else
-            PoolScoring(next(p for p in topo.reward.pools if p.name == name), topo)
+            ServedScoring(next(m for m in topo.reward.models if m.name == name), topo)
             for name, _ in self.targets}
 
     async def load(self) -> None:

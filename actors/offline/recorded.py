@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import decode_group, last_by, read_table
 from actors.runtime.rundir import RECORD_DIR, TOPOLOGY

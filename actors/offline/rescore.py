@@ -1,4 +1,4 @@
-"""Re-score recorded completions: ``python runner.py replay RUN_DIR --rescore file.py[:name]``.
+"""Re-score recorded completions: ``python runner.py rerun RUN_DIR --rescore file.py[:name]``.
 
 Every sample of the trained batches (``--steps A:B`` to narrow, ``--limit`` groups at most) is
 scored again by a verl-style ``compute_score(data_source, solution_str, ground_truth,

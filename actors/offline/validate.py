@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from actors.job.config import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology

@@ -13,7 +13,7 @@ Tables (who writes them, when they are flushed):
 - ``groups`` (replay buffer, same flushes): every scored group accepted — readable columns
   (prompt text, completions, rewards, reward errors, token ids, behaviour log-probs, policy
   versions, sampler, timings) and ``message``, the group's exact msgspec encoding, from which
-  offline replay rebuilds the learner's input bit for bit.
+  an offline rerun rebuilds the learner's input bit for bit.
 - ``fates`` (replay buffer, same flushes): what happened to each group — ``trained`` at
   ``step`` (``position`` in that batch, ``served`` = how many times it has now been served; with
   ``replay.reuse > 1`` a group has one such row per serve, its first with ``served = 1``),

@@ -10,7 +10,7 @@ unscored rather than waiting on it. A request the router gave up on (every worke
 died or timed out on it) fails at once.
 
 A group is scored by every pool of ``targets`` (``score_targets``: the rule workers, and the
-model pools of ``[[reward.pools]]``), all at once; the weighted sum is its reward
+model pools of ``[[reward.models]]``), all at once; the weighted sum is its reward
 (``actors/scoring/combine.py``), and it is unscored when any pool's request failed.
 """
 

@@ -1,8 +1,8 @@
 """Checks of user code and of the model, run once before a job starts, in a sandboxed child.
 
-The runner (``actors/job/config/preflight.py``) calls these through a ``ChildPool``, so a
+The runner (``actors/job/config/preflight.py``) calls these through ``Children``, so a
 user's file is imported in a child process, never in the runner, and a file that hangs while
-importing is killed at the pool's timeout. Each check returns ``""`` when all is well, or one
+importing is killed at the children's timeout. Each check returns ``""`` when all is well, or one
 line saying what is wrong, with the file and line of the error where there is one
 (``syntax.py line 2: SyntaxError: invalid syntax``); the runner puts the key in front.
 

@@ -1,13 +1,14 @@
-"""Reward scoring: built-in rules, users' verl-style functions, and the child processes that
-keep user code from hurting the job.
+"""Reward scoring, one module per source, each owning its options beside its code.
 
 - ``rules``: the built-in scorers (gsm8k, math, exact_match, answer_tag, arithmetic,
-  repeat_letter) and DAPO's overlong penalty.
-- ``protocol``: the calling convention and the msgspec frames to and from a child.
-- ``child``: the child process's main loop (limits, loading, calling).
-- ``pool``: the worker's side: a pool of children with a per-call timeout and replacement.
-- ``reward_model``: a sequence-classification checkpoint as a scorer, batched on a thread.
-- ``scorer``: ``Scoring``, which the reward worker uses: weights, errors, penalty, counters.
+  repeat_letter, calculator) and DAPO's overlong penalty.
+- ``scorer``: ``Scoring``, the rule workers': built-ins and users' verl-style functions (in
+  sandboxed children, ``actors/sandbox``), weights, errors, penalty, counters.
+- ``reward_model``, ``judge``: the served models of ``[[reward.models]]`` (``RewardModelConfig``,
+  ``JudgeConfig``: the tagged union's kinds) and what scores with them.
+- ``served``: ``ServedScoring``, a served model's replica: batching (``batching``), sleep
+  (``sleep``), counters.
+- ``items``, ``combine``: a request's items, and the pools' replies added up in the sampler.
 
 This package's ``__init__`` imports nothing, so a child starts without the worker's imports.
 """

@@ -1,6 +1,7 @@
-"""A generative judge: an LLM reads a prompt template filled with the prompt, the response and
-the ground truth, and a parser turns its answer into a score.
+"""A served generative judge: an LLM reads a prompt template filled with the prompt, the
+response and the ground truth, and a parser turns its answer into a score.
 
+``[[reward.models]] kind = "judge"``: its options (``JudgeConfig``) and its scorer (``Judge``).
 The template follows verl's GenRM examples (``{problem}``/``{solution}`` are accepted beside
 ``{prompt}``/``{response}``); the built-in parsers read the conventions judges are prompted
 with: a bare number (verl's GenRM rates 1-10 and reads the last line's integer), MT-Bench's
@@ -9,18 +10,99 @@ sandboxed child, like reward code. An answer no parser can read is an error outc
 with the answer's start), never a silent 0.
 
 The judge generates through the sampler's engine protocol (``actors/sampler/engines``: hf or
-vllm from the registry), all the items of a batch in one ``generate`` call.
+vllm from the registry), all the items of a batch in one ``generate`` call. Torch-free until a
+replica loads it.
 """
 
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-from actors.runtime.config.pools import PoolConfig, render
-from actors.sandbox.protocol import Outcome
+import msgspec
+
+from actors.runtime.config.constraints import FilePath, Finite, NonNegFloat, PositiveInt, PythonName
+from actors.runtime.config.pools import ServedModel
+from actors.sampler.engines.registry import ENGINES, FALLBACK, EngineName
+from actors.sandbox.children import Children
+from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem
+
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "problem", "solution")
+DEFAULT_TEMPLATE = """You are given a problem and a proposed solution.
+
+Problem:
+{prompt}
+
+Solution:
+{response}
+
+Please evaluate how well the solution addresses the problem. Give a score from 1 to 10, where
+1 means the solution is completely irrelevant or incorrect, 5 means it is partially correct
+and 10 means it is fully correct and well reasoned.
+
+Only output the score as a single number (integer)."""
+
+
+class JudgeConfig(ServedModel, frozen=True, tag="judge"):
+    """A causal LM that reads ``template`` and writes an answer ``parser`` reads."""
+
+    engine: EngineName = FALLBACK
+    """The generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s engine
+    arguments)."""
+    template: str = DEFAULT_TEMPLATE
+    """The user message it reads, with {prompt}, {response}, {ground_truth} and {data_source}
+    filled in (verl's {problem} and {solution} work too); literal braces doubled."""
+    parser: Literal["number", "score_tag", "boxed", "yes_no", "function"] = "number"
+    """How its answer becomes a score: number (the last number in it), score_tag (the last
+    ``[[x]]``), boxed (the last ``\\boxed{x}``), yes_no (the last yes/no word: 1 or 0), or
+    function (``function_path``'s function, run in a sandboxed child). An answer it cannot read
+    is a recorded score error, never a silent 0."""
+    function_path: FilePath = ""
+    """parser = function: a Python file whose ``function_name`` takes
+    ``(judge_answer, data_source, solution_str, ground_truth, extra_info)`` and returns a score
+    (float or dict(score=...)); raising is an unreadable answer."""
+    function_name: PythonName = "parse_score"
+    """parser = function: the function's name in function_path."""
+    scale: Finite = 1.0
+    """The score is the parsed value times this (0.1 turns a 1-10 rating into 0.1-1)."""
+    max_tokens: PositiveInt = 64
+    """The most tokens of one answer."""
+    temperature: NonNegFloat = 0.0
+    """Sampling temperature of its answers (0: greedy)."""
+
+    def check(self, key: str, need: Any) -> None:
+        problem = template_problem(self.template)
+        need(problem is None, f"{key}.template", str(problem))
+        if self.parser == "function":
+            need(Path(self.function_path).is_file(), f"{key}.function_path",
+                 f"no file {self.function_path!r} (parser = function needs one)")
+        else:
+            need(not self.function_path, f"{key}.function_path", "only with parser = function")
+        if ENGINES[self.engine].sleeps and self.sleep_idle_s > 0:
+            need(self.device != "cpu", f"{key}.sleep_idle_s",
+                 f"{self.engine} has no sleep mode on a CPU (device = cpu)")
+
+    def scorer(self, topology: Any, label: str) -> Judge:
+        return Judge(self, topology, label)
+
+
+def template_problem(template: str) -> str | None:
+    """Why ``template`` cannot be filled in (an unknown field, a stray brace), or None."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        return f"{exc} (literal braces are written {{{{ and }}}})"
+    unknown = [f for f in fields if f not in TEMPLATE_FIELDS]
+    if unknown:
+        return f"unknown field {{{unknown[0]}}}: the fields are {', '.join(TEMPLATE_FIELDS)}"
+    if not fields:
+        return "names no field: the judge would not see the response ({response})"
+    return None
+
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 NUMBER = re.compile(_NUMBER)
@@ -65,13 +147,13 @@ def judge_fields(item: ScoreItem) -> dict[str, str]:
             "data_source": item.data_source, "problem": prompt, "solution": item.solution_str}
 
 
-def read_answer(pool: PoolConfig, answer: str) -> Outcome:
+def read_answer(cfg: JudgeConfig, answer: str) -> Outcome:
     """A built-in parser's reading of one answer: its score times ``scale``, or an error."""
-    value = PARSE[pool.parser](answer)
+    value = PARSE[cfg.parser](answer)
     if value is None:
-        return Outcome(error=f"judge {pool.name}: parser {pool.parser} read no score in its "
+        return Outcome(error=f"judge {cfg.name}: parser {cfg.parser} read no score in its "
                              f"answer {answer[:120]!r}")
-    return Outcome(score=value * pool.scale, extra={"judge_raw": value})
+    return Outcome(score=value * cfg.scale, extra={"judge_raw": value})
 
 
 def parser_arguments(item: ScoreItem, answer: str) -> dict[str, Any]:
@@ -84,18 +166,47 @@ def parser_arguments(item: ScoreItem, answer: str) -> dict[str, Any]:
 class Judge:
     """Renders items into judge prompts, generates the answers in one engine call, parses."""
 
-    def __init__(self, pool: PoolConfig, engine: Any, tokenizer: Any,
-                 user_parser: Callable[[list[dict[str, Any]]], Any] | None = None) -> None:
-        self.pool, self.engine, self.tokenizer = pool, engine, tokenizer
-        self.user_parser = user_parser  # parser = function: outcomes of parser_arguments lists
+    def __init__(self, cfg: JudgeConfig, topology: Any, label: str = "") -> None:
+        self.cfg, self.topology, self.label = cfg, topology, label
+        self.engine: Any = None  # started by load
+        self.tokenizer: Any = None
+        self.children: Children | None = None  # parser = function: the user's parser runs here
+        if cfg.parser == "function":
+            R = topology.reward
+            self.children = Children(
+                [FunctionSpec(path=cfg.function_path, name=cfg.function_name)], size=1,
+                timeout_s=R.timeout_s, memory_mb=R.memory_mb, cpu_s=R.cpu_s, limits_key="reward")
         self.answers = 0  # answers generated
         self.unreadable = 0  # answers the parser could not read
+
+    async def load(self, device: Any) -> None:
+        """Start the judge's engine on ``device`` (a broken one fails the replica at start)."""
+        from actors.runtime.devices import resolve_dtype
+        from actors.sampler.engines.base import EngineSpec
+
+        dtype = str(resolve_dtype("auto", device, self.topology.model.dtype))
+        sampler = msgspec.structs.replace(
+            self.topology.sampler, engine=self.cfg.engine, threads=self.cfg.threads,
+            sleep_idle_s=self.cfg.sleep_idle_s if ENGINES[self.cfg.engine].sleeps else 0.0)
+        self.engine = await ENGINES[self.cfg.engine].start(EngineSpec(
+            Path(self.cfg.path), dtype.removeprefix("torch."), self.topology.run.seed,
+            device, sampler, label=self.label))
+        self.tokenizer = getattr(self.engine, "tokenizer", None)
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.path)
+
+    @property
+    def module(self) -> Any:
+        """The engine's torch model, which sleeps as one (hf), or None (vllm sleeps itself)."""
+        return getattr(self.engine, "model", None)
 
     def prompt_ids(self, item: ScoreItem) -> list[int]:
         from actors.data.chat import chat_ids
         from messages.rollout import ChatMessage
 
-        text = render(self.pool.template, judge_fields(item))
+        text = self.cfg.template.format_map(judge_fields(item))
         if self.tokenizer.chat_template:
             return chat_ids(self.tokenizer, [ChatMessage("user", text)])
         return list(self.tokenizer(text)["input_ids"])
@@ -105,7 +216,7 @@ class Judge:
         from actors.sampler.engines.base import GenerateRequest
         from messages.rollout import SamplingParams
 
-        params = SamplingParams(temperature=self.pool.temperature, max_tokens=self.pool.max_tokens)
+        params = SamplingParams(temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
         requests = [GenerateRequest(self.prompt_ids(item), params) for item in items]
         out = await self.engine.generate(requests)  # continuous engines run them at once
         return [self.tokenizer.decode(gens[0].token_ids.tolist(), skip_special_tokens=True)
@@ -118,17 +229,30 @@ class Judge:
         try:
             answers = await self.generate(items)
         except Exception as exc:  # a judge's fault is a recorded error, never a dead worker
-            return [Outcome(error=f"judge {self.pool.name}: {type(exc).__name__}: {exc}"[:500])
+            return [Outcome(error=f"judge {self.cfg.name}: {type(exc).__name__}: {exc}"[:500])
                     ] * len(items)
         self.answers += len(answers)
-        if self.user_parser is not None:
-            outcomes = list(await self.user_parser(
-                [parser_arguments(i, a) for i, a in zip(items, answers, strict=True)]))
-            outcomes = [Outcome(score=o.score * self.pool.scale, extra=o.extra) if not o.error
-                        else Outcome(error=f"judge {self.pool.name}: parser function: {o.error} "
+        if self.children is not None:
+            arguments = [parser_arguments(i, a) for i, a in zip(items, answers, strict=True)]
+            outcomes = await self.children.call(Call(0, arguments, len(arguments)))
+            outcomes = [Outcome(score=o.score * self.cfg.scale, extra=o.extra) if not o.error
+                        else Outcome(error=f"judge {self.cfg.name}: parser function: {o.error} "
                                            f"(answer {a[:80]!r})", trace=o.trace)
                         for o, a in zip(outcomes, answers, strict=True)]
         else:
-            outcomes = [read_answer(self.pool, a) for a in answers]
+            outcomes = [read_answer(self.cfg, a) for a in answers]
         self.unreadable += sum(1 for o in outcomes if o.error)
         return outcomes
+
+    def status(self) -> dict[str, Any]:
+        """The judge's counts, and a vllm engine's own sleep (an hf one sleeps as a module)."""
+        out: dict[str, Any] = {"judge_answers": self.answers, "judge_unreadable": self.unreadable}
+        if self.engine is not None and self.module is None and self.cfg.sleep_idle_s > 0:
+            out.update(self.engine.sleep.clock.statistics().status())
+        return out
+
+    async def aclose(self) -> None:
+        if self.children is not None:
+            await self.children.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()

@@ -1,58 +1,104 @@
-"""A reward model as a scorer: a Hugging Face sequence-classification checkpoint with one label.
+"""A served reward model: a Hugging Face sequence-classification checkpoint with one label.
 
-The text scored is the prompt's messages plus the response, through the tokenizer's chat
-template when it has one (the response as the assistant's turn), else the messages' contents
-and the response joined by newlines. The score is the label's logit at the last token (as TRL
-and OpenRLHF reward models are trained), shifted and scaled by ``reward_mean``/``reward_std``.
+``[[reward.models]] kind = "reward_model"``: its options (``RewardModelConfig``) and its scorer
+(``RewardModel``). The text scored is the prompt's messages plus the response, through the
+tokenizer's chat template when it has one (the response as the assistant's turn), else the
+messages' contents and the response joined by newlines. The score is the label's logit at the
+last token (as TRL and OpenRLHF reward models are trained), shifted and scaled by
+``reward_mean``/``reward_std``.
 
-The model is loaded once per reward worker and runs in the worker's process, in a worker
-thread, one batch of ``batch_size`` sequences at a time (the items of concurrent requests
-together: ``batching.Batcher``): it is the job's own trusted
-checkpoint, not user code, and reloading it in a fresh child after every timeout would cost
-more than the call. torch and transformers are imported only when a reward model is used.
+A replica loads the model once and runs it on a worker thread, ``batch_size`` sequences per
+forward (the items of concurrent requests together: ``actors/scoring/served.py``): it is the
+job's own trusted checkpoint, not user code, and reloading it in a fresh child after every
+timeout would cost more than the call. torch and transformers are imported only when a replica
+loads it, so the config imports without them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from actors.data.chat import chat_text
-from actors.runtime.config import RewardFunction
+from actors.runtime.config.constraints import Finite, PositiveFinite, PositiveInt
+from actors.runtime.config.pools import ServedModel
 from actors.sandbox.protocol import Outcome
-from actors.scoring.batching import Batcher
 from actors.scoring.items import ScoreItem
 from messages.rollout import ChatMessage
 
 
-class RewardModel:
-    """``fn.path``'s checkpoint, scoring items in batches on a worker thread."""
+class RewardModelConfig(ServedModel, frozen=True, tag="reward_model"):
+    """A one-label ...ForSequenceClassification checkpoint: its logit is the score."""
 
-    def __init__(self, fn: RewardFunction, threads: int = 1, device: Any = "cpu") -> None:
-        self.fn = fn
-        self.threads = threads
-        self.device = device  # where the model computes (a model pool's replica: its GPU)
+    max_length: PositiveInt = 1024
+    """Tokens kept per sequence (the start is cut, so the response's end stays)."""
+    reward_mean: Finite = 0.0
+    """The score is (logit - reward_mean) / reward_std."""
+    reward_std: PositiveFinite = 1.0
+    """See reward_mean."""
+
+    def check(self, key: str, need: Any) -> None:
+        problem = checkpoint_problem(Path(self.path))
+        need(problem is None, f"{key}.path", str(problem))
+
+    def scorer(self, topology: Any, label: str) -> RewardModel:
+        return RewardModel(self)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
+    its config.json, so the check needs no torch), or None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} is not readable JSON: {exc}"
+    architectures = data.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
+                "not a ...ForSequenceClassification reward model")
+    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
+    if labels != 1:
+        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
+    return None
+
+
+class RewardModel:
+    """``cfg.path``'s checkpoint, scoring items in batches on a worker thread."""
+
+    children = None  # no user code: nothing runs in a sandboxed child
+
+    def __init__(self, cfg: RewardModelConfig) -> None:
+        self.cfg = cfg
+        self.device: Any = "cpu"  # where the model computes (set by load: the replica's device)
         self._model: Any = None  # loaded by load(); None until then
         self._tokenizer: Any = None
-        # one call at a time (the threads share the model); requests that arrive while one
-        # runs go together into the next (their items share forwards)
-        self._batcher: Batcher[ScoreItem] = Batcher(self._score_now, max(fn.batch_size, 256))
 
-    def load(self) -> None:
+    async def load(self, device: Any) -> None:
+        """Load the tokenizer and the model onto ``device`` (a worker thread does the work)."""
+        from actors.runtime.devices import cap_memory
+
+        cap_memory(device)  # a GPU shared with others: the runner's split
+        self.device = device
+        await anyio.to_thread.run_sync(self.load_sync)
+
+    def load_sync(self) -> None:
         """Load the tokenizer and the model (blocking: call it on a worker thread)."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        torch.set_num_threads(self.threads)
-        path = Path(self.fn.path)
+        torch.set_num_threads(self.cfg.threads)
+        path = Path(self.cfg.path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
         if model.config.num_labels != 1:
             raise ValueError(f"{path}: {model.config.num_labels} labels; a reward model has one")
         if tokenizer.pad_token_id is None:  # the last real token is found by its padding
-            if self.fn.batch_size > 1:
+            if self.cfg.batch_size > 1:
                 raise ValueError(f"{path}: the tokenizer has no pad token, so batch_size must be 1")
         elif model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -62,11 +108,13 @@ class RewardModel:
 
     @property
     def module(self) -> Any:
-        """The loaded torch model (None before ``load``)."""
+        """The loaded torch model (None before ``load``): what sleeps."""
         return self._model
 
     def text(self, item: ScoreItem) -> str:
         """What the model reads for one item."""
+        from actors.data.chat import chat_text
+
         if self._tokenizer.chat_template:
             return chat_text(self._tokenizer,
                              [*item.prompt, ChatMessage("assistant", item.solution_str)])
@@ -77,29 +125,31 @@ class RewardModel:
         import torch
 
         if self._model is None:
-            self.load()
+            self.load_sync()
         templated = bool(self._tokenizer.chat_template)
         scores: list[float] = []
-        for start in range(0, len(items), self.fn.batch_size):
-            texts = [self.text(item) for item in items[start:start + self.fn.batch_size]]
+        for start in range(0, len(items), self.cfg.batch_size):
+            texts = [self.text(item) for item in items[start:start + self.cfg.batch_size]]
             batch = self._tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                                    max_length=self.fn.max_length,
+                                    max_length=self.cfg.max_length,
                                     add_special_tokens=not templated)  # the template has them
             with torch.inference_mode():
                 logits = self._model(input_ids=batch["input_ids"].to(self.device),
                                      attention_mask=batch["attention_mask"].to(self.device)
                                      ).logits  # (B, 1)
-            scores += ((logits[:, 0].float() - self.fn.reward_mean) / self.fn.reward_std).tolist()
+            scores += ((logits[:, 0].float() - self.cfg.reward_mean) / self.cfg.reward_std).tolist()
         return scores
 
     async def score(self, items: list[ScoreItem]) -> list[Outcome]:
-        """One outcome per item, computed on a worker thread with the items of the requests
-        waiting beside it; a failure is every item's error."""
-        return await self._batcher.score(items)
-
-    async def _score_now(self, items: list[ScoreItem]) -> list[Outcome]:
+        """One outcome per item, computed on a worker thread; a failure is every item's error."""
         try:
             scores = await anyio.to_thread.run_sync(self.score_sync, items)
         except Exception as exc:  # a scorer's fault is a recorded error, never a dead worker
             return [Outcome(error=f"reward model: {type(exc).__name__}: {exc}"[:500])] * len(items)
         return [Outcome(score=s) for s in scores]
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    async def aclose(self) -> None:
+        pass

@@ -3,9 +3,9 @@
 With ``[[reward.functions]]`` configured, every item is scored by every function and the
 scores are summed with their weights; without, each item goes to the built-in named by its
 ``data_source`` (verl's default data sources included). Built-in rules run on a worker thread;
-user functions and math-verify run in the child pool; a reward model runs batched on a worker
-thread of its own (``reward_model``). An item any function failed on scores
+user functions and math-verify run in sandboxed children. An item any function failed on scores
 0.0 with the errors joined in ``ScoreResult.error``; the rest may get DAPO's overlong penalty.
+(A reward model is a served model, not a function: ``actors/scoring/served.py``.)
 ``score`` never raises for a scorer's fault and never blocks the event loop.
 """
 
@@ -18,10 +18,9 @@ import anyio
 import msgspec
 
 from actors.runtime.config import RewardConfig, RewardFunction
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, run_call
 from actors.scoring.items import ScoreItem, verl_arguments
-from actors.scoring.reward_model import RewardModel
 from actors.scoring.rules import (
     BUILTINS,
     DATA_SOURCES,
@@ -54,8 +53,7 @@ class _Component:
     label: str  # names this function's score in ScoreResult.extra
     weight: float
     spec: FunctionSpec
-    child_index: int  # index into the pool's functions, or -1: runs on a worker thread
-    model: RewardModel | None = None  # set for reward_model, which scores instead of spec
+    child_index: int  # index into the children's functions, or -1: runs on a worker thread
 
 
 def builtin_spec(name: str, **fields) -> FunctionSpec:
@@ -71,7 +69,7 @@ def _label(fn: RewardFunction) -> str:
 class Scoring:
     """Scores items as ``cfg`` says."""
 
-    def __init__(self, cfg: RewardConfig, threads: int = 1) -> None:
+    def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         child_specs: list[FunctionSpec] = []
         self._components: list[_Component] = []
@@ -83,36 +81,29 @@ class Scoring:
             in_child = not fn.builtin or fn.builtin in IN_CHILD
             label = _label(fn) if _label(fn) not in labels else f"{_label(fn)}#{i}"
             labels.add(label)
-            if fn.builtin == "reward_model":
-                self._components.append(_Component(label, fn.weight, spec, -1,
-                                                   RewardModel(fn, threads)))
-                continue
             self._components.append(_Component(label, fn.weight, spec,
                                                len(child_specs) if in_child else -1))
             if in_child:
                 child_specs.append(spec)
-        self._by_source_child: dict[str, int] = {}  # default mode: child built-in -> pool index
+        self._by_source_child: dict[str, int] = {}  # default mode: child built-in -> function index
         if not cfg.functions:
             for name in sorted(IN_CHILD):
                 self._by_source_child[name] = len(child_specs)
                 child_specs.append(builtin_spec(name))
-        self.pool = ChildPool(child_specs, size=cfg.processes, timeout_s=cfg.timeout_s,
+        self.children = Children(child_specs, size=cfg.processes, timeout_s=cfg.timeout_s,
                               memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="reward")
         self._items = self._errors = 0
 
     def statistics(self) -> ScoringStatistics:
-        pool = self.pool.statistics()
-        return ScoringStatistics(self._items, self._errors, pool.timeouts, pool.crashes,
-                                 pool.children, pool.started)
+        c = self.children.statistics()
+        return ScoringStatistics(self._items, self._errors, c.timeouts, c.crashes, c.children,
+                                 c.started)
 
     async def load(self) -> None:
-        """Load the reward models now (on a thread), so a broken one fails the worker at start."""
-        for c in self._components:
-            if c.model is not None:
-                await anyio.to_thread.run_sync(c.model.load)
+        """Nothing to load: the rules' children start on their first call."""
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        await self.children.aclose()
 
     async def score(self, items: list[ScoreItem],
                     max_response_length: int = 0) -> list[ScoreResult]:
@@ -123,8 +114,7 @@ class Scoring:
 
             async def run(k: int) -> None:
                 c = self._components[k]
-                per_function[k] = (await c.model.score(items) if c.model is not None
-                                   else await self._run(c.spec, c.child_index, items))
+                per_function[k] = await self._run(c.spec, c.child_index, items)
 
             async with anyio.create_task_group() as tg:
                 for k in range(len(self._components)):
@@ -185,12 +175,12 @@ class Scoring:
                 run_call, BUILTINS[spec.name], spec,
                 Call(-1, verl_arguments(items, batch=False), len(items)))
         if spec.batch:
-            return await self.pool.call(Call(child_index, verl_arguments(items, batch=True),
+            return await self.children.call(Call(child_index, verl_arguments(items, batch=True),
                                              len(items)))
         outcomes = [Outcome()] * len(items)
 
         async def one(i: int) -> None:
-            (outcomes[i],) = await self.pool.call(
+            (outcomes[i],) = await self.children.call(
                 Call(child_index, verl_arguments(items[i:i + 1], batch=False), 1))
 
         async with anyio.create_task_group() as tg:

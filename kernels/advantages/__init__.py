@@ -22,7 +22,7 @@ from kernels.advantages._common import AdvantageParams
 from kernels.advantages.gae import gae
 from kernels.advantages.gdpo import gdpo
 from kernels.advantages.gpg import gpg
-from kernels.advantages.grpo import dr_grpo, grpo, grpo_advantages
+from kernels.advantages.grpo import dr_grpo, grpo
 from kernels.advantages.opo import opo
 from kernels.advantages.optimal_token_baseline import (
     optimal_token_baseline,
@@ -35,10 +35,9 @@ from kernels.advantages.reinforce_plus_plus import (
 )
 from kernels.advantages.remax import remax
 from kernels.advantages.rloo import rloo
-from kernels.advantages.unequal import UNEQUAL_GROUPS, by_group, group_sizes
+from kernels.advantages.unequal import by_group, group_sizes
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "UNEQUAL_GROUPS", "AdvantageParams", "compute_advantages",
-           "grpo_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "compute_advantages"]
 
 AdvantageFn = Callable[
     [torch.Tensor, torch.Tensor, AdvantageParams], tuple[torch.Tensor, torch.Tensor]

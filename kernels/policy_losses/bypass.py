@@ -8,8 +8,8 @@ import torch
 
 from kernels.policy_losses.reinforce import reinforce_loss
 from kernels.policy_losses.vanilla import ppo_clip_loss
-from kernels.rejection import RejectionRule
 from kernels.rollout_corr import rollout_correction
+from kernels.rollout_options import RejectionRule
 
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 

@@ -2,7 +2,3 @@
 across fields (``checks``), the host table (``hosts``), memory (``capacity``), device layout
 (``layout``) and the checks that load user code (``preflight``). The types are the library's
 (``actors.runtime.config``)."""
-
-from actors.job.config.load import apply_overrides, decode_topology, load_topology
-
-__all__ = ["apply_overrides", "decode_topology", "load_topology"]

@@ -4,7 +4,6 @@ files that must exist; a key's own range is declared on its field). Each failure
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,9 @@ from actors.job.config.hosts import check_hosts
 from actors.registry import KINDS
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.placement import check_placement
-from actors.runtime.config.pools import check_pools
-from actors.runtime.config.schema import ActorCommon, ConfigError, DatasetConfig, Topology
+from actors.runtime.config.pools import check_models
+from actors.runtime.config.schema import ConfigError, DatasetConfig, Topology
+from actors.runtime.config.schema_base import ActorCommon
 from actors.runtime.config.teacher import check_teacher
 from actors.sampler.engines.registry import ENGINES, EngineRow, auto_engine
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
@@ -82,20 +82,10 @@ def check(topology: Topology) -> None:
     R = topology.reward
     for i, fn in enumerate(R.functions):
         key = f"reward.functions[{i}]"
-        if fn.builtin == "reward_model":
-            need(bool(fn.path), f"{key}.path", "reward_model needs the checkpoint's directory")
-            problem = _reward_model_problem(Path(fn.path))
-            need(problem is None, f"{key}.path", str(problem))
-            need(not fn.batch, f"{key}.batch", "reward_model batches by batch_size")
-            continue
         need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
         need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
         need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
-    check_pools(topology, need)
-    for i, pool in enumerate(R.pools):
-        if pool.kind == "reward_model":
-            problem = _reward_model_problem(Path(pool.path))
-            need(problem is None, f"reward.pools[{i}].path", str(problem))
+    check_models(topology, need)
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     max_length = R.max_response_length or s.max_tokens
@@ -254,26 +244,6 @@ def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
                  f"no column {column.split('.')[0]!r} in {d.path!r} (columns: {shown})")
         need(bool(d.data_source) or "data_source" in columns, f"{key}.data_source",
              f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
-
-
-def _reward_model_problem(path: Path) -> str | None:
-    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
-    its config.json, so the check needs no torch), or None."""
-    config = path / "config.json"
-    if not config.is_file():
-        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return f"{config} is not readable JSON: {exc}"
-    architectures = data.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
-                "not a ...ForSequenceClassification reward model")
-    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
-    if labels != 1:
-        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
-    return None
 
 
 def _check_sleep(s: Any, need: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
-from actors.runtime.config.pools import pool_devices
+from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema import ConfigError
 from actors.sampler.engines.registry import ENGINES, engine_gpus
 
@@ -65,7 +65,7 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                 start = (i * width) % len(order)
                 taken[name] = [order[(start + k) % len(order)] for k in range(width)]
     _place_teachers(topology, names, gpus, taken)
-    for name, (key, device) in pool_devices(topology.reward).items():  # model pools' replicas
+    for name, (key, device) in served_devices(topology.reward).items():  # model pools' replicas
         if name in names and device.startswith("cuda"):
             index = int(device.split(":")[1]) if ":" in device else 0
             if index >= len(gpus):

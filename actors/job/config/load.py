@@ -66,8 +66,23 @@ def _key_path_message(msg: str, data: Any = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def _old_shape(data: dict[str, Any]) -> None:
+    """A key in the shape before reward sources owned their options names its new shape."""
+    reward = data.get("reward")
+    if not isinstance(reward, dict):
+        return
+    if "pools" in reward:
+        raise ConfigError("reward.pools: renamed to reward.models")
+    functions = reward.get("functions")
+    for i, fn in enumerate(functions if isinstance(functions, list) else []):
+        if isinstance(fn, dict) and fn.get("builtin") == "reward_model":
+            raise ConfigError(f"reward.functions[{i}].builtin: a reward model is a "
+                              '[[reward.models]] entry with kind = "reward_model"')
+
+
 def decode_topology(data: dict[str, Any]) -> Topology:
     """Validate a raw dict into a Topology; errors name the full key path."""
+    _old_shape(data)
     try:
         topology = msgspec.convert(data, Topology)
     except msgspec.ValidationError as exc:

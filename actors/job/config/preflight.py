@@ -16,7 +16,7 @@ reason``, exit 2 from the runner) when:
   ``compute_score(data_source, solution_str, ground_truth, extra_info)`` for rewards).
 
 The model and user code are checked in sandboxed children (``actors/sandbox/preflight.py``,
-through ``ChildPool``): the runner never imports a user's file or transformers. Results are
+through ``Children``): the runner never imports a user's file or transformers. Results are
 kept per input in this process, so checking many topologies that share a model and code (the
 property test) starts the children once; a model directory that passed is remembered on disk
 (``FLOWRL_CACHE/checked/``, keyed by its files' names, sizes and times and the transformers
@@ -66,18 +66,18 @@ def user_code(topology: Topology) -> list[tuple[str, dict[str, Any]]]:
 
 async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
     """Each (key, function, arguments) run in a sandboxed child; the problems found, in order."""
-    from actors.sandbox.pool import ChildPool
+    from actors.sandbox.children import Children
     from actors.sandbox.protocol import Call, FunctionSpec
 
     names = sorted({fn for _, fn, _ in checks})
-    pool = ChildPool([FunctionSpec(module=_MODULE, name=n, returns="text") for n in names],
+    children = Children([FunctionSpec(module=_MODULE, name=n, returns="text") for n in names],
                      size=len(names), timeout_s=PREFLIGHT_TIMEOUT_S, memory_mb=0, cpu_s=0,
                      limits_key="preflight")
     problems = [""] * len(checks)
     try:
         async def run(name: str) -> None:
             mine = [i for i, (_, fn, _) in enumerate(checks) if fn == name]
-            outcomes = await pool.call(Call(names.index(name), [checks[i][2] for i in mine],
+            outcomes = await children.call(Call(names.index(name), [checks[i][2] for i in mine],
                                             len(mine)))
             for i, o in zip(mine, outcomes, strict=True):
                 if o.failure == "timeout":
@@ -90,7 +90,7 @@ async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[st
             for name in names:
                 tg.start_soon(run, name)
     finally:
-        await pool.aclose()
+        await children.aclose()
     return problems
 
 

@@ -23,7 +23,6 @@ from actors.runtime.config.algorithm import (
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
-    ActorCommon,
     ConfigError,
     DatasetConfig,
     LearnerConfig,
@@ -41,6 +40,7 @@ from actors.runtime.config.schema import (
     ValidationConfig,
     ValidationDataset,
 )
+from actors.runtime.config.schema_base import ActorCommon
 
 __all__ = [
     "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ActorCommon", "AgentConfig", "AgentEnv", "AgentRollout",

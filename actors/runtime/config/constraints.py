@@ -88,11 +88,14 @@ def _members(t: Any) -> tuple[Any, ...]:
 
 
 def _step(t: Any, name: str) -> Any:
-    """The type one step into ``t``: its field ``name``, or (no name) its items or values."""
+    """The type one step into ``t``: its field ``name`` (in the first member of a union of
+    Structs that has one), or (no name) its items or values."""
     for member in _members(t):
         member = member.type if isinstance(member, msgspec.inspect.Metadata) else member
-        if name and isinstance(member, msgspec.inspect.StructType):
-            return next((f.type for f in member.fields if f.encode_name == name), None)
+        field = name and isinstance(member, msgspec.inspect.StructType) and next(
+            (f.type for f in member.fields if f.encode_name == name), None)
+        if field:
+            return field
         if not name and isinstance(member, msgspec.inspect.DictType):
             return member.value_type
         if not name and hasattr(member, "item_type"):

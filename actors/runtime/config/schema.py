@@ -28,12 +28,14 @@ from actors.runtime.config.constraints import (
 )
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
-from actors.runtime.config.pools import PoolConfig
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
 from actors.runtime.transports.base import TransportChoice
 from actors.sampler.engines.registry import EngineChoice
 from actors.sampler.engines.vllm.options import VLLMOptions
+from actors.scoring.judge import JudgeConfig
+from actors.scoring.reward_model import RewardModelConfig
+from actors.scoring.rules import BUILTINS
 
 
 class RunConfig(_Section, frozen=True):
@@ -201,18 +203,16 @@ class RouterConfig(ActorCommon, frozen=True):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
-BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
-                   "calculator", "reward_model")
+BUILTIN_SCORERS = tuple(BUILTINS)  # the rules of actors/scoring/rules.py
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: Annotated[str, one_of(BUILTIN_SCORERS, unset=True)] = ""
-    """A built-in scorer (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
-    calculator, reward_model); set this or ``path`` (reward_model: both)."""
+    """A built-in rule (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
+    calculator); set this or ``path``."""
     path: FilePath = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
-    function, which runs in a child process; for ``reward_model``, the local Hugging Face
-    directory of a sequence-classification checkpoint (one label: its logit is the score)."""
+    function, which runs in a child process."""
     name: PythonName = "compute_score"
     """The function in ``path``: ``(data_source, solution_str, ground_truth, extra_info)`` ->
     float or dict(score=..., **numeric extras); ``async def`` works too."""
@@ -224,14 +224,6 @@ class RewardFunction(_Section, frozen=True):
     kwargs: dict[str, str | int | float | bool] = {}
     """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
     format_score)."""
-    batch_size: PositiveInt = 8
-    """reward_model: sequences per forward pass."""
-    max_length: PositiveInt = 1024
-    """reward_model: tokens kept per sequence (the start is cut, so the response's end stays)."""
-    reward_mean: Finite = 0.0
-    """reward_model: the score is (logit - reward_mean) / reward_std."""
-    reward_std: PositiveFinite = 1.0
-    """reward_model: see reward_mean."""
 
 
 class RewardConfig(ActorCommon, frozen=True):
@@ -261,12 +253,13 @@ class RewardConfig(ActorCommon, frozen=True):
     than this share of a step's samples, or of a validation round's; below it the failures are
     counted (``replay/score_errors``) and shown. 0.5: a systematic bug stops the first step, one
     flaky item in 100 never does (1.0: never stop)."""
-    pools: list[PoolConfig] = []
-    """Model pools (``[[reward.pools]]``: reward models and LLM judges, each served by its own
-    replicas behind the router); every group is scored by each, weighted (config/pools.py)."""
+    models: list[RewardModelConfig | JudgeConfig] = []
+    """Served models (``[[reward.models]]``, by ``kind``: reward models and LLM judges), each a
+    pool of its own replicas behind the router; every group is scored by each, weighted
+    (config/pools.py)."""
     rules: bool = True
     """Score with the rule workers (``functions``, or the data source's built-in) too; false:
-    only the pools score (then no overlong penalty, which the rule workers add)."""
+    only the served models score (then no overlong penalty, which the rule workers add)."""
 
 
 class ReplayConfig(ActorCommon, frozen=True):

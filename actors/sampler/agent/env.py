@@ -3,7 +3,7 @@
 ``[agent.env]`` names a class with ``reset(prompt) -> observation`` and ``step(action) ->
 (observation, reward, done)`` (gymnasium's five-tuple works too). Each episode's object lives
 in one child (``actors.sandbox.tools.env_*``), so every call of an episode goes to that child:
-the host keeps ``agent.processes`` lanes, each a pool of one child, and gives a new episode the
+the host keeps ``agent.processes`` lanes, each one child, and gives a new episode the
 lane with the fewest episodes open. ``prompt`` is a dict of the prompt's fields (``messages``
 as role/content dicts, ``data_source``, ``ground_truth``, ``extra_info``).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from actors.data.chat import as_dicts
 from actors.runtime.config import AgentConfig
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec
 from messages.rollout import Prompt
 
@@ -52,7 +52,7 @@ class EnvHost:
                               returns="text"),
                  FunctionSpec(module=TOOLS_MODULE, name="env_step", returns="step"),
                  FunctionSpec(module=TOOLS_MODULE, name="env_close", returns="text")]
-        self.lanes = [ChildPool(specs, size=1, timeout_s=cfg.tool_timeout_s,
+        self.lanes = [Children(specs, size=1, timeout_s=cfg.tool_timeout_s,
                                 memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent",
                               timeout_key="tool_timeout_s")
                       for _ in range(cfg.processes)]
@@ -76,14 +76,14 @@ class Episode:
 
     def __init__(self, host: EnvHost, lane: int, instance: str) -> None:
         self.host, self.lane, self.instance = host, lane, instance
-        self.pool = host.lanes[lane]
+        self.child = host.lanes[lane]  # the lane's one child, which holds the episode's object
         self.closed = False
 
     async def reset(self, prompt: Prompt) -> StepResult:
         row = {"messages": as_dicts(prompt.messages), "data_source": prompt.data_source,
                "ground_truth": prompt.ground_truth, "extra_info": dict(prompt.extra_info)}
         started = time.monotonic()
-        (o,) = await self.pool.call(Call(RESET, [{"instance": self.instance, "prompt": row}], 1))
+        (o,) = await self.child.call(Call(RESET, [{"instance": self.instance, "prompt": row}], 1))
         if o.error:
             return StepResult(f"Error: {o.error}", done=True, error=o.error,
                               failure=o.failure or "raised", latency_s=time.monotonic() - started)
@@ -92,7 +92,7 @@ class Episode:
     async def step(self, action: str) -> StepResult:
         self.host.steps += 1
         started = time.monotonic()
-        (o,) = await self.pool.call(Call(STEP, [{"instance": self.instance, "action": action}], 1))
+        (o,) = await self.child.call(Call(STEP, [{"instance": self.instance, "action": action}], 1))
         latency = time.monotonic() - started
         if o.error:
             self.host.errors += 1
@@ -106,4 +106,4 @@ class Episode:
             return
         self.closed = True
         self.host._open[self.lane] -= 1
-        await self.pool.call(Call(CLOSE, [{"instance": self.instance}], 1))
+        await self.child.call(Call(CLOSE, [{"instance": self.instance}], 1))

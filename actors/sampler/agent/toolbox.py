@@ -1,6 +1,6 @@
 """The tools of a sampler: their schemas, their sandboxed children, and one call at a time.
 
-Tools run in the sandbox that runs user reward code (``actors/sandbox``): a pool of child
+Tools run in the sandbox that runs user reward code (``actors/sandbox``): child
 processes with memory and CPU limits and a per-call timeout (``[agent]`` limits). The schemas
 the model is shown are built in a child too (``actors.sandbox.tools.describe``), so a user's
 tool file is never imported into the sampler. A call never raises: an unknown tool, arguments
@@ -18,7 +18,7 @@ from typing import Any
 
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.parsers import ToolCall
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec
 
 TOOLS_MODULE = "actors.sandbox.tools"
@@ -77,7 +77,7 @@ def argument_problem(arguments: dict[str, Any], schema: dict[str, Any]) -> str:
 
 
 class ToolBox:
-    """``cfg.tools`` behind one sandboxed child pool."""
+    """``cfg.tools`` behind one set of sandboxed children."""
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.names: list[str] = []
@@ -92,7 +92,7 @@ class ToolBox:
             self.names.append(name)
             self._describe.append({"path": tool.path, "module": module, "name": function,
                                    "tool": name})
-        self.pool = ChildPool(specs, size=cfg.processes, timeout_s=cfg.tool_timeout_s,
+        self.children = Children(specs, size=cfg.processes, timeout_s=cfg.tool_timeout_s,
                               memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="agent",
                               timeout_key="tool_timeout_s")
         self.schemas: list[dict[str, Any]] = []
@@ -104,7 +104,7 @@ class ToolBox:
     async def start(self) -> None:
         """Build every tool's schema in a child; a tool that does not load stops the sampler
         here, with the child's error, rather than failing every call later."""
-        outcomes = await self.pool.call(Call(0, self._describe, len(self._describe)))
+        outcomes = await self.children.call(Call(0, self._describe, len(self._describe)))
         problems = [f"agent.tools[{i}] ({self.names[i]}): {o.error}"
                     for i, o in enumerate(outcomes) if o.error]
         if problems:
@@ -112,8 +112,8 @@ class ToolBox:
         self.schemas = [json.loads(o.text) for o in outcomes]
 
     def statistics(self) -> ToolStatistics:
-        pool = self.pool.statistics()
-        return ToolStatistics(self._calls, self._errors, pool.timeouts, pool.crashes)
+        c = self.children.statistics()
+        return ToolStatistics(self._calls, self._errors, c.timeouts, c.crashes)
 
     async def call(self, call: ToolCall) -> ToolResult:
         self._calls += 1
@@ -143,11 +143,11 @@ class ToolBox:
         if problem:
             return failed(f"{call.name}: {problem}", "arguments")
         started = time.monotonic()
-        (outcome,) = await self.pool.call(Call(index + 1, [call.arguments], 1))
+        (outcome,) = await self.children.call(Call(index + 1, [call.arguments], 1))
         latency = time.monotonic() - started
         if outcome.error:
             return failed(outcome.error, outcome.failure or "raised", latency)
         return ToolResult(outcome.text, latency_s=latency)
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        await self.children.aclose()

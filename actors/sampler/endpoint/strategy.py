@@ -31,7 +31,7 @@ from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
 from actors.sampler.endpoint.episodes import Episode, Segment
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
-from actors.sandbox.pool import ChildPool
+from actors.sandbox.children import Children
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
 from messages.reward import ScoreResult
 from messages.rollout import Prompt, SamplingParams, Turn
@@ -112,7 +112,7 @@ class EndpointRollout:
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: AgentConfig) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         R = cfg.rollout
-        self.pool = ChildPool(
+        self.children = Children(
             [FunctionSpec(module="actors.sandbox.episode", name="run_episode", returns="episode",
                           preload=("openai",),
                           kwargs={"rollout_path": R.path, "rollout_name": R.name,
@@ -145,7 +145,7 @@ class EndpointRollout:
         await serve(self, task_status=task_status)
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        await self.children.aclose()
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         return self.tok.prompt_ids(prompt.messages)
@@ -193,7 +193,7 @@ class EndpointRollout:
                "reward_model": {"ground_truth": prompt.ground_truth, "style": "rule"},
                "extra_info": dict(prompt.extra_info)}
         try:
-            (o,) = await self.pool.call(Call(0, [{
+            (o,) = await self.children.call(Call(0, [{
                 "base_url": f"{self.base_url}/episodes/{eid}/v1", "row": row}], 1))
         finally:
             del self.episodes[eid]

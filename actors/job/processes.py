@@ -1,6 +1,6 @@
-"""A job's processes as pools, one per actor kind, and each pool's lifecycle in one place.
+"""A job's processes, by actor kind, and each one's lifecycle in one place.
 
-A pool's processes are started (``spawn``), watched until they exit and then restarted or not
+A kind's processes are started (``spawn``), watched until they exit and then restarted or not
 (``supervise``), joined by workers attached by hand (``attach``: a ``runner.py attach KIND``
 process that reports to this runner), left by them when they drain and finish (``detach``), and
 finished. What differs between kinds is a row of the registry (``actors/registry.py``: gang,
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from actors.job.liveview import View
 
 
-class PoolsJob(Protocol):
-    """All that the pools read or call of the job that owns them (``actors.job.supervisor.Job``
+class ProcessesJob(Protocol):
+    """All that ``Processes`` reads or calls of the job that owns them (``actors.job.supervisor.Job``
     is one; mypy checks it): where the run and this runner's files are, whether a live panel
     shows the actors, whether the job is stopping, and how to record, say, end or finish."""
 
@@ -84,10 +84,10 @@ class Proc:
                         self.status, now - self.state[1], finished=self.finished)
 
 
-class Pools:
+class Processes:
     """The processes this runner follows, by name, and what happens to them over their life."""
 
-    def __init__(self, job: PoolsJob, procs: dict[str, Proc]) -> None:
+    def __init__(self, job: ProcessesJob, procs: dict[str, Proc]) -> None:
         self.job = job
         self.procs = procs  # every process of the job this runner follows, attached ones too
 
@@ -209,7 +209,7 @@ def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
     for p in procs.values():
         p.host = host_of(topology, p.kind, p.index)
         p.remote = (p.kind, p.index) not in here and topology.learner.node_rank == 0
-    if topology.learner.node_rank == 0:  # model pools' replicas (config/pools.py): reward
+    if topology.learner.node_rank == 0:  # served models' replicas (config/pools.py): reward
         R = topology.reward  # processes after the rule workers, on the owner's host
         for i in range(R.count, reward_processes(R)):
             procs[f"reward-{i}"] = Proc("reward", i, host=owner(topology), remote=not is_owner)

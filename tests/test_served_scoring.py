@@ -1,8 +1,8 @@
-"""A model pool replica's scoring: batching across concurrent requests (the pool's and the rule
-workers' reward model), sleep and wake of a torch model on the CPU (the same scores before and
-after, the memory freed reported; also live, behind the real router), a judge through a
-scripted engine (answers that parse) and through the real tiny model (answers that do not:
-recorded errors), a user's parser in a sandboxed child, and the live panel's row."""
+"""A served model's replica scoring (``ServedScoring``): batching across concurrent requests,
+sleep and wake of a torch model on the CPU (the same scores before and after, the memory freed
+reported; also live, behind the real router), a judge through a scripted engine (answers that
+parse) and through the real tiny model (answers that do not: recorded errors), a user's parser
+in a sandboxed child, and the live panel's row."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher
 from actors.scoring.items import items_of
 from actors.scoring.judge import Judge
-from actors.scoring.pool import PoolScoring
+from actors.scoring.served import ServedScoring
 from actors.scoring.sleep import TorchSleep
 from messages.reward import ScoreResult
 from messages.rollout import ChatMessage
 from tests.helpers import wait_for
 from tests.test_agent import ScriptedEngine
-from tests.test_pools import items, pools, topology
+from tests.test_pools import items, models, topology
 from tests.tiny_model import build_tiny_reward_model
 
 
@@ -70,8 +70,9 @@ async def test_requests_that_queue_while_a_batch_runs_share_the_next_one():
 @pytest.mark.anyio
 async def test_a_sleeping_reward_model_frees_its_weights_and_wakes_with_the_same_scores(
         reward_model):
-    topo = topology(pools(f'name="rm", path="{reward_model}", sleep_idle_s=0.05'))
-    scoring = PoolScoring(topo.reward.pools[0], topo)
+    topo = topology(models(f'kind="reward_model", name="rm", path="{reward_model}", '
+                           'sleep_idle_s=0.05'))
+    scoring = ServedScoring(topo.reward.models[0], topo)
     await scoring.load()
     try:
         before = [r.score for r in await scoring.score(items())]
@@ -122,11 +123,12 @@ class Tok:
 def judge_with(script, tiny_model, *fields: str) -> tuple[Judge, ScriptedEngine]:
     from transformers import AutoTokenizer
 
-    topo = topology(pools(", ".join(['name="j"', 'kind="judge"', f'path="{tiny_model}"',
-                                     *fields])))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    engine = ScriptedEngine(Tok(tokenizer), script)
-    return Judge(topo.reward.pools[0], engine, tokenizer), engine
+    topo = topology(models(", ".join(['name="j"', 'kind="judge"', f'path="{tiny_model}"',
+                                      *fields])))
+    judge = Judge(topo.reward.models[0], topo)
+    judge.tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    judge.engine = ScriptedEngine(Tok(judge.tokenizer), script)
+    return judge, judge.engine
 
 
 @pytest.mark.anyio
@@ -154,10 +156,10 @@ async def test_an_answer_the_parser_cannot_read_is_a_recorded_error_not_a_zero(t
     assert judge.unreadable == 2 and judge.answers == 2
 
 
-def judge_logits(scoring: PoolScoring) -> torch.Tensor:
+def judge_logits(scoring: ServedScoring) -> torch.Tensor:
     """The judge model's logits on one fixed input (its weights, seen through a forward)."""
     with torch.no_grad():
-        return scoring.engine.model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
+        return scoring.model.module(input_ids=torch.tensor([[3, 4, 5, 6]])).logits
 
 
 @pytest.mark.anyio
@@ -166,9 +168,9 @@ async def test_a_tiny_random_judge_batches_on_the_real_engine_and_records_what_i
     """The real path: the hf engine generates every answer of a batch in one call; a random
     model writes no ``[[x]]``, so every item is a recorded error (and the result's score 0.0
     with it), never a made-up score."""
-    topo = topology(pools(f'name="j", kind="judge", path="{tiny_model}", parser="score_tag", '
-                          'max_tokens=6, sleep_idle_s=30.0'))
-    scoring = PoolScoring(topo.reward.pools[0], topo)
+    topo = topology(models(f'name="j", kind="judge", path="{tiny_model}", parser="score_tag", '
+                           'max_tokens=6, sleep_idle_s=30.0'))
+    scoring = ServedScoring(topo.reward.models[0], topo)
     await scoring.load()
     try:
         async with anyio.create_task_group() as tg:  # two requests at once: one batch or two
@@ -207,9 +209,9 @@ async def test_a_users_parser_runs_in_a_sandboxed_child(tiny_model, tmp_path):
         "    if 'odd' in judge_answer:\n"
         "        raise ValueError('cannot read ' + judge_answer)\n"
         "    return len(judge_answer) + (ground_truth == '5')\n")
-    topo = topology(pools(f'name="j", kind="judge", path="{tiny_model}", parser="function", '
-                          f'function_path="{parser}", max_tokens=4'))
-    scoring = PoolScoring(topo.reward.pools[0], topo)
+    topo = topology(models(f'name="j", kind="judge", path="{tiny_model}", parser="function", '
+                           f'function_path="{parser}", max_tokens=4'))
+    scoring = ServedScoring(topo.reward.models[0], topo)
     await scoring.load()
     try:
         from transformers import AutoTokenizer
@@ -230,7 +232,7 @@ async def test_a_users_parser_runs_in_a_sandboxed_child(tiny_model, tmp_path):
 @pytest.mark.anyio
 async def test_a_live_replica_sleeps_while_idle_and_a_routed_request_wakes_it(reward_model,
                                                                               tmp_path, sockets):
-    """A reward-model pool replica (a reward actor after the rule worker) behind the real router:
+    """A reward model's replica (a reward actor after the rule worker) behind the real router:
     idle, it sleeps (its status says so, with the memory freed); the next request through the
     sampler's client wakes it and gets the same scores as before."""
     import msgspec
@@ -244,13 +246,13 @@ async def test_a_live_replica_sleeps_while_idle_and_a_routed_request_wakes_it(re
     from messages.reward import Response, ScoreRequest
     from tests.helpers import actor_context, live_topology
 
-    topo = live_topology(sockets, "reward.rules=false", pools(
-        f'name="rm", path="{reward_model}", sleep_idle_s=0.3, capacity=2'))
+    topo = live_topology(sockets, "reward.rules=false", models(
+        f'kind="reward_model", name="rm", path="{reward_model}", sleep_idle_s=0.3, capacity=2'))
     request = ScoreRequest("mine", "5", [Response(t) for t in ("5", "it is 5", "six")],
                            prompt=[ChatMessage("user", "what is 2 + 3?")])
     zctx = zmq.Context()
     replica = ActorContext(kind="reward", index=topo.reward.count, topology=topo,
-                           run_dir=tmp_path, zmq=zctx)  # reward-1: the pool's replica 0
+                           run_dir=tmp_path, zmq=zctx)  # reward-1: the model's replica 0
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(serve_actor, actor_context("router", topo, zctx, tmp_path),
@@ -292,43 +294,45 @@ def test_the_live_panel_names_a_replicas_pool_and_says_when_it_sleeps():
 @pytest.mark.anyio
 async def test_a_reward_models_concurrent_requests_share_forwards_and_keep_their_scores(
         reward_model):
-    """The rule workers' ``reward_model`` function too: requests that come together are
-    scored in shared forwards, each getting its own items' scores (as alone, to 1e-5)."""
-    from actors.runtime.config import RewardFunction
-    from actors.scoring.reward_model import RewardModel
-
-    model = RewardModel(RewardFunction(builtin="reward_model", path=str(reward_model),
-                                       batch_size=16))
-    model.load()
+    """Requests that come together are scored in shared forwards, each getting its own items'
+    scores (as alone, to 1e-5)."""
+    topo = topology(models(f'kind="reward_model", name="rm", path="{reward_model}", '
+                           'batch_size=16'))
+    scoring = ServedScoring(topo.reward.models[0], topo)
+    await scoring.load()
     requests = [items(3)[:k] for k in (1, 2, 3)]
-    alone = [[o.score for o in await model.score(r)] for r in requests]
-    calls_before = model._batcher.statistics().batches
-    together: list[list[float]] = [[], [], []]
+    try:
+        alone = [[r.score for r in await scoring.score(rs)] for rs in requests]
+        calls_before = scoring.batcher.statistics().batches
+        together: list[list[float]] = [[], [], []]
 
-    async def one(k: int) -> None:
-        together[k] = [o.score for o in await model.score(requests[k])]
+        async def one(k: int) -> None:
+            together[k] = [r.score for r in await scoring.score(requests[k])]
 
-    async with anyio.create_task_group() as tg:
-        for k in range(3):
-            tg.start_soon(one, k)
-    stats = model._batcher.statistics()
+        async with anyio.create_task_group() as tg:
+            for k in range(3):
+                tg.start_soon(one, k)
+    finally:
+        await scoring.aclose()
+    stats = scoring.batcher.statistics()
     assert stats.batches - calls_before < 3 and stats.requests_largest >= 2  # shared
     for a, b in zip(alone, together, strict=True):
         assert b == pytest.approx(a, abs=1e-5)
 
 
 @pytest.mark.anyio
-async def test_offline_tools_score_with_the_jobs_pools_as_the_sampler_adds_them(reward_model):
-    """``runner.py validate`` and ``replay --rescore``'s live path (``LocalScoring``): the rule
-    workers' score plus each pool's, weighted, in this process."""
+async def test_offline_tools_score_with_the_jobs_models_as_the_sampler_adds_them(reward_model):
+    """``runner.py validate`` and ``rerun --rescore``'s live path (``LocalScoring``): the rule
+    workers' score plus each served model's, weighted, in this process."""
     from actors.offline.live_path import LocalScoring
     from messages.reward import Response, ScoreRequest
 
-    topo = topology("task.name=arithmetic", pools(f'name="rm", path="{reward_model}", weight=0.5'))
+    topo = topology("task.name=arithmetic", models(f'kind="reward_model", name="rm", '
+                                                   f'path="{reward_model}", weight=0.5'))
     request = ScoreRequest("arithmetic", "5", [Response("5"), Response("7")],
                            prompt=[ChatMessage("user", "what is 2 + 3?")])
     local = LocalScoring(topo)
-    alone = PoolScoring(topo.reward.pools[0], topo)
+    alone = ServedScoring(topo.reward.models[0], topo)
     await local.load()
     await alone.load()
     try:

@@ -1,10 +1,10 @@
-"""A pool of sandboxed child processes, driven from the event loop without blocking it.
+"""Sandboxed child processes, driven from the event loop without blocking it.
 
 Each ``call`` takes one idle child (or starts one, up to ``size``), sends it one ``Call`` and
 awaits the reply under the per-call timeout. A child that times out is killed; one that died
 (segfault, ``os._exit``, SIGXCPU, the kernel's OOM killer) is reaped; either way the next call
 starts a fresh child and the failed call's items get an error outcome. Children are tracked by
-pid and killed when the pool closes or a call is cancelled.
+pid and killed when ``Children`` closes or a call is cancelled.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class ChildDied(Exception):
 
 
 @dataclass(frozen=True)
-class PoolStatistics:
+class ChildrenStatistics:
     children: int
     """Children alive now (idle or busy)."""
     started: int
-    """Children started since the pool was made (replacements included)."""
+    """Children started since the set was made (replacements included)."""
     timeouts: int
     """Calls killed at the per-call timeout."""
     crashes: int
@@ -89,7 +89,7 @@ class _Child:
             raise ChildDied(str(exc)) from None
 
 
-class ChildPool:
+class Children:
     """Up to ``size`` children, each serving one call at a time, all able to call any of
     ``functions``. Children start on first use and are replaced after a timeout or a crash."""
 
@@ -107,12 +107,8 @@ class ChildPool:
         self._alive: dict[int, _Child] = {}  # every child not yet reaped, by pid
         self._started = self._timeouts = self._crashes = 0
 
-    def statistics(self) -> PoolStatistics:
-        return PoolStatistics(len(self._alive), self._started, self._timeouts, self._crashes)
-
-    @property
-    def pids(self) -> list[int]:
-        return list(self._alive)
+    def statistics(self) -> ChildrenStatistics:
+        return ChildrenStatistics(len(self._alive), self._started, self._timeouts, self._crashes)
 
     async def call(self, call: Call) -> list[Outcome]:
         """``call.items`` outcomes from ``functions[call.function]`` (called once per argument

@@ -1,4 +1,4 @@
-"""Offline replay of one learner step: ``python runner.py replay RUN_DIR --step N``.
+"""Rerun one recorded learner step offline: ``python runner.py rerun RUN_DIR --step N``.
 
 The learner is rebuilt as it was before step N: from the newest checkpoint of a step ≤ N−1
 (weights, optimizer, scheduler, KL coefficient), or from the base model with a fresh optimizer
@@ -8,17 +8,17 @@ recorded order), with no sampler or reward worker, and every metric is compared 
 recorded one. On the CPU they match exactly: a step's inputs are the recorded bytes, its RNG is
 seeded from (run seed, step) (``Trainer.step_seed``), the thread count is ``learner.threads``
 and the step runs on a worker thread as in the learner actor. A live learner that also computed
-on a sampler's lent threads (``learner.share_threads``) replays exactly as well: torch's CPU
+on a sampler's lent threads (``learner.share_threads``) reruns exactly as well: torch's CPU
 kernels split these computations by rows, not their sums, so one or two threads give the same
 bits (tests/test_offline.py's run borrows; the embedded model's step 6 matched too). A run whose learner had several
-ranks is replayed on one (its checkpoints load with any number of ranks): the same computation
+ranks is rerun on one (its checkpoints load with any number of ranks): the same computation
 with sums in another order, so metrics agree to float rounding, not to the last bit.
 
 Metrics about the live system rather than the computation (``timing_s/*``, ``perf/*``,
 ``replay/*``) are not compared. A mismatch names the first differing quantity, in the order the
 computation produces them: the batch (scores, lengths, staleness), advantages, the importance
 correction (proximal vs behaviour log-probs), the loss terms, the gradient norm, the learning
-rate, then the rest; a difference in a replayed-forward step is reported before step N's.
+rate, then the rest; a difference in a step rerun on the way is reported before step N's.
 Nothing is written into the run directory.
 """
 
@@ -53,9 +53,9 @@ def _rank(name: str) -> int:
     return len(ORDER)
 
 
-def compared_names(recorded: dict[str, float], replayed: dict[str, float]) -> list[str]:
+def compared_names(recorded: dict[str, float], rerun: dict[str, float]) -> list[str]:
     """Every compared metric, in computation order (the trainer's order within a kind)."""
-    names = list(replayed) + [k for k in recorded if k not in replayed]
+    names = list(rerun) + [k for k in recorded if k not in rerun]
     return sorted((n for n in names if not excluded(n)), key=_rank)  # sort is stable
 
 
@@ -65,9 +65,9 @@ def same(a: float | None, b: float | None) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def first_difference(recorded: dict[str, float], replayed: dict[str, float]) -> str | None:
-    for name in compared_names(recorded, replayed):
-        if not same(recorded.get(name), replayed.get(name)):
+def first_difference(recorded: dict[str, float], rerun: dict[str, float]) -> str | None:
+    for name in compared_names(recorded, rerun):
+        if not same(recorded.get(name), rerun.get(name)):
             return name
     return None
 
@@ -76,12 +76,12 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.10g}"
 
 
-def comparison_table(recorded: dict[str, float], replayed: dict[str, float]) -> str:
-    names = compared_names(recorded, replayed)
+def comparison_table(recorded: dict[str, float], rerun: dict[str, float]) -> str:
+    names = compared_names(recorded, rerun)
     width = max(len(n) for n in names) if names else 10
-    lines = [f"{'name':<{width}}  {'recorded':>18}  {'replayed':>18}  {'|diff|':>10}"]
+    lines = [f"{'name':<{width}}  {'recorded':>18}  {'rerun':>18}  {'|diff|':>10}"]
     for n in names:
-        a, b = recorded.get(n), replayed.get(n)
+        a, b = recorded.get(n), rerun.get(n)
         diff = "-" if a is None or b is None else f"{abs(a - b):.3g}"
         flag = "" if same(a, b) else "  <-- differs"
         lines.append(f"{n:<{width}}  {_fmt(a):>18}  {_fmt(b):>18}  {diff:>10}{flag}")
@@ -102,10 +102,10 @@ def parse_dump(spec: str) -> tuple[int, int | None]:
         raise OfflineError(f"--dump {spec!r}: expected GROUP_ID or GROUP_ID:SAMPLE") from None
 
 
-def replay(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
-           dump: Sequence[str] = (), dump_dir: str | None = None,
-           out: TextIO = sys.stdout) -> int:
-    """Replay step ``step``; 0 when every compared metric matches exactly, 1 otherwise."""
+def rerun(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
+          dump: Sequence[str] = (), dump_dir: str | None = None,
+          out: TextIO = sys.stdout) -> int:
+    """Rerun step ``step``; 0 when every compared metric matches exactly, 1 otherwise."""
     run = open_run(run_dir, overrides)
     if step not in run.batches:
         raise OfflineError(f"step {step} is not recorded in {run.run_dir} "
@@ -139,25 +139,25 @@ def replay(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
     threads = torch.get_num_threads()
     torch.set_num_threads(run.topology.learner.threads)
     try:
-        return _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out)
+        return _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out)
     finally:
         torch.set_num_threads(threads)  # as it was: a caller in-process keeps its own setting
 
 
-def _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> int:
+def _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> int:
     from actors.learner.trainer import Trainer
 
     gids = [g.prompt.prompt_id for g in batch]
-    # the learner actor builds its Trainer and trains on a worker thread: so does the replay
+    # the learner actor builds its Trainer and trains on a worker thread: so does the rerun
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
         trainer = thread.submit(Trainer, run.topology, run.run_dir, ckpt).result()
         source = f"checkpoint {ckpt}" if ckpt is not None else "the base model (no checkpoint ≤ " \
             f"step {step - 1} left), fresh optimizer"
-        print(f"=== replay of step {step} of {run.run_dir}", file=out)
+        print(f"=== rerun of step {step} of {run.run_dir}", file=out)
         print(f"=== learner rebuilt from {source}; threads={run.topology.learner.threads}", file=out)
         ranks = run.topology.learner.nproc_per_node * run.topology.learner.nnodes
         if ranks > 1:  # tests/test_ranks_jobs.py measured it: a few 1e-7 relative
-            print(f"=== the run's learner had {ranks} ranks, the replay has one: their sums are "
+            print(f"=== the run's learner had {ranks} ranks, the rerun has one: their sums are "
                   "taken in another order, so expect differences of float rounding", file=out)
         if overrides:
             print(f"=== overrides: {' '.join(overrides)}", file=out)
@@ -165,7 +165,7 @@ def _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) ->
         for s in forward:
             got = thread.submit(trainer.train_step, run.batch_groups(s)).result()
             diff = first_difference(run.metrics.get(s, {}), got)
-            print(f"    replayed step {s} forward: {'match' if diff is None else 'differs at ' + diff}",
+            print(f"    rerun step {s} on the way: {'match' if diff is None else 'differs at ' + diff}",
                   file=out)
             if diff is not None and first is None:
                 first = (s, diff)
@@ -189,8 +189,8 @@ def _replay(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) ->
         return 0
     s, name = first
     a, b = run.metrics.get(s, {}).get(name), (got.get(name) if s == step else None)
-    where = f"step {s}" + (" (replayed forward, before the step asked for)" if s != step else "")
-    detail = f" (recorded {_fmt(a)}, replayed {_fmt(b)})" if s == step else ""
+    where = f"step {s}" + (" (rerun on the way, before the step asked for)" if s != step else "")
+    detail = f" (recorded {_fmt(a)}, rerun {_fmt(b)})" if s == step else ""
     print(f"\nresult: MISMATCH — first differing quantity: {name} at {where}{detail}", file=out)
     return 1
 
