@@ -83,16 +83,21 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
     return value if isinstance(value, int) else 1
 
 
-def auto_engine() -> str:
-    """``sampler.engine = "auto"``: the first engine preferred on a GPU that can run, when the
-    sampler has a GPU; hf otherwise. On a CPU hf and vllm train the default job equally fast,
-    while vLLM starts about 45 s later and cannot borrow the learner's threads (BENCHMARKS.md,
-    "In the default job"; issue 23), so a CPU keeps hf."""
+def auto_engine(device: str = "auto") -> str:
+    """``sampler.engine = "auto"`` for samplers on ``device`` (``sampler.device``): the first
+    engine preferred on a GPU that can run, when the samplers compute on a GPU (``cuda``,
+    ``cuda:N``, or ``auto`` where torch sees one); hf otherwise, and always for ``cpu``: a GPU
+    engine started on a CPU sampler (no GPU visible to it) could only fail. On a CPU hf and vllm
+    train the default job equally fast, while vLLM starts about 45 s later and cannot borrow the
+    learner's threads (BENCHMARKS.md, "In the default job"; issue 23), so a CPU keeps hf."""
+    if device == "cpu":
+        return FALLBACK
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]
     runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
         return FALLBACK
+    if device.startswith("cuda"):  # (the placement check makes sure there is one)
+        return runnable[0]
     import torch  # only with a GPU engine installed: a config check stays torch-free without
 
     return runnable[0] if torch.cuda.is_available() else FALLBACK
-
