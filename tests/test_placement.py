@@ -112,3 +112,57 @@ def test_the_gpu_count_comes_without_torch():
         raise FileNotFoundError(cmd[0])
 
     assert visible_gpus({}, run=missing) == []
+
+
+@pytest.mark.parametrize(("extra", "gpus", "why"), [
+    # issue 34 item 3: vLLM's IPC engine looks the handles up by its own GPU's UUID
+    (["learner.weights_transport=ipc", "sampler.engine=vllm"], 2,
+     "sampler-0 is on GPU 1"),
+    (["learner.weights_transport=ipc", "sampler.engine=vllm",
+      "sampler.vllm.tensor_parallel_size=2"], 2, "sampler-0 is on GPU 0,1"),
+    (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.device=cpu"], 1,
+     "sampler-0 is on the CPU"),
+    # issue 34 item 4: NCCL refuses two ranks of one group on one GPU
+    (["learner.weights_transport=nccl", "sampler.engine=hf"], 1, "shares GPU 0 with learner-0"),
+    (["learner.weights_transport=nccl", "sampler.engine=vllm", "sampler.count=2"], 2,
+     "sampler-1 shares GPU 0"),
+    (["learner.weights_transport=nccl", "sampler.engine=hf", "sampler.device=cpu"], 1,
+     "learner-0 is on GPU 0 and sampler-0 on the CPU"),
+])
+def test_a_gpu_transport_the_placement_cannot_serve_is_refused(tmp_path, sockets, extra, gpus,
+                                                               why):
+    topo = topology(sockets, *extra)
+    with pytest.raises(ConfigError, match=f"^learner.weights_transport: .*{why}"):
+        with_placement(topo, tmp_path, [str(i) for i in range(gpus)])
+
+
+@pytest.mark.parametrize(("extra", "gpus"), [
+    (["learner.weights_transport=ipc", "sampler.engine=vllm"], 1),  # the learner's own GPU
+    (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.count=2"], 1),
+    (["learner.weights_transport=nccl", "sampler.engine=vllm"], 2),  # a GPU of its own
+    (["learner.weights_transport=nccl", "sampler.engine=vllm",
+      "sampler.vllm.tensor_parallel_size=2", "learner.nproc_per_node=2",
+      "learner.groups_per_step=4"], 4),
+    (["learner.weights_transport=nccl", "sampler.engine=hf"], 0),  # gloo on the CPU
+])
+def test_a_gpu_transport_on_a_placement_it_serves_is_kept(tmp_path, sockets, extra, gpus):
+    with_placement(topology(sockets, *extra), tmp_path, [str(i) for i in range(gpus)])
+
+
+def test_the_runner_refuses_the_layout_before_starting_anything(tmp_path, tiny_model):
+    """The runner, given one pretend GPU (CUDA_VISIBLE_DEVICES: it never asks torch), refuses
+    nccl between a learner and a sampler that would share it: exit 2, the key named."""
+    import os
+    import sys
+
+    from tests.jobs import ROOT, TINY
+
+    done = subprocess.run(
+        [sys.executable, "runner.py", "topology.toml", f"model.path={tiny_model}",
+         f"run.dir={tmp_path / 'run'}", *TINY, "learner.weights_transport=nccl"],
+        cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: bad topology: learner.weights_transport: nccl: NCCL refuses")
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
 from actors.runtime.config.pools import pool_devices
 from actors.runtime.config.schema import ConfigError
+from actors.runtime.transports.base import placement_problem
 from actors.sampler.engines.registry import ENGINES, engine_gpus
 
 
@@ -98,6 +99,13 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                                   f"{MIN_SHARE:.0%}): use fewer samplers or more GPUs")
         placed.append(PlacedProcess(name, list(on), share, sharing,
                                     ranks_gpus if name in learners and len(learners) > 1 else []))
+    sender = next((n for n in learners if ".rank" not in n), None)  # rank 0: it sends
+    if sender is not None:  # (on this runner: a learner node k > 0 places its ranks only)
+        for name in samplers:
+            problem = placement_problem(L.weights_transport, sender, taken.get(sender, []),
+                                        name, taken.get(name, []))
+            if problem is not None:
+                raise ConfigError(f"learner.weights_transport: {problem}")
     return placed
 
 
