@@ -300,8 +300,13 @@ class VLLMEngine:
                 raise ValueError("LoRA adapters reached a vLLM engine started without LoRA")
             case SharedWeights(path=path):
                 await self.loop.call(self._swap(version, self._load_file(str(path))))
-            case WorkerTransfer():
-                await self.loop.call(self._swap(version, self._receive(source)))
+            case WorkerTransfer():  # ended either way, so the subscriber asks for the next
+                try:
+                    await self.loop.call(self._swap(version, self._receive(source)))
+                except BaseException as exc:
+                    source.done(exc)
+                    raise
+                source.done(None)
             case _:
                 written = SHM_ROOT / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
                 await anyio.to_thread.run_sync(save_tensors, dict(source), written)
@@ -326,18 +331,13 @@ class VLLMEngine:
 
         async def receive() -> float:
             started = time.perf_counter()
-            try:
-                if transfer.init is not None:
-                    await self.llm.init_weight_transfer_engine(
-                        WeightTransferInitRequest(init_info=transfer.init))
-                await self.llm.start_weight_update()
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
-                await self.llm.finish_weight_update()
-                await self.llm.collective_rpc("flowrl_redispatch_head")
-            except BaseException as exc:
-                transfer.done(exc)
-                raise
-            transfer.done(None)
+            if transfer.init is not None:
+                await self.llm.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info=transfer.init))
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
+            await self.llm.finish_weight_update()
+            await self.llm.collective_rpc("flowrl_redispatch_head")
             return time.perf_counter() - started
         return receive
 
