@@ -166,3 +166,30 @@ def test_the_runner_refuses_the_layout_before_starting_anything(tmp_path, tiny_m
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: bad topology: learner.weights_transport: nccl: NCCL refuses")
     assert not (tmp_path / "run" / "logs").exists()  # nothing was started
+
+
+def afters(topo, tmp_path, gpus: int) -> dict[str, list[str]]:
+    """What each process of the runner's Job waits for before it is started."""
+    job = Job(with_placement(topo, tmp_path, [str(i) for i in range(gpus)]), tmp_path,
+              home=tmp_path)
+    try:
+        return {name: p.after for name, p in job.procs.items() if p.after}
+    finally:
+        job.control.close()
+        job.zmq.term()
+
+
+@pytest.mark.parametrize(("extra", "gpus", "expected"), [
+    # issue 34 item 9: vLLM measures the GPU's free memory while it starts
+    (["sampler.engine=vllm"], 1, {"learner-0": ["sampler-0"]}),
+    (["sampler.engine=vllm", "sampler.count=2"], 1,
+     {"sampler-1": ["sampler-0"], "learner-0": ["sampler-0", "sampler-1"]}),
+    (["sampler.engine=vllm", "sampler.count=2", "learner.nproc_per_node=2",
+      "learner.groups_per_step=4"], 2,  # ranks meet in one rendezvous: they start together
+     {"learner-0": ["sampler-0", "sampler-1"], "learner-0.rank1": ["sampler-0", "sampler-1"]}),
+    (["sampler.engine=vllm"], 2, {}),  # a GPU of its own
+    (["sampler.engine=hf"], 1, {}),  # nothing measures: all start at once, as before
+])
+def test_processes_sharing_a_gpu_with_vllm_start_after_it(tmp_path, sockets, extra, gpus,
+                                                         expected):
+    assert afters(topology(sockets, *extra), tmp_path, gpus) == expected

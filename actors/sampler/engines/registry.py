@@ -47,6 +47,8 @@ class EngineRow:
     adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
     max_adapter_rank: int = 0  # the highest LoRA rank it serves (0: any)
     sleeps: bool = False  # has a sleep mode of its own, on a GPU (sampler.sleep_idle_s)
+    measures_memory: bool = False  # sizes its cache from the GPU's free memory as it starts
+    # (vLLM's profile run): started alone on a GPU it shares (``layout.start_after``)
 
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
@@ -54,7 +56,7 @@ ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow(FALLBACK, _start_hf, adapters=True),
     EngineRow("vllm", _start_vllm, vllm_problem, continuous=True, prefer_on_gpu=True,
               in_worker=True, ranks="vllm.tensor_parallel_size", adapters=True,
-              max_adapter_rank=512, sleeps=True),
+              max_adapter_rank=512, sleeps=True, measures_memory=True),
 )}
 if TYPE_CHECKING:
     EngineName = str
