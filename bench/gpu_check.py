@@ -1,11 +1,13 @@
-"""One command that checks flowrl's GPU paths on one GPU and prints one table (no vLLM, no
-network; under 8 minutes on an H100/H200 by design, not yet measured: no GPU has run it).
+"""One command that checks flowrl's GPU paths on one GPU (more where a row needs them) and
+prints one table (no network; vLLM only for the row that needs it; under 10 minutes on an
+H100/H200 by design, not yet measured: no GPU has run it).
 
     python bench/gpu_check.py                 # on a machine with a CUDA GPU
     python bench/gpu_check.py --dry-run       # the same checks on the CPU with tiny shapes
     python bench/gpu_check.py --only kernels,job --json out.json
 
-Rows, each ``ok``, ``FAIL`` (with the reason; the other rows still run) or ``skip``:
+Rows, each ``ok``, ``FAIL`` (with the reason; the other rows still run) or ``skip`` (with
+the reason: a second GPU or vLLM that this machine lacks):
 
 - ``kernels``: the kernel tests on CUDA (``pytest -m "gpu or not slow" tests/test_kernels_*.py``:
   the ``gpu`` ones, and the Triton paths compared on the device rather than under Triton's
@@ -19,6 +21,18 @@ Rows, each ``ok``, ``FAIL`` (with the reason; the other rows still run) or ``ski
   nearly uniform ones any engine agrees), temperature 1.0 and 0.7: max and mean |delta log p| and
   the share of tokens whose ratio leaves [0.9, 1.1] (at most ``PARITY_SHARE``), beside a control
   that must break that bound (the T=0.7 tokens recomputed at T=1.0).
+- ``ipc colocated``: ``bench/bench_weights.py --device cuda`` at the 1.5B shape (bf16): the hf
+  engine in a sampler process on the learner's GPU receiving every version over ipc, beside
+  shm: seconds per version (publish to loaded) of each, and every load checked to hold the
+  version it reports. Dry run: shm alone on the CPU (ipc needs CUDA).
+- ``nccl 2 GPUs``: the same over nccl to an hf sampler on a second GPU; ``skip`` on one GPU.
+  Dry run: nccl over gloo on the CPU.
+- ``sleep lending``: a vLLM engine at 40% of the GPU sleeps once idle and lends what it freed
+  to this process, held to its own 40% as a learner on a shared GPU is: a tensor of 60% of the
+  GPU is refused while the engine is awake (the control) and fits during a step on the lent
+  memory; a request during that step waits for it, then wakes the engine. ``skip`` without
+  vLLM, and in the dry run (vLLM's CPU build has no sleep mode; the control flow is
+  ``tests/test_memory_lending.py``).
 - ``learner step``: one training step (after one untimed) of a Qwen2 model of 1.5B shape built
   from its config with random weights (fp32 master weights, bf16 compute, the default job's
   loss): step seconds, tokens/s, peak GPU memory.
@@ -77,7 +91,9 @@ QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 # the parity row's bound on the share of tokens whose behaviour/learner ratio leaves [0.9, 1.1]
 PARITY_SHARE = 0.05
-ROWS = ("kernels", "logprobs", "hf parity", "learner step", "offload", "job")
+ROWS = ("kernels", "logprobs", "hf parity", "ipc colocated", "nccl 2 GPUs", "sleep lending",
+        "learner step", "offload", "job")
+SLEEP_SHARE = 0.4  # the sleep lending row: the vLLM engine's share of the GPU, and this process's
 
 
 class Check:
@@ -227,6 +243,120 @@ class Check:
         ok = worst_share <= PARITY_SHARE and control > PARITY_SHARE
         return ("ok" if ok else "FAIL"), "; ".join(parts)
 
+    def weights(self, transports: str, gpus: int = 1) -> tuple[str, str]:
+        """``bench/bench_weights.py`` over ``transports`` (dry run: those a CPU runs)."""
+        import torch
+
+        if not self.dry and torch.cuda.device_count() < gpus:
+            return "skip", (f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+        if self.dry:
+            cpu = [t for t in transports.split(",") if t != "ipc"]
+            args = ["--transports", ",".join(cpu), "--rounds", "1"]
+        else:
+            args = ["--device", "cuda", "--transports", transports, "--rounds", "3"]
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), *args,
+                              "--model", str(self.model())], cwd=ROOT, capture_output=True,
+                             text=True, timeout=900)
+        print(out.stdout, out.stderr[-2000:], sep="\n")
+        names = args[args.index("--transports") + 1].split(",")
+        rows = [line.split() for line in out.stdout.splitlines()
+                if line.split()[:1] and line.split()[0] in names]
+        parts = [f"{r[0]} {float(r[1]):.3f} s/version ({r[4]} MiB/s)" for r in rows]
+        held = "every load holds the version it reports" in out.stdout
+        ok = out.returncode == 0 and held and len(rows) == len(names)
+        if self.dry and "ipc" in transports:
+            parts.append("ipc not run (needs CUDA)")
+        return ("ok" if ok else "FAIL"), ("; ".join(parts) + ("; each load holds its version"
+                                                            if held else "")
+                                          or out.stderr.strip()[-300:])
+
+    def sleep_lending(self) -> tuple[str, str]:
+        from actors.sampler.engines.vllm.options import vllm_problem
+
+        if (problem := vllm_problem()) is not None:
+            return "skip", f"needs vLLM ({problem.split(';')[0]})"
+        if self.dry:
+            return "skip", ("vLLM's CPU build has no sleep mode (the exchange runs on the CPU in "
+                            "tests/test_memory_lending.py)")
+        import gc
+
+        import torch
+        import trio
+
+        from actors.model_store import resolve_model_path
+        from actors.runtime.cores import CoreTable
+        from actors.runtime.devices import CudaMemory
+        from actors.runtime.memory_lending import (
+            MemoryBorrower,
+            MemoryLender,
+            holder_slot,
+            lender_slot,
+        )
+        from actors.sampler.engines.base import GenerateRequest
+        from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
+        from actors.sampler.engines.vllm.options import VLLMOptions
+        from messages.rollout import SamplingParams
+
+        gc.collect()
+        torch.cuda.empty_cache()  # what earlier rows left cached in this process
+        table = self.workdir / "lending-table"
+        lender = MemoryLender(CoreTable(table), lender_slot(0), [holder_slot(0)])
+        memory = CudaMemory(torch.device("cuda:0"))
+        borrower = MemoryBorrower(CoreTable(table), holder_slot(0), [lender_slot(0)],
+                                  SLEEP_SHARE, memory)
+        want = int(0.6 * memory.total)
+
+        def fits(nbytes: int) -> bool:
+            try:
+                t = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+            except torch.OutOfMemoryError:
+                return False
+            del t
+            torch.cuda.empty_cache()
+            return True
+
+        async def run() -> dict:
+            options = VLLMOptions(max_model_len=1024).engine_args(gpu=True, share=SLEEP_SHARE)
+            engine = await VLLMEngine.start(resolve_model_path("default"), "bfloat16", 0,
+                                            VLLMSettings(options, sleep_idle_s=1.0,
+                                                         memory=lender))
+            request = [GenerateRequest([1, 2, 3, 4], SamplingParams(max_tokens=16), 2)]
+            try:
+                await engine.generate(request)
+                memory.cap(SLEEP_SHARE)  # a learner on a shared GPU is held to its share
+                got = {"control": fits(want)}  # awake: nothing lent, 60% is beyond the cap
+                with trio.fail_after(120):
+                    while not engine.sleep.asleep:  # noqa: ASYNC110 - a flag of the engine's
+                        await trio.sleep(0.25)
+                got["freed"] = engine.sleep.clock.freed
+                async with trio.open_nursery() as nursery:
+                    with borrower.step() as mib:
+                        got["lent_mib"] = mib
+                        got["fits"] = fits(want)
+                        nursery.start_soon(engine.generate, request)  # wakes the engine
+                        await trio.sleep(2.0)  # long enough for a wake that did not wait
+                        got["waited"] = engine.sleep.asleep
+                got["woke"] = not engine.sleep.asleep
+                got["wake_ms"] = engine.sleep.clock.statistics().wake_s * 1e3
+                return got
+            finally:
+                await engine.aclose()
+
+        try:
+            got = trio.run(run)
+        finally:
+            memory.cap(1.0)
+            borrower.close()
+        ok = (not got["control"] and got["fits"] and got["lent_mib"] > 0 and got["waited"]
+              and got["woke"])
+        return ("ok" if ok else "FAIL"), (
+            f"vLLM at {SLEEP_SHARE:.0%} slept, freed {got['freed'] / 2**30:.1f} GiB, lent "
+            f"{got['lent_mib']} MiB; a {want / 2**30:.0f} GiB tensor beyond this process's own "
+            f"{SLEEP_SHARE:.0%}: {'fit' if got['fits'] else 'did NOT fit'} on the loan, "
+            f"{'fit (the cap did not hold)' if got['control'] else 'refused'} without it; a "
+            f"request during the step {'waited for it' if got['waited'] else 'did NOT wait'}, "
+            f"then woke the engine in {got['wake_ms']:.0f} ms")
+
     def learner_step(self, *extra: str) -> tuple[str, str]:
         import torch
         from bench_learner import batches
@@ -343,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             check.run(f"logprobs H={hidden}", lambda h=hidden: check.logprobs(h))
     if "hf parity" in only:
         check.run("hf parity", check.hf_parity)
+    if "ipc colocated" in only:  # the learner's GPU to a sampler on it, beside shm
+        check.run("ipc colocated", lambda: check.weights("shm,ipc"))
+    if "nccl 2 GPUs" in only:
+        check.run("nccl 2 GPUs", lambda: check.weights("nccl", gpus=2))
+    if "sleep lending" in only:
+        check.run("sleep lending", check.sleep_lending)
     if "learner step" in only:
         check.run("learner step", check.learner_step)
     if "offload" in only:  # FSDP2's CPU offload: collectives on CPU shards beside NCCL

@@ -112,3 +112,84 @@ def test_the_gpu_count_comes_without_torch():
         raise FileNotFoundError(cmd[0])
 
     assert visible_gpus({}, run=missing) == []
+
+
+@pytest.mark.parametrize(("extra", "gpus", "why"), [
+    # issue 34 item 3: vLLM's IPC engine looks the handles up by its own GPU's UUID
+    (["learner.weights_transport=ipc", "sampler.engine=vllm"], 2,
+     "sampler-0 is on GPU 1"),
+    (["learner.weights_transport=ipc", "sampler.engine=vllm",
+      "sampler.vllm.tensor_parallel_size=2"], 2, "sampler-0 is on GPU 0,1"),
+    (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.device=cpu"], 1,
+     "sampler-0 is on the CPU"),
+    # issue 34 item 4: NCCL refuses two ranks of one group on one GPU
+    (["learner.weights_transport=nccl", "sampler.engine=hf"], 1, "shares GPU 0 with learner-0"),
+    (["learner.weights_transport=nccl", "sampler.engine=vllm", "sampler.count=2"], 2,
+     "sampler-1 shares GPU 0"),
+    (["learner.weights_transport=nccl", "sampler.engine=hf", "sampler.device=cpu"], 1,
+     "learner-0 is on GPU 0 and sampler-0 on the CPU"),
+])
+def test_a_gpu_transport_the_placement_cannot_serve_is_refused(tmp_path, sockets, extra, gpus,
+                                                               why):
+    topo = topology(sockets, *extra)
+    with pytest.raises(ConfigError, match=f"^learner.weights_transport: .*{why}"):
+        with_placement(topo, tmp_path, [str(i) for i in range(gpus)])
+
+
+@pytest.mark.parametrize(("extra", "gpus"), [
+    (["learner.weights_transport=ipc", "sampler.engine=vllm"], 1),  # the learner's own GPU
+    (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.count=2"], 1),
+    (["learner.weights_transport=nccl", "sampler.engine=vllm"], 2),  # a GPU of its own
+    (["learner.weights_transport=nccl", "sampler.engine=vllm",
+      "sampler.vllm.tensor_parallel_size=2", "learner.nproc_per_node=2",
+      "learner.groups_per_step=4"], 4),
+    (["learner.weights_transport=nccl", "sampler.engine=hf"], 0),  # gloo on the CPU
+])
+def test_a_gpu_transport_on_a_placement_it_serves_is_kept(tmp_path, sockets, extra, gpus):
+    with_placement(topology(sockets, *extra), tmp_path, [str(i) for i in range(gpus)])
+
+
+def test_the_runner_refuses_the_layout_before_starting_anything(tmp_path, tiny_model):
+    """The runner, given one pretend GPU (CUDA_VISIBLE_DEVICES: it never asks torch), refuses
+    nccl between a learner and a sampler that would share it: exit 2, the key named."""
+    import os
+    import sys
+
+    from tests.jobs import ROOT, TINY
+
+    done = subprocess.run(
+        [sys.executable, "runner.py", "topology.toml", f"model.path={tiny_model}",
+         f"run.dir={tmp_path / 'run'}", *TINY, "learner.weights_transport=nccl"],
+        cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: bad topology: learner.weights_transport: nccl: NCCL refuses")
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started
+
+
+def afters(topo, tmp_path, gpus: int) -> dict[str, list[str]]:
+    """What each process of the runner's Job waits for before it is started."""
+    job = Job(with_placement(topo, tmp_path, [str(i) for i in range(gpus)]), tmp_path,
+              home=tmp_path)
+    try:
+        return {name: p.after for name, p in job.procs.items() if p.after}
+    finally:
+        job.control.close()
+        job.zmq.term()
+
+
+@pytest.mark.parametrize(("extra", "gpus", "expected"), [
+    # issue 34 item 9: vLLM measures the GPU's free memory while it starts
+    (["sampler.engine=vllm"], 1, {"learner-0": ["sampler-0"]}),
+    (["sampler.engine=vllm", "sampler.count=2"], 1,
+     {"sampler-1": ["sampler-0"], "learner-0": ["sampler-0", "sampler-1"]}),
+    (["sampler.engine=vllm", "sampler.count=2", "learner.nproc_per_node=2",
+      "learner.groups_per_step=4"], 2,  # ranks meet in one rendezvous: they start together
+     {"learner-0": ["sampler-0", "sampler-1"], "learner-0.rank1": ["sampler-0", "sampler-1"]}),
+    (["sampler.engine=vllm"], 2, {}),  # a GPU of its own
+    (["sampler.engine=hf"], 1, {}),  # nothing measures: all start at once, as before
+])
+def test_processes_sharing_a_gpu_with_vllm_start_after_it(tmp_path, sockets, extra, gpus,
+                                                         expected):
+    assert afters(topology(sockets, *extra), tmp_path, gpus) == expected

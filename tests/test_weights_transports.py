@@ -35,6 +35,16 @@ def test_every_choice_in_the_schema_has_one_row():
     assert auto_engine() == "hf"  # no GPU here
 
 
+def test_auto_engine_follows_the_samplers_own_device():
+    """Issue 34 item 8: on a GPU host with vLLM installed, ``sampler.device = "cpu"`` kept
+    getting vLLM (started with no GPU visible: a crash loop); auto now reads the device."""
+    gpu_engines = [n for n, r in ENGINES.items() if r.prefer_on_gpu and r.problem() is None]
+    assert auto_engine("cpu") == "hf"
+    assert auto_engine("cuda:1") == (gpu_engines[0] if gpu_engines else "hf")
+    topo = decode_topology(apply_overrides({}, ["sampler.device=cpu"]))
+    assert topo.sampler.engine == "hf"
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["learner.weights_transport=ipc", "learner.device=cpu", "sampler.device=cpu"],
      "learner.weights_transport: ipc moves weights GPU to GPU for sampler.engine = hf"),

@@ -1,14 +1,17 @@
 """A sampler's side of the nccl weights transport in a test, over gloo on the CPU:
-``python -m tests.transfer_worker ADDRESS REPORTS OUT [FAIL_VERSION]``. It subscribes to the
-learner's weights channel at ADDRESS, writes every version it receives to
+``python -m tests.transfer_worker ADDRESS REPORTS OUT [fail:VERSION | die:VERSION]``. It
+subscribes to the learner's weights channel at ADDRESS, writes every version it receives to
 ``OUT/PID-vVERSION.safetensors`` and then reports ``PID VERSION`` to the test (a PUSH socket
-connected to REPORTS). ``FLOWRL_TEST_DEVICE`` (default cpu) is where it receives. With FAIL_VERSION, its receiver fails once in the middle of
-that version's broadcast (after the first bucket), as a receiver whose device ran out of memory
-would: it must close its group, and receive the version in a new one."""
+connected to REPORTS). ``FLOWRL_TEST_DEVICE`` (default cpu) is where it receives. With
+``fail:VERSION``, its receiver fails once in the middle of that version's broadcast (after the
+first bucket), as a receiver whose device ran out of memory would: it must close its group, and
+receive the version in a new one. With ``die:VERSION`` the process is killed (SIGKILL) there
+instead, mid-version, as a sampler that crashes would be."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -23,8 +26,8 @@ from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
 
 
-def inject_failure(version: int) -> None:
-    """The second broadcast of ``version`` raises, once."""
+def inject_failure(version: int, die: bool = False) -> None:
+    """The second broadcast of ``version`` raises, once (``die``: kills this process)."""
     state = {"calls": 0, "failed": False}
     receive = nccl.BroadcastReceiver._receive
     broadcast = nccl.TorchGroup.broadcast
@@ -37,6 +40,8 @@ def inject_failure(version: int) -> None:
         state["calls"] += 1
         if state["calls"] == 2 and not state["failed"]:
             state["failed"] = True
+            if die:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected: the receiver failed half-way")
         return broadcast(self, t)
 
@@ -67,5 +72,6 @@ async def main(address: str, reports: str, out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if len(sys.argv) > 4:
-        inject_failure(int(sys.argv[4]))
+        how, version = sys.argv[4].split(":")
+        inject_failure(int(version), die=how == "die")
     anyio.run(main, sys.argv[1], sys.argv[2], Path(sys.argv[3]), backend="trio")

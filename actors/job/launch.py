@@ -25,7 +25,7 @@ import zmq
 
 from actors.job.config.capacity import check_shm
 from actors.job.config.hosts import local_actors, owner, resolve_addresses
-from actors.job.config.layout import place
+from actors.job.config.layout import place, start_after
 from actors.job.config.preflight import preflight
 from actors.job.liveview import LiveView
 from actors.job.loggers import open_metrics
@@ -145,6 +145,10 @@ def run_job(topology: Topology) -> int:
         if any(p.gpus for p in topology.placement):
             print("=== placement: " + "; ".join(p.describe() for p in topology.placement),
                   flush=True)
+        if waits := start_after(topology, topology.placement):
+            print("=== started in turn on shared GPUs (vLLM measures the free memory as it "
+                  "starts): " + "; ".join(f"{name} after {', '.join(before)}"
+                                         for name, before in waits.items()), flush=True)
         try:
             if node > 0:  # node 0 records the job: no sinks, no panel here
                 return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")

@@ -74,6 +74,8 @@ class Proc:
     host: str = ""  # with [hosts]: where it runs
     remote: bool = False  # another host's runner starts it (the owner hears it through that one)
     attached: str = ""  # a worker attached by hand: its own name (no process of this runner's)
+    after: list[str] = dataclasses.field(default_factory=list)  # started once these are ready
+    # (processes sharing its GPU: ``layout.start_after``)
 
     @property
     def name(self) -> str:
@@ -100,12 +102,23 @@ class Processes:
                 if p.process is not None and p.process.returncode is None]
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start every process this runner starts itself, in the registry's order."""
+        """Start every process this runner starts itself, in the registry's order; one that
+        must wait for others on its GPU (``Proc.after``) once they are ready."""
         for p in list(self.procs.values()):
             if p.remote or p.attached:
                 continue
+            if p.after:
+                nursery.start_soon(self.start_after, p, nursery)
+                continue
             await self.spawn(p)
             nursery.start_soon(self.supervise, p)
+
+    async def start_after(self, p: Proc, nursery: trio.Nursery) -> None:
+        # readiness is a flag the job's control socket sets (as the watch loop reads it)
+        while not all(self.procs[n].ready for n in p.after if n in self.procs):  # noqa: ASYNC110
+            await trio.sleep(0.5)
+        await self.spawn(p)
+        nursery.start_soon(self.supervise, p)
 
     async def spawn(self, p: Proc) -> None:
         job = self.job

@@ -37,6 +37,7 @@ import trio
 import zmq
 
 from actors.job.config.hosts import owner
+from actors.job.config.layout import start_after
 from actors.job.liveview import View
 from actors.job.metrics import Metrics, Resume
 from actors.job.multihost import PREFIX, Member, Owner
@@ -85,9 +86,11 @@ class Job:
         self.home = home or run_dir
         self.processes = Processes(self, job_procs(topology, self.home))
         placed = {p.name: p for p in topology.placement}
+        after = start_after(topology, topology.placement)
         for p in self.procs.values():  # each process on the GPUs the runner gave it
             if p.name in placed and not p.remote:
                 p.env = {**p.env, **placed[p.name].env()}
+                p.after = after.get(p.name, [])
         self.all_ready = trio.Event()  # every actor reported Ready once
         self.step = 0  # the learner's last reported step
         self.metrics = metrics or Metrics([])

@@ -32,10 +32,12 @@ from actors.learner.memory import announce
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.runtime.actor import ActorContext, run_compute
+from actors.runtime.config.gpus import process_share
 from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
-from actors.runtime.devices import on_device
-from actors.runtime.ranks import Rank
+from actors.runtime.devices import CudaMemory, on_device
+from actors.runtime.memory_lending import MemoryBorrower, holder_slot, lenders_among
+from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
 from actors.runtime.transports.base import TRANSPORTS
@@ -54,7 +56,8 @@ class Learner:
     """The training loop of one learner: batches from the replay buffer, weights to samplers."""
 
     def __init__(self, ctx: ActorContext, trainer: Trainer, replay: AsyncSocket,
-                 weights: WeightsPublisher, share: Share | None = None) -> None:
+                 weights: WeightsPublisher, share: Share | None = None,
+                 memory: MemoryBorrower | None = None) -> None:
         self.ctx, self.trainer, self.replay, self.weights = ctx, trainer, replay, weights
         self.cfg = ctx.topology.learner
         self.codec: Codec[FromReplay] = Codec(FromReplay)
@@ -65,6 +68,7 @@ class Learner:
         self.group: Group = trainer.group
         self.weight_sync_s = 0.0  # the last publish: gathering the weights and handing them out
         self.share = share  # the samplers' idle threads taken, its own lent (a CPU; or None)
+        self.memory = memory  # GPU memory its GPU's sleeping samplers lend (or None)
 
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
@@ -125,7 +129,10 @@ class Learner:
         policy = self.trainer.policy
         version = policy.version
         self.tell(RanksStep(groups=groups))
-        metrics = {**self.trainer.train_step(groups), **extra}
+        with borrowing(self.memory) as lent_mib:
+            metrics = {**self.trainer.train_step(groups), **extra}
+        if self.memory is not None:
+            metrics["perf/gpu_memory_borrowed_mib"] = float(lent_mib)
         if self.share is not None and self.share.borrower is not None:
             metrics["perf/borrowed_share"] = self.share.borrower.take_share()
         self.unreported.append(StepReport(step=policy.step, metrics=metrics))
@@ -221,15 +228,19 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
             trainer.on_first_batch = estimate
         ctx.status.update(rank=group.rank, ranks=group.world, device=str(group.device))
         share = share_threads(ctx, trainer, rank)
+        memory = borrow_memory(ctx, group.device, rank)
         if not group.leader:
             task_status.started()
             with anyio.CancelScope(shield=True):  # rank 0 ends the group, not a stop of ours
-                steps = await anyio.to_thread.run_sync(on_device(group.device, follow), trainer)
+                steps = await anyio.to_thread.run_sync(on_device(group.device, follow), trainer,
+                                                       memory)
             return f"rank {group.rank}: trained {steps} steps"
-        return await lead(ctx, trainer, task_status, share)
+        return await lead(ctx, trainer, task_status, share, memory)
     finally:
         if share is not None:
             share.close()
+        if memory is not None:
+            memory.close()
         group.close()
 
 
@@ -248,8 +259,28 @@ def share_threads(ctx: ActorContext, trainer: Trainer, rank: Rank) -> Share | No
                  borrower)
 
 
+def borrow_memory(ctx: ActorContext, device: torch.device, rank: Rank) -> MemoryBorrower | None:
+    """On a GPU this rank shares with samplers that sleep (``sampler.sleep_idle_s``): the
+    memory their sleeping engines lend, borrowed per step (``memory_lending.py``)."""
+    topo = ctx.topology
+    own = process_share()
+    if device.type != "cuda" or topo.sampler.sleep_idle_s <= 0 or not own:
+        return None
+    me = next((p for p in topo.placement if p.name == rank_label("learner", 0, rank.rank)), None)
+    lenders = lenders_among(me.shared_with) if me is not None else []
+    if not lenders:
+        return None
+    return MemoryBorrower(CoreTable(table_path(ctx.run_dir)), holder_slot(rank.rank), lenders,
+                          own, CudaMemory(device))
+
+
+def borrowing(memory: MemoryBorrower | None) -> contextlib.AbstractContextManager[int]:
+    """One step on the memory lent now (0 MiB: none, or no lender)."""
+    return memory.step() if memory is not None else contextlib.nullcontext(0)
+
+
 async def lead(ctx: ActorContext, trainer: Trainer, task_status,
-               share: Share | None = None) -> str:
+               share: Share | None = None, memory: MemoryBorrower | None = None) -> str:
     """Rank 0 (the whole learner when it has one rank)."""
     topo, cfg = ctx.topology, ctx.topology.learner
     weights_sock = make_socket(ctx.zmq, zmq.ROUTER, bind=cfg.weights_address, hwm=8,
@@ -260,7 +291,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
     sender = TRANSPORTS[cfg.weights_transport].halves().sender.build(cfg, trainer.group.device)
     weights = WeightsPublisher(weights_sock, sender)
     ctx.status["weights_transport"] = cfg.weights_transport
-    learner = Learner(ctx, trainer, replay, weights, share)
+    learner = Learner(ctx, trainer, replay, weights, share, memory)
     if trainer.policy.resumed_from is not None:
         ctx.status["resumed_from"] = trainer.policy.resumed_from.name
     task_status.started()
@@ -276,7 +307,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
     return f"trained {trainer.policy.step} steps"
 
 
-def follow(trainer: Trainer) -> int:
+def follow(trainer: Trainer, memory: MemoryBorrower | None = None) -> int:
     """A rank other than 0: run the collectives rank 0 announces until it ends the group."""
     codec: Codec[ToLearnerRanks] = Codec(ToLearnerRanks)
     group, policy = trainer.group, trainer.policy
@@ -284,7 +315,8 @@ def follow(trainer: Trainer) -> int:
         match codec.decode(group.broadcast_control(None)):
             case RanksStep(groups=groups):
                 try:
-                    trainer.train_step(groups)
+                    with borrowing(memory):
+                        trainer.train_step(groups)
                 except Aborted:  # rank 0 is stopping: a checkpoint and the end come next
                     pass
             case RanksPublish(dtype=dtype):

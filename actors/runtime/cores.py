@@ -16,12 +16,13 @@ side: the table is a memory-mapped file of int32 slots, each written by one proc
 The table is host-local (in the temporary directory, named by the run directory and the host
 name), so actors of other hosts never see each other's slots. A lender that dies while lending
 leaves its slot set until its restart clears it; the cost is threads competing, never a wrong
-result. On a GPU the same table can say "the sampler's device share is free" (a sleeping
-engine); nothing uses it that way yet: there the learner does not borrow.
+result. On a GPU the same table says how much GPU memory a sleeping engine lends the learner
+on its GPU, and how much of it the learner holds (``memory_lending.py``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -34,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SLOTS = 256
+SLOTS = 512
 SAMPLERS = range(0, 128)  # sampler i lends in slot SAMPLERS[i % 128]
 LEARNERS = range(128, 256)  # learner rank r of this host in LEARNERS[r]
+MEMORY_LENT = range(256, 384)  # MiB of GPU memory sampler i's sleeping engine lends
+MEMORY_HELD = range(384, 512)  # MiB of lent GPU memory learner rank r holds now
 _SIZE = SLOTS * 4
 
 
@@ -50,17 +53,25 @@ class CoreTable:
     """The shared table: ``lend`` writes this process's slot, ``lent`` sums the others'."""
 
     def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < _SIZE:  # every opener grows it to the same size: no race
-                os.ftruncate(fd, _SIZE)
-            self._map = mmap.mmap(fd, _SIZE)
-        finally:
-            os.close(fd)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # kept open: ``locked``
+        if os.fstat(self._fd).st_size < _SIZE:  # every opener grows it to the same size: no race
+            os.ftruncate(self._fd, _SIZE)
+        self._map = mmap.mmap(self._fd, _SIZE)
         self.slots = memoryview(self._map).cast("i")  # (SLOTS,) int32, one writer each
 
     def lend(self, slot: int, threads: int) -> None:
         self.slots[slot] = threads
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """The whole table to this caller, across processes (a file lock): for exchanges
+        whose write and read must not interleave with another process's (GPU memory; the
+        threads' slots need none: a stale read there costs speed, never a wrong result)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def lent(self, among: range) -> int:
         """Threads lent now by the slots in ``among``."""
@@ -69,6 +80,7 @@ class CoreTable:
     def close(self) -> None:
         self.slots.release()
         self._map.close()
+        os.close(self._fd)
 
 
 def remove_table(run_dir: Path) -> None:

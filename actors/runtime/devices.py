@@ -43,6 +43,22 @@ def cap_memory(device: torch.device) -> float:
     return share
 
 
+class CudaMemory:
+    """This process's caching allocator on ``device`` (``memory_lending.DeviceMemory``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = indexed(device)
+        self.total = torch.cuda.get_device_properties(self.device).total_memory
+
+    def cap(self, share: float) -> None:
+        torch.cuda.set_per_process_memory_fraction(min(share, 1.0), self.device)
+
+    def held(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
+
 def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch.dtype:
     """``auto`` → bfloat16 on a GPU, ``model.dtype`` on a CPU (where bf16 matmuls are slow)."""
     if setting == "auto":

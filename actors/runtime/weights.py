@@ -31,7 +31,7 @@ from actors.runtime.transports.base import (
     Sender,
     arrived_by,
 )
-from actors.runtime.transports.sources import AdapterWeights, WeightsSource
+from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.runtime.zmq_bridge import AsyncSocket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
@@ -60,6 +60,7 @@ class WeightsPublisher:
         self.sent = 0  # weight messages sent, all pollers together
         self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
         self.transfers = 0  # GPU transports: transfers under way
+        self._ended = anyio.Event()  # set and replaced at the end of every transfer
         self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
@@ -105,6 +106,13 @@ class WeightsPublisher:
                 self.failed += 1  # its receiver polls again (a new group) or is gone
         finally:
             self.transfers -= 1
+            self._ended.set()
+            self._ended = anyio.Event()
+
+    async def wait_transfers(self) -> None:
+        """Return once no GPU transfer is under way (each started has succeeded or failed)."""
+        while self.transfers:
+            await self._ended.wait()
 
     async def serve(self) -> None:
         """Take polls until cancelled (run it beside the training loop)."""
@@ -144,9 +152,27 @@ class WeightsPublisher:
         return False
 
 
+FAILED_IN_A_ROW = 3  # GPU transfers that failed one after another before the sampler gives up
+
+
+class TransfersFailing(Exception):
+    """Weights transfers keep failing: the sampler stops (its traceback says why)."""
+
+
 class WeightsSubscriber:
     """Sampler side: receives every newer version as it is published; ``take`` hands the
     newest not yet applied to the engine (older ones it replaced are never applied).
+
+    A version whose bytes the engine's own workers receive (a ``WorkerTransfer``: the learner
+    is broadcasting it, or holds it for them) is handed off whole: no poll goes out until the
+    engine has run that transfer to its end (``WorkerTransfer.done``), so it is never replaced
+    by a newer one. Replaced, it would stay started on the learner's side: over nccl the next
+    version's receive would take its bytes (an engine holding one version while it reports
+    another), over ipc its handles would keep a copy of the model alive in the learner.
+
+    A GPU transfer that fails is retried with the next version (a new group); ``FAILED_IN_A_ROW``
+    failures in a row raise, so a layout that can never work (two ranks of one NCCL group on one
+    GPU) fails the sampler instead of polling forever.
 
     ``transport``: the learner's, whose receiver is built at once (its first poll may say what
     it needs, as nccl's says the engine's ranks); any other a header names is built when one
@@ -159,6 +185,8 @@ class WeightsSubscriber:
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
+        self.failed = 0  # GPU transfers failed in a row (0 after one that arrived)
+        self.handing_off = -1  # the version whose worker transfer the engine has not ended
         self.into = into or ReceiveInto()  # (each receiver indexes its device)
         self.receivers: dict[str, Receiver] = {}  # by transport
         if transport:
@@ -211,7 +239,16 @@ class WeightsSubscriber:
                                           f"{header.buckets} expected, got {more.bucket} of "
                                           f"version {more.version}")
                     parts.update(part)
-                source = await self.receiver(arrived_by(header)).receive(header, parts)
+                try:
+                    source = await self.receiver(arrived_by(header)).receive(header, parts)
+                except (RuntimeError, TimeoutError) as exc:  # a GPU transfer that failed
+                    self.failed += 1
+                    if self.failed >= FAILED_IN_A_ROW:
+                        raise TransfersFailing(f"weights: {self.failed} transfers in a row "
+                                               f"failed ({arrived_by(header)}), the last with: "
+                                               f"{exc}") from exc
+                    raise
+                self.failed = 0
                 if header.adapter is not None:
                     if not isinstance(source, Mapping):  # a vLLM worker transfer
                         raise DecodeError(f"weights version {header.version}: LoRA adapters "
@@ -223,10 +260,31 @@ class WeightsSubscriber:
                 self.error = str(exc)[:200]  # RuntimeError: a GPU transfer that failed
                 await anyio.sleep(1.0)  # a broken learner: do not spin on it
                 continue
+            ended = self._hand_off(header.version, source)
             self._newest = (header.version, source)
             self.received = header.version
             self._arrived.set()
             self._arrived = anyio.Event()
+            if ended is not None:
+                await ended.wait()  # the engine ran this version's transfer: ask for the next
+                self.handing_off = -1
+
+    def _hand_off(self, version: int, source: WeightsSource) -> anyio.Event | None:
+        """For a worker transfer: an event set once the engine has ended it (its ``done``,
+        called in this event loop, either way); None for a source held here whole."""
+        if not isinstance(source, WorkerTransfer):
+            return None
+        ended, done = anyio.Event(), source.done
+
+        def and_ended(exc: BaseException | None) -> None:
+            try:
+                done(exc)
+            finally:
+                ended.set()
+
+        source.done = and_ended
+        self.handing_off = version
+        return ended
 
     def close(self) -> None:
         """Release every receiver's links or groups (an engine keeps what it mapped)."""

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from actors.runtime.actor import ActorContext
+from actors.runtime.cores import CoreTable, table_path
 from actors.runtime.devices import resolve_device, resolve_dtype
+from actors.runtime.memory_lending import MemoryLender, holders_among, lender_slot
 from actors.sampler.engines import registry
 from actors.sampler.engines.base import AdapterLimits, Engine, EngineSpec
 
@@ -25,7 +27,19 @@ async def start_engine(ctx: ActorContext) -> Engine:
     return await registry.ENGINES[cfg.engine].start(EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
         label=f"{ctx.name} {ctx.run_dir}", transport=topo.learner.weights_transport,
-        adapters=adapter_limits(topo)))
+        adapters=adapter_limits(topo), memory=lend_memory(ctx, device)))
+
+
+def lend_memory(ctx: ActorContext, device: torch.device) -> MemoryLender | None:
+    """On a GPU shared with learner ranks, with ``sampler.sleep_idle_s``: what the sleeping
+    engine frees is lent to them (``actors/runtime/memory_lending.py``)."""
+    if device.type != "cuda" or ctx.topology.sampler.sleep_idle_s <= 0 or ctx.index < 0:
+        return None
+    me = next((p for p in ctx.topology.placement if p.name == ctx.name), None)
+    holders = holders_among(me.shared_with) if me is not None else []
+    if not holders:
+        return None
+    return MemoryLender(CoreTable(table_path(ctx.run_dir)), lender_slot(ctx.index), holders)
 
 
 def seed_offset(ctx: ActorContext) -> int:

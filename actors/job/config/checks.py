@@ -64,7 +64,7 @@ def check(topology: Topology) -> None:
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
 
-        engine = s.engine if s.engine != "auto" else auto_engine()
+        engine = s.engine if s.engine != "auto" else auto_engine(s.device)
         problem = transport_problem(L.weights_transport, engine=engine,
                                     weights_address=L.weights_address, learner_device=L.device,
                                     sampler_device=s.device)
@@ -118,7 +118,7 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     from actors.job.config.capacity import linear_modules
 
     L, s = topology.learner, topology.sampler
-    engine = s.engine if s.engine != "auto" else auto_engine()
+    engine = s.engine if s.engine != "auto" else auto_engine(s.device)
     need(ENGINES[engine].adapters, "sampler.engine",
          f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
          f"(engines that can: {_engines(lambda r: r.adapters, ', ')})")

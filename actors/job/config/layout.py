@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
 from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema import ConfigError
+from actors.runtime.transports.base import placement_problem
 from actors.sampler.engines.registry import ENGINES, engine_gpus
 
 
@@ -98,7 +99,42 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                                   f"{MIN_SHARE:.0%}): use fewer samplers or more GPUs")
         placed.append(PlacedProcess(name, list(on), share, sharing,
                                     ranks_gpus if name in learners and len(learners) > 1 else []))
+    sender = next((n for n in learners if ".rank" not in n), None)  # rank 0: it sends
+    if sender is not None:  # (on this runner: a learner node k > 0 places its ranks only)
+        for name in samplers:
+            problem = placement_problem(L.weights_transport, sender, taken.get(sender, []),
+                                        name, taken.get(name, []))
+            if problem is not None:
+                raise ConfigError(f"learner.weights_transport: {problem}")
     return placed
+
+
+def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str]]:
+    """The processes each one waits for (until they are ready) before it is started.
+
+    An engine that sizes its cache from the GPU's free memory as it starts (``measures_memory``:
+    vLLM measures the whole device before and after its profile run) must have the GPU to
+    itself meanwhile: another process loading or freeing memory then would shrink its KV cache
+    or trip its profiling assert. So on a shared GPU those engines start first, one at a time,
+    and the other processes on it once they are ready (a learner's ranks together: they meet
+    in one rendezvous). Processes on GPUs of their own start at once, as before."""
+    row = ENGINES.get(topology.sampler.engine)
+    measuring = [p for p in placed if p.name.startswith("sampler-") and p.gpus and p.shared_with
+                 and row is not None and row.measures_memory]
+    after: dict[str, list[str]] = {}
+    for i, p in enumerate(measuring):  # (placed in sampler order)
+        if before := [q.name for q in measuring[:i] if set(q.gpus) & set(p.gpus)]:
+            after[p.name] = before
+    for p in placed:
+        if p in measuring or not p.shared_with:
+            continue
+        if before := [q.name for q in measuring if set(q.gpus) & set(p.gpus)]:
+            after[p.name] = before
+    ranks = [p.name for p in placed if p.name.startswith("learner-")]
+    gang = sorted({n for r in ranks for n in after.get(r, [])})
+    for r in ranks if gang else ():
+        after[r] = gang
+    return after
 
 
 def _by_rank(learners: list[str]) -> list[str]:

@@ -101,7 +101,7 @@ def _derived(topology: Topology) -> Topology:
     if s.engine == "auto":
         from actors.sampler.engines.registry import auto_engine
 
-        s = msgspec.structs.replace(s, engine=auto_engine())
+        s = msgspec.structs.replace(s, engine=auto_engine(s.device))
     L = topology.learner  # auto: shm on one host, zmq across hosts
     L = msgspec.structs.replace(L, weights_transport=resolve_transport(
         L.weights_transport, weights_address=L.weights_address, hosts=bool(topology.hosts)))

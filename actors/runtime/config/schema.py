@@ -161,9 +161,10 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     recompute it); false keeps it (faster; later tokens then attend to old-weight keys)."""
     sleep_idle_s: NonNegFloat = 0.0
     """vllm on a GPU shared with the learner: put the engine to sleep (vLLM sleep level 1:
-    weights to host memory, KV cache freed) once it has had no request for this many seconds,
-    so the learner has the GPU's memory while it trains; it wakes for the next generation or
-    weights load (0: never sleeps; vLLM's CPU build has no sleep mode)."""
+    weights to host memory, KV cache freed) once it has had no request for this many seconds;
+    what it frees is lent to the learner, whose allocator may use it for the steps it takes
+    meanwhile. It wakes for the next generation or weights load, once the learner has given the
+    memory back at the end of its step (0: never sleeps; vLLM's CPU build has no sleep mode)."""
     max_concurrent_prompts: NonNegInt = 0
     """Most prompts in a continuous engine at once (each with its n completions); a group goes
     to scoring as soon as its own completions are done (0: 8 on a CPU, 64 on a GPU)."""

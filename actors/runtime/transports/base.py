@@ -57,6 +57,13 @@ def _ipc() -> Halves:
     return Halves(IpcSender, IpcReceiver)
 
 
+ANY_GPU = "any"  # wherever the runner places it
+SENDERS_GPU = "the learner's"  # exactly the GPU of the learner's rank 0 (CUDA IPC opens its
+# memory there: vLLM's IPC engine looks the handles up by its own GPU's UUID)
+OTHER_GPUS = "others"  # none of them the learner's rank 0's (NCCL refuses two ranks of one group
+# on one GPU), and GPUs on both ends or CPUs on both ends (NCCL there, gloo here)
+
+
 @dataclass(frozen=True)
 class Transport:
     """One row of the table: a transport's name, its file and what it needs. Every engine
@@ -70,6 +77,7 @@ class Transport:
     cuda_only: bool = False  # moves CUDA tensors: learner and samplers on GPUs
     framed: bool = False  # the tensors follow each header as frames of its message
     shm_versions: int = 0  # versions held in /dev/shm at once (a start checks they fit there)
+    receivers: str = ANY_GPU  # where a sampler's GPUs may be, against the learner's rank 0's
 
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (  # each file's docstring says more
@@ -78,9 +86,9 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (  # each file's docstrin
     # one safetensors file per version in /dev/shm (SHM_KEEP of them, and the one being written)
     Transport("shm", _shm, same_host=True, gpu=False, shm_versions=3),
     # a broadcast group per sampler (NCCL on GPUs, gloo on CPUs)
-    Transport("nccl", _nccl, same_host=False, gpu=True),
+    Transport("nccl", _nccl, same_host=False, gpu=True, receivers=OTHER_GPUS),
     # CUDA IPC handles of the learner's gathered tensors, on one host
-    Transport("ipc", _ipc, same_host=True, gpu=True, cuda_only=True),
+    Transport("ipc", _ipc, same_host=True, gpu=True, cuda_only=True, receivers=SENDERS_GPU),
 )}
 if TYPE_CHECKING:
     TransportChoice = str
@@ -118,6 +126,30 @@ def transport_problem(name: str, *, engine: str, weights_address: str, learner_d
         return (f"{name} moves weights GPU to GPU for sampler.engine = {engine}: set "
                 f"learner.device and sampler.device to cuda (they are {learner_device} and "
                 f"{sampler_device})")
+    return None
+
+
+def placement_problem(name: str, learner: str, learner_gpus: list[str], sampler: str,
+                      sampler_gpus: list[str]) -> str | None:
+    """Why transport ``name`` cannot carry the weights from the learner's rank 0 (``learner``,
+    on ``learner_gpus``; none: the CPU) to ``sampler`` (on ``sampler_gpus``) as the runner placed
+    them, or None. A check of the resolved placement, before anything starts."""
+    t = TRANSPORTS[name]
+    here = f"GPU {','.join(learner_gpus)}" if learner_gpus else "the CPU"
+    there = f"GPU {','.join(sampler_gpus)}" if sampler_gpus else "the CPU"
+    if t.receivers == SENDERS_GPU and (not learner_gpus or sampler_gpus != learner_gpus):
+        return (f"{name} opens the learner's GPU memory where it is: every sampler must be on "
+                f"exactly the GPU of the learner's rank 0 ({learner}: {here}), but {sampler} is "
+                f"on {there}; set sampler.device to that GPU (cuda:I, I its index among the "
+                "runner's GPUs), or use nccl between GPUs")
+    if t.receivers == OTHER_GPUS and bool(learner_gpus) != bool(sampler_gpus):
+        return (f"{name} needs GPUs on both ends (NCCL) or CPUs on both ends (gloo), but "
+                f"{learner} is on {here} and {sampler} on {there}")
+    if t.receivers == OTHER_GPUS and set(learner_gpus) & set(sampler_gpus):
+        shared = ",".join(sorted(set(learner_gpus) & set(sampler_gpus)))
+        return (f"{name}: NCCL refuses two ranks of one group on one GPU, and {sampler} shares "
+                f"GPU {shared} with {learner} (the rank that sends): use ipc for a sampler on "
+                "the learner's GPU, or give the samplers GPUs of their own")
     return None
 
 

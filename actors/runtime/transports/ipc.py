@@ -117,9 +117,14 @@ class IpcReceiver(Receiver):
         handles = [{header.gpu: rebuild_args(h, h.device)} for h in header.handles]
         init = None if self.initialised else {"packed": False}
         self.initialised = True
+
+        def done(exc: BaseException | None) -> None:  # (in the sampler's event loop)
+            if exc is not None:
+                self.initialised = False  # the next transfer initialises again
+
         return WorkerTransfer("ipc", init, {
             "names": [m.name for m in header.tensors],
             "dtype_names": [m.dtype for m in header.tensors],
             "shapes": [list(m.shape) for m in header.tensors],
-            "ipc_handles": handles})
+            "ipc_handles": handles}, done)
 

@@ -15,6 +15,24 @@ process is gone, or at ``timeout_s`` when it is alive (gloo cannot be interrupte
 gone one's group is dropped when a send to it fails. Per-sampler groups cost one send per
 sampler but need no re-forming of one big group whenever a sampler comes or goes.
 
+A receiver that dies mid-version costs that version only, never the learner (issue 34): every
+wait of the learner's side is bounded by ``timeout_s`` and ends in an exception of that transfer
+alone. On CUDA the groups are built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (a timeout or a
+peer's error aborts the communicator; torch's default, 3, tears the whole process down from its
+watchdog thread), and each collective is waited for by polling its completion until
+``timeout_s`` (a plain ``wait`` returns at once on CUDA: the host would read a flag the aborted
+all-reduce never wrote). vLLM's trainer side has no timeout of its own: its packed producer is
+driven here (``_send_pynccl``) on streams of the sampler's own group, each waited for until
+``timeout_s``, then the communicator is aborted (``forget``); vLLM's cached producer streams
+would be shared by every later transfer, so one stuck broadcast would block them all.
+
+Versions on one group are sent one at a time and whole: the sampler's subscriber asks for the
+next version only once its engine has taken this one's transfer to its end
+(``actors/runtime/weights.py``), and each sampler's transfer sends the tensors of the version its
+header named (kept with the peer), not whatever was published since. On CUDA the learner's
+snapshot was written by another thread's stream: a CUDA event recorded when the version is
+prepared is waited for on the streams that read it.
+
 Receivers: with ``receiver = ""`` (the hf engine) the sampler itself joins a torch.distributed
 group (``ProcessGroupNCCL`` on CUDA, ``ProcessGroupGloo`` on the CPU, neither the default group)
 and receives into fresh tensors on its device, handed to the engine as a mapping while the old
@@ -31,14 +49,19 @@ module's torch protocol.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 import torch.distributed as dist
 
-from actors.runtime.devices import indexed
+from actors.runtime.devices import indexed, on_device
 from actors.runtime.ranks import free_port
 from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
@@ -54,6 +77,26 @@ PYNCCL = "pynccl"  # WeightsPoll.receiver: vLLM's NCCL engine in the engine's wo
 GLOO_BACKEND = "flowrl_gloo"  # vLLM's weight-transfer backend of this protocol on a CPU
 PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed broadcast: bytes per buffer (its default)
 PACKED_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight (its default)
+POLL_S = 0.001  # how often a CUDA collective's completion is checked while waiting for it
+_ENV = threading.Lock()  # one group built at a time under the variable below
+
+
+@contextmanager
+def _errors_abort_the_group() -> Iterator[None]:
+    """Build a ``ProcessGroupNCCL`` whose timeouts and peer errors abort its communicator and
+    raise in the waiting thread, and never take the process down (torch reads the variable in
+    the group's constructor only; its default, 3, kills the process from the watchdog)."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    with _ENV:
+        before = os.environ.get(key)
+        os.environ[key] = "2"  # CleanUpOnly: abort the communicator, keep the process
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = before
 
 
 class TorchGroup:
@@ -64,10 +107,13 @@ class TorchGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(g.address, g.port, g.world, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(f"flowrl-weights-{g.port}", store)
-        if device.type == "cuda":
+        self.cuda = device.type == "cuda"
+        self.timeout_s = timeout_s
+        if self.cuda:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, g.world, options)
+            with _errors_abort_the_group():
+                self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, g.world, options)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, g.world, timeout)
         self.store = store  # the rendezvous lives as long as the group
@@ -75,21 +121,36 @@ class TorchGroup:
     def broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        self._wait(self.pg.broadcast([t], opts))
 
     def all_have(self, ok: bool, device: torch.device) -> bool:
         """True when every member says it has the version (raises when one is gone)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-        self.pg.allreduce([flag], opts).wait()
+        self._wait(self.pg.allreduce([flag], opts))
         return bool(flag.item())
 
+    def _wait(self, work: Any) -> None:
+        """Until ``work`` is done, or raise: gloo's ``wait`` blocks (up to the group's
+        timeout); NCCL's returns at once, so its completion is polled, up to ``timeout_s``,
+        after which the group is aborted (a watchdog's abort completes it with its error)."""
+        if self.cuda:
+            deadline = time.monotonic() + self.timeout_s
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise TimeoutError(f"a weights collective waited over {self.timeout_s} s")
+                time.sleep(POLL_S)
+        work.wait()  # raises the collective's error (an aborted communicator's too)
+
     def close(self) -> None:
-        try:
-            self.pg.shutdown()
-        except (RuntimeError, AttributeError):
-            pass
+        for end in ("abort", "shutdown"):  # NCCL: abort ends what is in flight at once
+            try:
+                getattr(self.pg, end)()
+                return
+            except (RuntimeError, AttributeError):
+                continue
 
 
 def buckets_of(metas: list[TensorMeta], limit: int) -> list[list[TensorMeta]]:
@@ -115,6 +176,16 @@ def nbytes(m: TensorMeta) -> int:
 
 
 @dataclass
+class _Version:
+    """One version as the learner sends it: its tensors, and on CUDA the event after which
+    they are written (the snapshot came from another thread's stream)."""
+
+    version: int
+    tensors: list[tuple[str, torch.Tensor]]
+    ready: Any = None  # torch.cuda.Event, or None on a CPU
+
+
+@dataclass
 class _Peer:
     """The learner's side of one sampler's group."""
 
@@ -122,6 +193,8 @@ class _Peer:
     ranks: int = 1
     receiver: str = ""
     joined: Any = None  # the open group (TorchGroup or vLLM's PyNcclCommunicator), once joined
+    sending: _Version | None = None  # the version its last header named (what transfer sends)
+    streams: list[Any] = field(default_factory=list)  # pynccl: this group's producer streams
 
 
 class BroadcastSender(Sender):
@@ -135,9 +208,8 @@ class BroadcastSender(Sender):
         self.device = indexed(device)
         self.peers: dict[bytes, _Peer] = {}
         self.polls: dict[bytes, WeightsPoll] = {}  # the latest poll of each sampler
-        self.tensors: list[tuple[str, torch.Tensor]] = []  # the version being sent
+        self.newest = _Version(-1, [])  # the newest version prepared
         self.bucket_bytes = 0
-        self.version = -1
         self.adapter: AdapterSpec | None = None  # the version's adapter spec (LoRA), or None
         self.groups_made = 0  # groups formed, all samplers together (rejoins included)
 
@@ -154,8 +226,12 @@ class BroadcastSender(Sender):
     async def prepare(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = 0, adapter: AdapterSpec | None = None
                       ) -> list[list]:
-        self.tensors = [(n, t.contiguous()) for n, t in tensors]
-        self.bucket_bytes, self.version, self.adapter = bucket_bytes, version, adapter
+        ready = None
+        if self.device.type == "cuda":  # the snapshot's writes, on the stream that made them
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self.newest = _Version(version, [(n, t.contiguous()) for n, t in tensors], ready)
+        self.bucket_bytes, self.adapter = bucket_bytes, adapter
         return []  # each sampler's header names its own group: ``messages_for``
 
     def polled(self, peer: bytes, poll: WeightsPoll) -> None:
@@ -172,48 +248,74 @@ class BroadcastSender(Sender):
                 TransferGroup(address=self.address, port=free_port(), world=1 + poll.ranks,
                               bucket_bytes=self.bucket_bytes), poll.ranks, poll.receiver)
             self.groups_made += 1
-        return [[encode(WeightsHeader(version=self.version, transport=self.name,
-                                      tensors=[meta(n, t) for n, t in self.tensors],
+        held.sending = self.newest  # what its transfer sends, whatever is published meanwhile
+        return [[encode(WeightsHeader(version=self.newest.version, transport=self.name,
+                                      tensors=[meta(n, t) for n, t in self.newest.tensors],
                                       group=held.group, adapter=self.adapter))]]
 
     async def transfer(self, version: int, peer: bytes) -> bool:
         held = self.peers[peer]
+        sending = held.sending  # (the version of the header this transfer follows)
+        if sending is None:
+            return False
         try:
-            await anyio.to_thread.run_sync(self._send, held, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(on_device(self.device, self._send), held, sending,
+                                           abandon_on_cancel=True)
             return True
         except (RuntimeError, OSError, ValueError, TimeoutError):
             if self.peers.get(peer) is held:  # (a poll may have replaced it meanwhile)
                 self.forget(peer)  # failed or gone: its next poll forms a new group
             return False
 
-    def _send(self, held: _Peer) -> None:
+    def _send(self, held: _Peer, sending: _Version) -> None:
         if held.receiver == PYNCCL:
-            return self._send_pynccl(held)
+            return self._send_pynccl(held, sending)
         if held.joined is None:
             held.joined = TorchGroup(held.group, 0, self.device, self.timeout_s)
-        metas = [meta(n, t) for n, t in self.tensors]
-        values = dict(self.tensors)
+        if sending.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(sending.ready)
+        metas = [meta(n, t) for n, t in sending.tensors]
+        values = dict(sending.tensors)
         for bucket in buckets_of(metas, held.group.bucket_bytes):
             flat = torch.cat([values[m.name].reshape(-1).view(torch.uint8) for m in bucket])
             held.joined.broadcast(flat)
         if not held.joined.all_have(True, self.device):
             raise RuntimeError("a receiver did not take the version")
 
-    def _send_pynccl(self, held: _Peer) -> None:
+    def _send_pynccl(self, held: _Peer, sending: _Version) -> None:
         """vLLM's trainer side: PyNccl at rank 0 of the group, packed broadcast in the order of
-        the header's names (the worker's ``packed_nccl_broadcast_consumer`` mirrors it)."""
+        the header's names (the worker's ``packed_nccl_broadcast_consumer`` mirrors it: buffers
+        cut by ``pack_tensors`` at ``PACKED_BUFFER_BYTES``), as vLLM's
+        ``packed_nccl_broadcast_producer`` does, but on this group's own streams, each waited
+        for at most until ``timeout_s`` (a dead receiver's broadcast never completes: the
+        caller aborts the communicator, and no other group's transfer waits behind it)."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
         if held.joined is None:
             g = held.group
             held.joined = trainer_init({"master_address": g.address, "master_port": g.port,
                                         "world_size": g.world})
-        packed_nccl_broadcast_producer(iterator=iter(self.tensors), group=held.joined, src=0,
-                                       post_iter_func=lambda item: item[1],
-                                       buffer_size_bytes=PACKED_BUFFER_BYTES,
-                                       num_buffers=PACKED_BUFFERS)
-        torch.cuda.current_stream().synchronize()
+            held.streams = [torch.cuda.Stream(self.device) for _ in range(PACKED_BUFFERS)]
+        deadline = time.monotonic() + self.timeout_s
+        items = iter(sending.tensors)
+        in_flight: list[Any] = [None] * PACKED_BUFFERS  # a buffer lives until its stream is done
+        i = 0
+        while True:
+            stream = held.streams[i]
+            _drained(stream, deadline)
+            in_flight[i] = None
+            with torch.cuda.stream(stream):
+                if sending.ready is not None:  # the snapshot is written before it is packed
+                    stream.wait_event(sending.ready)
+                chunk = pack_tensors(items, lambda item: item[1], PACKED_BUFFER_BYTES)
+                if chunk is None:
+                    break
+                held.joined.broadcast(chunk.packed_tensor, src=0, stream=stream)
+                in_flight[i] = chunk
+            i = (i + 1) % PACKED_BUFFERS
+        for stream in held.streams:
+            _drained(stream, deadline)
 
     def forget(self, peer: bytes) -> None:
         held = self.peers.pop(peer, None)
@@ -224,6 +326,15 @@ class BroadcastSender(Sender):
     def close(self) -> None:
         for peer in list(self.peers):
             self.forget(peer)
+
+
+def _drained(stream: Any, deadline: float) -> None:
+    """Return once everything queued on ``stream`` has run; TimeoutError after ``deadline``."""
+    while not stream.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a weights broadcast did not complete before "
+                               "learner.collective_timeout_s")
+        time.sleep(POLL_S)
 
 
 class BroadcastReceiver(Receiver):
@@ -301,7 +412,7 @@ class BroadcastReceiver(Receiver):
                 init.update(bucket_bytes=g.bucket_bytes, timeout_s=self.timeout_s)
             self.group = g
 
-        def done(exc: BaseException | None) -> None:
+        def done(exc: BaseException | None) -> None:  # (in the sampler's event loop)
             if exc is not None:
                 self.group = None  # the next header brings a new group
 

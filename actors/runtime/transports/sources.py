@@ -69,7 +69,8 @@ class WorkerTransfer:
     init: dict[str, Any] | None  # init_weight_transfer_engine's init_info (a new group), or None
     update: dict[str, Any]  # update_weights' update_info (names, dtype_names, shapes, ...)
     done: Callable[[BaseException | None], None] = field(default=lambda exc: None)
-    """Tell the receiving side how the engine's part ended (None: loaded)."""
+    """Tell the receiving side how the engine's part ended (None: loaded), in the sampler's
+    event loop; the engine calls it once, either way (the subscriber waits for it)."""
 
 
 @dataclass

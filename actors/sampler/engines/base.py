@@ -121,6 +121,7 @@ class EngineSpec:
     label: str = ""  # names the engine's processes (sampler name and run directory)
     transport: str = ""  # the weights transport ("": none; GPU ones configure its worker)
     adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
+    memory: Any = None  # a MemoryLender: GPU memory a sleeping engine lends the learner
 
 
 def full_generation(token_ids: torch.Tensor, logprobs: torch.Tensor, version: int,

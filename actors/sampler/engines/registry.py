@@ -47,6 +47,8 @@ class EngineRow:
     adapters: bool = False  # applies LoRA adapters published alone (learner.lora.rank > 0)
     max_adapter_rank: int = 0  # the highest LoRA rank it serves (0: any)
     sleeps: bool = False  # has a sleep mode of its own, on a GPU (sampler.sleep_idle_s)
+    measures_memory: bool = False  # sizes its cache from the GPU's free memory as it starts
+    # (vLLM's profile run): started alone on a GPU it shares (``layout.start_after``)
 
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
@@ -54,7 +56,7 @@ ENGINES: dict[str, EngineRow] = {row.name: row for row in (
     EngineRow(FALLBACK, _start_hf, adapters=True),
     EngineRow("vllm", _start_vllm, vllm_problem, continuous=True, prefer_on_gpu=True,
               in_worker=True, ranks="vllm.tensor_parallel_size", adapters=True,
-              max_adapter_rank=512, sleeps=True),
+              max_adapter_rank=512, sleeps=True, measures_memory=True),
 )}
 if TYPE_CHECKING:
     EngineName = str
@@ -83,16 +85,21 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
     return value if isinstance(value, int) else 1
 
 
-def auto_engine() -> str:
-    """``sampler.engine = "auto"``: the first engine preferred on a GPU that can run, when the
-    sampler has a GPU; hf otherwise. On a CPU hf and vllm train the default job equally fast,
-    while vLLM starts about 45 s later and cannot borrow the learner's threads (BENCHMARKS.md,
-    "In the default job"; issue 23), so a CPU keeps hf."""
+def auto_engine(device: str = "auto") -> str:
+    """``sampler.engine = "auto"`` for samplers on ``device`` (``sampler.device``): the first
+    engine preferred on a GPU that can run, when the samplers compute on a GPU (``cuda``,
+    ``cuda:N``, or ``auto`` where torch sees one); hf otherwise, and always for ``cpu``: a GPU
+    engine started on a CPU sampler (no GPU visible to it) could only fail. On a CPU hf and vllm
+    train the default job equally fast, while vLLM starts about 45 s later and cannot borrow the
+    learner's threads (BENCHMARKS.md, "In the default job"; issue 23), so a CPU keeps hf."""
+    if device == "cpu":
+        return FALLBACK
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]
     runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
         return FALLBACK
+    if device.startswith("cuda"):  # (the placement check makes sure there is one)
+        return runnable[0]
     import torch  # only with a GPU engine installed: a config check stays torch-free without
 
     return runnable[0] if torch.cuda.is_available() else FALLBACK
-

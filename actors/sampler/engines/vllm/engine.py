@@ -93,6 +93,7 @@ class VLLMSettings:
     sleep_idle_s: float = 0.0  # sleep after this long without requests (0: never; GPU only)
     weight_transfer: str = ""  # vLLM's weight-transfer backend its worker receives with ("": files)
     adapters: AdapterLimits | None = None  # LoRA: versions arrive as adapters (lora.py)
+    memory: Any = None  # a MemoryLender: what the engine frees asleep is the learner's meanwhile
 
 
 class _Loop:
@@ -151,7 +152,7 @@ class VLLMEngine:
         self.updates_in_flight = 0  # updates that found requests in the engine and kept them
         self.load_s = 0.0  # of which: loading the file into the model
         self.sampler_kind = ""  # v1 or v2: which model runner's sampler the engine runs
-        self.sleep = EngineSleep(settings.sleep_idle_s)
+        self.sleep = EngineSleep(settings.sleep_idle_s, settings.memory)
         self.slots = AdapterSlots(SHM_ROOT / f"flowrl-weights-{os.getpid()}-lora-{id(self)}") \
             if settings.adapters else None  # LoRA (a killed sampler's: remove_orphaned_shm)
 
@@ -300,8 +301,13 @@ class VLLMEngine:
                 raise ValueError("LoRA adapters reached a vLLM engine started without LoRA")
             case SharedWeights(path=path):
                 await self.loop.call(self._swap(version, self._load_file(str(path))))
-            case WorkerTransfer():
-                await self.loop.call(self._swap(version, self._receive(source)))
+            case WorkerTransfer():  # ended either way, so the subscriber asks for the next
+                try:
+                    await self.loop.call(self._swap(version, self._receive(source)))
+                except BaseException as exc:
+                    source.done(exc)
+                    raise
+                source.done(None)
             case _:
                 written = SHM_ROOT / f"flowrl-sampler-{os.getpid()}-v{version}.safetensors"
                 await anyio.to_thread.run_sync(save_tensors, dict(source), written)
@@ -326,18 +332,13 @@ class VLLMEngine:
 
         async def receive() -> float:
             started = time.perf_counter()
-            try:
-                if transfer.init is not None:
-                    await self.llm.init_weight_transfer_engine(
-                        WeightTransferInitRequest(init_info=transfer.init))
-                await self.llm.start_weight_update()
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
-                await self.llm.finish_weight_update()
-                await self.llm.collective_rpc("flowrl_redispatch_head")
-            except BaseException as exc:
-                transfer.done(exc)
-                raise
-            transfer.done(None)
+            if transfer.init is not None:
+                await self.llm.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info=transfer.init))
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
+            await self.llm.finish_weight_update()
+            await self.llm.collective_rpc("flowrl_redispatch_head")
             return time.perf_counter() - started
         return receive
 
@@ -405,6 +406,8 @@ class VLLMEngine:
         self.loop.close()
         if self.slots is not None:
             self.slots.close()
+        if self.sleep.lender is not None:
+            self.sleep.lender.close()
 
 
 async def start(spec: EngineSpec) -> VLLMEngine:
@@ -420,6 +423,7 @@ async def start(spec: EngineSpec) -> VLLMEngine:
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
                             sleep_idle_s=cfg.sleep_idle_s, adapters=spec.adapters,
+                            memory=spec.memory,
                             weight_transfer=receiver.worker_backend(torch.cuda.is_available())
                             if receiver else "")
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)

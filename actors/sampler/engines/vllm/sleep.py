@@ -1,6 +1,8 @@
 """Sleep and wake of a vLLM engine on a GPU shared with the learner (``sampler.sleep_idle_s``,
 or a judge pool's): when (``SleepPolicy``, pure state) and how (``EngineSleep``, on the engine's
-asyncio loop). vLLM's CPU build has no sleep mode, so on a CPU only the control flow is tested."""
+asyncio loop). What a sampler's sleeping engine frees is lent to the learner on its GPU, and
+taken back before it wakes (``actors/runtime/memory_lending.py``). vLLM's CPU build has no sleep
+mode, so on a CPU only the control flow is tested."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.sampler.engines.sleep_clock import SleepClock
+
+TAKE_BACK_POLL_S = 0.05  # how often a waking engine asks whether the learner gave its memory back
 
 
 class SleepPolicy:
@@ -48,8 +52,9 @@ class EngineSleep(SleepPolicy):
     """The policy acted on with the engine's ``AsyncLLM``: level 1 sleeps (its weights to host
     memory, its KV cache freed), one sleep or wake at a time, on the engine's asyncio loop."""
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, lender: Any = None) -> None:
         super().__init__(idle_s)
+        self.lender = lender  # a MemoryLender (a sampler's engine on the learner's GPU), or None
         self.clock = SleepClock()  # sleeps, time asleep, wake latency, memory freed
         self.lock = asyncio.Lock()  # one transition at a time (bound to the loop at first use)
         self.task: asyncio.Future | None = None  # puts the engine to sleep once due
@@ -66,6 +71,9 @@ class EngineSleep(SleepPolicy):
         async with self.lock:
             if self.busy():
                 started = time.monotonic()
+                # the learner may hold the freed memory for the step it is taking
+                while self.lender is not None and not self.lender.take_back():  # noqa: ASYNC110
+                    await asyncio.sleep(TAKE_BACK_POLL_S)  # (a flag in the host's table)
                 await llm.wake_up()
                 self.woke()
                 self.clock.woke(started)
@@ -79,7 +87,9 @@ class EngineSleep(SleepPolicy):
                     free = await _free_bytes(llm)
                     await llm.sleep(level=1)
                     self.slept()
-                    self.clock.slept(max(0, await _free_bytes(llm) - free))
+                    self.clock.slept(freed := max(0, await _free_bytes(llm) - free))
+                    if self.lender is not None:
+                        self.lender.lend(freed)
 
 
 async def _free_bytes(llm: Any) -> int:
