@@ -11,6 +11,10 @@ flash-attention's varlen kernel has no such waste, but it is CUDA-only and not a
 (the sequence bounds arrive as the ``flowrl_bounds`` keyword, which transformers hands every
 attention call of the forward pass, and again when gradient checkpointing recomputes a layer),
 and concatenates the outputs: no token attends across a boundary, and no mask is built.
+On a CUDA device in bf16 or fp16, where torch has ``torch.nn.attention.varlen.varlen_attn``
+(its own flash-attention varlen kernel), the whole row goes through that kernel in one call per
+layer instead: one launch where the loop makes one per sequence, and the loop's launches, not the
+GPU's arithmetic, bound a learner step of many short sequences (the profile in BENCHMARKS.md).
 Without ``flowrl_bounds`` (padded rows) it is transformers' SDPA, with the same masks: a model
 switched to it computes padded batches exactly as before.
 
@@ -22,7 +26,9 @@ each sequence run alone (``tests/test_packing.py``).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import itertools
 
 import torch
@@ -43,10 +49,59 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
+    if fused_applies(query):
+        return fused_varlen(query, key, value, flowrl_bounds, scaling, gqa), None
     outs = [F.scaled_dot_product_attention(
         query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, scale=scaling,
         is_causal=True, enable_gqa=gqa) for a, b in itertools.pairwise(flowrl_bounds)]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # (1, T, Hq, D)
+
+
+def fused_applies(query: torch.Tensor) -> bool:
+    """Whether ``fused_varlen`` runs this call: CUDA, half precision, torch's kernel present."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and varlen_kernel() is not None)
+
+
+@functools.cache
+def varlen_kernel():
+    """torch's ``varlen_attn`` and whether it takes ``enable_gqa`` and ``window_size`` (added
+    after its first release, which took ``is_causal``), or None where torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "enable_gqa" in params, "window_size" in params
+
+
+@functools.lru_cache(maxsize=64)
+def cumulative(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernel's ``cu_seq`` (int32 on ``device``) and the longest sequence, for ``bounds``
+    (cached: every layer of a forward, and its recomputation, asks for the same)."""
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    return torch.tensor(bounds, dtype=torch.int32, device=device), longest
+
+
+def fused_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 bounds: tuple[int, ...], scaling: float | None, gqa: bool) -> torch.Tensor:
+    """Causal attention within each ``bounds`` slice in one ``varlen_attn`` call: q (1, Hq, T,
+    D), k and v (1, Hkv, T, D) in; (1, T, Hq, D) out, as ``varlen_sdpa`` returns."""
+    kernel = varlen_kernel()
+    assert kernel is not None
+    varlen_attn, takes_gqa, takes_window = kernel
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    if gqa and not takes_gqa:  # each kv head repeated for its group of query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    cu, longest = cumulative(tuple(bounds), q.device)
+    options: dict = {"scale": scaling}
+    options.update({"window_size": (-1, 0)} if takes_window else {"is_causal": True})
+    if gqa and takes_gqa:
+        options["enable_gqa"] = True
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
+                      **options)
+    return out.unsqueeze(0)  # (1, T, Hq, D)
 
 
 def register() -> None:

@@ -1,0 +1,67 @@
+"""Packed attention in one ``varlen_attn`` call against the per-sequence loop it replaces.
+
+On a CUDA device in bf16 the learner's packed rows go through torch's varlen kernel
+(``kernels/varlen_attention.py``); both paths are compared with a float32 reference of each
+sequence attended alone, forward and backward, with grouped-query heads as the policy models have.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from kernels import varlen_attention
+
+BOUNDS = (0, 7, 40, 41, 100, 228)  # lengths 7, 33, 1, 59, 128
+HQ, HKV, D = 8, 2, 64
+
+
+def inputs(device: str, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T = BOUNDS[-1]
+    shapes = [(1, HQ, T, D), (1, HKV, T, D), (1, HKV, T, D)]
+    return [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in shapes]
+
+
+def per_sequence(q, k, v) -> torch.Tensor:
+    """The loop: SDPA on each sequence's slice; (1, T, Hq, D)."""
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                           is_causal=True, enable_gqa=True)
+            for a, b in itertools.pairwise(BOUNDS)]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def test_the_fused_path_is_taken_only_on_cuda_in_half_precision():
+    q = torch.zeros(1, HQ, 4, D)
+    assert not varlen_attention.fused_applies(q)
+    assert not varlen_attention.fused_applies(q.bfloat16())  # a CPU tensor: the loop
+    cu, longest = varlen_attention.cumulative(BOUNDS, torch.device("cpu"))
+    assert cu.dtype == torch.int32 and cu.tolist() == list(BOUNDS) and longest == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_varlen_matches_each_sequence_alone(dtype):
+    if varlen_attention.varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    q, k, v = inputs("cuda", dtype)
+    assert varlen_attention.fused_applies(q)
+    grad = torch.randn(1, BOUNDS[-1], HQ, D, generator=torch.Generator().manual_seed(1))
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = per_sequence(*ref_in)
+    ref.backward(grad.cuda())
+    errors = {}
+    for name, fn in (("fused", lambda a, b, c: varlen_attention.fused_varlen(
+            a, b, c, BOUNDS, None, gqa=True)), ("loop", per_sequence)):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        assert out.shape == (1, BOUNDS[-1], HQ, D)
+        out.backward(grad.to("cuda", dtype))
+        errors[name] = [float((out.float() - ref).abs().max())] + [
+            float((a.grad.float() - r.grad).abs().max()) for a, r in zip(ins, ref_in, strict=True)]
+    print(errors)
+    for fused, loop in zip(errors["fused"], errors["loop"], strict=True):
+        assert fused <= 2 * loop + 1e-2, errors  # as close to float32 as the loop in half
