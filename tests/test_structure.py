@@ -355,3 +355,37 @@ def test_no_module_passes_names_on():
     # the check sees an offender
     assert passed_on("from kernels.aggregate import aggregate\n__all__ = ['aggregate']\n") == [
         "aggregate"]
+
+
+# -- folders say what they hold ----------------------------------------------------------------
+
+def package_map() -> tuple[set[str], set[str]]:
+    """The actors and the libraries ``actors/__init__.py`` lists, by their folder or module."""
+    import actors
+
+    doc = actors.__doc__ or ""
+    actor_part, library_part = doc.split("\nLibraries:")
+    listed = re.compile(r"^- ``([a-z_]+)(?:/|\.py)``", re.M)
+    libraries = set(listed.findall(library_part))
+    libraries |= set(re.findall(r"``([a-z_]+)\.py``", library_part))
+    return set(listed.findall(actor_part)), libraries
+
+
+def test_every_folder_under_actors_is_listed_as_an_actor_or_a_library():
+    actor_names, library_names = package_map()
+    assert not actor_names & library_names
+    here = {p.stem for p in (ROOT / "actors").iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py"
+                                                                  and p.stem != "__init__")}
+    assert here == actor_names | library_names, (
+        f"not listed in actors/__init__.py: {sorted(here - actor_names - library_names)}; "
+        f"listed but gone: {sorted((actor_names | library_names) - here)}")
+
+
+def test_each_actor_kind_runs_a_body_from_an_actor_folder():
+    from actors.registry import KINDS
+
+    actor_names, _ = package_map()
+    for kind in KINDS:
+        module = kind.body().__module__  # e.g. actors.learner.actor
+        assert module.split(".")[1] in actor_names, (kind.name, module)
