@@ -70,7 +70,7 @@ def rank_main(args) -> None:
     import torch
 
     from actors.job.config.load import load_topology
-    from actors.learner.packing import micro_batches
+    from actors.learner.packing import micro_batches, micro_limits
     from actors.learner.policy import learner_group
     from actors.learner.trainer import Trainer
     from actors.runtime.ranks import Rank
@@ -104,8 +104,8 @@ def rank_main(args) -> None:
                     if k.startswith("timing_s/") and k not in ("timing_s/gen", "timing_s/weight_sync"):
                         parts[k.removeprefix("timing_s/")] = parts.get(k.removeprefix("timing_s/"), 0) + v
                 lengths = [g.prompt_ids.shape[0] + s.response_ids.shape[0] for g in b for s in g.samples]
-                for sl in micro_batches(lengths, 0, len(lengths), trainer.cfg.micro_batch_size,
-                                        trainer.cfg.max_tokens_per_micro_batch):
+                limits = micro_limits(trainer.cfg, trainer.policy.device.type == "cuda")
+                for sl in micro_batches(lengths, 0, len(lengths), *limits):
                     cells += (sl.stop - sl.start) * max(lengths[sl])
                     real += sum(lengths[sl])
         # CPU seconds (every thread of every rank: compute and the collectives' copies) per

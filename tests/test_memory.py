@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from actors.learner.memory import announce, describe, estimate, measured, saved_bytes
 from actors.learner.objective import _forward
-from actors.learner.packing import pack
+from actors.learner.packing import micro_limits, pack
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
 from tests.test_packing import gradients
@@ -26,7 +26,8 @@ def test_states_are_the_real_tensors_bytes(tiny_model, tmp_path):
     # prompt and response tokens, micro_batch_size of them at most)
     lengths = sorted((len(g.prompt_ids.data) + len(s.response_ids.data)) // 4
                      for g in groups for s in g.samples)
-    assert len(seen) == 1 and max(lengths) <= seen[0] <= sum(lengths[-t.cfg.micro_batch_size:])
+    rows, _ = micro_limits(t.cfg, cuda=False)
+    assert rows == 8 and len(seen) == 1 and max(lengths) <= seen[0] <= sum(lengths[-rows:])
     # on a CPU the learner says nothing of a model far from the machine's memory
     assert announce(t.policy, seen[0]) is None
     real = measured(t.policy.model, t.policy.optimizer)

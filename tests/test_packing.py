@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from actors.learner.packing import micro_batches, pack, refine
+from actors.learner.packing import micro_batches, micro_limits, pack, refine
 from kernels import varlen_attention
 from tests.learner_cases import OPTIONS, make_trainer, with_behaviour
 from tests.test_learner import make_groups
@@ -158,3 +158,23 @@ def test_micro_batches_follow_the_budget_and_ranks_get_as_many():
     assert len(four) == 4 and [i for p in four for i in range(p.start, p.stop)] == list(range(8))
     with pytest.raises(ValueError, match="too few rows"):
         refine([slice(0, 1)], lengths, 2)
+
+
+def test_auto_micro_batches_follow_the_device():
+    """auto: 8 rows and 8192 tokens on a CPU (the default job's micro-batches, unchanged); on a
+    GPU a packed micro-batch has no row cap and 32768 tokens, a padded one keeps 8 rows."""
+    from actors.job.config.load import apply_overrides, decode_topology
+
+    def limits(*extra, cuda):
+        return micro_limits(decode_topology(apply_overrides({}, list(extra))).learner, cuda)
+
+    assert limits(cuda=False) == (8, 8192)
+    rows, tokens = limits(cuda=True)
+    assert tokens == 32768 and rows > 10**6
+    assert limits("learner.packing=false", cuda=True) == (8, 32768)
+    assert limits("learner.micro_batch_size=3", "learner.max_tokens_per_micro_batch=0",
+                  cuda=True) == (3, 0)
+    # 32 sequences of 540 tokens: four micro-batches on a CPU, one on a GPU
+    lengths = [540] * 32
+    assert len(micro_batches(lengths, 0, 32, *limits(cuda=False))) == 4
+    assert micro_batches(lengths, 0, 32, *limits(cuda=True)) == [slice(0, 32)]

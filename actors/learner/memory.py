@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from actors.learner.packing import micro_limits
 from actors.learner.perf import head_dim_of
 
 GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
@@ -208,9 +209,10 @@ def planned(topology, device: str) -> str:
     params = model.dtype
     compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
     checkpointing = cuda if L.gradient_checkpointing == "auto" else bool(L.gradient_checkpointing)
-    tokens = L.max_tokens_per_micro_batch or L.micro_batch_size * 1024
+    rows, budget_tokens = micro_limits(L, cuda)
+    tokens = budget_tokens or rows * 1024
     budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
-              if L.max_tokens_per_micro_batch else
+              if budget_tokens else
               " (no token budget: micro_batch_size x 1024 assumed)")
     a = topology.algorithm
     return table(config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,

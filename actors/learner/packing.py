@@ -11,7 +11,8 @@ rank holds the whole batch, so each computes that count alone, without a collect
 Packed (``learner.packing``, the default), a micro-batch's sequences are concatenated into one
 row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence, and the model
 attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
-kernel on CUDA where it is installed, else SDPA once per sequence (``flowrl_varlen``; the
+kernel on CUDA where it is installed, else ``flowrl_varlen``: torch's ``varlen_attn`` on CUDA in
+half precision, SDPA once per sequence elsewhere (the
 reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
 the position ids, and each sequence run alone). Only the model's forward changes: its outputs
 are read back into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss,
@@ -24,6 +25,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+CPU_ROWS, CPU_TOKENS, GPU_TOKENS = 8, 8192, 32768  # the "auto" limits of a micro-batch
+
+
+def micro_limits(learner, cuda: bool) -> tuple[int, int]:
+    """``(max_rows, max_tokens)`` of a micro-batch from ``learner.micro_batch_size`` and
+    ``learner.max_tokens_per_micro_batch``, their ``auto`` resolved for the device: a GPU is
+    kept busy by few large micro-batches (a packed one has no row cap there), a CPU computes
+    the same either way and keeps the smaller ones."""
+    rows = learner.micro_batch_size
+    if rows == "auto":
+        rows = 1 << 30 if cuda and learner.packing else CPU_ROWS
+    tokens = learner.max_tokens_per_micro_batch
+    if tokens == "auto":
+        tokens = GPU_TOKENS if cuda else CPU_TOKENS
+    return rows, tokens
 
 
 def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int) -> list[slice]:

@@ -62,7 +62,7 @@ from actors.learner.objective import (
     rejection_rules,
     response_logprobs,
 )
-from actors.learner.packing import micro_batches, refine
+from actors.learner.packing import micro_batches, micro_limits, refine
 from actors.learner.perf import StepTimes, perf_metrics
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
@@ -119,8 +119,8 @@ class Trainer:
         the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
         share needs, so that every rank runs as many forward passes."""
         part = (hi - lo) // self.group.world
-        splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part,
-                                self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        rows, tokens = micro_limits(self.cfg, self.policy.device.type == "cuda")
+        splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens)
                   for r in range(self.group.world)]
         return refine(splits[self.group.rank], lengths, max(map(len, splits)))
 
