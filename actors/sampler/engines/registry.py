@@ -85,9 +85,9 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
 
 def auto_engine() -> str:
     """``sampler.engine = "auto"``: the first engine preferred on a GPU that can run, when the
-    sampler has a GPU; hf otherwise. On a CPU hf and vllm train the default job equally fast,
-    while vLLM starts about 45 s later and cannot borrow the learner's threads (BENCHMARKS.md,
-    "In the default job"; issue 23), so a CPU keeps hf."""
+    sampler has a GPU; hf otherwise. On a CPU vllm trains the default job no faster than hf,
+    starts later and cannot borrow the learner's threads, so a CPU keeps hf (the figures:
+    BENCHMARKS.md, "The sampler's engines")."""
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]
     runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
