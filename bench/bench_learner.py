@@ -10,8 +10,8 @@ embedded SmolLM2-135M-Instruct unless ``--model``), and takes ``--warmup`` untim
 ``--steps`` timed ones on synthetic batches shaped like the default job's (``groups × n``
 sequences of an arithmetic prompt plus ``--response`` random tokens). Rank 0 prints seconds per
 step and learner tokens/s (prompt and response tokens per second of step time), and the CPU seconds
-all ranks used per step (their compute and their collectives' copies: on a shared machine the
-figure other tenants change least), where the step's time went (``timing_s/update_actor`` and
+all ranks used per step (their compute and their collectives' copies: the figure background load
+changes least), where the step's time went (``timing_s/update_actor`` and
 the rest), and the padding share: the share of the padded micro-batches' cells (rows × their
 longest sequence) that are padding, which the packed layout does not compute. ``--layouts``
 runs each rank count packed (``learner.packing = true``) and padded (the reference path).
@@ -109,7 +109,7 @@ def rank_main(args) -> None:
                     cells += (sl.stop - sl.start) * max(lengths[sl])
                     real += sum(lengths[sl])
         # CPU seconds (every thread of every rank: compute and the collectives' copies) per
-        # step: on a shared machine, the cost that does not depend on the other tenants
+        # step: the cost that background load on the machine changes least
         total_cpu = group.sum_floats([sum(cpu) / len(cpu)])[0]
         if group.leader:
             print(json.dumps({"ranks": group.world, "threads": args.threads, "cpu_s": total_cpu,

@@ -20,7 +20,7 @@ it. The table gives the median and the minimum per path; the minimum is the leas
 
 ``liger`` is Liger-Kernel's fused linear cross entropy
 (``LigerFusedLinearCrossEntropyLoss(reduction="none")``, which returns −log p per token; the
-temperature is applied by scaling the hidden states), the anchor of issue 15's kernel goal. It
+temperature is applied by scaling the hidden states), the reference the fused kernels are measured against. It
 is in the table whenever ``liger_kernel`` imports (the ``bench`` extra), and computes no entropy,
 so with ``--entropy`` its row says so. A path that runs out of memory, fails, or cannot run here
 (Liger's Triton kernels need a GPU) gets that reason in its row instead of numbers: the other

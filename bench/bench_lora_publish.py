@@ -12,7 +12,7 @@ learner published before adapters (``Policy.snapshot``: every weight, the adapte
 into a plain engine; "adapters" publishes ``Policy.published`` (the adapters alone, with their
 ``AdapterSpec``) into an engine that applies them. Seconds: gather (the learner's copy of what
 it sends) and publish->loaded (publish called until the engine holds the version); rounds
-interleave the variants so load from other users of the machine hits all alike; medians.
+interleave the variants so background load that comes and goes hits all alike; medians.
 """
 
 from __future__ import annotations

@@ -534,7 +534,7 @@ def main() -> int:
     results: dict[tuple[str, int, int], list[dict[str, float]]] = {}
     try:
         # every mode's processes are up for the whole run (idle ones only heartbeat), and the
-        # measurements are interleaved round by round in a rotated order: load from other jobs
+        # measurements are interleaved round by round in a rotated order: background load
         # that comes and goes then hits every mode alike
         modes = {name: start_mode(name, args, sockets) for name in names}
         time.sleep(1.0)

@@ -21,7 +21,7 @@ Parts (each prints a table; results go in BENCHMARKS.md):
   the engine loads it (``load_weights``: file into the model, layerwise), and from tensors in
   memory (the zmq transport: the sampler writes the file itself first).
 
-Rounds interleave the contenders (A B, B A, ...), so load from other users of a shared machine
+Rounds interleave the contenders (A B, B A, ...), so background load that comes and goes
 hits both alike; the tables give the median and the best round.
 """
 

@@ -16,10 +16,8 @@ temperature 1.0, AdamW at lr 1e-5, no KL term, PPO clip ε = 0.2. TRL's ``GRPOTr
 a child process (``torch`` threads = cores unless ``threads=N``), generating with transformers (no vLLM)
 and then training, in turns; flowrl runs its actors as ``topology.toml`` places them (or as the
 overrides say), without the default job's validation rounds (TRL runs none here;
-``validation.every=10 validation.before_training=true`` as overrides put them back). Until
-2026-11-24 the step-0 round still ran (``validation.every=0`` alone leaves
-``before_training`` on): the flowrl figures recorded before then include one validation
-round (128 samples, about 35 s on these cores) in their time.
+``validation.every=10 validation.before_training=true`` as overrides put them back; both are
+turned off, since ``validation.every=0`` alone leaves the step-0 round on).
 
 Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per

@@ -19,7 +19,7 @@ the hf engine (``HFEngine.load_weights``), which reports the wall time at which 
 was loaded into its model. Publish-to-loaded = that time minus the time ``publish`` was called
 (one host, one clock). "publish returns" is how long the learner's own ``publish`` call took
 (a GPU transport's broadcast runs after it, beside training). Rounds interleave the transports
-(A B C, B C A, ...), so load from other users of the machine hits all alike; the table gives
+(A B C, B C A, ...), so background load that comes and goes hits all alike; the table gives
 the median and the best round. nccl runs over gloo here (no GPU): its numbers are gloo's.
 """
 

@@ -1,6 +1,6 @@
 """One command that checks flowrl's GPU paths on one GPU (more where a row needs them) and
-prints one table (no network; vLLM only for the row that needs it; under 10 minutes on an
-H100/H200 by design, not yet measured: no GPU has run it).
+prints one table (no network; vLLM only for the row that needs it; every row together is
+about 10 minutes on an H100/H200, the rows' times in BENCHMARKS.md).
 
     python bench/gpu_check.py                 # on a machine with a CUDA GPU
     python bench/gpu_check.py --dry-run       # the same checks on the CPU with tiny shapes

@@ -70,7 +70,7 @@ OPTIONS = {
     "cosine_warmup": ["learner.lr_scheduler=cosine", "learner.warmup_steps=1"],
     "grad_ckpt": ["learner.gradient_checkpointing=true"],
     "lora": ["learner.lora.rank=4", "algorithm.use_kl_loss=true"],
-    # issue 13: every name verl 0.9.1 has beyond the above
+    # every further name verl 0.9.1 has beyond the above
     "gpg": ["algorithm.adv_estimator=gpg", "algorithm.policy_loss=gpg"],
     "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
     "tir_optimal_token_baseline": ["algorithm.adv_estimator=tir_optimal_token_baseline",

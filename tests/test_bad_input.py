@@ -1,4 +1,4 @@
-"""Bad input, as a new user makes it, through ``runner.py`` as a subprocess (issue 27).
+"""Bad input, as a new user makes it, through ``runner.py`` as a subprocess.
 
 Before start: each row of ``ROWS`` is one mistake; the runner must exit with the row's status,
 print one line ``error: ...`` naming the row's key, no Python traceback, and start nothing (the

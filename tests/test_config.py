@@ -46,7 +46,7 @@ def test_dotted_overrides_are_typed():
     ("algorithm.filter_groups.metric=loss", "algorithm.filter_groups.metric: Invalid enum value 'loss'"),
     ("task.max_prompt_length=-5", "task.max_prompt_length: must be >= 0"),
     ("task.name=chess", "task.name: 'chess' is not one of"),
-    # issue 13's names: verl's validation, with the key path
+    # verl 0.9.1's further names: verl's validation, with the key path
     ("algorithm.policy_loss=dro", "algorithm.dro_beta: dro needs dro_beta > 0"),
     ("algorithm.policy_loss=bypass_mode",
      "algorithm.policy_loss: bypass_mode takes the behaviour log-probs"),
@@ -102,8 +102,8 @@ def test_bad_values_name_the_key(override, message):
         decode_topology(apply_overrides({}, overrides))
 
 
-def test_every_new_name_of_issue_13_loads():
-    """Each name verl 0.9.1 has that issue 13 listed, selected the way README shows."""
+def test_every_further_verl_name_loads():
+    """Each further name verl 0.9.1 has, selected the way docs/algorithms.md shows."""
     t = decode_topology(apply_overrides({}, [
         "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
         "algorithm.gdpo_reward_weights=[0.5, 1.0]", "algorithm.policy_loss=dro",
@@ -163,7 +163,7 @@ def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monke
     assert "pip install vllm" in str(caught.value)
     # auto falls back to the transformers engine
     assert decode_topology(apply_overrides({}, [])).sampler.engine == "hf"
-# -- placement: devices, precision, the learner's ranks (issue 15) ------------------------------
+# -- placement: devices, precision, the learner's ranks ----------------------------------------
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["learner.device=gpu"], "learner.device: 'gpu' is not auto, cpu, cuda or cuda:N"),
@@ -221,3 +221,14 @@ def test_placement_defaults_keep_the_cpu_job_as_it_was():
     assert resolve_dtype("auto", torch.device("cuda", 0), "float32") == torch.bfloat16
     if not torch.cuda.is_available():
         assert resolve_device("auto") == cpu and resolve_device("cpu", 3) == cpu
+
+
+def test_paths_are_made_absolute_and_the_embedded_model_stays_a_name(tmp_path, monkeypatch):
+    """The actors start in the project's directory, not the user's: every file or model named
+    relative to where the runner starts reaches them absolute; ``default`` is a name."""
+    monkeypatch.chdir(tmp_path)
+    t = decode_topology(apply_overrides({}, ["model.path=my-model", "teacher.path=teacher"]))
+    assert t.model.path == str(tmp_path / "my-model")
+    assert t.teacher.path == str(tmp_path / "teacher")
+    t = decode_topology(apply_overrides({}, ["teacher.path=default"]))
+    assert t.model.path == "default" and t.teacher.path == "default"

@@ -201,15 +201,15 @@ def test_a_learner_over_two_hosts(tiny_model, tmp_path):
 
 
 def srun_line() -> str:
-    """The command of README's SLURM example: what ``srun`` runs once on every node."""
-    readme = (ROOT / "README.md").read_text()
-    (line,) = [ln for ln in readme.splitlines() if ln.startswith("srun ")]
+    """The command of the SLURM example (docs/scaling.md): what ``srun`` runs once on every node."""
+    page = (ROOT / "docs" / "scaling.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if ln.startswith("srun ")]
     return shlex.split(line)[-1]
 
 
 def test_the_readme_srun_line_starts_one_runner_per_node(tiny_model, tmp_path):
     """srun starts the same command on each node with SLURMD_NODENAME set to the node's name:
-    here the two nodes are the two loopback hosts, the command is README's, word for word."""
+    here the two nodes are the two loopback hosts, the command is the docs', word for word."""
     hosts = tmp_path / "hosts.toml"
     hosts.write_text((ROOT / "topology.toml").read_text())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",

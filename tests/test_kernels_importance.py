@@ -114,7 +114,7 @@ def test_extreme_ratios_stay_finite():
 
 
 def test_sequence_weight_sums_raw_log_ratios_before_clamping():
-    """Issue 13 point 3: token log-ratios [-25, +10] give e^-15 (not e^-20 * e^10), and
+    """Token log-ratios [-25, +10] give e^-15 (not e^-20 * e^10), and
     [+25, -20] with cap 2 give 2 (not min(e^0, 2) = 1)."""
     old = torch.tensor([[-25.5, -0.5], [-0.5, -25.5]], dtype=torch.float64)
     behav = torch.tensor([[-0.5, -10.5], [-25.5, -5.5]], dtype=torch.float64)
@@ -158,7 +158,7 @@ def test_parse_is_threshold():
 
 
 def test_empty_rows_count_in_sequence_averages_as_in_verl():
-    """Issue 13 point 5: a row without a response token counts as ppl 1 and difference 0."""
+    """A row without a response token counts as ppl 1 and difference 0."""
     lp = torch.tensor([[-1.0, -1.0], [-3.0, -3.0]])
     behav = lp - 0.5
     mask = torch.tensor([[1, 1], [0, 0]])

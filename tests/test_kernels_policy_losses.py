@@ -253,7 +253,7 @@ def test_value_loss_aggregation_and_errors():
         value_loss(values, values, zeros[0], mask)
 
 
-# losses from verl 0.9.1 added in issue 13 (tests/test_verl_parity.py compares them with verl) --
+# the further losses of verl 0.9.1 (tests/test_verl_parity.py compares them with verl) -----------
 
 
 def test_sapo_gate_is_ppo_at_ratio_one_and_fades_away_from_it():

@@ -49,7 +49,7 @@ def balanced(s):
 
 
 def run_three_steps(tmp_path):
-    """Issue 10, accept 8 (one of them stale), train steps 1-3 flushing before each batch."""
+    """Accept 8 (one of them stale), train steps 1-3 flushing before each batch."""
     s, rec = state(), Recorder(tmp_path, TABLES)
     prompts = s.issue(b"a", 10)
     for p in prompts[:8]:

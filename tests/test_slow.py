@@ -14,8 +14,8 @@ from tests.jobs import ROOT, balanced, metrics, status_lines, validations
 def test_the_default_job_learns_on_the_embedded_model(tmp_path):
     """``python runner.py topology.toml`` as the README runs it: 30 steps of GRPO on the
     embedded SmolLM2-135M-Instruct, on a CPU with the transformers engine (``sampler.engine =
-    "auto"`` picks vLLM only with a GPU), validating at steps 0, 10, 20 and 30. Measured (seed
-    0): training reward first 5 steps 0.212, last 5 0.963; validation mean@4 0.508 -> 0.992."""
+    "auto"`` picks vLLM only with a GPU), validating at steps 0, 10, 20 and 30 (its figures:
+    BENCHMARKS.md, "The default job learning on 2 CPU cores")."""
     run_dir = tmp_path / "run"
     res = subprocess.run([sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
                           "run.status_interval=0"], cwd=ROOT, capture_output=True, text=True,

@@ -34,7 +34,7 @@ Deliberate differences (each also in the docstring of the kernel concerned):
    micro-batch losses add up to the mini-batch's); verl ignores its global batch info and
    always takes the micro-batch's row mean. Compared without ``seq_count``.
 
-Not a difference, by choice (issue 13): verl's k1 rejection thresholds (``token_k1``,
+Not a difference, by choice: verl's k1 rejection thresholds (``token_k1``,
 ``seq_sum_k1``, ``seq_mean_k1`` with ``"lower_upper"``) bound ``exp(k1) = 1/rho`` in its code,
 while its documentation calls them ratio bounds. Ours follow the code (``parse_rs_preset``) and
 are compared with it, asymmetric bands such as ``"0.8_1.5"`` included.
@@ -404,7 +404,7 @@ def test_value_loss(mode, dtype):
             RECORD.check(f"value loss {mode} {clip}", ours, theirs, dtype)
             RECORD.check(f"value loss {mode} {clip} grad", v_o.grad, v_v.grad, dtype)
             RECORD.check(f"vf_clipfrac {clip}", metrics["critic/vf_clipfrac"], clipfrac, dtype)
-    # Issue 13 point 2: nothing clipped, nothing counted (old + clamp(v - old) != v bitwise)
+    # Nothing clipped, nothing counted (old + clamp(v - old) != v bitwise)
     b = make_batch(0, torch.float32)
     _, metrics = value_loss(b.values, b.values + 1e-3, b.returns, b.mask, cliprange_value=0.5)
     assert metrics["critic/vf_clipfrac"].item() == 0.0

@@ -214,8 +214,8 @@ def keep_gathered(setting: bool | None, device: torch.device) -> bool:
     """``learner.reshard_after_forward`` negated, by default by device: on a CPU gathered
     parameters stay gathered from forward to backward, and gradients accumulate whole over a
     mini-batch's micro-batches before one reduce-scatter (host memory is plentiful there, and
-    every copy the collectives make costs the cores that compute: measured 11.6 against 12.4-12.9
-    CPU-s per step on two ranks); on a GPU both are given back as soon as possible."""
+    every copy the collectives make costs the cores that compute: BENCHMARKS.md, "The
+    learner"); on a GPU both are given back as soon as possible."""
     return device.type == "cpu" if setting is None else not setting
 
 

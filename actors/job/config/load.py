@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from actors.job.config.checks import check
+from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.schema import ConfigError, Topology
 from actors.runtime.transports.base import resolve_transport
@@ -114,8 +115,8 @@ def _derived(topology: Topology) -> Topology:
 
 
 def _absolute_paths(value: Any) -> Any:
-    """Every ``FilePath`` field (files and directories named relative to where the job is
-    started) made absolute: the actors run elsewhere and read the resolved topology."""
+    """Every ``FilePath`` and ``ModelPath`` field (files and directories named relative to where
+    the job is started) made absolute: the actors run elsewhere and read the resolved topology."""
     if isinstance(value, list):
         return [_absolute_paths(item) for item in value]
     if not isinstance(value, msgspec.Struct):
@@ -123,8 +124,12 @@ def _absolute_paths(value: Any) -> Any:
     changes = {}
     for field in msgspec.structs.fields(value):
         old = getattr(value, field.name)
-        path = any((m.extra or {}).get("path") for m in getattr(field.type, "__metadata__", ()))
-        new = _absolute(old) if path else _absolute_paths(old)
+        kind = next((m.extra["path"] for m in getattr(field.type, "__metadata__", ())
+                     if (m.extra or {}).get("path")), None)
+        if kind == "model" and old == DEFAULT_MODEL:
+            new = old  # the embedded model: a name, not a path
+        else:
+            new = _absolute(old) if kind else _absolute_paths(old)
         if new is not old:
             changes[field.name] = new
     return msgspec.structs.replace(value, **changes) if changes else value

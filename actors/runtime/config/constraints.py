@@ -1,8 +1,9 @@
 """What a single key may hold, declared on its field (msgspec ``Meta``): decoding refuses a bad
 value naming its key path, and ``refusal`` words it as the checks do (``must be >= 1 (got 0)``).
 A pattern says what a value failing it is (``extra["bad"]``: ``'gpu' is not auto, cpu, cuda or
-cuda:N``); a bound at the largest float (``BIG``) refuses inf and nan. A ``FilePath`` is named
-relative to where the runner starts: the loader makes every one absolute (``job/config/load.py``).
+cuda:N``); a bound at the largest float (``BIG``) refuses inf and nan. A ``FilePath`` (and a
+``ModelPath``) is named relative to where the runner starts: the loader makes every one absolute
+(``job/config/load.py``), since the actors run elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ Fraction = Annotated[float, Meta(ge=0, le=1)]  # [0, 1]
 Share = Annotated[float, Meta(gt=0, le=1)]  # (0, 1]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 FilePath = Annotated[str, Meta(extra={"path": True})]
+# a model directory, named as a FilePath, or "default": the embedded model (kept as it is)
+ModelPath = Annotated[str, Meta(extra={"path": "model"})]
 
 
 def matching(regex: str, bad: str) -> Meta:

@@ -16,6 +16,7 @@ from actors.runtime.config.constraints import (
     FilePath,
     Finite,
     Fraction,
+    ModelPath,
     NonNegFloat,
     NonNegInt,
     PositiveFinite,
@@ -77,7 +78,7 @@ class RunConfig(_Section, frozen=True):
 
 
 class ModelConfig(_Section, frozen=True):
-    path: str = "default"
+    path: ModelPath = "default"
     """Local Hugging Face model directory, or ``default`` for the embedded SmolLM2-135M-Instruct."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for sampling and training (float32 is the fast choice on CPUs)."""
@@ -149,7 +150,7 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     engine: EngineChoice = "auto"
     """What generates (a row of ``actors/sampler/engines/registry.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
-    and vLLM is installed, hf otherwise (a CPU: measured the faster there; README)."""
+    and vLLM is installed, hf otherwise (hf is the faster on a CPU: BENCHMARKS.md)."""
     vllm: VLLMOptions = VLLMOptions()
     """vLLM's engine arguments (sampler.engine = vllm)."""
     weight_update: Literal["between_batches", "in_flight"] = "between_batches"

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from actors.registry import BY_NAME, Restart
 from actors.runtime.config.constraints import (
     Device,
+    ModelPath,
     NonNegFinite,
     NonNegFloat,
     NonNegInt,
@@ -24,7 +25,7 @@ from actors.runtime.config.schema_base import _Section
 
 class TeacherConfig(_Section, frozen=True):
     count_key: ClassVar[str] = "replicas"  # the key that sets ``count``, for errors naming it
-    path: str = ""
+    path: ModelPath = ""
     """Local Hugging Face directory of the teacher (a causal LM sharing the student's tokenizer:
     checked before the job starts), or ``default`` for the embedded model; empty: no teacher."""
     replicas: PositiveInt = 1

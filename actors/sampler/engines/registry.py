@@ -89,9 +89,9 @@ def auto_engine(device: str = "auto") -> str:
     """``sampler.engine = "auto"`` for samplers on ``device`` (``sampler.device``): the first
     engine preferred on a GPU that can run, when the samplers compute on a GPU (``cuda``,
     ``cuda:N``, or ``auto`` where torch sees one); hf otherwise, and always for ``cpu``: a GPU
-    engine started on a CPU sampler (no GPU visible to it) could only fail. On a CPU hf and vllm
-    train the default job equally fast, while vLLM starts about 45 s later and cannot borrow the
-    learner's threads (BENCHMARKS.md, "In the default job"; issue 23), so a CPU keeps hf."""
+    engine started on a CPU sampler (no GPU visible to it) could only fail. On a CPU vllm trains
+    the default job no faster than hf, starts later and cannot borrow the learner's threads, so
+    a CPU keeps hf (the figures: BENCHMARKS.md, "The sampler's engines")."""
     if device == "cpu":
         return FALLBACK
     candidates = [r.name for r in ENGINES.values() if r.prefer_on_gpu]

@@ -8,7 +8,7 @@ asyncio task, which aborts its requests in the engine.
 
 Processes: ``AsyncLLM`` starts vLLM's engine core as a child of the sampler (with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default set here, the model runs inside it: two
-processes in all, measured the fastest layout on a 2-core CPU). The engine core imports
+processes in all, the fastest layout on a small CPU). The engine core imports
 ``worker.py`` (the worker extension), which ties its life to the sampler's. An engine that dies
 under the sampler raises out of ``generate``: the sampler fails, the runner restarts it and the
 replay buffer issues its prompts again.
