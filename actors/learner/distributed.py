@@ -115,13 +115,6 @@ class Group:
                                 torch.device("cpu"), self.control)
 
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's ``data`` on every rank (others pass None): length, then the bytes."""
-        if not self.distributed:
-            assert data is not None
-            return data
-        return _broadcast_bytes(data, self.leader, self.device, None)
-
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (rows each rank filled alone, zeros
         elsewhere, become the whole batch's)."""
