@@ -112,6 +112,12 @@ class DatasetConfig(_Section, frozen=True):
     """A system message put before a row's messages when it has none."""
     shuffle: bool = True
     """Visit the rows in a seeded random order, a new one each pass (verl ``data.shuffle``)."""
+    image_key: str = ""
+    """Column of a row's images, for a vision-language model: a list (or, TRL's ``image``, one)
+    of ``{bytes}`` / ``{path}`` records (verl's ``images`` as its geometry3k preprocessing
+    writes them) or paths, relative to the data file's folder. Default: ``images``, else
+    ``image``, when the file has such a column; ``<image>`` in the prompt's text marks where
+    each goes (none: all before the first user message's text, as TRL puts them)."""
 
 
 class TaskConfig(_Section, frozen=True):
