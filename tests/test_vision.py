@@ -253,3 +253,30 @@ def test_packed_vlm_step_equals_padded_step(tiny_vlm, tmp_path):
     assert vision and all(float(g_padded[0][k].abs().max()) > 0 for k in vision[:3])
     assert g_scale > 1e-4 and g_max <= 1e-6 * g_scale, (g_max, g_scale)
     assert abs(m_padded["actor/pg_loss"] - m_packed["actor/pg_loss"]) <= 1e-6
+
+
+def test_freeze_vision_trains_the_language_model_only(tiny_vlm, tiny_model, tmp_path):
+    trainer = make_trainer(tiny_vlm, tmp_path / "frozen", "model.freeze_vision=true",
+                           "algorithm.n=2", "learner.groups_per_step=4")
+    before = {k: v.detach().clone() for k, v in trainer.policy.model.named_parameters()}
+    trainer.train_step(engine_groups(tiny_vlm, PROMPTS))
+    after = dict(trainer.policy.model.named_parameters())
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    vision = {k for k in before if k.startswith("model.visual.")}
+    assert vision and not moved & vision
+    assert any(k.startswith("model.language_model.") for k in moved)
+    with pytest.raises(ValueError, match="model.freeze_vision: the model has no vision tower"):
+        make_trainer(tiny_model, tmp_path / "text", "model.freeze_vision=true")
+
+
+def test_the_memory_estimate_counts_the_vision_tower(tiny_vlm):
+    from transformers import AutoConfig
+
+    from actors.learner.memory import count_parameters, estimate
+
+    model = PolicyModel.from_pretrained(tiny_vlm)
+    total, per_layer = count_parameters(AutoConfig.from_pretrained(tiny_vlm))
+    assert total == sum(p.numel() for p in model.parameters())
+    assert per_layer == sum(p.numel() for p in model.model.language_model.layers[0].parameters())
+    e = estimate(AutoConfig.from_pretrained(tiny_vlm), tokens=64)
+    assert e.parameters == 4 * total

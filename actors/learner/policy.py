@@ -24,6 +24,7 @@ from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
 from actors.learner.objective import attach_forward, response_logprobs
+from actors.learner.vision import freeze_vision_tower
 from actors.model_store import PolicyModel
 from actors.runtime.config import Topology
 from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
@@ -106,6 +107,8 @@ class Policy:
         if self.checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.config.use_cache = False
+        if topology.model.freeze_vision:
+            freeze_vision_tower(self.model)
         self.model.train()
         updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
         trainable = [p for p in self.model.parameters() if p.requires_grad]

@@ -324,7 +324,8 @@ class Trainer:
         # generates a request's prompts together); in async mode it overlaps the learner's step
         metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
         metrics.update(times.metrics())
-        metrics.update(perf_metrics(self.policy.model.config, self.policy.device, lengths,
+        # a vision-language model: its language model's FLOPs (the vision tower's are not counted)
+        metrics.update(perf_metrics(self.policy.model.config.get_text_config(), self.policy.device, lengths,
                                     cfg.ppo_epochs, times.seconds["update_actor"], self.group.world))
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]

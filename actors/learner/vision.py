@@ -77,6 +77,17 @@ def vision_rows(groups: list[ScoredGroup], processor: ImageProcessor | None) -> 
                       torch.tensor(lengths))
 
 
+def freeze_vision_tower(model) -> int:
+    """Stop training ``model``'s vision tower (``model.freeze_vision``); returns how many
+    parameters were frozen. A model without one is an error naming the key."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tower = getattr(core.base_model, "visual", None)
+    if tower is None:
+        raise ValueError("model.freeze_vision: the model has no vision tower")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
 def image_token_mask(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
     """(B, W) bool: the image tokens inside each row's prompt."""
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)
