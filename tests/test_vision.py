@@ -150,6 +150,9 @@ def test_images_travel_to_the_sampler_once_and_the_replay_buffer_gives_them_to_t
     assert state.accept(group)
     [held] = state.take_batch(1)
     assert held.prompt.images == prompt.images  # put back from the issued prompt
+    [lost] = state.issue(b"s", 1)  # a sampler that dies holding a prompt: it is issued again
+    assert state.requeue_from(b"s") == 1
+    assert state.issue(b"t", 1) == [lost] and lost.images  # with its images
     [row] = [r for table, r in state.records if table == "groups"]
     assert msgspec.msgpack.decode(row["message"], type=ScoredGroup).prompt.images \
         == prompt.images  # recorded with the run
@@ -280,3 +283,30 @@ def test_the_memory_estimate_counts_the_vision_tower(tiny_vlm):
     assert per_layer == sum(p.numel() for p in model.model.language_model.layers[0].parameters())
     e = estimate(AutoConfig.from_pretrained(tiny_vlm), tokens=64)
     assert e.parameters == 4 * total
+
+
+def test_the_preflight_takes_a_vision_language_model_and_still_refuses_a_classifier(
+        tiny_vlm, tmp_path):
+    from actors.sandbox.preflight import check_model
+    from tests.tiny_model import build_tiny_reward_model
+
+    assert check_model(str(tiny_vlm)) == ""
+    assert "not a causal language model" in check_model(
+        str(build_tiny_reward_model(tmp_path / "rm")))
+
+
+def test_the_vision_page_job_is_a_topology_whose_data_passes_the_preflight(tiny_vlm, tmp_path,
+                                                                           monkeypatch):
+    import tomllib
+    from pathlib import Path
+
+    from actors.job.config.load import apply_overrides
+    from tests.test_vision_job import colour_data
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "vision.md").read_text()
+    [block] = [b.split("```")[0] for b in page.split("```toml\n")[1:]]
+    monkeypatch.chdir(tmp_path)
+    colour_data(tmp_path / "data", images=True)
+    topo = decode_topology(apply_overrides(tomllib.loads(block), [f"model.path={tiny_vlm}"]))
+    assert topo.sampler.engine == "hf" and topo.task.datasets[0].path.endswith("colours.jsonl")
+    check_data(topo)
