@@ -52,8 +52,8 @@ def ask(text: str = "<image>colour?") -> list[ChatMessage]:
 
 def test_the_processor_expands_each_image_into_its_tokens(tiny_vlm):
     tok = ChatTokenizer(tiny_vlm)
-    assert tok.images is not None
-    pad = tok.images.image_token_id
+    assert tok.processor is not None
+    pad = tok.processor.image_token_id
     small, large = solid_png(RED, 28), solid_png(BLUE, 56)  # grids 2x2 and 4x4 patches
     one = tok.prompt_ids(ask(), images=[small])
     four = tok.prompt_ids(ask(), images=[large])
@@ -245,7 +245,7 @@ def test_packed_vlm_step_equals_padded_step(tiny_vlm, tmp_path):
     noise = torch.Generator().manual_seed(3)
     groups = with_behaviour(padded, engine_groups(tiny_vlm, PROMPTS), lambda s, own: own - 0.4 *
                             torch.rand(own.shape, generator=noise))
-    lengths = build_batch(groups, 0, packed.policy.images).attention_mask.sum(1).tolist()
+    lengths = build_batch(groups, 0, packed.policy.processor).attention_mask.sum(1).tolist()
     parts = packed._micro_slices(lengths, 0, len(lengths))
     assert max(p.stop - p.start for p in parts) >= 2  # sequences with images share a packed row
     m_padded, m_packed = padded.train_step(groups), packed.train_step(groups)

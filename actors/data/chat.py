@@ -45,7 +45,7 @@ class ChatTokenizer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # a vision-language model's processor renders prompts that carry images
-        self.images = ImageProcessor(model_path) if is_vision_model(model_path) else None
+        self.processor = ImageProcessor(model_path) if is_vision_model(model_path) else None
         self.eos_token_id: int = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
@@ -56,9 +56,9 @@ class ChatTokenizer:
         """The prompt's token ids; with ``images``, each image's tokens expanded by the model's
         processor (``actors/data/vision.py``)."""
         if images:
-            if self.images is None:
+            if self.processor is None:
                 raise ValueError("a prompt with images for a model without a vision tower")
-            return self.images.prompt_ids(messages, images, tools)
+            return self.processor.prompt_ids(messages, images, tools)
         return chat_ids(self.tokenizer, messages, tools)
 
     def decode(self, ids: Sequence[int]) -> str:

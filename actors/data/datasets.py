@@ -139,7 +139,7 @@ class FileDataset(Task):
         images: list[bytes] = []
         if self.image_key:
             key = f"{where} column {self.image_key!r}"
-            images = self.images(data.get(self.image_key), key)
+            images = self.row_images(data.get(self.image_key), key)
             if images and not any(PLACEHOLDER in m.content for m in messages):
                 messages = _images_first(messages, len(images))
             try:
@@ -150,7 +150,7 @@ class FileDataset(Task):
                       ground_truth=truth if isinstance(truth, str) else json.dumps(truth),
                       extra_info=extra_info, images=images)
 
-    def images(self, value: Any, key: str) -> list[bytes]:
+    def row_images(self, value: Any, key: str) -> list[bytes]:
         """A row's images as encoded bytes: ``value`` is one image or a list of them, each
         bytes, a ``{bytes, path}`` record (verl's and Hugging Face datasets' Image feature) or
         a path."""

@@ -87,8 +87,8 @@ def _spans(sizes: list[int], index: slice) -> list[tuple[int, int]]:
 
 
 def build_batch(groups: list[ScoredGroup], pad_id: int,
-                images: ImageProcessor | None = None) -> RolloutBatch:
-    """The padded batch of ``groups``; ``images``: the model's processor, which turns the
+                processor: ImageProcessor | None = None) -> RolloutBatch:
+    """The padded batch of ``groups``; ``processor``: the model's, which turns the
     prompts' images into the vision tower's pixel tensors (vision-language models)."""
     if any(not g.samples for g in groups):
         raise ValueError("every group of a batch must have a sample")
@@ -134,7 +134,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
         baseline_rewards=baselines, group_sizes=[len(g.samples) for g in groups],
         token_versions=token_versions, teacher_logprobs=teacher,
-        vision=vision_rows(groups, images),
+        vision=vision_rows(groups, processor),
     )
 
 

@@ -97,7 +97,7 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.pad_id = self.tokenizer.pad_token_id
         # a vision-language model's processor: the prompts' images to pixel tensors
-        self.images = ImageProcessor(base) if is_vision_model(base) else None
+        self.processor = ImageProcessor(base) if is_vision_model(base) else None
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.model = self._load(lambda: self._load_policy(base, ckpt), base,

@@ -158,7 +158,7 @@ class Trainer:
         sampling = batch_sampling(groups)
         temp = sampling.temperature
         trained_at = self.policy.version  # the weights this step starts from
-        batch = build_batch(groups, self.policy.pad_id, self.policy.images).to(self.policy.device)
+        batch = build_batch(groups, self.policy.pad_id, self.policy.processor).to(self.policy.device)
         if self.group.world > 1 and not isinstance(batch.group_size, int):
             raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
                              "(agent.rollout.branches)")

@@ -161,7 +161,7 @@ class HFEngine:
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model: Any = PolicyModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
         # a vision-language model: prompts' images become pixel tensors as the learner makes them
-        self.images = ImageProcessor(model_path) if is_vision_model(model_path) else None
+        self.processor = ImageProcessor(model_path) if is_vision_model(model_path) else None
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to oddly
         float32_head(self.model)
         # generate must not apply the model's own sampling defaults (sampling_config)
@@ -233,12 +233,12 @@ class HFEngine:
         prompt's repeated for its ``n`` rows; empty when no prompt has images."""
         if not any(images):
             return {}
-        if self.images is None:
+        if self.processor is None:
             raise ValueError("a prompt with images for a model without a vision tower")
         pixels, grids = [], []
         for prompt in images:
             if prompt:
-                inputs = self.images.pixels(prompt)
+                inputs = self.processor.pixels(prompt)
                 pixels += [inputs.pixel_values] * n
                 grids += [inputs.image_grid_thw] * n
         return {"pixel_values": torch.cat(pixels).to(self.device, self.model.dtype),
