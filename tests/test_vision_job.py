@@ -24,7 +24,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 STEPS = 60
 JOB = [f"learner.total_steps={STEPS}", "sampler.max_tokens=2", "algorithm.n=8",
        "learner.groups_per_step=4", "learner.lr=5e-3", "learner.save_every=1000",
-       "sampler.prompts_per_request=4"]
+       "sampler.prompts_per_request=4",
+       # the learner on its own thread: the vision tower's patch embedding (a Conv3d) has a
+       # weight gradient whose bits depend on the thread count, so a step reruns exactly only
+       # with the live learner's threads, which a borrowed sampler thread would make vary
+       "learner.share_threads=false"]
 
 
 def colour_data(folder, images: bool):
