@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from actors.offline.inspection import inspect_run
 from actors.offline.rerun import rerun
 from tests.jobs import ROOT, balanced, command, metrics
 from tests.tiny_vlm import solid_png
@@ -67,6 +69,8 @@ def run_colour_job(model, tmp_path, images: bool) -> tuple[list[dict], object]:
 def test_a_reward_only_the_image_tells_is_learned_only_when_the_images_are_seen(
         tiny_vlm, tmp_path, images):
     rows, run_dir = run_colour_job(tiny_vlm, tmp_path, images)
+    red, blue = ((tmp_path / "data" / f"{c}.png").read_bytes() if images else b""
+                 for c in ("red", "blue"))
     rewards = [r["critic/score/mean"] for r in rows]
     last = sum(rewards[-20:]) / 20  # 80 prompts: a blind policy's mean has a std of 0.056
     print(f"\nimages {'seen' if images else 'withheld'}: reward first 5 steps "
@@ -76,5 +80,10 @@ def test_a_reward_only_the_image_tells_is_learned_only_when_the_images_are_seen(
         out = io.StringIO()  # a recorded step with images reruns exactly (from the base model)
         assert rerun(run_dir, 3, out=out) == 0, out.getvalue()
         assert "rerun step 2 on the way: match" in out.getvalue(), out.getvalue()
+        out = io.StringIO()  # inspect writes the image each shown sample answered
+        assert inspect_run(run_dir, out=out) == 0
+        shown = [line.split("image: ")[1] for line in out.getvalue().splitlines()
+                 if "image: " in line]
+        assert shown and all(Path(p).read_bytes() in (red, blue) for p in shown), out.getvalue()
     else:
         assert last <= 0.65, rewards  # 0.5 at best for a blind policy, plus 2.7 std of noise
