@@ -319,3 +319,12 @@ def test_images_with_a_multi_turn_rollout_are_refused_before_the_start(tmp_path)
     with pytest.raises(ConfigError, match=r"task.datasets\[0\].path: its rows have images "
                                           r"\(column 'images'\), which multi-turn rollouts"):
         check_data(topo)
+
+
+def test_validation_prompts_bring_their_images(tmp_path):
+    from actors.validation.prompts import validation_prompts
+
+    pq.write_table(pa.Table.from_pylist(image_rows(tmp_path)), tmp_path / "verl.parquet")
+    topo = decode_topology({"validation": {"datasets": [{"path": str(tmp_path / "verl.parquet")}]}})
+    prompts = validation_prompts(topo)
+    assert sorted(p.images[0] for p in prompts) == sorted([solid_png(RED), solid_png(BLUE)])
