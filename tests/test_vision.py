@@ -328,3 +328,12 @@ def test_validation_prompts_bring_their_images(tmp_path):
     topo = decode_topology({"validation": {"datasets": [{"path": str(tmp_path / "verl.parquet")}]}})
     prompts = validation_prompts(topo)
     assert sorted(p.images[0] for p in prompts) == sorted([solid_png(RED), solid_png(BLUE)])
+
+
+def test_the_prompt_length_filter_counts_image_tokens(tiny_vlm):
+    from actors.data.chat import prompt_token_counter
+
+    count = prompt_token_counter(str(tiny_vlm))
+    small = Prompt(0, ask(), "colour", "red", images=[solid_png(RED, 28)])
+    large = Prompt(1, ask(), "colour", "red", images=[solid_png(RED, 56)])
+    assert count(large) == count(small) + 3  # 4 image tokens against 1
