@@ -59,6 +59,9 @@ def run_colour_job(model, tmp_path, images: bool) -> tuple[list[dict], object]:
                                  f"reward.functions=[{{path='{data.parent / 'reward.py'}'}}]"),
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    said = [res.stdout, res.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*"))]
+    warned = [line for text in said for line in text.splitlines() if "warn" in line.lower()]
+    assert not warned, warned[:5]  # no library warning a user would have to read
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and all(balanced(r) for r in rows)
     return rows, run_dir

@@ -105,7 +105,9 @@ class ImageProcessor:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        # the PIL backend wherever the code runs, installed torchvision or not: the sampler's and
+        # the learner's pixels then come from one implementation of the resize
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
         self.image_token: str = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
