@@ -84,3 +84,26 @@ def resolve_model_path(path: str) -> Path:
         raise FileNotFoundError(
             f"{path!r} {what}; no hub is used, so give a local model directory or 'default'")
     return local
+
+
+class PolicyModel:
+    """transformers' Auto class of a policy: ``AutoModelForCausalLM``, or for a vision-language
+    model (a config with a vision tower, e.g. Qwen2.5-VL) ``AutoModelForImageTextToText``, whose
+    model generates text as a causal LM does and has an LM head over the same hidden states."""
+
+    @staticmethod
+    def auto(config):
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        vision = getattr(config, "vision_config", None) is not None
+        return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        from transformers import AutoConfig
+
+        return cls.auto(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        return cls.auto(config).from_config(config, **kwargs)

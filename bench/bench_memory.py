@@ -73,7 +73,6 @@ def check() -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from actors.learner.objective import _forward
-    from actors.learner.packing import pack
 
     config = Qwen2Config(vocab_size=2048, hidden_size=512, intermediate_size=1408,
                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -85,14 +84,13 @@ def check() -> None:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         ids = torch.randint(3, 2000, (16, 64))
-        rows = pack(ids, torch.ones_like(ids))
-        tokens = rows.input_ids.shape[1]
-        at = torch.arange(tokens - 1)
+        tokens = ids.numel()  # the rows packed into one
+        at = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)  # every next token
         keep = []
 
-        def forward(at=at, rows=rows, model=model, keep=keep):
-            keep.append(_forward(model, rows.input_ids, None, at, 1.0, False, False,
-                                 rows.position_ids))
+        def forward(at=at, ids=ids, model=model, keep=keep):
+            keep.append(_forward(model, ids, torch.ones_like(ids), at, 1.0, False, False,
+                                 True, None))
             return keep[-1]
 
         acts = saved_bytes(forward, list(model.parameters()))

@@ -127,11 +127,14 @@ def choose(model: torch.nn.Module, device: torch.device) -> str:
 
 
 def packed_call(config, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
-    """The keyword arguments of a transformers forward over one packed row (1, T)."""
+    """The keyword arguments of a transformers forward over one packed row (1, T).
+    ``position_ids`` is (1, T), or (4, 1, T) for M-RoPE models (text positions first, then
+    the three rotary rows: transformers' packed form for them)."""
     if config._attn_implementation != NAME:
         return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()  # each sequence starts at 0
-    bounds = (*starts, position_ids.shape[1])
+    text = position_ids[0] if position_ids.dim() == 3 else position_ids  # (1, T)
+    starts = (text[0] == 0).nonzero().flatten().tolist()  # each sequence starts at 0
+    bounds = (*starts, text.shape[1])
     # an all-ones mask: transformers' SDPA mask then reduces to none (no (T, T) mask is built)
     return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                 attention_mask=torch.ones_like(input_ids), flowrl_bounds=bounds)

@@ -26,6 +26,9 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, frozen=True):
     data_source: str
     ground_truth: str
     extra_info: dict[str, str | int | float] = {}
+    images: list[bytes] = []  # encoded images (PNG, JPEG, ...), one per ``<image>`` placeholder
+    # in the messages' text, in order; they travel once, to the sampler: the group it sends
+    # back names its prompt by ``prompt_id`` and leaves them out (the replay buffer holds them)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, omit_defaults=True):

@@ -54,6 +54,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """A tiny random Qwen2.5-VL and its processor, built once per test session."""
+    from tests.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+
+
+@pytest.fixture(scope="session")
 def tiny_vllm_model(tmp_path_factory):
     """The tiny llama made wide enough for vLLM's CPU attention (head size 32; 16 is not
     supported there)."""

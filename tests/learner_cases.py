@@ -27,7 +27,7 @@ def make_trainer(model: Path, run_dir: Path, *overrides: str) -> Trainer:
 def with_behaviour(trainer: Trainer, groups: list[ScoredGroup], behaviour) -> list[ScoredGroup]:
     """``groups`` with each sample's behaviour log-probs set to ``behaviour(sample, own)``, where
     ``own`` is the sample's response log-probs under the trainer's current policy."""
-    batch = build_batch(groups, trainer.policy.pad_id)
+    batch = build_batch(groups, trainer.policy.pad_id, trainer.policy.processor)
     with torch.no_grad():
         lp = response_logprobs(trainer.policy.model, batch, SAMPLING.temperature)
     out, row = [], 0

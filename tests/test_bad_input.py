@@ -20,6 +20,7 @@ import pytest
 
 from actors.runtime.recording import read_table
 from tests.jobs import ROOT, TINY, metrics, status_lines
+from tests.tiny_vlm import solid_png
 
 SYNTAX = "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0 +\n"
 GOOD = ("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
@@ -62,6 +63,15 @@ def inputs(tmp_path_factory, tiny_model) -> Path:
     (d / "no_prompt.jsonl").write_text('{"question": "hi", "data_source": "x", "answer": "1"}\n')
     (d / "broken.toml").write_text((ROOT / "topology.toml").read_text() + "\n[learner\n")
     build_tiny_reward_model(d / "reward_model")
+    (d / "red.png").write_bytes(solid_png((220, 30, 30)))
+    (d / "junk.png").write_bytes(b"GIF89a-truncated")
+    for name, content, image in (("image_missing", "<image>colour?", "gone.png"),
+                                 ("image_placeholders", "<image><image>colour?", "red.png"),
+                                 ("image_unreadable", "<image>colour?", "junk.png")):
+        rows = [{"prompt": [{"role": "user", "content": c}], "images": [i], "data_source": "x",
+                 "reward_model": {"ground_truth": "red"}}
+                for c, i in (("<image>colour?", "red.png"), (content, image))]
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     no_tokenizer = d / "no_tokenizer"
     no_tokenizer.mkdir()
     for f in tiny_model.iterdir():
@@ -133,6 +143,14 @@ ROWS = [
      "task.datasets[0].path: no file"),
     ("missing_prompt_column", [*START, "task.datasets=[{{path='{d}/no_prompt.jsonl'}}]"], 2,
      "task.datasets[0].prompt_key: no column 'prompt'"),
+    # a row's images (vision-language models): every row is read before the job starts
+    ("image_missing", [*START, "task.datasets=[{{path='{d}/image_missing.jsonl'}}]"], 2,
+     "task.datasets[0] ({d}/image_missing.jsonl row 1) column 'images': image 0: no file "
+     "'gone.png'"),
+    ("image_placeholders", [*START, "task.datasets=[{{path='{d}/image_placeholders.jsonl'}}]"], 2,
+     "row 1) column 'images': 2 <image> placeholder(s) in the prompt for 1 image(s)"),
+    ("image_unreadable", [*START, "task.datasets=[{{path='{d}/image_unreadable.jsonl'}}]"], 2,
+     "row 1) column 'images': image 0 (16 bytes) is not an image PIL can read"),
     ("broken_toml", ["{d}/broken.toml", "model.path={model}", "run.dir={run}"], 2,
      "broken.toml: not valid TOML"),
     ("missing_topology", ["{d}/nope.toml", "run.dir={run}"], 2, "nope.toml does not exist"),

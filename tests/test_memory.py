@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from actors.learner.memory import announce, describe, estimate, measured, saved_bytes
 from actors.learner.objective import _forward
-from actors.learner.packing import micro_limits, pack
+from actors.learner.packing import micro_limits
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
 from tests.test_packing import gradients
@@ -53,11 +53,10 @@ def test_activations_are_what_autograd_saves(checkpointing):
     if checkpointing:
         model.gradient_checkpointing_enable()
     ids = torch.randint(3, 500, (6, 40))
-    rows = pack(ids, torch.ones_like(ids))
-    tokens = rows.input_ids.shape[1]
-    at = torch.arange(tokens - 1)
-    got = saved_bytes(lambda: _forward(model, rows.input_ids, None, at, 1.0, False, False,
-                                       rows.position_ids), list(model.parameters()))
+    tokens = ids.numel()  # the rows packed into one
+    at = torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)  # every next token
+    got = saved_bytes(lambda: _forward(model, ids, torch.ones_like(ids), at, 1.0, False, False,
+                                       True, None), list(model.parameters()))
     e = estimate(config, tokens=tokens, checkpointing=checkpointing)
     h, kv, i = 256, 64, 704
     recomputed = tokens * (10 * h + 2 * kv + 4 * i) * 4 if checkpointing else 0

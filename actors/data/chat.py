@@ -41,13 +41,24 @@ class ChatTokenizer:
     def __init__(self, model_path: str | Path) -> None:
         from transformers import AutoTokenizer
 
+        from actors.data.vision import ImageProcessor, is_vision_model
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # a vision-language model's processor renders prompts that carry images
+        self.processor = ImageProcessor(model_path) if is_vision_model(model_path) else None
         self.eos_token_id: int = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
 
     def prompt_ids(self, messages: Sequence[ChatMessage],
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+                   tools: list[dict[str, Any]] | None = None,
+                   images: Sequence[bytes] = ()) -> list[int]:
+        """The prompt's token ids; with ``images``, each image's tokens expanded by the model's
+        processor (``actors/data/vision.py``)."""
+        if images:
+            if self.processor is None:
+                raise ValueError("a prompt with images for a model without a vision tower")
+            return self.processor.prompt_ids(messages, images, tools)
         return chat_ids(self.tokenizer, messages, tools)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -61,4 +72,4 @@ def prompt_token_counter(model_path: str) -> Callable[[Prompt], int]:
     from actors.model_store import resolve_model_path
 
     tokenizer = ChatTokenizer(resolve_model_path(model_path))
-    return lambda prompt: len(tokenizer.prompt_ids(prompt.messages))
+    return lambda prompt: len(tokenizer.prompt_ids(prompt.messages, images=prompt.images))

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from actors.data.files import DataFileError, jsonl_rows
 from actors.data.tasks import TASKS, Task
+from actors.data.vision import PLACEHOLDER, ImageError, check_images
 from actors.runtime.config.schema import DatasetConfig, TaskConfig
 from messages.rollout import ChatMessage, Prompt
 
@@ -84,6 +85,10 @@ class FileDataset(Task):
             self.size = len(self.lines)
         if self.size == 0:
             raise ValueError(f"{key}.path: {path} holds no rows")
+        self.folder = path.parent  # relative image paths are read from here
+        columns = set(self.table.column_names) if self.table is not None else set(self.lines[0])
+        self.image_key = config.image_key or next(
+            (c for c in ("images", "image") if c in columns), "")
         self._order: tuple[int, list[int]] = (-1, [])  # (pass, row order of that pass)
 
     def file_row(self, row: int) -> int:
@@ -117,8 +122,8 @@ class FileDataset(Task):
             messages = [ChatMessage("user", raw)]
         elif isinstance(raw, list) and raw and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in raw):
-            messages = [ChatMessage(m["role"], m["content"]) for m in raw]
+                and _text(m.get("content")) is not None for m in raw):
+            messages = [ChatMessage(m["role"], str(_text(m["content"]))) for m in raw]
         else:
             raise ValueError(f"{where}: {self.cfg.prompt_key} must be a string or a non-empty list "
                              f"of {{role, content}} messages, not {str(raw)[:80]!r}")
@@ -131,9 +136,65 @@ class FileDataset(Task):
         extra_info: dict[str, str | int | float] = {
             "index": at, **{str(k): _scalar(v) for k, v in extra.items()}} \
             if isinstance(extra, dict) else {"index": at}
+        images: list[bytes] = []
+        if self.image_key:
+            key = f"{where} column {self.image_key!r}"
+            images = self.row_images(data.get(self.image_key), key)
+            if images and not any(PLACEHOLDER in m.content for m in messages):
+                messages = _images_first(messages, len(images))
+            try:
+                check_images(messages, images)
+            except ImageError as exc:
+                raise ValueError(f"{key}: {exc}") from None
         return Prompt(prompt_id=prompt_id, messages=messages, data_source=source,
                       ground_truth=truth if isinstance(truth, str) else json.dumps(truth),
-                      extra_info=extra_info)
+                      extra_info=extra_info, images=images)
+
+    def row_images(self, value: Any, key: str) -> list[bytes]:
+        """A row's images as encoded bytes: ``value`` is one image or a list of them, each
+        bytes, a ``{bytes, path}`` record (verl's and Hugging Face datasets' Image feature) or
+        a path."""
+        if value is None:
+            return []
+        items = value if isinstance(value, list) else [value]
+        out = []
+        for k, item in enumerate(items):
+            if isinstance(item, dict):
+                item = item.get("bytes") or item.get("path")
+            if isinstance(item, bytes):
+                out.append(item)
+            elif isinstance(item, str) and item:
+                path = Path(item) if Path(item).is_absolute() else self.folder / item
+                if not path.is_file():
+                    raise ValueError(f"{key}: image {k}: no file {item[:200]!r}")
+                out.append(path.read_bytes())
+            else:
+                raise ValueError(f"{key}: image {k} is neither bytes, a {{bytes}} or {{path}} "
+                                 f"record nor a path: {str(item)[:80]!r}")
+        return out
+
+
+def _text(content: Any) -> str | None:
+    """A message's content as text: a string, or structured parts (TRL's conversational
+    rows: ``{"type": "image"}`` parts become ``<image>`` placeholders); None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts = [PLACEHOLDER if p.get("type") == "image" else p.get("text") for p in content]
+        if all(isinstance(p, str) for p in parts):
+            return "".join(str(p) for p in parts)
+    return None
+
+
+def _images_first(messages: list[ChatMessage], count: int) -> list[ChatMessage]:
+    """The messages with ``count`` placeholders before the first user message's text (TRL puts
+    a row's images there when its prompt does not place them)."""
+    out, placed = [], False
+    for m in messages:
+        if m.role == "user" and not placed:
+            m, placed = ChatMessage(m.role, PLACEHOLDER * count + m.content), True
+        out.append(m)
+    return out
 
 
 class Mixture(Task):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from actors.data.vision import ImageProcessor
+from actors.learner.vision import VisionRows, vision_rows
 from actors.runtime.tensors import from_wire
 from messages.rollout import ScoredGroup
 
@@ -38,6 +40,7 @@ class RolloutBatch:
     packed: bool = False  # the model reads these rows packed into one (actors/learner/packing.py)
     teacher_logprobs: torch.Tensor | None = None  # (N, W-1) float, the teacher's log-prob of each
     # response token (on-policy distillation), 0 outside the response; None when a sample lacks them
+    vision: VisionRows | None = None  # the rows' images (vision-language models), None: text only
 
     @property
     def group_size(self) -> int | list[int]:
@@ -50,9 +53,8 @@ class RolloutBatch:
 
     def to(self, device: torch.device) -> RolloutBatch:
         """The same batch with every tensor on ``device``."""
-        return RolloutBatch(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name),
-                                                                     torch.Tensor) else v)
-                               for f in fields(self)})
+        return RolloutBatch(**{f.name: (v.to(device) if isinstance(
+            v := getattr(self, f.name), torch.Tensor | VisionRows) else v) for f in fields(self)})
 
     def rows(self, index: slice) -> RolloutBatch:
         """Rows ``index`` with the width trimmed to their longest sequence."""
@@ -65,6 +67,8 @@ class RolloutBatch:
                 value = value[index, :cols]
             elif isinstance(value, torch.Tensor):
                 value = value[index]
+            elif isinstance(value, VisionRows):
+                value = value.rows(index)
             elif f.name == "group_sizes":  # the groups these rows cut (in part, at the ends)
                 value = [hi - lo for lo, hi in _spans(self.group_sizes, index)]
             out[f.name] = value
@@ -82,7 +86,10 @@ def _spans(sizes: list[int], index: slice) -> list[tuple[int, int]]:
     return out
 
 
-def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
+def build_batch(groups: list[ScoredGroup], pad_id: int,
+                processor: ImageProcessor | None = None) -> RolloutBatch:
+    """The padded batch of ``groups``; ``processor``: the model's, which turns the
+    prompts' images into the vision tower's pixel tensors (vision-language models)."""
     if any(not g.samples for g in groups):
         raise ValueError("every group of a batch must have a sample")
     rows = []
@@ -127,6 +134,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int) -> RolloutBatch:
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
         baseline_rewards=baselines, group_sizes=[len(g.samples) for g in groups],
         token_versions=token_versions, teacher_logprobs=teacher,
+        vision=vision_rows(groups, processor),
     )
 
 

@@ -68,7 +68,9 @@ HEADER = ("params   grads   optim  gather     ref    acts  logits    host   devi
 
 
 def shape(config) -> tuple[int, int, int, int, int, int]:
-    """(hidden, kv width, intermediate, layers, vocab, head_dim) of a Llama/Qwen2-like config."""
+    """(hidden, kv width, intermediate, layers, vocab, head_dim) of a Llama/Qwen2-like config
+    (a vision-language model's language model)."""
+    config = config.get_text_config()
     head_dim = head_dim_of(config)
     return (config.hidden_size, config.num_key_value_heads * head_dim, config.intermediate_size,
             config.num_hidden_layers, config.vocab_size, head_dim)
@@ -76,12 +78,12 @@ def shape(config) -> tuple[int, int, int, int, int, int]:
 
 def count_parameters(config) -> tuple[int, int]:
     """(all parameters, one decoder layer's) of the causal LM ``config`` describes, counted on
-    the meta device (tied embeddings once)."""
-    from transformers import AutoModelForCausalLM
+    the meta device (tied embeddings once; a vision-language model's vision tower included)."""
+    from actors.model_store import PolicyModel
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layer = model.model.layers[0]
+        model = PolicyModel.from_config(config)
+    layer = model.get_decoder().layers[0]
     return (sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in layer.parameters()))
 

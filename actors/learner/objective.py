@@ -12,6 +12,7 @@ import torch
 
 from actors.learner.batch import RolloutBatch
 from actors.learner.packing import pack
+from actors.learner.vision import VisionRows, packed_embeddings, packed_positions, padded_inputs
 from actors.runtime.config import AlgorithmConfig
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
@@ -38,18 +39,14 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     for it and its gradients reduced after it.
 
     A ``packed`` batch runs the model on its rows packed into one (``actors/learner/packing.py``);
-    the values come back in the same padded layout.
+    the values come back in the same padded layout. A batch with images (``batch.vision``) runs
+    the vision tower on them and reads its features at the prompts' image tokens, with 3-D
+    M-RoPE positions, padded or packed alike (``actors/learner/vision.py``).
     """
     at = batch.response_mask.bool()  # (N, W-1)
     forward = getattr(model, FORWARD, None)
-    if batch.packed:
-        rows = pack(batch.input_ids, batch.attention_mask)
-        where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
-        args = (rows.input_ids, None, where, temperature, with_entropy, with_sum_pi_squared,
-                rows.position_ids)
-    else:
-        args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
-                with_sum_pi_squared, None)
+    args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
+            with_sum_pi_squared, batch.packed, batch.vision)
     out = forward(*args) if forward is not None else _forward(model, *args)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
@@ -60,23 +57,33 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     return tuple(scatter(t) for t in out)
 
 
-def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-             at: torch.Tensor, temperature: float, with_entropy: bool, with_sum_pi_squared: bool,
-             position_ids: torch.Tensor | None):
-    """The values at the response positions ``at`` (N, W-1), each (R,). Packed
-    (``position_ids`` given): ``input_ids`` and ``position_ids`` are (1, T), ``attention_mask``
-    is None (transformers' packed path needs it so) and ``at`` holds the R packed positions."""
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: torch.Tensor,
+             temperature: float, with_entropy: bool, with_sum_pi_squared: bool, packed: bool,
+             vision: VisionRows | None):
+    """The values at the response positions ``at`` (N, W-1) of right-padded rows
+    ``input_ids`` (N, W), each (R,); ``packed``: the rows are read packed into one."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
     head = core.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
-    if position_ids is None:
-        hidden = core.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    base = core.base_model
+    if not packed:
+        inputs = (dict(input_ids=input_ids, attention_mask=attention_mask) if vision is None
+                  else padded_inputs(base, input_ids, attention_mask, vision))
+        hidden = base(**inputs).last_hidden_state
         hidden, targets = hidden[:, :-1][at], input_ids[:, 1:][at]  # (R, H), (R,)
     else:  # kernels/varlen_attention.py: per-sequence attention, or transformers' own path
-        hidden = core.base_model(**packed_call(core.config, input_ids, position_ids)
-                                 ).last_hidden_state[0]  # (T, H)
-        hidden, targets = hidden[at], input_ids[0, at + 1]  # (R, H), (R,)
+        rows = pack(input_ids, attention_mask)
+        where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
+        if vision is None:
+            inputs = packed_call(core.config, rows.input_ids, rows.position_ids)
+        else:  # (4, 1, T) positions: the text ones bound the sequences
+            inputs = packed_call(core.config, rows.input_ids,
+                                 packed_positions(base, input_ids, attention_mask, vision))
+            inputs["inputs_embeds"] = packed_embeddings(base, input_ids, attention_mask, vision)
+            del inputs["input_ids"]
+        hidden = base(**inputs).last_hidden_state[0]  # (T, H)
+        hidden, targets = hidden[where], rows.input_ids[0, where + 1]  # (R, H), (R,)
     return lm_head_logprobs(hidden, head.weight, targets,
                             temperature=temperature, with_entropy=with_entropy,
                             with_sum_pi_squared=with_sum_pi_squared)  # (R,) each

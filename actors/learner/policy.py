@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
+from actors.data.vision import ImageProcessor, is_vision_model
 from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
 from actors.learner.objective import attach_forward, response_logprobs
+from actors.learner.vision import freeze_vision_tower
+from actors.model_store import PolicyModel
 from actors.runtime.config import Topology
 from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 from actors.runtime.ranks import Rank
@@ -93,15 +96,19 @@ class Policy:
         self.resumed_from = ckpt
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.pad_id = self.tokenizer.pad_token_id
+        # a vision-language model's processor: the prompts' images to pixel tensors
+        self.processor = ImageProcessor(base) if is_vision_model(base) else None
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
         self.model = self._load(lambda: self._load_policy(base, ckpt), base,
-                                empty=lambda: self._with_adapter(AutoModelForCausalLM.from_config(
+                                empty=lambda: self._with_adapter(PolicyModel.from_config(
                                     AutoConfig.from_pretrained(base), dtype=self.dtype)))
         self.checkpointing = gradient_checkpointing(self.cfg.gradient_checkpointing, self.device)
         if self.checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.config.use_cache = False
+        if topology.model.freeze_vision:
+            freeze_vision_tower(self.model)
         self.model.train()
         updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -113,7 +120,7 @@ class Policy:
         # It is never trained: held in the compute dtype (bf16 on a GPU), not model.dtype's fp32
         self.ref = None
         if (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0:
-            self.ref = self._load(lambda: AutoModelForCausalLM.from_pretrained(
+            self.ref = self._load(lambda: PolicyModel.from_pretrained(
                 base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
             self.ref.requires_grad_(False)
         self.critic = self.critic_optimizer = None
@@ -149,7 +156,7 @@ class Policy:
 
         def from_config():
             config = AutoConfig.from_pretrained(source)
-            return AutoModelForCausalLM.from_config(config, dtype=params)
+            return PolicyModel.from_config(config, dtype=params)
 
         model = distributed.load(self.group, full, empty or from_config, compute=self.compute_dtype,
                                  params=params, keep=self.keep_gathered,
@@ -163,9 +170,9 @@ class Policy:
 
     def _load_policy(self, base: Path, ckpt: Path | None):
         if self.cfg.lora.rank == 0:
-            return AutoModelForCausalLM.from_pretrained(ckpt or base, dtype=self.dtype)
+            return PolicyModel.from_pretrained(ckpt or base, dtype=self.dtype)
         from peft import PeftModel
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype)
+        model = PolicyModel.from_pretrained(base, dtype=self.dtype)
         if ckpt is not None:  # the adapter at the top (older checkpoints: in adapter/)
             folder = ckpt / "adapter" if (ckpt / "adapter").is_dir() else ckpt
             return PeftModel.from_pretrained(model, folder, is_trainable=True)

@@ -158,7 +158,7 @@ class Trainer:
         sampling = batch_sampling(groups)
         temp = sampling.temperature
         trained_at = self.policy.version  # the weights this step starts from
-        batch = build_batch(groups, self.policy.pad_id).to(self.policy.device)
+        batch = build_batch(groups, self.policy.pad_id, self.policy.processor).to(self.policy.device)
         if self.group.world > 1 and not isinstance(batch.group_size, int):
             raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
                              "(agent.rollout.branches)")
@@ -324,7 +324,8 @@ class Trainer:
         # generates a request's prompts together); in async mode it overlaps the learner's step
         metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
         metrics.update(times.metrics())
-        metrics.update(perf_metrics(self.policy.model.config, self.policy.device, lengths,
+        # a vision-language model: its language model's FLOPs (the vision tower's are not counted)
+        metrics.update(perf_metrics(self.policy.model.config.get_text_config(), self.policy.device, lengths,
                                     cfg.ppo_epochs, times.seconds["update_actor"], self.group.world))
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]

@@ -7,7 +7,8 @@ the policy version that generated it), the validations (``val-core`` metrics per
 first and last), and writes PNG plots over steps (reward, response length, KL, entropy,
 importance weights, and the validation curve: ``mean@N``, ``maj@N`` and ``best@N`` of each
 data source with the training reward beside them) with matplotlib's Agg backend, to
-``RUN_DIR/plots`` by default: the one thing it writes.
+``RUN_DIR/plots`` by default: the one thing it writes (with, for a vision-language run, the
+image each shown sample answered, under ``plots/images``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ def inspect_run(run_dir: str | Path, *, step: int | None = None, plots: str | No
     if step not in run.batches:
         raise OfflineError(f"step {step} is not recorded in {run.run_dir} "
                            f"(recorded steps: {span(steps)})")
+    folder = Path(plots) if plots else run.run_dir / "plots"
     _summary(run, out)
-    _samples(run, step, top, out)
+    _samples(run, step, top, out, folder / "images")
     _staleness(run, out)
     validations = recorded_validations(run.run_dir)
     _validations(validations, out)
-    folder = Path(plots) if plots else run.run_dir / "plots"
     written = write_plots(run, folder) + [plot_validation(run, validations, folder)]
     print(f"\nplots: {', '.join(str(p) for p in written)}", file=out)
     return 0
@@ -128,7 +129,9 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
         print(f"  {k:<{width}}  {v}", file=out)
 
 
-def _samples(run: RecordedRun, step: int, top: int, out: TextIO) -> None:
+def _samples(run: RecordedRun, step: int, top: int, out: TextIO, images: Path) -> None:
+    """The best and worst samples of ``step``; the images their prompt showed (a
+    vision-language run) are written into ``images``, each sample's named under it."""
     groups = run.groups()
     samples = []
     for gid in run.batches[step]["group_ids"]:
@@ -145,9 +148,30 @@ def _samples(run: RecordedRun, step: int, top: int, out: TextIO) -> None:
             note = f"  error: {excerpt(err, 50)}" if err else ""
             print(f"  {r:7.3f}  group {gid}:{j}  {n:3d} tok  truth {excerpt(truth, 12)!r}  "
                   f"{excerpt(text)!r}{note}", file=out)
-            turns = run.group(groups[gid]["message"]).samples[j].turns
-            for line in transcript(turns):
+            group = run.group(groups[gid]["message"])
+            for line in transcript(group.samples[j].turns):
                 print(f"             {line}", file=out)
+            for path in write_images(group.prompt.images, images, f"group_{gid}"):
+                print(f"             image: {path}", file=out)
+
+
+def write_images(images: list[bytes], folder: Path, stem: str) -> list[Path]:
+    """``images`` (encoded) as files ``STEM_K.EXT`` in ``folder``, their format's extension."""
+    import io
+
+    from PIL import Image
+
+    paths = []
+    for k, data in enumerate(images):
+        try:
+            kind = (Image.open(io.BytesIO(data)).format or "bin").lower()
+        except OSError:
+            kind = "bin"
+        path = folder / f"{stem}_{k}.{kind}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        paths.append(path)
+    return paths
 
 
 def call_summary(request: str, response: str) -> str:

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from actors.data.tasks import Task
 from actors.replay.resume import Recovered, read_recording
 from actors.runtime.recording import group_row
@@ -140,10 +142,15 @@ class ReplayState:
         return len(lost)
 
     def accept(self, group: ScoredGroup) -> bool:
-        """Take a scored group for a prompt in flight; anything else is rejected and counted."""
-        if self.at_samplers.pop(group.prompt.prompt_id, None) is None:
+        """Take a scored group for a prompt in flight; anything else is rejected and counted.
+        A group names its prompt by id, without its images: the issued prompt's are put back
+        (the learner rebuilds the pixel tensors from them)."""
+        issued = self.at_samplers.pop(group.prompt.prompt_id, None)
+        if issued is None:
             self.rejected += 1
             return False
+        if issued[1].images and not group.prompt.images:
+            group.prompt = msgspec.structs.replace(group.prompt, images=issued[1].images)
         if self.record:  # the groups row is the recording's one costly row: built only when kept
             self.records.append(("groups", group_row(group)))
         if group.generate_error:  # the engine refused the prompt: retrying cannot help

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import torch
 
 from actors.data.chat import ChatTokenizer
@@ -79,6 +80,12 @@ def own_prompt(c: Generation, group: list[int]) -> Tensor | None:
     return None if ids is None or ids == group else to_wire(torch.tensor(ids, dtype=torch.int32))
 
 
+def without_images(prompt: Prompt) -> Prompt:
+    """The prompt as a group names it: its images stay with the replay buffer, which issued
+    them and hands them to the learner with the group (they travel to the sampler once)."""
+    return msgspec.structs.replace(prompt, images=[]) if prompt.images else prompt
+
+
 @dataclass
 class Generated:
     """One prompt's completions, not scored yet."""
@@ -106,8 +113,11 @@ class Rollout:
     async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
                         params: SamplingParams, n: int) -> list[list[Generation]]:
         if self.agent is not None:
+            if any(p.images for p in prompts):  # they would be lost: refuse
+                raise ValueError("multi-turn rollouts ([agent]) do not take prompts with images")
             return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
-        return await self.engine.generate([GenerateRequest(i, params, n) for i in ids])
+        return await self.engine.generate([GenerateRequest(i, params, n, images=tuple(p.images))
+                                           for i, p in zip(ids, prompts, strict=True)])
 
     async def generate_one(self, prompt: Prompt) -> Generated:
         """A continuous engine's unit: one prompt's completions (and its greedy one for remax),
@@ -117,8 +127,8 @@ class Rollout:
     def rejected(self, prompt: Prompt, reason: str) -> ScoredGroup:
         """The group of a prompt the engine refused for good: no samples, the reason recorded
         (the replay buffer drops it as ``rejected``)."""
-        ids = self.tokenizer.prompt_ids(prompt.messages)
-        return ScoredGroup(prompt=prompt, prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
+        ids = self.tokenizer.prompt_ids(prompt.messages, images=prompt.images)
+        return ScoredGroup(prompt=without_images(prompt), prompt_ids=to_wire(torch.tensor(ids, dtype=torch.int32)),
                            samples=[], sampler=self.sampler, sampling=self.params,
                            generate_error=reason[:500])
 
@@ -126,7 +136,7 @@ class Rollout:
         """``n`` completions of each prompt (and its greedy one for remax), in one engine call
         per setting: a batch engine runs them as one batch (multi-turn: ``AgentLoop``)."""
         ids = [self.agent.prompt_ids(p) if self.agent is not None
-               else self.tokenizer.prompt_ids(p.messages) for p in prompts]
+               else self.tokenizer.prompt_ids(p.messages, images=p.images) for p in prompts]
         started = time.monotonic()
         groups = await self._generate(prompts, ids, self.params, self.n)
         greedy: list[Generation | None] = [None] * len(prompts)
@@ -198,7 +208,7 @@ class Rollout:
                    for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
                                                     rewards, teacher, strict=True)]
         return ScoredGroup(
-            prompt=p, prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
+            prompt=without_images(p), prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,
             score_seconds=time.monotonic() - started,
             baseline_reward=rewards[-1] if g.greedy is not None else None,

@@ -142,7 +142,10 @@ def check_model(path: str, needs_chat: bool = True) -> str:
     and (``needs_chat``: prompts are chat messages) a chat template that renders a prompt."""
     try:
         from transformers import AutoConfig, AutoTokenizer
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        )
     except ImportError as exc:
         return f"transformers does not import: {describe(exc)}"
     try:
@@ -151,8 +154,12 @@ def check_model(path: str, needs_chat: bool = True) -> str:
         return f"{path}: config.json does not load: {describe(exc)}"
     architectures = [str(a) for a in (getattr(config, "architectures", None) or [])]
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or architectures and not any(
-            a in causal or a.endswith(CAUSAL_SUFFIXES) for a in architectures):
+    # a vision-language model generates text as a causal LM does (actors/model_store.py)
+    vision = (getattr(config, "vision_config", None) is not None
+              and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    if not vision and (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or architectures
+                       and not any(a in causal or a.endswith(CAUSAL_SUFFIXES)
+                                   for a in architectures)):
         return (f"{path} holds {', '.join(architectures) or config.model_type}, not a causal "
                 "language model (transformers' AutoModelForCausalLM)")
     try:

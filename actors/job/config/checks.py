@@ -239,8 +239,9 @@ def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
             raise ConfigError(f"{key}.path: {exc}") from None
         need(bool(columns), f"{key}.path", f"{d.path!r} holds no rows")
         shown = ", ".join(sorted(columns))
-        for field, column in (("prompt_key", d.prompt_key), ("answer_key", d.answer_key)):
-            need(column.split(".")[0] in columns, f"{key}.{field}",
+        for field, column in (("prompt_key", d.prompt_key), ("answer_key", d.answer_key),
+                              ("image_key", d.image_key)):
+            need(not column or column.split(".")[0] in columns, f"{key}.{field}",
                  f"no column {column.split('.')[0]!r} in {d.path!r} (columns: {shown})")
         need(bool(d.data_source) or "data_source" in columns, f"{key}.data_source",
              f"{d.path!r} has no data_source column (columns: {shown}); set data_source")

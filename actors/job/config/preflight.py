@@ -10,7 +10,9 @@ reason``, exit 2 from the runner) when:
   student's (the error names both models);
 - a file of ``task.datasets`` or ``validation.datasets`` does not read whole the way the replay
   buffer reads it (not a parquet file, a jsonl line that is not a JSON object, a first prompt
-  that is not a prompt);
+  that is not a prompt); in a file with images, any row whose ``<image>`` placeholders do not
+  match its images, or whose image is missing or does not decode (the error names the row and
+  the column: found here, never mid-run);
 - a user's reward function, tool or environment does not import (the file's own error with its
   line), does not define the name, or cannot be called as its role calls it (verl's
   ``compute_score(data_source, solution_str, ground_truth, extra_info)`` for rewards).
@@ -155,6 +157,13 @@ def check_data(topology: Topology) -> None:
             try:
                 data = FileDataset(d, topology.run.seed, key)
                 data.prompt_at(data.name, 0, prompt_id=0)
+                if data.image_key:  # every row's images against its placeholders
+                    if topology.agent.enabled:
+                        raise ConfigError(
+                            f"{key}.path: its rows have images (column {data.image_key!r}), "
+                            "which multi-turn rollouts ([agent]) do not take yet")
+                    for row in range(data.size):
+                        data.prompt_at(data.name, row, prompt_id=0)
             except pa.ArrowException as exc:
                 suffix = ".parquet" if d.path.endswith(".parquet") else ""
                 raise ConfigError(f"{key}.path: {'not a parquet file' if suffix else 'unreadable'}"

@@ -82,6 +82,11 @@ class ModelConfig(_Section, frozen=True):
     """Local Hugging Face model directory, or ``default`` for the embedded SmolLM2-135M-Instruct."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for sampling and training (float32 is the fast choice on CPUs)."""
+    freeze_vision: bool = False
+    """A vision-language model: train its language model only, the vision tower (and its
+    merger) frozen. Off by default, as in verl and TRL: a reward that depends on what the image
+    shows may need the tower to learn to see it; on, it saves the tower's gradients and
+    optimizer state (prime-rl's default)."""
 
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
@@ -113,6 +118,12 @@ class DatasetConfig(_Section, frozen=True):
     """A system message put before a row's messages when it has none."""
     shuffle: bool = True
     """Visit the rows in a seeded random order, a new one each pass (verl ``data.shuffle``)."""
+    image_key: str = ""
+    """Column of a row's images, for a vision-language model: a list (or, TRL's ``image``, one)
+    of ``{bytes}`` / ``{path}`` records (verl's ``images`` as its geometry3k preprocessing
+    writes them) or paths, relative to the data file's folder. Default: ``images``, else
+    ``image``, when the file has such a column; ``<image>`` in the prompt's text marks where
+    each goes (none: all before the first user message's text, as TRL puts them)."""
 
 
 class TaskConfig(_Section, frozen=True):

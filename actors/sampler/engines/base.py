@@ -1,6 +1,6 @@
 """The engine protocol: what a sampler needs from whatever generates its tokens.
 
-An engine sees token ids only. Chat templates and tokenization happen once, outside it
+An engine sees token ids only (and a vision-language prompt's images). Chat templates and tokenization happen once, outside it
 (``actors/data/chat.py``), and text is decoded where it is needed (scoring, recording), so the
 token ids the learner trains on are exactly the ones generated, whatever the engine.
 
@@ -43,6 +43,9 @@ class GenerateRequest:
     """Sampling seed of the first completion (the i-th uses ``seed + i``), to regenerate a
     recorded sample (``Sample.seed``); None: the engine picks. Engines without per-sample
     seeds (hf) ignore it."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's images, encoded (a vision-language model's prompt): ``prompt_ids`` holds
+    their image tokens already expanded (``actors/data/vision.py``)."""
     stream: Callable[[int, list[int], list[float]], None] | None = field(default=None,
                                                                          compare=False)
     """Called with each completion's index and its new token ids and log-probs as they are

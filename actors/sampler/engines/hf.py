@@ -28,7 +28,6 @@ from typing import Any
 import anyio
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LogitsProcessor,
@@ -37,6 +36,8 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from actors.data.vision import ImageProcessor, is_vision_model
+from actors.model_store import PolicyModel
 from actors.runtime.actor import run_compute
 from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
@@ -158,7 +159,9 @@ class HFEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = indexed(device)  # the model, the prompts and the logits live here
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model: Any = PolicyModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        # a vision-language model: prompts' images become pixel tensors as the learner makes them
+        self.processor = ImageProcessor(model_path) if is_vision_model(model_path) else None
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to oddly
         float32_head(self.model)
         # generate must not apply the model's own sampling defaults (sampling_config)
@@ -185,11 +188,14 @@ class HFEngine:
                              "call needs the same sampling parameters and n")
         async with self.lock:
             return await run_compute(on_device(self.device, self._generate),
-                                     [r.prompt_ids for r in requests], first, abort=self.abort)
+                                     [r.prompt_ids for r in requests], first,
+                                     [r.images for r in requests], abort=self.abort)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], like: GenerateRequest) -> list[list[Generation]]:
-        """``like.n`` completions for each prompt (left-padded into one batch)."""
+    def _generate(self, prompts: list[list[int]], like: GenerateRequest,
+                  images: list[tuple[bytes, ...]] | None = None) -> list[list[Generation]]:
+        """``like.n`` completions for each prompt (left-padded into one batch), each with its
+        ``images`` (none: a text prompt)."""
         params, n, tok = like.params, like.n, self.tokenizer
         greedy = params.temperature == 0
         width = max(len(p) for p in prompts)
@@ -197,11 +203,15 @@ class HFEngine:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
-        cache = self._shared_prompts(ids, attn, n) if n > 1 and width > 1 else None
+        vision = self._pixels(ids, images or [], n)
+        shared = n > 1 and width > 1 and not vision  # (the cache would need the images' features)
+        cache = self._shared_prompts(ids, attn, n) if shared else None
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
+        if vision:
+            vision["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
         record = _TokenLogprobs(1.0 if greedy else params.temperature)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, past_key_values=cache,
+            input_ids=ids, attention_mask=attn, past_key_values=cache, **vision,
             generation_config=sampling_config(params, pad, tok.eos_token_id),
             tokenizer=tok if params.stop else None,
             logits_processor=LogitsProcessorList([record]),
@@ -217,6 +227,22 @@ class HFEngine:
                                                     lps[row, :length].clone(), self.version,
                                                     reason))
         return groups
+
+    def _pixels(self, ids: torch.Tensor, images: list[tuple[bytes, ...]], n: int) -> dict:
+        """``generate``'s vision inputs for prompts ``ids`` (B, P) with ``images``, each
+        prompt's repeated for its ``n`` rows; empty when no prompt has images."""
+        if not any(images):
+            return {}
+        if self.processor is None:
+            raise ValueError("a prompt with images for a model without a vision tower")
+        pixels, grids = [], []
+        for prompt in images:
+            if prompt:
+                inputs = self.processor.pixels(prompt)
+                pixels += [inputs.pixel_values] * n
+                grids += [inputs.image_grid_thw] * n
+        return {"pixel_values": torch.cat(pixels).to(self.device, self.model.dtype),
+                "image_grid_thw": torch.cat(grids).to(self.device)}
 
     def _shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor, n: int) -> Any:
         """The KV cache of every prompt but its last token, computed once per prompt and

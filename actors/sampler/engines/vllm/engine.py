@@ -208,6 +208,9 @@ class VLLMEngine:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The completions of every request, each completion its own engine request; raises
         ``Rejected`` when the engine refuses one (nothing of the call is returned then)."""
+        if any(r.images for r in requests):  # never generate as if the images were not there
+            raise ValueError("the vllm engine does not take prompts with images yet: "
+                             "sampler.engine = \"hf\" generates for vision-language models")
         jobs = [(r, [next(self.seeds) if r.seed is None else r.seed + i for i in range(r.n)])
                 for r in requests]
         return await self.loop.call(self._generate(jobs))
