@@ -218,3 +218,54 @@ def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
     again = placed_on(said)  # restarted where there was room: the spare node
     assert all(again[name] == spare.node_id[:8] for name in gone)
     assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_lost_learner_node_stops_the_job_and_the_same_command_resumes_it(
+        ray_cluster, tiny_model, tmp_path):
+    """The learner's state cannot be remade elsewhere: losing its node stops the job (every
+    other process reaped), and the same command, once a node with its resource is back,
+    resumes from the last checkpoint and finishes every step once."""
+    trainer = ray_cluster.add_node(num_cpus=1, resources={"t": 1}, object_store_memory=STORE)
+    worker_node(ray_cluster, "gen")
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=6",
+                  "learner.save_every=2", 'learner.host="t"')
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 3:  # step 2's checkpoint is written before step 3
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        ray_cluster.remove_node(trainer)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    said = log.read_text()
+    assert proc.returncode == 1, said[-4000:]
+    assert "job failed: actor learner-0 exited with status -9" in said
+    assert not actor_pids(run_dir)
+    killed = metrics(run_dir)
+
+    ray_cluster.add_node(num_cpus=1, resources={"t": 1}, object_store_memory=STORE)
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))  # each step once
+    assert all(balanced(r) for r in rows)
+    assert rows[:2] == killed[:2]  # up to the checkpoint, as the lost run trained them
+    assert status_lines(run_dir)[-1]["learner-0"]["resumed_from"] in ("step_2", "step_4")
+    assert not actor_pids(run_dir)
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_model, tmp_path, capsys):
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    argv = ["topology.toml", "--ray", "127.0.0.1:1", f"model.path={tiny_model}",
+            f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: bad topology: ray.address: nothing answers at 127.0.0.1:1")
+    assert not (tmp_path / "run").exists()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,7 +111,11 @@ class RayLauncher(Launcher):
 
         o = self.options
         if o.address:
-            ray.init(address=o.address, namespace=o.namespace, log_to_driver=True)
+            reachable(o.address)
+            try:
+                ray.init(address=o.address, namespace=o.namespace, log_to_driver=True)
+            except ConnectionError as exc:  # auto with no cluster here, among others
+                raise ConfigError(f"ray.address: cannot join {o.address!r}: {exc}") from None
         else:
             self.temp = o.temp_dir or tempfile.mkdtemp(prefix="flowrl-ray-", dir="/tmp")
             # Ray's CPUs are counted, not pinned: room for every process however many cores
@@ -231,6 +236,8 @@ class RayLauncher(Launcher):
         # on its node, a process's output goes to the run directory: Ray's own forwarding of
         # a worker's output reaches the driver late or not at all once the node is gone
         log = log or Path(self.topology_file).parent / LOGS / f"{name}.log"
+        if "OMP_NUM_THREADS" in os.environ:  # the runner's own setting holds, as for a local one
+            env = {**env, "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
         started = keeper.start.remote(list(args), env, self.topology_file, str(log))
         try:
             pid, node, node_id = await trio.to_thread.run_sync(ray.get, started,
@@ -257,6 +264,19 @@ class RayLauncher(Launcher):
         ray.shutdown()
         if self.temp is not None and not self.options.temp_dir:
             shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def reachable(address: str, timeout_s: float = 10.0) -> None:
+    """ConfigError unless something listens at ``HOST:PORT`` (``ray://`` too): Ray itself
+    retries an address where nothing listens for minutes, saying little."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"ray.address: nothing answers at {address} ({exc}): is the Ray "
+                          "head running, and is this its address?") from None
 
 
 def where(node: str, node_id: str) -> str:

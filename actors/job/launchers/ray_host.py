@@ -45,7 +45,10 @@ class ProcessKeeper:
             raise RuntimeError(f"{topology_file} cannot be read on node "
                                f"{ray.util.get_node_ip_address()}: run.dir must be a directory "
                                "every Ray node shares (a network file system)")
-        full = {**os.environ, **env}
+        # Ray sets OMP_NUM_THREADS in its workers (to their CPUs: 1) where it is unset; the
+        # actors size their threads themselves (KIND.threads), as the runner's own children do
+        base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        full = {**base, **env}
         gpus = [str(g) for g in ray.get_gpu_ids()]
         if gpus:  # the GPUs Ray gave this process, as it sees them
             full["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
