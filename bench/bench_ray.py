@@ -6,11 +6,13 @@ job), one after the other in alternating order, ``--rounds`` times.
 
 Two numbers per job: start-up, from starting ``runner.py`` to its ``=== job started`` line
 (every actor ready; under Ray this includes starting Ray and reserving the placement group,
-which the runner's own "after Ns" leaves out), and the
-per-step wall time once the job runs (the median over steps 2.. of ``timing_s/step`` +
-``timing_s/between_steps`` from ``metrics.jsonl``). Messages never pass through Ray, so the
-second should not differ. The job is the default topology on a tiny random llama (as the
-tests build it). Needs ``flowrl[ray]``. Run by hand; results go in BENCHMARKS.md.
+which the runner's own "after Ns" leaves out), and the per-step wall time once the job runs
+(the median over steps 2.. of ``timing_s/step`` + ``timing_s/between_steps`` from
+``metrics.jsonl``). Messages never pass through Ray, so the second should not differ. Both
+use one weights transport (``--transport``, zmq): ``auto`` is shm on one machine but zmq under
+Ray (its nodes may be machines), a difference of transport, not of launcher. The job is the
+default topology on a tiny random llama (as the tests build it). Needs ``flowrl[ray]``. Run by
+hand; results go in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 STARTED = re.compile(r"=== job started: all \d+ actors ready")
 
 
-def one_job(model: Path, work: Path, launcher: str, steps: int, port: int) -> tuple[float, float]:
+def one_job(model: Path, work: Path, launcher: str, steps: int, port: int,
+            transport: str) -> tuple[float, float]:
     """(start-up s, median per-step s) of one job."""
     run_dir = work / f"{launcher}-{time.monotonic_ns()}"
     cmd = [sys.executable, "runner.py", "topology.toml", f"model.path={model}",
-           f"run.dir={run_dir}", *TINY, f"learner.total_steps={steps}", f"run.base_port={port}"]
+           f"run.dir={run_dir}", *TINY, f"learner.total_steps={steps}", f"run.base_port={port}",
+           f"learner.weights_transport={transport}"]
     if launcher == "ray":
         cmd.append("--ray")
     began, started, said = time.monotonic(), 0.0, []
@@ -62,6 +66,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--port", type=int, default=28100, help="run.base_port of the jobs")
+    parser.add_argument("--transport", default="zmq",
+                        help="learner.weights_transport of both (auto: shm on one machine, zmq "
+                             "under Ray, which may be on several)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         work = Path(tmp)
@@ -69,7 +76,8 @@ def main() -> None:
         results: dict[str, list[tuple[float, float]]] = {"local": [], "ray": []}
         for r in range(args.rounds):
             for launcher in (("local", "ray") if r % 2 == 0 else ("ray", "local")):
-                results[launcher].append(one_job(model, work, launcher, args.steps, args.port))
+                results[launcher].append(one_job(model, work, launcher, args.steps, args.port,
+                                                 args.transport))
                 start, step = results[launcher][-1]
                 print(f"round {r + 1} {launcher:5s}: started after {start:6.1f}s, "
                       f"{step:.2f}s per step", flush=True)

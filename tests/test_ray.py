@@ -269,3 +269,35 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_model, tmp_
     assert capsys.readouterr().err.startswith(
         "error: bad topology: ray.address: nothing answers at 127.0.0.1:1")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.ray
+def test_per_host_runners_and_ray_train_the_same_steps(ray_cluster, tiny_model, tmp_path):
+    """The same topology (sampler and reward worker on one host, the rest on another), run by
+    one runner per host as ``srun`` starts them and then through Ray: both train every step
+    once, with the same batches' accounting and the counters balanced."""
+    from tests.test_hosts import host_command, start, stop
+
+    worker_node(ray_cluster, "b")
+    steps, base = "learner.total_steps=3", random.randrange(21000, 32000, 20)
+    hosts_run = tmp_path / "hosts"
+    runners = [start(host_command(tiny_model, hosts_run, h, steps, f"run.base_port={base}"),
+                     tmp_path / f"{h}.log") for h in ("a", "b")]
+    try:
+        for h, p in zip(("a", "b"), runners, strict=True):
+            assert p.wait(timeout=400) == 0, (tmp_path / f"{h}.log").read_text()[-3000:]
+    finally:
+        stop(*runners)
+    ray_run = tmp_path / "ray"
+    done = subprocess.run(ray_job(tiny_model, ray_run, ray_cluster, steps, 'sampler.host="b"',
+                                  'reward.host="b"'),
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    def accounting(run_dir: Path) -> list[tuple[int, int]]:
+        rows = metrics(run_dir)
+        assert all(balanced(r) for r in rows)
+        return [(r["step"], r["replay/trained"]) for r in rows]
+
+    assert accounting(hosts_run) == accounting(ray_run) == [(1, 4), (2, 8), (3, 12)]
+    assert not actor_pids(hosts_run) and not actor_pids(ray_run)
