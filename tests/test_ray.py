@@ -15,6 +15,7 @@ import json
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -301,3 +302,31 @@ def test_per_host_runners_and_ray_train_the_same_steps(ray_cluster, tiny_model, 
 
     assert accounting(hosts_run) == accounting(ray_run) == [(1, 4), (2, 8), (3, 12)]
     assert not actor_pids(hosts_run) and not actor_pids(ray_run)
+
+
+@pytest.mark.ray
+def test_ctrl_c_under_a_ray_of_the_jobs_own_leaves_no_process_and_no_temp_dir(
+        tiny_model, tmp_path):
+    """``--ray`` without an address starts a Ray for the job; Ctrl-C stops the job as on one
+    machine (final checkpoint, status 130), then that Ray and its temp directory go too."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    before = set(Path("/tmp").glob("flowrl-ray-*"))
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = command(tiny_model, run_dir, "learner.total_steps=200", "run.heartbeat_interval=0.5",
+                  f"run.base_port={random.randrange(21000, 32000, 20)}", "--ray")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=200) == 130, log.read_text()[-4000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert (run_dir / "checkpoints").is_dir()
+    assert not actor_pids(run_dir)
+    assert set(Path("/tmp").glob("flowrl-ray-*")) <= before
+    assert not ray_processes(Path("/tmp/flowrl-ray-"))

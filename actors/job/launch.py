@@ -5,8 +5,9 @@ the resolved topology the actors read, open the metric sinks, then hand it to th
 Resolution fills in the run directory (``{time}``), the model directory and every ``auto``
 address: ``ipc://`` sockets in a fresh folder under /tmp on one host, ``tcp://IP:PORT`` with
 ``[hosts]`` (``actors/job/config/hosts.py``) or on each process's node under Ray (the
-launcher's, ``actors/job/launchers/``, which also starts the processes and is closed last). One runner at a time holds a run directory
-(with ``[hosts]`` or learner nodes, one per host or node, each in its own folder under it).
+launcher's, ``actors/job/launchers/``, which also starts the processes and is closed last).
+One runner at a time holds a run directory (with ``[hosts]`` or learner nodes, one per host or
+node, each in its own folder under it).
 """
 
 from __future__ import annotations
