@@ -56,6 +56,7 @@ def test_a_bad_ray_key_is_named(overrides, key):
 
 
 def test_under_ray_the_weights_go_by_zmq_and_the_host_names_a_resource():
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
     topology = load_topology(ROOT / "topology.toml", [
         'run.launcher="ray"', "sampler.count=2", 'sampler.host=["gen1", "gen2"]'])
     assert topology.learner.weights_transport == "zmq"  # the samplers may be on other nodes

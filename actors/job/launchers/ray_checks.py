@@ -13,9 +13,8 @@ from actors.runtime.config.ray import ray_problem
 
 
 def check_ray(topology: Topology, need: Any) -> None:
-    """``need(ok, key, why)`` raises a ``ConfigError`` naming the key."""
-    problem = ray_problem()
-    need(problem is None, "run.launcher", f"ray: {problem}")
+    """``need(ok, key, why)`` raises a ``ConfigError`` naming the key (a bad key first: it is
+    bad with Ray or without)."""
     need(not topology.hosts, "hosts",
          "not used under run.launcher = ray: Ray knows the nodes (a KIND.host names a custom "
          "resource of the Ray nodes that may run it)")
@@ -41,3 +40,5 @@ def check_ray(topology: Topology, need: Any) -> None:
         need(value == "auto" or value.startswith("tcp://"), key,
              f"{value!r} cannot be reached from other Ray nodes: use auto (the node's own "
              "address, port from run.base_port) or tcp://HOST:PORT")
+    problem = ray_problem()
+    need(problem is None, "run.launcher", f"ray: {problem}")
