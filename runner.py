@@ -15,6 +15,9 @@ RUN_DIR --rescore FILE.py[:NAME]`` re-scores the recorded completions; ``python 
 inspect RUN_DIR`` summarises the run and plots it; ``python runner.py validate RUN_DIR
 [--checkpoint step_N] [validation.*=...]`` validates a saved checkpoint (no learner).
 
+On a Ray cluster (and KubeRay): ``python runner.py topology.toml --ray [ADDRESS]`` makes the
+runner a Ray driver that places and starts every actor process through Ray (``docs/ray.md``).
+
 Check a topology without starting anything: ``python runner.py check topology.toml
 [dotted.key=value ...]`` runs every check a start runs (keys, model, data files, user code).
 
@@ -33,6 +36,8 @@ from actors.job.config.load import load_topology
 from actors.registry import ATTACHABLE
 from actors.runtime.config import ConfigError
 from actors.runtime.security import keygen
+
+NO_ADDRESS = "\0"  # --ray given without an address: the topology's ray.address stands
 
 
 def attach_main(argv: list[str]) -> int:
@@ -296,9 +301,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="", metavar="NAME",
                         help="with a [hosts] table: start only the actors placed on host NAME "
                              "(one runner per host: by hand, ssh, or srun --host $SLURMD_NODENAME)")
+    parser.add_argument("--ray", nargs="?", const=NO_ADDRESS, default=None, metavar="ADDRESS",
+                        help="start the actors through Ray (run.launcher=ray): on the cluster at "
+                             "ADDRESS (auto: the one this machine is in, as under ray job "
+                             "submit; ray://HOST:10001; HOST:6379), or without one on a Ray "
+                             "started for the job here (or the topology's ray.address)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
     args = parser.parse_intermixed_args(argv)
     host = [f"run.host={json.dumps(args.host)}"] if args.host else []
+    if args.ray is not None and "=" in args.ray:  # an override after a bare --ray
+        args.overrides.append(args.ray)
+        args.ray = NO_ADDRESS
+    if args.ray is not None:
+        host.append('run.launcher="ray"')
+        if args.ray != NO_ADDRESS:
+            host.append(f"ray.address={json.dumps(args.ray)}")
     try:
         topology = load_topology(args.topology, [*args.overrides, *host])
     except ConfigError as exc:

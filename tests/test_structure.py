@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("actors", "messages", "kernels")
 SIZE_ALARM = 600  # actors/ and runner.py: a file past this likely holds a second concern
 TABLES = ("actors.registry", "actors.sampler.engines.registry",  # rows that load their variant's
-          "actors.runtime.transports.base")  # code when it is used
+          "actors.runtime.transports.base", "actors.job.launchers.base")  # code when it is used
 
 
 def sources() -> dict[str, Path]:

@@ -4,8 +4,10 @@ the resolved topology the actors read, open the metric sinks, then hand it to th
 
 Resolution fills in the run directory (``{time}``), the model directory and every ``auto``
 address: ``ipc://`` sockets in a fresh folder under /tmp on one host, ``tcp://IP:PORT`` with
-``[hosts]`` (``actors/job/config/hosts.py``). One runner at a time holds a run directory
-(with ``[hosts]`` or learner nodes, one per host or node, each in its own folder under it).
+``[hosts]`` (``actors/job/config/hosts.py``) or on each process's node under Ray (the
+launcher's, ``actors/job/launchers/``, which also starts the processes and is closed last).
+One runner at a time holds a run directory (with ``[hosts]`` or learner nodes, one per host or
+node, each in its own folder under it).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import msgspec
 import zmq
 
 from actors.job.config.capacity import check_shm
-from actors.job.config.hosts import local_actors, owner, resolve_addresses
+from actors.job.config.hosts import local_actors, owner
 from actors.job.config.layout import place, start_after
 from actors.job.config.preflight import preflight
+from actors.job.launchers.base import Launcher, launcher_for
+from actors.job.launchers.local import LocalLauncher
 from actors.job.liveview import LiveView
 from actors.job.loggers import open_metrics
 from actors.job.processes import job_procs, learner_ranks
@@ -40,12 +44,18 @@ from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
 from actors.runtime.security import prepare_job_keys
 
 
-def resolve(topology: Topology, *, model_ready: bool = True) -> tuple[Topology, Path]:
-    """Fill in the run directory, the model directory and every ``auto`` address."""
+def resolve(topology: Topology, *, model_ready: bool = True,
+            launcher: Launcher | None = None) -> tuple[Topology, Path]:
+    """Fill in the run directory, the model directory and every ``auto`` address: those the
+    launcher knows (``[hosts]``: each host's; Ray: each process's node), ``ipc://`` the rest."""
     from actors.model_store import resolve_model_path
 
-    topology = resolve_addresses(topology)  # with [hosts]: auto -> tcp://IP:PORT
     run_dir = Path(topology.run.dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S"))).resolve()
+    topology = msgspec.structs.replace(
+        topology, run=msgspec.structs.replace(topology.run, dir=str(run_dir)))
+    launcher = launcher or LocalLauncher()
+    names = [p.name for p in job_procs(topology, run_dir).values() if not p.remote]
+    topology = launcher.addresses(topology, names)
     sockets = topology.run.socket_dir or tempfile.mkdtemp(prefix="flowrl-", dir="/tmp")
     Path(sockets).mkdir(parents=True, exist_ok=True)
 
@@ -88,7 +98,19 @@ def run_job(topology: Topology) -> int:
     try:
         print("=== checking the model, the data files and the user code", flush=True)
         preflight(topology)  # before anything is started or written: a bad input stops here
-        topology, run_dir = resolve(topology)
+    except ConfigError as exc:
+        print(f"error: bad topology: {exc}", file=sys.stderr)
+        return 2
+    launcher = launcher_for(topology)
+    try:
+        return _run(topology, launcher, own_sockets)
+    finally:
+        launcher.close()
+
+
+def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
+    try:
+        topology, run_dir = resolve(topology, launcher=launcher)
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +138,7 @@ def run_job(topology: Topology) -> int:
             print(f"error: bad topology: {exc}", file=sys.stderr)
             return 2
         try:
-            topology = with_placement(topology, home)
+            topology = with_placement(topology, home, launcher.gpus())
         except ConfigError as exc:
             print(f"error: bad topology: {exc}", file=sys.stderr)
             return 2
@@ -151,13 +173,14 @@ def run_job(topology: Topology) -> int:
                                          for name, before in waits.items()), flush=True)
         try:
             if node > 0:  # node 0 records the job: no sinks, no panel here
-                return anyio.run(Job(topology, run_dir, home=home).run, backend="trio")
+                return anyio.run(Job(topology, run_dir, home=home, launcher=launcher).run,
+                                 backend="trio")
             try:
                 metrics, view, resume = open_metrics(topology, run_dir)
             except TrackerError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-            job = Job(topology, run_dir, metrics, view, resume, home)
+            job = Job(topology, run_dir, metrics, view, resume, home, launcher)
         except zmq.ZMQError as exc:
             print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
                   + (f" (is a runner for host {here} already running, or is {here}'s address "

@@ -12,9 +12,7 @@ conditions, and calls in here.
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +30,7 @@ from actors.runtime.rundir import LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue
 
 if TYPE_CHECKING:
+    from actors.job.launchers.base import Child, Launcher
     from actors.job.liveview import View
 
 
@@ -54,14 +53,15 @@ class ProcessesJob(Protocol):
 
     def record_status(self, event: str, **fields: object) -> None: ...
 
-ROOT = Path(__file__).resolve().parents[2]  # the tree the actor processes import
+    @property
+    def launcher(self) -> Launcher: ...
 
 
 @dataclasses.dataclass
 class Proc:
     kind: str
     index: int
-    process: trio.Process | None = None
+    process: Child | None = None
     restarts: int = 0
     ready: bool = False
     finished: bool = False
@@ -96,7 +96,7 @@ class Processes:
     def of_kind(self, kind: str) -> list[Proc]:
         return [p for p in self.procs.values() if p.kind == kind]
 
-    def running(self) -> list[tuple[Proc, trio.Process]]:
+    def running(self) -> list[tuple[Proc, Child]]:
         """This runner's own processes that have not exited."""
         return [(p, p.process) for p in self.procs.values()
                 if p.process is not None and p.process.returncode is None]
@@ -122,20 +122,17 @@ class Processes:
 
     async def spawn(self, p: Proc) -> None:
         job = self.job
-        cmd = [sys.executable, "-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
+        args = ["-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
         p.ready, p.finished, p.status, p.last_seen = False, False, {}, time.monotonic()
         p.state = ("starting", p.last_seen)
         # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
-        env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
+        env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
         if job.home != job.run_dir:  # another host's actors read their own runner's topology
             env["FLOWRL_TOPOLOGY"] = str(job.home / TOPOLOGY)
-        if job.view is None:  # plain lines: the actors write to the runner's own output
-            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env)
-            return
-        # under the live panel an actor's own output would tear it: it goes to logs/NAME.log
-        with (job.run_dir / LOGS / f"{p.name}.log").open("ab") as log:
-            p.process = await trio.lowlevel.open_process(cmd, cwd=ROOT, env=env, stdout=log,
-                                                         stderr=log)
+        # plain lines: the actors write to the runner's own output; under the live panel an
+        # actor's own output would tear it: it goes to logs/NAME.log
+        log = None if job.view is None else job.run_dir / LOGS / f"{p.name}.log"
+        p.process = await job.launcher.spawn(p.name, args, env, log)
 
     async def supervise(self, p: Proc) -> None:
         """Wait for a process to exit; restart it or end the job, per its kind's row and its

@@ -38,6 +38,8 @@ import zmq
 
 from actors.job.config.hosts import owner
 from actors.job.config.layout import start_after
+from actors.job.launchers.base import Launcher
+from actors.job.launchers.local import LocalLauncher
 from actors.job.liveview import View
 from actors.job.metrics import Metrics, Resume
 from actors.job.multihost import PREFIX, Member, Owner
@@ -78,8 +80,9 @@ def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
 class Job:
     def __init__(self, topology: Topology, run_dir: Path, metrics: Metrics | None = None,
                  view: View | None = None, resume: Resume | None = None,
-                 home: Path | None = None) -> None:
+                 home: Path | None = None, launcher: Launcher | None = None) -> None:
         self.topo = topology
+        self.launcher = launcher or LocalLauncher()  # what starts the processes (run.launcher)
         self.run_dir = run_dir
         # this runner's own files (a node k > 0: RUN_DIR/nodes/nodeK; a host other than the
         # owner: RUN_DIR/hosts/NAME)

@@ -12,7 +12,7 @@ import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
 from actors.job.config.agent_checks import check_agent, check_branches
-from actors.job.config.hosts import check_hosts
+from actors.job.launchers.base import LAUNCHERS
 from actors.registry import KINDS
 from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
 from actors.runtime.config.placement import check_placement
@@ -109,7 +109,7 @@ def check(topology: Topology) -> None:
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
     need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
          "needs security.curve = true")
-    check_hosts(topology, need)
+    LAUNCHERS[topology.run.launcher].check(topology, need)  # [hosts], or [ray]
 
 
 def _check_adapters(topology: Topology, need: Any) -> None:

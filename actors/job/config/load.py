@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from actors.job.config.checks import check
+from actors.job.launchers.base import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.schema import ConfigError, Topology
@@ -103,9 +104,10 @@ def _derived(topology: Topology) -> Topology:
         from actors.sampler.engines.registry import auto_engine
 
         s = msgspec.structs.replace(s, engine=auto_engine(s.device))
-    L = topology.learner  # auto: shm on one host, zmq across hosts
+    L = topology.learner  # auto: shm on one host, zmq across hosts (or nodes of a cluster)
+    across = bool(topology.hosts) or LAUNCHERS[topology.run.launcher].across_nodes
     L = msgspec.structs.replace(L, weights_transport=resolve_transport(
-        L.weights_transport, weights_address=L.weights_address, hosts=bool(topology.hosts)))
+        L.weights_transport, weights_address=L.weights_address, hosts=across))
     v = topology.validation  # validation samples like the sampler unless told otherwise
     v = msgspec.structs.replace(
         v, temperature=s.temperature if v.temperature is None else v.temperature,

@@ -29,6 +29,7 @@ from actors.runtime.config.constraints import (
 )
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.ray import RayOptions
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
 from actors.runtime.transports.base import TransportChoice
@@ -75,6 +76,11 @@ class RunConfig(_Section, frozen=True):
     """The wandb project and the mlflow experiment (verl ``trainer.project_name``)."""
     experiment_name: str = ""
     """The tracker run's name (verl ``trainer.experiment_name``; default: the run directory's)."""
+    launcher: Literal["local", "ray"] = "local"
+    """What starts the actor processes (a row of ``actors/job/launchers/base.py``): this runner
+    (``local``: on this machine, or on this host of ``[hosts]``), or Ray (``ray``: the runner
+    is a Ray driver that reserves the job's resources and starts each process on its node;
+    ``[ray]`` says which cluster; ``runner.py topology.toml --ray [ADDRESS]`` sets both)."""
 
 
 class ModelConfig(_Section, frozen=True):
@@ -411,6 +417,8 @@ class Topology(_Section, frozen=True):
     security: SecurityConfig = SecurityConfig()
     agent: AgentConfig = AgentConfig()
     validation: ValidationConfig = ValidationConfig()
+    ray: RayOptions = RayOptions()
+    """The Ray cluster and what each process reserves there (``run.launcher = "ray"``)."""
     hosts: dict[str, str] = {}
     """Host names -> addresses (IP or DNS name) for a job over several machines; each machine
     runs ``runner.py topology.toml --host NAME`` and starts the actors placed on NAME."""

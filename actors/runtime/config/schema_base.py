@@ -25,4 +25,6 @@ class ActorCommon(_Section, frozen=True):
     """Restarts allowed per process before the job is stopped."""
     host: str | list[str] = ""
     """With ``[hosts]``: the host these processes run on, or one host per process (a list of
-    ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host)."""
+    ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host).
+    Under Ray (``run.launcher = "ray"``): a custom resource of the Ray nodes that may run them
+    (each process asks for a sliver of it); empty: any node with room."""

@@ -1,0 +1,333 @@
+"""Jobs placed and started by Ray (``run.launcher = "ray"``, ``runner.py --ray``).
+
+The fast tests check the launcher's keys and the command line without a cluster. The ``ray``
+ones start Ray's own multi-node test cluster (``ray.cluster_utils.Cluster``: a head and worker
+nodes as separate raylets on this machine, custom resources standing for hosts), run the job
+through it as a user would (``runner.py topology.toml --ray ADDRESS``), and remove a node
+mid-job. Ray is kept small: few CPUs, an 80 MB object store per node, no dashboard, and its
+temp directory a fresh short folder (Ray's socket paths must stay under ~100 bytes) removed
+after.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import pytest
+
+from actors.job.config.load import load_topology
+from actors.job.launchers.base import LAUNCHERS
+from actors.runtime.config import ConfigError
+from actors.runtime.config.schema import RunConfig
+from runner import main
+from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
+
+STORE = 80 * 2**20  # bytes of object store per test node (flowrl's messages never use it)
+
+
+def test_the_launcher_key_lists_exactly_the_table():
+    """``run.launcher``'s values are declared on the field (the schema, which every actor
+    reads, cannot import the runner's table): they are the table's rows, no more, no fewer."""
+    assert get_args(get_type_hints(RunConfig)["launcher"]) == tuple(LAUNCHERS)
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (['hosts={a="10.0.0.1"}'], "hosts"),
+    (['ray.address="ray://nohost"'], "ray.address"),
+    (['replay.address="ipc:///tmp/x"'], "replay.address"),
+    (["learner.nnodes=2", "learner.master_port=29500"], "learner.nnodes"),
+    (["sampler.count=2", 'sampler.host=["a"]'], "sampler.host"),
+    (['reward.host="bad name"'], "reward.host"),
+    (['run.host="a"'], "run.host"),
+])
+def test_a_bad_ray_key_is_named(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        load_topology(ROOT / "topology.toml", ['run.launcher="ray"', *overrides])
+
+
+def test_under_ray_the_weights_go_by_zmq_and_the_host_names_a_resource():
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    topology = load_topology(ROOT / "topology.toml", [
+        'run.launcher="ray"', "sampler.count=2", 'sampler.host=["gen1", "gen2"]'])
+    assert topology.learner.weights_transport == "zmq"  # the samplers may be on other nodes
+    assert load_topology(ROOT / "topology.toml").learner.weights_transport == "shm"
+
+
+def test_without_ray_the_flag_is_one_line_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # how Python marks a module unavailable
+    assert main(["topology.toml", "--ray", "learner.total_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: bad topology: run.launcher: ray: Ray is not installed: "
+                   "pip install 'flowrl[ray]'\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["topology.toml", "--ray", 'hosts={a="10.0.0.1"}'],  # a bare --ray before an override
+    ["topology.toml", "--ray", "auto", 'hosts={a="10.0.0.1"}'],
+    ["topology.toml", 'hosts={a="10.0.0.1"}', "--ray=ray://head:10001"],
+])
+def test_the_ray_flag_sets_the_launcher_and_keeps_the_overrides(argv, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: bad topology: hosts: not used under "
+                                              "run.launcher = ray")
+
+
+def test_a_bad_ray_address_on_the_command_line_is_named(capsys):
+    assert main(["topology.toml", "--ray", "nohost"]) == 2
+    assert capsys.readouterr().err.startswith("error: bad topology: ray.address: 'nohost'")
+
+
+# -- jobs on Ray's multi-node test cluster ----------------------------------------------------
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    """Ray's test cluster, its head alone (tests add worker nodes); its temp dir is removed and
+    no Ray process of it is left after."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    from ray.cluster_utils import Cluster
+
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+    (temp / "ray").mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(temp))  # where the cluster writes its address
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=3, resources={"main": 1}, object_store_memory=STORE, include_dashboard=False,
+        temp_dir=str(temp / "ray")))
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not ray_processes(temp)
+
+
+def ray_processes(temp: Path) -> list[int]:
+    """Live processes whose command line names the cluster's temp dir (raylets, workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(temp).encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def worker_node(cluster, name: str):
+    """A worker node of two CPUs carrying the custom resource ``name`` (a host)."""
+    return cluster.add_node(num_cpus=2, resources={name: 1}, object_store_memory=STORE)
+
+
+def ray_job(model: Path, run_dir: Path, cluster, *overrides: str) -> list[str]:
+    base = random.randrange(21000, 32000, 20)  # tests beside this one may hold other ports
+    # (a learner importing torch on a loaded 2-core machine can be silent for minutes)
+    return [*command(model, run_dir, "run.heartbeat_interval=0.5", "run.status_interval=1",
+                     "run.heartbeat_timeout=600",
+                     f"run.base_port={base}", 'replay.host="main"', 'router.host="main"',
+                     'learner.host="main"', "--ray", cluster.address, *overrides)]
+
+
+def placed_on(log: str) -> dict[str, str]:
+    """Process -> the Ray id of its node (its first 8 characters), from the runner's
+    ``=== ray: NAME on ADDRESS (node ID)`` lines: the last said of each."""
+    return dict(re.findall(r"([\w.-]+) on [^ ;]+ \(node (\w+)\)", "\n".join(
+        line for line in log.splitlines() if line.startswith("=== ray: "))))
+
+
+@pytest.mark.ray
+def test_a_job_runs_with_its_actors_on_three_nodes(ray_cluster, tiny_model, tmp_path):
+    nodes = {"main": ray_cluster.head_node, "gen1": worker_node(ray_cluster, "gen1"),
+             "gen2": worker_node(ray_cluster, "gen2")}
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=2", "sampler.count=2",
+                  "reward.count=2", 'sampler.host=["gen1", "gen2"]', 'reward.host=["gen1", "gen2"]')
+    started = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=400)
+    said = log.read_text()
+    assert proc.returncode == 0, said[-4000:]
+    print(f"2-step job through Ray on 3 nodes: {time.monotonic() - started:.1f}s")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(balanced(r) for r in rows)
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["run"]["launcher"] == "ray"
+    assert topo["replay"]["address"].startswith("tcp://")
+    assert topo["learner"]["weights_transport"] == "zmq"
+    status = status_lines(run_dir)
+    assert status[-1]["event"] == "stopped" and status[-1]["outcome"] == "finished"
+    # each on the node carrying the resource its host names
+    ids = {name: node.node_id[:8] for name, node in nodes.items()}
+    placed = placed_on(said)
+    assert {p: placed[p] for p in ("replay-0", "router-0", "learner-0")} == dict.fromkeys(
+        ("replay-0", "router-0", "learner-0"), ids["main"])
+    assert placed["sampler-0"] == placed["reward-0"] == ids["gen1"]
+    assert placed["sampler-1"] == placed["reward-1"] == ids["gen2"]
+    assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
+    """A node holding a sampler and a reward worker is removed after the first step: Ray tells
+    the runner its processes are gone, the runner restarts them in their reservations (which
+    Ray moves to a node with room), and every step comes whole with the counters balanced."""
+    nodes = {"b": worker_node(ray_cluster, "b"), "c": worker_node(ray_cluster, "c")}
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=6", "sampler.count=2",
+                  "reward.count=2", 'ray.strategy="SPREAD"', "replay.sampler_timeout_s=10",
+                  "router.request_timeout=10")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics(run_dir):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        placed = placed_on(log.read_text())
+        # the node to lose: one holding a sampler and a reward worker (SPREAD puts one of each
+        # on b and on c, the head being full)
+        lost = next(n for n, node in nodes.items()
+                    if {k.split("-")[0] for k, v in placed.items() if v == node.node_id[:8]}
+                    == {"sampler", "reward"})
+        gone = sorted(k for k, v in placed.items() if v == nodes[lost].node_id[:8])
+        spare = worker_node(ray_cluster, "d")  # room for what the lost node held
+        ray_cluster.remove_node(nodes[lost])
+        proc.wait(timeout=400)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    said = log.read_text()
+    assert proc.returncode == 0, said[-6000:]
+    assert "lost with its keeper" in said
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(balanced(r) for r in rows)
+    assert rows[-1]["replay/dropped_score_failed"] == 0
+    exited = [line for line in status_lines(run_dir) if line["event"] == "exited"]
+    assert sorted(line["actor"] for line in exited) == gone
+    assert all(line["restart"] for line in exited)
+    again = placed_on(said)  # restarted where there was room: the spare node
+    assert all(again[name] == spare.node_id[:8] for name in gone)
+    assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_lost_learner_node_stops_the_job_and_the_same_command_resumes_it(
+        ray_cluster, tiny_model, tmp_path):
+    """The learner's state cannot be remade elsewhere: losing its node stops the job (every
+    other process reaped), and the same command, once a node with its resource is back,
+    resumes from the last checkpoint and finishes every step once."""
+    trainer = ray_cluster.add_node(num_cpus=1, resources={"t": 1}, object_store_memory=STORE)
+    worker_node(ray_cluster, "gen")
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=6",
+                  "learner.save_every=2", 'learner.host="t"')
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 3:  # step 2's checkpoint is written before step 3
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        ray_cluster.remove_node(trainer)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    said = log.read_text()
+    assert proc.returncode == 1, said[-4000:]
+    assert "job failed: actor learner-0 exited with status -9" in said
+    assert not actor_pids(run_dir)
+    killed = metrics(run_dir)
+
+    ray_cluster.add_node(num_cpus=1, resources={"t": 1}, object_store_memory=STORE)
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 7))  # each step once
+    assert all(balanced(r) for r in rows)
+    assert rows[:2] == killed[:2]  # up to the checkpoint, as the lost run trained them
+    assert status_lines(run_dir)[-1]["learner-0"]["resumed_from"] in ("step_2", "step_4")
+    assert not actor_pids(run_dir)
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(tiny_model, tmp_path, capsys):
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    argv = ["topology.toml", "--ray", "127.0.0.1:1", f"model.path={tiny_model}",
+            f"run.dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: bad topology: ray.address: nothing answers at 127.0.0.1:1")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.ray
+def test_per_host_runners_and_ray_train_the_same_steps(ray_cluster, tiny_model, tmp_path):
+    """The same topology (sampler and reward worker on one host, the rest on another), run by
+    one runner per host as ``srun`` starts them and then through Ray: both train every step
+    once, with the same batches' accounting and the counters balanced."""
+    from tests.test_hosts import host_command, start, stop
+
+    worker_node(ray_cluster, "b")
+    steps, base = "learner.total_steps=3", random.randrange(21000, 32000, 20)
+    hosts_run = tmp_path / "hosts"
+    runners = [start(host_command(tiny_model, hosts_run, h, steps, f"run.base_port={base}"),
+                     tmp_path / f"{h}.log") for h in ("a", "b")]
+    try:
+        for h, p in zip(("a", "b"), runners, strict=True):
+            assert p.wait(timeout=400) == 0, (tmp_path / f"{h}.log").read_text()[-3000:]
+    finally:
+        stop(*runners)
+    ray_run = tmp_path / "ray"
+    done = subprocess.run(ray_job(tiny_model, ray_run, ray_cluster, steps, 'sampler.host="b"',
+                                  'reward.host="b"'),
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    def accounting(run_dir: Path) -> list[tuple[int, int]]:
+        rows = metrics(run_dir)
+        assert all(balanced(r) for r in rows)
+        return [(r["step"], r["replay/trained"]) for r in rows]
+
+    assert accounting(hosts_run) == accounting(ray_run) == [(1, 4), (2, 8), (3, 12)]
+    assert not actor_pids(hosts_run) and not actor_pids(ray_run)
+
+
+@pytest.mark.ray
+def test_ctrl_c_under_a_ray_of_the_jobs_own_leaves_no_process_and_no_temp_dir(
+        tiny_model, tmp_path):
+    """``--ray`` without an address starts a Ray for the job; Ctrl-C stops the job as on one
+    machine (final checkpoint, status 130), then that Ray and its temp directory go too."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    before = set(Path("/tmp").glob("flowrl-ray-*"))
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = command(tiny_model, run_dir, "learner.total_steps=200", "run.heartbeat_interval=0.5",
+                  f"run.base_port={random.randrange(21000, 32000, 20)}", "--ray")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(run_dir)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=200) == 130, log.read_text()[-4000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert (run_dir / "checkpoints").is_dir()
+    assert not actor_pids(run_dir)
+    assert set(Path("/tmp").glob("flowrl-ray-*")) <= before
+    assert not ray_processes(Path("/tmp/flowrl-ray-"))
