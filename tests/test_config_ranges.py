@@ -64,7 +64,8 @@ OTHERS = [  # one_of, patterns of their own, list items, nested sections, a requ
 
 def test_every_alias_has_a_case():
     aliases = {name for name, value in vars(constraints).items()
-               if typing.get_origin(value) is typing.Annotated and name != "FilePath"}
+               if typing.get_origin(value) is typing.Annotated
+               and name not in ("FilePath", "ModelPath")}  # paths: no range to refuse
     assert aliases == set(ALIASES)
 
 
@@ -164,11 +165,12 @@ def test_no_check_restates_a_range_its_field_declares(path):
 
 PATH_KEYS = {"task.datasets[].path", "validation.datasets[].path", "reward.functions[].path",
              "reward.models[].path", "reward.models[].function_path", "agent.tools[].path",
-             "agent.env.path", "security.keys_dir", "security.authorized_keys"}
+             "agent.env.path", "security.keys_dir", "security.authorized_keys",
+             "model.path", "teacher.path"}  # ModelPath: a directory, or "default" (the embedded)
 
 
 def path_keys(t: msgspec.inspect.Type, prefix: str = "") -> set[str]:
-    """The keys of the schema whose type is a ``FilePath``."""
+    """The keys of the schema whose type is a ``FilePath`` or a ``ModelPath``."""
     if isinstance(t, msgspec.inspect.Metadata):
         if (t.extra or {}).get("path"):
             return {prefix}
