@@ -38,7 +38,7 @@ def test_a_pool_replica_and_a_teacher_attach_work_and_detach(tiny_model, tmp_pat
                      f"teacher.path={tiny_model}", "teacher.capacity=1")
     workers: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a bound on waiting: six actors start on 2 cores
         while not metrics(run_dir):  # the job runs: its first step is recorded
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
