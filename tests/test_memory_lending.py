@@ -1,4 +1,4 @@
-"""GPU memory a sleeping vLLM engine lends the learner on its GPU (issue 34 item 5), through the
+"""GPU memory a sleeping vLLM engine lends the learner on its GPU, through the
 host's table: the exchange between two processes, the engine's wake waiting for the learner's
 step to give the memory back, and a learner that only fits on lent memory failing loudly.
 

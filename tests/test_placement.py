@@ -115,14 +115,14 @@ def test_the_gpu_count_comes_without_torch():
 
 
 @pytest.mark.parametrize(("extra", "gpus", "why"), [
-    # issue 34 item 3: vLLM's IPC engine looks the handles up by its own GPU's UUID
+    # vLLM's IPC engine looks the handles up by its own GPU's UUID
     (["learner.weights_transport=ipc", "sampler.engine=vllm"], 2,
      "sampler-0 is on GPU 1"),
     (["learner.weights_transport=ipc", "sampler.engine=vllm",
       "sampler.vllm.tensor_parallel_size=2"], 2, "sampler-0 is on GPU 0,1"),
     (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.device=cpu"], 1,
      "sampler-0 is on the CPU"),
-    # issue 34 item 4: NCCL refuses two ranks of one group on one GPU
+    # NCCL refuses two ranks of one group on one GPU
     (["learner.weights_transport=nccl", "sampler.engine=hf"], 1, "shares GPU 0 with learner-0"),
     (["learner.weights_transport=nccl", "sampler.engine=vllm", "sampler.count=2"], 2,
      "sampler-1 shares GPU 0"),
@@ -180,7 +180,7 @@ def afters(topo, tmp_path, gpus: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize(("extra", "gpus", "expected"), [
-    # issue 34 item 9: vLLM measures the GPU's free memory while it starts
+    # vLLM measures the GPU's free memory while it starts
     (["sampler.engine=vllm"], 1, {"learner-0": ["sampler-0"]}),
     (["sampler.engine=vllm", "sampler.count=2"], 1,
      {"sampler-1": ["sampler-0"], "learner-0": ["sampler-0", "sampler-1"]}),

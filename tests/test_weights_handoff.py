@@ -1,4 +1,4 @@
-"""The subscriber's hand-off of a version its engine's workers receive (issue 34 item 6), on
+"""The subscriber's hand-off of a version its engine's workers receive, on
 gloo: a receiver slower than two publishes still ends up with weights equal to the version it
 reports, and a GPU transfer that can never work fails the sampler instead of polling forever.
 

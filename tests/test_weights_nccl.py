@@ -4,7 +4,7 @@ sampler joins its transfer group at its first version and keeps it across versio
 that fails half-way closes its group, the learner's transfer fails (not hangs) and the next poll
 brings a new group in which the version arrives whole; a sampler killed and started again is a
 new peer and joins a new group, while the dead one's group is dropped; a sampler killed in the
-middle of a version costs that version only (issue 34 item 10): another sampler gets it, the
+middle of a version costs that version only: another sampler gets it, the
 learner's channel goes on, and the restarted sampler joins a new group.
 
 Not exercised here: vLLM's side (``receiver = "vllm"``: its NCCL weight-transfer engine runs on

@@ -36,8 +36,8 @@ def test_every_choice_in_the_schema_has_one_row():
 
 
 def test_auto_engine_follows_the_samplers_own_device():
-    """Issue 34 item 8: on a GPU host with vLLM installed, ``sampler.device = "cpu"`` kept
-    getting vLLM (started with no GPU visible: a crash loop); auto now reads the device."""
+    """On a GPU host with vLLM installed, ``sampler.device = "cpu"`` gets hf: auto reads the
+    device (vLLM started with no GPU visible could only crash and restart)."""
     gpu_engines = [n for n, r in ENGINES.items() if r.prefer_on_gpu and r.problem() is None]
     assert auto_engine("cpu") == "hf"
     assert auto_engine("cuda:1") == (gpu_engines[0] if gpu_engines else "hf")

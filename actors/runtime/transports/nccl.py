@@ -15,7 +15,7 @@ process is gone, or at ``timeout_s`` when it is alive (gloo cannot be interrupte
 gone one's group is dropped when a send to it fails. Per-sampler groups cost one send per
 sampler but need no re-forming of one big group whenever a sampler comes or goes.
 
-A receiver that dies mid-version costs that version only, never the learner (issue 34): every
+A receiver that dies mid-version costs that version only, never the learner: every
 wait of the learner's side is bounded by ``timeout_s`` and ends in an exception of that transfer
 alone. On CUDA the groups are built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (a timeout or a
 peer's error aborts the communicator; torch's default, 3, tears the whole process down from its
