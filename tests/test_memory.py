@@ -64,3 +64,13 @@ def test_activations_are_what_autograd_saves(checkpointing):
     print(f"\ncheckpointing {checkpointing}: estimate {forward / 1e6:.2f} MB, saved "
           f"{got / 1e6:.2f} MB")
     assert forward == pytest.approx(got, rel=0.15)
+
+
+def test_the_planned_table_without_a_token_budget_counts_a_whole_batch_at_most():
+    """With no token budget and the GPU's auto (no row cap), the table assumes the batch's
+    sequences (4 groups x 8) at 1024 tokens each, not an unbounded row count."""
+    from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner.memory import planned
+
+    topology = decode_topology(apply_overrides({}, ["learner.max_tokens_per_micro_batch=0"]))
+    assert "32768 tokens per micro-batch (no token budget" in planned(topology, "cuda")

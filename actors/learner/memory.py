@@ -212,6 +212,7 @@ def planned(topology, device: str) -> str:
     compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
     checkpointing = cuda if L.gradient_checkpointing == "auto" else bool(L.gradient_checkpointing)
     rows, budget_tokens = micro_limits(L, cuda)
+    rows = min(rows, L.groups_per_step * topology.algorithm.n)  # a micro-batch is in one batch
     tokens = budget_tokens or rows * 1024
     budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
               if budget_tokens else
