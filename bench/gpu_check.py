@@ -16,6 +16,8 @@ the reason: a second GPU or vLLM that this machine lacks):
 - ``logprobs H=...``: ``bench/bench_logprobs.py`` at V = 152,064 with H = 1,536 and 3,584
   (Qwen2.5-1.5B / 7B heads), N = 8,192 tokens, bf16: naive, chunked, Triton, and Liger when
   ``liger_kernel`` is installed; median step seconds and peak MiB per path.
+- ``hf tokens``: the transformers engine's generation speed at the 1.5B shape (random weights,
+  bf16): 32 prompts x 8 samples x 256 new tokens in one batch, tokens/s and peak memory.
 - ``hf parity``: the transformers engine's behaviour log-probs against the learner's
   recomputation on CUDA in bf16, on the embedded SmolLM2-135M (real logits: on a random model's
   nearly uniform ones any engine agrees), temperature 1.0 and 0.7: max and mean |delta log p| and
@@ -91,7 +93,7 @@ QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 # the parity row's bound on the share of tokens whose behaviour/learner ratio leaves [0.9, 1.1]
 PARITY_SHARE = 0.05
-ROWS = ("kernels", "logprobs", "hf parity", "ipc colocated", "nccl 2 GPUs", "sleep lending",
+ROWS = ("kernels", "logprobs", "hf parity", "hf tokens", "ipc colocated", "nccl 2 GPUs", "sleep lending",
         "learner step", "offload", "job")
 SLEEP_SHARE = 0.4  # the sleep lending row: the vLLM engine's share of the GPU, and this process's
 
@@ -242,6 +244,35 @@ class Check:
         # kernel) round differently; what verl measures between its rollout and its trainer
         ok = worst_share <= PARITY_SHARE and control > PARITY_SHARE
         return ("ok" if ok else "FAIL"), "; ".join(parts)
+
+    def hf_tokens(self) -> tuple[str, str]:
+        """The transformers engine's generation speed at the learner's shape: 32 prompts x 8
+        samples x 256 new tokens (dry run: 4 x 2 x 8), bf16, one batch as the sampler sends it."""
+        import torch
+        import trio
+
+        from actors.sampler.engines.base import GenerateRequest
+        from actors.sampler.engines.hf import HFEngine
+        from messages.rollout import SamplingParams
+
+        prompts_n, n, new = (4, 2, 8) if self.dry else (32, 8, 256)
+        engine = HFEngine(self.model(), "float32" if self.dry else "bfloat16", seed=0,
+                          device=self.device)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(100, 150, (64,), generator=gen).tolist()
+                   for _ in range(prompts_n)]
+        params = SamplingParams(temperature=1.0, max_tokens=new)
+        trio.run(engine.generate, [GenerateRequest(p, params, n) for p in prompts[:2]])  # warm
+        if not self.dry:
+            torch.cuda.synchronize()
+        started = time.monotonic()
+        groups = trio.run(engine.generate, [GenerateRequest(p, params, n) for p in prompts])
+        seconds = time.monotonic() - started
+        tokens = sum(len(g.token_ids) for group in groups for g in group)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if not self.dry else 0.0
+        del engine
+        return "ok", (f"{prompts_n} prompts x {n} samples x {new} new tokens: {tokens:,} tokens "
+                      f"in {seconds:.2f} s, {tokens / seconds:,.0f} tokens/s, peak {peak:.1f} GiB")
 
     def weights(self, transports: str, gpus: int = 1) -> tuple[str, str]:
         """``bench/bench_weights.py`` over ``transports`` (dry run: those a CPU runs)."""
@@ -473,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             check.run(f"logprobs H={hidden}", lambda h=hidden: check.logprobs(h))
     if "hf parity" in only:
         check.run("hf parity", check.hf_parity)
+    if "hf tokens" in only:
+        check.run("hf tokens", check.hf_tokens)
     if "ipc colocated" in only:  # the learner's GPU to a sampler on it, beside shm
         check.run("ipc colocated", lambda: check.weights("shm,ipc"))
     if "nccl 2 GPUs" in only:
