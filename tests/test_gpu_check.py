@@ -21,7 +21,7 @@ def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "ipc colocated", "nccl 2 GPUs",
+    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "hf tokens", "ipc colocated", "nccl 2 GPUs",
                           "sleep lending", "learner step", "offload", "job"]
     # sleep lending needs vLLM's sleep mode, which its CPU build lacks: skipped, saying why
     assert rows.pop("sleep lending")["status"] == "skip"
@@ -30,6 +30,7 @@ def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
     assert "each load holds its version" in rows["nccl 2 GPUs"]["detail"]
     assert "max" in rows["hf parity"]["detail"] and "tokens/s" in rows["learner step"]["detail"]
     assert "steps recorded [1, 2]" in rows["job"]["detail"]
+    assert "tokens/s" in rows["hf tokens"]["detail"]
     assert "check" in done.stdout and "status" in done.stdout  # the one table, printed
 
 
