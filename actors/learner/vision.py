@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.data.vision import ImageProcessor
+from actors.data.vision import ImageProcessor, in_vision_tower
 from messages.rollout import ScoredGroup
 
 
@@ -86,6 +86,21 @@ def freeze_vision_tower(model) -> int:
         raise ValueError("model.freeze_vision: the model has no vision tower")
     tower.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
+
+
+def lora_targets(model, names: tuple[str, ...], vision: bool) -> list[str]:
+    """PEFT's ``target_modules`` for ``learner.lora``: ``names`` as given for a text model; for
+    a vision-language model the full name of every linear layer they name in its language model
+    (PEFT matches names as suffixes, and the Qwen2.5-VL tower's MLP has ``gate_proj``,
+    ``up_proj`` and ``down_proj`` too: left to suffixes, the tower would get adapters the
+    samplers' vLLM never applies without its tower LoRA), and with ``vision`` every linear layer
+    of the tower. Full names go to the samplers as they are (``AdapterSpec.target_modules``)."""
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if not any(in_vision_tower(n) for n, _ in modules):
+        return list(names)
+    return [n for n, _ in modules
+            if (vision if in_vision_tower(n) else
+                any(n == t or n.endswith(f".{t}") for t in names))]
 
 
 def image_token_mask(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,12 @@ class LoraConfig(_Section, frozen=True):
     """LoRA dropout."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                        "up_proj", "down_proj")
-    """Module names that get adapters."""
+    """Module names that get adapters (in a vision-language model, its language model's)."""
+    vision: bool = False
+    """A vision-language model: put adapters on every linear layer of its vision tower too
+    (attention, MLP, merger). Off, the tower keeps its base weights: adapters on the language
+    model alone, what vLLM serves without its tower LoRA (``enable_tower_connector_lora``, which
+    the vllm engine turns on with this)."""
 
 
 class SamplerConfig(SamplerPlacement, frozen=True):
