@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from actors.data.vision import ImageProcessor, in_vision_tower
+from actors.runtime.tensors import from_wire
+from messages.control import ImageSample
 from messages.rollout import ScoredGroup
 
 
@@ -86,6 +88,21 @@ def freeze_vision_tower(model) -> int:
         raise ValueError("model.freeze_vision: the model has no vision tower")
     tower.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
+
+
+def image_samples(groups: list[ScoredGroup], tokenizer, count: int) -> list[ImageSample]:
+    """The first sample of each of the first ``count`` groups whose prompt has images, with
+    its decoded answer and reward: what the trackers show of a step (``run.image_samples``)."""
+    out = []
+    for g in groups:
+        if len(out) == count:
+            break
+        if g.prompt.images and g.samples:
+            s = g.samples[0]
+            answer = tokenizer.decode(from_wire(s.response_ids).tolist(), skip_special_tokens=True)
+            out.append(ImageSample(list(g.prompt.images), answer, float(s.reward),
+                                   g.prompt.prompt_id))
+    return out
 
 
 def lora_targets(model, names: tuple[str, ...], vision: bool) -> list[str]:

@@ -72,6 +72,11 @@ class RunConfig(_Section, frozen=True):
     (RUN_DIR/metrics.jsonl and validation.jsonl), ``tensorboard`` (RUN_DIR/tensorboard),
     ``wandb`` (WANDB_* variables apply; ``WANDB_MODE=offline`` needs no network), ``mlflow``
     (MLFLOW_TRACKING_URI, default a file store in RUN_DIR/mlruns)."""
+    image_samples: NonNegInt = 4
+    """A vision-language model: how many of a step's samples (one per prompt, prompts with
+    images) tensorboard and wandb show as images with their answers and rewards (0: none)."""
+    image_interval: PositiveInt = 10
+    """Steps between two such sets of images (the first at this step)."""
     project_name: str = "flowrl"
     """The wandb project and the mlflow experiment (verl ``trainer.project_name``)."""
     experiment_name: str = ""
