@@ -225,8 +225,8 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
         trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
                                                  ctx.run_dir, "latest", group)
         if group.leader:  # what this learner will hold, once its micro-batches are known
-            def estimate(tokens: int) -> None:
-                if (text := announce(trainer.policy, tokens)) is not None:
+            def estimate(tokens: int, patches: int) -> None:
+                if (text := announce(trainer.policy, tokens, patches)) is not None:
                     print(f"[{ctx.name}] {text}", file=sys.stderr, flush=True)
 
             trainer.on_first_batch = estimate

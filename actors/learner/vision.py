@@ -50,6 +50,11 @@ class VisionRows:
         return VisionRows(self.pixel_values[lo:hi], self.image_grid_thw[first:last],
                           self.images_per_row[index], self.prompt_lengths[index])
 
+    def patches(self, index: slice) -> int:
+        """Image patches of rows ``index`` (what the vision tower runs over for them)."""
+        rows = self.rows(index)
+        return 0 if rows is None else int(rows.image_grid_thw.prod(-1).sum())
+
     def to(self, device: torch.device) -> VisionRows:
         return VisionRows(self.pixel_values.to(device), self.image_grid_thw.to(device),
                           self.images_per_row.to(device), self.prompt_lengths.to(device))
