@@ -156,6 +156,23 @@ def embeddings(base, input_ids: torch.Tensor, vision: VisionRows,
     return embeds.masked_scatter(where.unsqueeze(-1), features)
 
 
+def idle_tower(base) -> torch.Tensor:
+    """A scalar 0 computed through the vision tower from one blank image of the smallest grid.
+    Added to a forward without images on a learner of several ranks, it makes the tower run
+    forward and backward there too: FSDP gathers a sharded block's parameters and reduces its
+    gradients in collectives every rank must join, and a rank whose micro-batch has no image
+    would otherwise leave the others waiting (gloo: a collective mismatch). Its gradients are
+    exact zeros, so the step is the one rank's."""
+    vc = base.config.vision_config
+    m = int(vc.spatial_merge_size)
+    width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    device = next(base.visual.parameters()).device
+    pixels = torch.zeros(m * m, width, device=device)  # (patches, C·T·p²): m x m patches
+    grid = torch.tensor([[1, m, m]], device=device)
+    features = base.get_image_features(pixels, grid, return_dict=True).pooler_output
+    return 0 * torch.cat(features).sum()
+
+
 def padded_inputs(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   vision: VisionRows) -> dict:
     """The keyword arguments of the base model's forward over right-padded rows (B, W)."""
