@@ -113,3 +113,19 @@ def test_vision_adapters_need_a_tower_that_trains_and_reach_vllms_tower(tiny_vlm
                                                       (128, 64), (128, 64), (64, 128)])
     assert both - language == 4 * sum(o + i for o, i in [(96, 32), (32, 32), (64, 32), (64, 32),
                                                          (32, 64), (128, 128), (64, 128)])
+
+
+def test_a_checkpoint_with_vision_adapters_resumes_with_them(tiny_vlm, tmp_path):
+    """The checkpoint names the adapted layers in full (PEFT's adapter_config): a resumed
+    learner has the same adapters, the tower's included, with the trained values."""
+    trainer = make_trainer(tiny_vlm, tmp_path, *LORA, "learner.lora.vision=true")
+    trainer.train_step(engine_groups(tiny_vlm, PROMPTS[:1]))
+    trainer.policy.save_checkpoint()
+    saved = dict(trainer.policy.adapter_snapshot())
+    resumed = make_trainer(tiny_vlm, tmp_path, *LORA, "learner.lora.vision=true",
+                           "learner.resume=true")
+    assert resumed.policy.step == 1
+    assert resumed.policy.adapter_spec() == trainer.policy.adapter_spec()
+    again = dict(resumed.policy.adapter_snapshot())
+    assert set(again) == set(saved) and any(".visual." in n for n in again)
+    assert all(torch.equal(again[n], saved[n]) for n in saved)
