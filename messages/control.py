@@ -30,11 +30,21 @@ class Heartbeat(msgspec.Struct, tag=True, gc=False):
     status: dict[str, StatusValue] = {}
 
 
+class ImageSample(msgspec.Struct, gc=False):
+    """One sample of a step's batch whose prompt had images, as the trackers show it."""
+
+    images: list[bytes]  # the prompt's images, encoded (PNG, JPEG, ...) as the dataset had them
+    answer: str  # the sampled response, decoded
+    reward: float
+    prompt_id: int
+
+
 class StepReport(msgspec.Struct, tag=True, gc=False):
     """Learner -> Runner after every optimizer step: the metrics of that step (verl names)."""
 
     step: int
     metrics: dict[str, float] = {}
+    samples: list[ImageSample] = []  # every run.image_interval steps: a few samples with images
 
 
 class ValidationReport(msgspec.Struct, tag=True, gc=False):

@@ -18,7 +18,7 @@ def test_states_are_the_real_tensors_bytes(tiny_model, tmp_path):
     t = make_trainer(tiny_model, tmp_path)
     grads = gradients(t)
     seen: list[int] = []
-    t.on_first_batch = seen.append
+    t.on_first_batch = lambda tokens, patches: seen.append(tokens)
     groups = make_groups(t)
     t.train_step(groups)
     t.train_step(groups)

@@ -18,6 +18,27 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def tensorboard_images(log_dir: Path) -> dict[str, list[tuple[int, int, int, bytes]]]:
+    """``tag -> [(step, width, height, encoded image)]`` as TensorBoard's image plugin reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.width, e.height, e.encoded_image_string) for e in acc.Images(tag)]
+            for tag in acc.Tags()["images"]}
+
+
+def tensorboard_texts(log_dir: Path) -> dict[str, list[tuple[int, str]]]:
+    """``tag -> [(step, text)]`` of the text plugin's summaries."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+            for tag in acc.Tags()["tensors"]
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name == "text"}
+
+
 def _wandb_records(path: Path) -> list:
     """The protobuf records of a ``.wandb`` file: a 7-byte header, then LevelDB-log blocks of
     32 KiB holding records (crc32 4 bytes, length 2, type 1: full, first, middle, last)."""

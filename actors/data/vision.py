@@ -43,6 +43,13 @@ def is_vision_model(path: str | Path) -> bool:
     return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
+def in_vision_tower(name: str) -> bool:
+    """Whether the module or tensor ``name`` belongs to the vision tower (its merger included):
+    the Qwen2-VL family keeps it under ``visual`` (``model.visual.blocks.0.attn.qkv``; older
+    checkpoints ``visual.blocks...``)."""
+    return "visual" in name.split(".")
+
+
 def count_placeholders(messages: Sequence[ChatMessage]) -> int:
     return sum(m.content.count(PLACEHOLDER) for m in messages)
 

@@ -23,12 +23,13 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TextIO
 
 from actors.runtime.rundir import METRICS, VALIDATION
+from messages.control import ImageSample
 
 Kind = Literal["train", "validation"]  # a learner step's metrics, or a validation's
 # a metric every record of its kind has: what an append-only tracker is asked for to learn which
@@ -37,6 +38,9 @@ MARKERS: dict[str, str] = {"train": "critic/score/mean", "validation": "val-aux/
 
 
 class MetricSink(Protocol):
+    """Where records go. A sink that shows images (tensorboard, wandb) also has
+    ``write_samples(step, samples)``: a step's ``ImageSample``s, each image with its answer."""
+
     name: str  # in run.loggers and in the report of a failure
 
     def write(self, kind: Kind, step: int, metrics: Mapping[str, float]) -> None:
@@ -224,8 +228,9 @@ class Background:
                 return
             if self.error is not None:
                 continue  # failed: drain without writing until closed
+            method, args = item
             try:
-                self.sink.write(*item)
+                getattr(self.sink, method)(*args)
             except Exception as exc:
                 self.error = exc
 
@@ -234,9 +239,16 @@ class Background:
             raise self.error
 
     def write(self, kind: Kind, step: int, metrics: Mapping[str, float]) -> None:
+        self._put("write", (kind, step, dict(metrics)))
+
+    def write_samples(self, step: int, samples: Sequence[ImageSample]) -> None:
+        if hasattr(self.sink, "write_samples"):
+            self._put("write_samples", (step, list(samples)))
+
+    def _put(self, method: str, args: tuple) -> None:
         self._raise()
         try:
-            self.queue.put((kind, step, dict(metrics)), timeout=self.put_timeout_s)
+            self.queue.put((method, args), timeout=self.put_timeout_s)
         except queue.Full:
             raise TimeoutError(f"{self.queue.maxsize} records behind for "
                                f"{self.put_timeout_s:g} s") from None
@@ -266,6 +278,17 @@ class Metrics:
                 sink.write(kind, step, metrics)
             except Exception as exc:
                 self._drop(sink, f"failed at {kind} step {step}: {type(exc).__name__}: {exc}")
+
+    def write_samples(self, step: int, samples: Sequence[ImageSample]) -> None:
+        """``samples`` of step ``step`` to every sink that shows samples."""
+        for sink in list(self.sinks):
+            if not hasattr(sink, "write_samples"):
+                continue
+            try:
+                sink.write_samples(step, samples)
+            except Exception as exc:
+                self._drop(sink, f"failed at the samples of step {step}: "
+                                 f"{type(exc).__name__}: {exc}")
 
     def _drop(self, sink: MetricSink, why: str) -> None:
         self.sinks.remove(sink)

@@ -188,6 +188,8 @@ class Job:
                 case StepReport() as report:
                     self.step = max(self.step, report.step)
                     self.metrics.write("train", report.step, report.metrics)
+                    if report.samples:
+                        self.metrics.write_samples(report.step, report.samples)
                     self.record_status("step")
                 case ValidationReport() as report:
                     self.validated.add(report.step)

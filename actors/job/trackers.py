@@ -32,7 +32,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,28 @@ import msgspec
 from actors.job.metrics import MARKERS, Background, Kind, MetricSink, Resume
 from actors.runtime.config import Topology
 from actors.runtime.rundir import TENSORBOARD, TOPOLOGY, TRACKERS
+from messages.control import ImageSample
 
 TRACKERS_EXTRA = "pip install 'flowrl[trackers]'"  # what installs all three
 
 
 class TrackerError(RuntimeError):
     """A tracker named in ``run.loggers`` could not start."""
+
+
+def caption(sample: ImageSample) -> str:
+    """What a tracker shows beside a sample's images."""
+    return f"prompt {sample.prompt_id}, reward {sample.reward:g}: {sample.answer}"
+
+
+def image_size(data: bytes) -> tuple[int, int, int]:
+    """Width, height and channels of an encoded image (its header read, not its pixels)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.width, image.height, len(image.getbands())
 
 
 def _run_name(topology: Topology, run_dir: Path) -> str:
@@ -77,6 +93,24 @@ class TensorBoardSink:
                                          summary=self.Summary(value=values)))
         self.writer.flush()  # TensorBoard shows a step as soon as it is taken
 
+    def write_samples(self, step: int, samples: Sequence[ImageSample]) -> None:
+        """Each sample's images (``samples/K/image``, ``add_image``'s summary: the encoded bytes
+        as they are) and its answer (``samples/K/answer``, the text plugin's)."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        values = []
+        for k, s in enumerate(samples):
+            for j, data in enumerate(s.images):
+                width, height, channels = image_size(data)
+                values.append(self.Summary.Value(
+                    tag=f"samples/{k}/image" + (f"/{j}" if j else ""),
+                    image=self.Summary.Image(height=height, width=width, colorspace=channels,
+                                             encoded_image_string=data)))
+            values.extend(text_pb(f"samples/{k}/answer", caption(s)).value)
+        self.writer.add_event(self.Event(wall_time=time.time(), step=step,
+                                         summary=self.Summary(value=values)))
+        self.writer.flush()
+
     def close(self, outcome: str) -> None:
         self.writer.close()
 
@@ -106,6 +140,21 @@ class WandbSink:
     def write(self, kind: Kind, step: int, metrics: Mapping[str, float]) -> None:
         if not self.resume.redone(kind, step):
             self.run.log({**metrics, "step": step})
+
+    def write_samples(self, step: int, samples: Sequence[ImageSample]) -> None:
+        """Every image of the samples as a ``wandb.Image`` captioned with its sample's answer
+        and reward, each under its own key (tensorboard's tags: wandb draws a list of images of
+        different sizes wrongly) at ``step``."""
+        if self.resume.redone("train", step):
+            return
+        import wandb
+
+        from actors.data.vision import decode
+
+        self.run.log({f"samples/{k}/image" + (f"/{j}" if j else ""):
+                      wandb.Image(decode(data, j), caption=caption(s))
+                      for k, s in enumerate(samples) for j, data in enumerate(s.images)}
+                     | {"step": step})
 
     def close(self, outcome: str) -> None:
         self.run.finish(exit_code=0 if outcome == "finished" else

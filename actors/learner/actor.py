@@ -31,6 +31,7 @@ from actors.learner.distributed import Group
 from actors.learner.memory import announce
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
+from actors.learner.vision import image_samples
 from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.config.gpus import process_share
 from actors.runtime.config.placement import samplers_dtype
@@ -135,7 +136,10 @@ class Learner:
             metrics["perf/gpu_memory_borrowed_mib"] = float(lent_mib)
         if self.share is not None and self.share.borrower is not None:
             metrics["perf/borrowed_share"] = self.share.borrower.take_share()
-        self.unreported.append(StepReport(step=policy.step, metrics=metrics))
+        run = self.ctx.topology.run
+        shown = image_samples(groups, policy.tokenizer, run.image_samples) \
+            if policy.processor is not None and policy.step % run.image_interval == 0 else []
+        self.unreported.append(StepReport(step=policy.step, metrics=metrics, samples=shown))
         self.recorder.append("batches", {"step": policy.step, "version": version,
                                          "group_ids": [g.prompt.prompt_id for g in groups]})
         self.recorder.append("metrics", {"step": policy.step,
@@ -221,8 +225,8 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
         trainer = await anyio.to_thread.run_sync(on_device(group.device, Trainer), topo,
                                                  ctx.run_dir, "latest", group)
         if group.leader:  # what this learner will hold, once its micro-batches are known
-            def estimate(tokens: int) -> None:
-                if (text := announce(trainer.policy, tokens)) is not None:
+            def estimate(tokens: int, patches: int) -> None:
+                if (text := announce(trainer.policy, tokens, patches)) is not None:
                     print(f"[{ctx.name}] {text}", file=sys.stderr, flush=True)
 
             trainer.on_first_batch = estimate

@@ -20,6 +20,14 @@ forward and backward in the compute dtype (``c`` bytes):
   gradient checkpointing a layer keeps only its input (``h·c``), and one layer is recomputed
   at a time (the first layer's input is the embedding's output); the final norm's ``3h·c``
   per token comes on top.
+- a vision-language model's vision tower: its parameters are in ``P``; while it trains, each
+  of its blocks saves about ``(12w + 4·i_v)·c`` bytes per patch (the decoder layer's formula
+  with ``kv = w``: its attention is not grouped) for the ``patches`` of a micro-batch's images,
+  plus the patch embedding's input (``C·T·p²`` pixel values a patch) and the merger's norm and
+  MLP inputs (about ``5w``). With gradient checkpointing a block keeps its input (``w·c``) and
+  one is recomputed at a time.
+  A frozen tower saves nothing (nothing in it needs a gradient). ``runner.py check`` knows no
+  images (``patches = 0``); the learner's own estimate at its first step counts them.
 - logits: the chunked LM head (``kernels/lm_head_logprobs.py``) holds at most a few
   ``(chunk, V)`` blocks: three float32 ones and one in the compute dtype.
 
@@ -36,7 +44,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from actors.learner.packing import micro_limits
-from actors.learner.perf import head_dim_of
+from actors.learner.perf import VisionTower, head_dim_of, vision_tower
 
 GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
 
@@ -98,8 +106,10 @@ def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compu
              offload: bool = False, checkpointing: bool = False, keep_gathered: bool = False,
              reference: bool = False, reference_bytes: int | None = None,
              trainable: int | None = None, chunk: int = 1024,
-             counts: tuple[int, int] | None = None) -> MemoryEstimate:
-    """The estimate for ``tokens`` tokens per micro-batch (see the module docstring);
+             counts: tuple[int, int] | None = None, patches: int = 0,
+             tower: VisionTower | None = None) -> MemoryEstimate:
+    """The estimate for ``tokens`` tokens per micro-batch (see the module docstring) and
+    ``patches`` image patches through the vision ``tower`` (``perf.vision_tower``);
     ``counts``: ``count_parameters(config)`` when the caller has it already."""
     h, kv, i, layers, vocab, _ = shape(config)
     total, per_layer = counts or count_parameters(config)
@@ -117,6 +127,16 @@ def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compu
     else:
         acts = tokens * layers * layer_acts
     acts += tokens * 3 * h * compute_bytes  # the final norm's input, normalised and scaled
+    if tower is not None and tower.trains:
+        vc = config.vision_config
+        inner = getattr(vc, "intermediate_size", None) or tower.width * getattr(vc, "mlp_ratio", 4)
+        blocks = tower.full_blocks + tower.windowed_blocks
+        block = (12 * tower.width + 4 * int(inner)) * compute_bytes  # per patch
+        pixels = int(vc.in_channels if hasattr(vc, "in_channels") else vc.in_chans) \
+            * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+        ends = (pixels + 5 * tower.width) * compute_bytes  # patch embedding and merger
+        acts += patches * (ends + (blocks * tower.width * compute_bytes + block if checkpointing
+                                   else blocks * block))
     return MemoryEstimate(
         parameters=0.0 if offload else total * param_bytes / world,
         gradients=0.0 if offload else trainable * param_bytes / world,
@@ -148,9 +168,11 @@ def dtype_bytes(name: str) -> int:
     return torch.finfo(getattr(torch, name)).bits // 8
 
 
-def describe(policy, tokens: int, budget: str = "") -> str:
+def describe(policy, tokens: int, budget: str = "", patches: int = 0) -> str:
     """The estimate for a learner's ``Policy`` as it was built and micro-batches of ``tokens``
-    tokens, with offload off and on (``budget`` says where ``tokens`` came from)."""
+    tokens (and ``patches`` image patches), with offload off and on (``budget`` says where
+    ``tokens`` came from)."""
+
     cfg = policy.cfg
     core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
@@ -159,7 +181,7 @@ def describe(policy, tokens: int, budget: str = "") -> str:
                  compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
                  checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
                  reference=policy.ref is not None, trainable=trainable, offload=cfg.offload,
-                 budget=budget)
+                 budget=budget, patches=patches, tower=vision_tower(policy.model))
 
 
 def table(config, *, tokens: int, world: int, offload: bool, budget: str = "",
@@ -178,19 +200,20 @@ def table(config, *, tokens: int, world: int, offload: bool, budget: str = "",
     return "\n".join(lines)
 
 
-def announce(policy, tokens: int) -> str | None:
+def announce(policy, tokens: int, patches: int = 0) -> str | None:
     """What the learner prints before its first step, its micro-batches' size now known: the
     table on a GPU (where running out of device memory is the risk it informs), one line on a
     CPU only when the estimate nears the machine's memory (half of it), else nothing."""
     if policy.device.type == "cuda":
-        return describe(policy, tokens, " (the largest of the first batch)")
+        return describe(policy, tokens, " (the largest of the first batch)", patches)
     core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     e = estimate(core.config, tokens=tokens, world=policy.group.world,
                  param_bytes=torch.finfo(policy.dtype).bits // 8,
                  compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
                  checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
-                 reference=policy.ref is not None, trainable=trainable, offload=policy.cfg.offload)
+                 reference=policy.ref is not None, trainable=trainable, offload=policy.cfg.offload,
+                 patches=patches, tower=vision_tower(policy.model))
     total, machine = e.device_total + e.host, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if total < machine / 2:
         return None

@@ -11,8 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from actors.learner.batch import RolloutBatch
+from actors.learner.distributed import is_sharded
 from actors.learner.packing import pack
-from actors.learner.vision import VisionRows, packed_embeddings, packed_positions, padded_inputs
+from actors.learner.vision import (
+    VisionRows,
+    idle_tower,
+    packed_embeddings,
+    packed_positions,
+    padded_inputs,
+)
 from actors.runtime.config import AlgorithmConfig
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
@@ -67,6 +74,9 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: t
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported by the log-prob kernels")
     base = core.base_model
+    # a rank without images runs the tower as the others do, first, as they do (idle_tower)
+    idle = idle_tower(base) if vision is None and getattr(base, "visual", None) is not None \
+        and is_sharded(model) else None
     if not packed:
         inputs = (dict(input_ids=input_ids, attention_mask=attention_mask) if vision is None
                   else padded_inputs(base, input_ids, attention_mask, vision))
@@ -84,6 +94,8 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: t
             del inputs["input_ids"]
         hidden = base(**inputs).last_hidden_state[0]  # (T, H)
         hidden, targets = hidden[where], rows.input_ids[0, where + 1]  # (R, H), (R,)
+    if idle is not None:
+        hidden = hidden + idle
     return lm_head_logprobs(hidden, head.weight, targets,
                             temperature=temperature, with_entropy=with_entropy,
                             with_sum_pi_squared=with_sum_pi_squared)  # (R,) each

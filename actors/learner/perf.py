@@ -9,7 +9,12 @@ not billed to the next.
 Llama): the FLOPs of the actor's updates, ``6·N·tokens`` for the dense weights (every linear
 layer, the embedding and the LM head counted once each, as verl does even for tied ones) plus
 ``6·Σ L_i²·head_dim·heads·layers`` for attention, times the epochs, over the update time, the
-device's peak and the ranks. The peak is a table of dense bf16 tensor-core figures for GPUs
+device's peak and the ranks. A vision-language model's vision tower adds its own
+(``vision_flops``): ``2·N·patches`` forward for the weights run on every patch (the patch
+embedding and the blocks; the merger's on every merged token), and attention over each image's
+patches (``4·P²·width`` per full-attention block, ``4·P·window·width`` per windowed one),
+times 3 when the tower trains (forward and backward) and once when it is frozen (no backward
+runs through it). The peak is a table of dense bf16 tensor-core figures for GPUs
 (verl's, from the vendors' data sheets). On a CPU there is no MFU: its peak depends on the
 cores the learner is given, their vector units and what else runs on them (verl's constant
 448 GFLOP/s fits no machine in particular), so a ratio against it would look exact and mean
@@ -27,6 +32,7 @@ import contextlib
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -79,6 +85,54 @@ def train_flops(config, lengths: list[int]) -> float:
     return float(dense + attention)
 
 
+@dataclass(frozen=True)
+class VisionTower:
+    """What a vision tower's FLOPs depend on besides its images."""
+
+    patch_params: int  # weights run on every patch (the patch embedding and the blocks)
+    merged_params: int  # weights run on every merged token (the merger)
+    merge: int  # patches per merged token (spatial_merge_size²)
+    width: int  # the blocks' hidden size
+    full_blocks: int  # blocks attending over the whole image
+    windowed_blocks: int  # blocks attending within windows of ``window`` patches
+    window: int
+    trains: bool  # some of its parameters train: a backward runs through it
+
+
+def vision_tower(model) -> VisionTower | None:
+    """``model``'s vision tower (None: a text model), counted from its modules (shards counted
+    whole), so any Qwen2-VL-family tower is measured as it is built."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tower = getattr(getattr(core, "model", core), "visual", None)
+    if tower is None:
+        return None
+    vc = core.config.vision_config
+    params = [(n, p) for n, p in tower.named_parameters() if p.dim() >= 2]  # weights, no norms
+    merged = sum(p.numel() for n, p in params if n.startswith("merger."))
+    depth = int(vc.depth)
+    full = getattr(vc, "fullatt_block_indexes", None)
+    full_blocks = depth if full is None else len(full)
+    return VisionTower(
+        patch_params=sum(p.numel() for _, p in params) - merged, merged_params=merged,
+        merge=int(vc.spatial_merge_size) ** 2,
+        width=int(getattr(vc, "embed_dim", None) or vc.hidden_size),
+        full_blocks=full_blocks, windowed_blocks=depth - full_blocks,
+        window=(int(getattr(vc, "window_size", 0)) // int(vc.patch_size)) ** 2,
+        trains=any(p.requires_grad for p in tower.parameters()))
+
+
+def vision_flops(tower: VisionTower | None, patches: list[int]) -> float:
+    """FLOPs of the vision tower over images of ``patches`` patches each, forward and (when it
+    trains) backward; 0 for a text model."""
+    if tower is None or not patches:
+        return 0.0
+    total = sum(patches)
+    dense = 2 * (tower.patch_params * total + tower.merged_params * total // tower.merge)
+    attention = sum(4 * p * tower.width * (tower.full_blocks * p + tower.windowed_blocks
+                                           * min(p, tower.window or p)) for p in patches)
+    return float((dense + attention) * (3 if tower.trains else 1))
+
+
 class StepTimes:
     """Seconds per phase of one step (``with times("update_actor"): ...``); a phase entered
     several times (once per micro-batch) adds up."""
@@ -114,13 +168,14 @@ class StepTimes:
 
 
 def perf_metrics(config, device: torch.device, lengths: list[int], epochs: int,
-                 update_s: float, world: int) -> dict[str, float]:
+                 update_s: float, world: int, vision: float = 0.0) -> dict[str, float]:
     """``perf/tflops/actor``, ``perf/mfu/actor`` (where the peak is known) and the memory peaks
     (``lengths``: every sequence of the batch, whose updates took ``update_s`` on ``world``
-    ranks together)."""
+    ranks together; ``vision``: the vision tower's FLOPs over the batch's images, per epoch)."""
     out: dict[str, float] = {}
     if update_s > 0 and all(hasattr(config, k) for k in ("intermediate_size", "num_key_value_heads")):
-        achieved = train_flops(config, lengths) * epochs / update_s / world  # per rank
+        flops = train_flops(config, lengths) + vision
+        achieved = flops * epochs / update_s / world  # per rank
         out["perf/tflops/actor"] = achieved / 1e12
         peak = peak_flops(device)
         if peak is not None:

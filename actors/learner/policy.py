@@ -24,7 +24,7 @@ from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
 from actors.learner.objective import attach_forward, response_logprobs
-from actors.learner.vision import freeze_vision_tower
+from actors.learner.vision import freeze_vision_tower, lora_targets
 from actors.model_store import PolicyModel
 from actors.runtime.config import Topology
 from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
@@ -185,9 +185,9 @@ class Policy:
         if lora.rank == 0:
             return model
         from peft import LoraConfig, get_peft_model
-        return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
-                                                lora_dropout=lora.dropout,
-                                                target_modules=list(lora.target_modules)))
+        return get_peft_model(model, LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=lora_targets(model, lora.target_modules, lora.vision)))
 
     def _load_training_state(self, ckpt: Path, state: dict) -> None:
         self._load_optimizer(ckpt, "optimizer", self.model, self.optimizer)
@@ -258,8 +258,10 @@ class Policy:
         lora = self.cfg.lora
         if lora.rank == 0:
             return None
+        targets = self.model.peft_config["default"].target_modules  # what the adapters are on
         return AdapterSpec(rank=lora.rank, alpha=lora.alpha,
-                           target_modules=list(lora.target_modules))
+                           target_modules=sorted(targets) if isinstance(targets, set)
+                           else list(targets))
 
     def adapter_snapshot(self, dtype: torch.dtype | None = None,
                          device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:

@@ -63,7 +63,7 @@ from actors.learner.objective import (
     response_logprobs,
 )
 from actors.learner.packing import micro_batches, micro_limits, refine
-from actors.learner.perf import StepTimes, perf_metrics
+from actors.learner.perf import StepTimes, perf_metrics, vision_flops, vision_tower
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import Topology
@@ -111,7 +111,9 @@ class Trainer:
         self.abort = threading.Event()
         self._updated = False  # this step has taken an optimizer update (it can no longer abort)
         # called once, before the first step's forward, with its largest micro-batch's tokens
-        self.on_first_batch: Callable[[int], None] | None = None
+        # and the most image patches a micro-batch of it holds
+        self.on_first_batch: Callable[[int, int], None] | None = None
+        self.vision_tower = vision_tower(self.policy.model)  # None: a text model
 
     def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
         """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
@@ -166,7 +168,9 @@ class Trainer:
         lengths = batch.attention_mask.sum(1).tolist()  # tokens of each row
         N, mask = batch.size, batch.response_mask
         if self.on_first_batch is not None:  # the micro-batches' size is known from here
-            self.on_first_batch(max(sum(lengths[s]) for s in self._micro_slices(lengths, 0, N)))
+            slices = self._micro_slices(lengths, 0, N)
+            self.on_first_batch(max(sum(lengths[s]) for s in slices),
+                                max(batch.vision.patches(s) for s in slices) if batch.vision else 0)
             self.on_first_batch = None
         c = algo.correction
         otb = algo.adv_estimator in OPTIMAL_TOKEN_BASELINES  # needs π_old before advantages
@@ -324,9 +328,11 @@ class Trainer:
         # generates a request's prompts together); in async mode it overlaps the learner's step
         metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
         metrics.update(times.metrics())
-        # a vision-language model: its language model's FLOPs (the vision tower's are not counted)
-        metrics.update(perf_metrics(self.policy.model.config.get_text_config(), self.policy.device, lengths,
-                                    cfg.ppo_epochs, times.seconds["update_actor"], self.group.world))
+        # a vision-language model: its language model's FLOPs and its vision tower's
+        patches = [] if batch.vision is None else batch.vision.image_grid_thw.prod(-1).tolist()
+        metrics.update(perf_metrics(self.policy.model.config.get_text_config(), self.policy.device,
+                                    lengths, cfg.ppo_epochs, times.seconds["update_actor"],
+                                    self.group.world, vision_flops(self.vision_tower, patches)))
         lengths = mask.sum(1)
         adv_at = advantages[mask.bool()]
         elapsed = time.monotonic() - started

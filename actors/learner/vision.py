@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.data.vision import ImageProcessor
+from actors.data.vision import ImageProcessor, in_vision_tower
+from actors.runtime.tensors import from_wire
+from messages.control import ImageSample
 from messages.rollout import ScoredGroup
 
 
@@ -47,6 +49,11 @@ class VisionRows:
         lo, hi = int(patches[:first].sum()), int(patches[:last].sum())
         return VisionRows(self.pixel_values[lo:hi], self.image_grid_thw[first:last],
                           self.images_per_row[index], self.prompt_lengths[index])
+
+    def patches(self, index: slice) -> int:
+        """Image patches of rows ``index`` (what the vision tower runs over for them)."""
+        rows = self.rows(index)
+        return 0 if rows is None else int(rows.image_grid_thw.prod(-1).sum())
 
     def to(self, device: torch.device) -> VisionRows:
         return VisionRows(self.pixel_values.to(device), self.image_grid_thw.to(device),
@@ -88,6 +95,36 @@ def freeze_vision_tower(model) -> int:
     return sum(p.numel() for p in tower.parameters())
 
 
+def image_samples(groups: list[ScoredGroup], tokenizer, count: int) -> list[ImageSample]:
+    """The first sample of each of the first ``count`` groups whose prompt has images, with
+    its decoded answer and reward: what the trackers show of a step (``run.image_samples``)."""
+    out = []
+    for g in groups:
+        if len(out) == count:
+            break
+        if g.prompt.images and g.samples:
+            s = g.samples[0]
+            answer = tokenizer.decode(from_wire(s.response_ids).tolist(), skip_special_tokens=True)
+            out.append(ImageSample(list(g.prompt.images), answer, float(s.reward),
+                                   g.prompt.prompt_id))
+    return out
+
+
+def lora_targets(model, names: tuple[str, ...], vision: bool) -> list[str]:
+    """PEFT's ``target_modules`` for ``learner.lora``: ``names`` as given for a text model; for
+    a vision-language model the full name of every linear layer they name in its language model
+    (PEFT matches names as suffixes, and the Qwen2.5-VL tower's MLP has ``gate_proj``,
+    ``up_proj`` and ``down_proj`` too: left to suffixes, the tower would get adapters the
+    samplers' vLLM never applies without its tower LoRA), and with ``vision`` every linear layer
+    of the tower. Full names go to the samplers as they are (``AdapterSpec.target_modules``)."""
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if not any(in_vision_tower(n) for n, _ in modules):
+        return list(names)
+    return [n for n, _ in modules
+            if (vision if in_vision_tower(n) else
+                any(n == t or n.endswith(f".{t}") for t in names))]
+
+
 def image_token_mask(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
     """(B, W) bool: the image tokens inside each row's prompt."""
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -117,6 +154,23 @@ def embeddings(base, input_ids: torch.Tensor, vision: VisionRows,
         raise ValueError(f"image features and image tokens do not match: {int(where.sum())} "
                          f"image tokens in the prompts, {features.shape[0]} features")
     return embeds.masked_scatter(where.unsqueeze(-1), features)
+
+
+def idle_tower(base) -> torch.Tensor:
+    """A scalar 0 computed through the vision tower from one blank image of the smallest grid.
+    Added to a forward without images on a learner of several ranks, it makes the tower run
+    forward and backward there too: FSDP gathers a sharded block's parameters and reduces its
+    gradients in collectives every rank must join, and a rank whose micro-batch has no image
+    would otherwise leave the others waiting (gloo: a collective mismatch). Its gradients are
+    exact zeros, so the step is the one rank's."""
+    vc = base.config.vision_config
+    m = int(vc.spatial_merge_size)
+    width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    device = next(base.visual.parameters()).device
+    pixels = torch.zeros(m * m, width, device=device)  # (patches, C·T·p²): m x m patches
+    grid = torch.tensor([[1, m, m]], device=device)
+    features = base.get_image_features(pixels, grid, return_dict=True).pooler_output
+    return 0 * torch.cat(features).sum()
 
 
 def padded_inputs(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -51,7 +51,8 @@ def adapter_limits(topo) -> AdapterLimits | None:
     """LoRA: the learner publishes adapters of its rank; versions in flight are at most
     max_staleness behind the newest, so max_staleness + 2 versions are held at once."""
     rank = topo.learner.lora.rank
-    return AdapterLimits(rank, topo.algorithm.max_staleness + 2) if rank else None
+    return AdapterLimits(rank, topo.algorithm.max_staleness + 2, vision=topo.learner.lora.vision) \
+        if rank else None
 
 
 def prompts_in_flight(setting: int, *, gpu: bool) -> int:

@@ -16,6 +16,7 @@ import os
 import struct
 from pathlib import Path
 
+from actors.data.vision import in_vision_tower
 from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.config.schema import ConfigError
 from actors.runtime.transports.base import TRANSPORTS
@@ -85,13 +86,16 @@ def linear_modules(model_dir: Path) -> set[str] | None:
     return names
 
 
-def adapter_count(model_dir: Path, rank: int, targets: tuple[str, ...]) -> int | None:
+def adapter_count(model_dir: Path, rank: int, targets: tuple[str, ...],
+                  vision: bool = False) -> int | None:
     """Parameters of LoRA adapters of ``rank`` on the ``targets`` modules (A: rank x in, B:
-    out x rank), what a LoRA version publishes; None when the shapes are not readable."""
+    out x rank), what a LoRA version publishes; None when the shapes are not readable. A vision
+    tower's matrices count with ``vision`` alone (``actors/learner/vision.py: lora_targets``)."""
     shapes = matrix_shapes(model_dir)
     if shapes is None:
         return None
-    return sum(rank * (o + i) for n, (o, i) in shapes.items() if n.rsplit(".", 1)[-1] in targets)
+    return sum(rank * (o + i) for n, (o, i) in shapes.items()
+               if (vision if in_vision_tower(n) else n.rsplit(".", 1)[-1] in targets))
 
 
 def sent_dtype(topology, learner_on_gpu: bool) -> str:
@@ -123,7 +127,8 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
         shm_bytes = st.f_frsize * st.f_blocks
     dtype = sent_dtype(topology, learner_on_gpu)
     model = Path(topology.model.path)
-    count = adapter_count(model, L.lora.rank, L.lora.target_modules) if L.lora.rank else None
+    count = adapter_count(model, L.lora.rank, L.lora.target_modules, L.lora.vision) \
+        if L.lora.rank else None
     version = (count or parameter_count(model)) * DTYPE_BYTES[dtype]  # LoRA: the adapters
     need = versions * version
     if shm_bytes < need:

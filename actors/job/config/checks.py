@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
+from actors.data.vision import is_vision_model
 from actors.job.config.agent_checks import check_agent, check_branches
 from actors.job.launchers.base import LAUNCHERS
 from actors.registry import KINDS
@@ -132,6 +133,10 @@ def _check_adapters(topology: Topology, need: Any) -> None:
     need(not cannot, "learner.lora.target_modules",
          f"{cannot}: adapters on the LM head and embeddings are not supported (the learner's "
          "log-probs read the LM head's weight directly)")
+    need(not L.lora.vision or is_vision_model(topology.model.path), "learner.lora.vision",
+         f"{topology.model.path} has no vision tower to put adapters on")
+    need(not (L.lora.vision and topology.model.freeze_vision), "learner.lora.vision",
+         "adapters on the vision tower would not train with model.freeze_vision = true")
     served = linear_modules(Path(topology.model.path))
     if served is not None:
         missing = [m for m in L.lora.target_modules if m not in served]

@@ -72,6 +72,11 @@ class RunConfig(_Section, frozen=True):
     (RUN_DIR/metrics.jsonl and validation.jsonl), ``tensorboard`` (RUN_DIR/tensorboard),
     ``wandb`` (WANDB_* variables apply; ``WANDB_MODE=offline`` needs no network), ``mlflow``
     (MLFLOW_TRACKING_URI, default a file store in RUN_DIR/mlruns)."""
+    image_samples: NonNegInt = 4
+    """A vision-language model: how many of a step's samples (one per prompt, prompts with
+    images) tensorboard and wandb show as images with their answers and rewards (0: none)."""
+    image_interval: PositiveInt = 10
+    """Steps between two such sets of images (the first at this step)."""
     project_name: str = "flowrl"
     """The wandb project and the mlflow experiment (verl ``trainer.project_name``)."""
     experiment_name: str = ""
@@ -160,7 +165,12 @@ class LoraConfig(_Section, frozen=True):
     """LoRA dropout."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                        "up_proj", "down_proj")
-    """Module names that get adapters."""
+    """Module names that get adapters (in a vision-language model, its language model's)."""
+    vision: bool = False
+    """A vision-language model: put adapters on every linear layer of its vision tower too
+    (attention, MLP, merger). Off, the tower keeps its base weights: adapters on the language
+    model alone, what vLLM serves without its tower LoRA (``enable_tower_connector_lora``, which
+    the vllm engine turns on with this)."""
 
 
 class SamplerConfig(SamplerPlacement, frozen=True):

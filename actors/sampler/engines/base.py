@@ -110,6 +110,7 @@ class AdapterLimits:
 
     rank: int  # learner.lora.rank
     slots: int  # adapter versions held at once: algorithm.max_staleness + 2 (in flight + new)
+    vision: bool = False  # learner.lora.vision: the vision tower's layers carry adapters too
 
 
 @dataclass(frozen=True)

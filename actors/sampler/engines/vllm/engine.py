@@ -16,9 +16,11 @@ replay buffer issues its prompts again.
 Per request: each of the ``n`` completions is its own vLLM request with its own seed (recorded
 in the ``Generation``; ``SamplingParams(seed=s)`` regenerates it exactly, alone or in a batch).
 Behaviour log-probs are ``log_softmax(logits / T)`` at the sampled token before top-k/top-p
-truncation (``worker.UntruncatedLogprobs``), the learner's quantity. Per-token versions come
-from vLLM's own weight-version spans: the engine core stamps every step's output with the
-version it was computed with, and the version is changed only while generation is paused.
+truncation (``worker.UntruncatedLogprobs``), the learner's quantity. A vision-language prompt
+goes with its decoded images, its image tokens in the form vLLM expands (``images.py``).
+Per-token versions come from vLLM's own weight-version spans: the engine core stamps every
+step's output with the version it was computed with, and the version is changed only while
+generation is paused.
 
 Weight updates: ``load_weights`` matches on the typed source the weights transport hands it
 (``actors/runtime/transports/sources.py``): a safetensors file in ``/dev/shm`` (shm; tensors
@@ -60,6 +62,7 @@ import anyio
 import torch
 import trio
 
+from actors.data.vision import decode
 from actors.runtime.config.gpus import process_share
 from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import SHM_ROOT
@@ -76,6 +79,7 @@ from actors.sampler.engines.base import (
     Generation,
     Rejected,
 )
+from actors.sampler.engines.vllm.images import check_expanded, image_token_id, tokens_prompt
 from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
 from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
@@ -143,6 +147,7 @@ class VLLMEngine:
         self.seeds = itertools.count((seed * 1_000_003) % 2**31)  # one per completion
         self.ids = itertools.count()  # request ids (a regenerated seed may run twice at once)
         self.loop = _Loop()
+        self.image_token = image_token_id(model_path)  # None: a text model
         self.llm: Any = None  # AsyncLLM, built on the loop's thread (its children hang off it)
         self.running = 0  # requests in the engine now (read and written on the loop's thread)
         self.idle: asyncio.Event | None = None  # set while running == 0 (the loop's thread)
@@ -208,17 +213,21 @@ class VLLMEngine:
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The completions of every request, each completion its own engine request; raises
         ``Rejected`` when the engine refuses one (nothing of the call is returned then)."""
-        if any(r.images for r in requests):  # never generate as if the images were not there
-            raise ValueError("the vllm engine does not take prompts with images yet: "
-                             "sampler.engine = \"hf\" generates for vision-language models")
-        jobs = [(r, [next(self.seeds) if r.seed is None else r.seed + i for i in range(r.n)])
-                for r in requests]
+        prompts = await anyio.to_thread.run_sync(self._prompts, requests) \
+            if any(r.images for r in requests) else self._prompts(requests)  # (decoding: a thread)
+        jobs = [(r, p, [next(self.seeds) if r.seed is None else r.seed + i for i in range(r.n)])
+                for r, p in zip(requests, prompts, strict=True)]
         return await self.loop.call(self._generate(jobs))
 
-    async def _generate(self, jobs: list[tuple[GenerateRequest, list[int]]]
+    def _prompts(self, requests: Sequence[GenerateRequest]) -> list[dict[str, Any]]:
+        """vLLM's prompt of each request, its images decoded (``images.py``)."""
+        return [tokens_prompt(r.prompt_ids, [decode(d, k) for k, d in enumerate(r.images)],
+                              self.image_token) for r in requests]
+
+    async def _generate(self, jobs: list[tuple[GenerateRequest, dict[str, Any], list[int]]]
                         ) -> list[list[Generation]]:
-        tasks = [[asyncio.ensure_future(self._one(r.prompt_ids, r.params, s, r.stream, k))
-                  for k, s in enumerate(seeds)] for r, seeds in jobs]
+        tasks = [[asyncio.ensure_future(self._one(r.prompt_ids, p, r.params, s, r.stream, k))
+                  for k, s in enumerate(seeds)] for r, p, seeds in jobs]
         try:
             return [list(await asyncio.gather(*group)) for group in tasks]
         finally:
@@ -226,8 +235,8 @@ class VLLMEngine:
                 for t in group:
                     t.cancel()
 
-    async def _one(self, prompt_ids: list[int], params: SamplingParams, seed: int,
-                   stream: Callable[[int, list[int], list[float]], None] | None = None,
+    async def _one(self, prompt_ids: list[int], prompt: dict[str, Any], params: SamplingParams,
+                   seed: int, stream: Callable[[int, list[int], list[float]], None] | None = None,
                    index: int = 0) -> Generation:
         from vllm import SamplingParams as VSamplingParams
         from vllm.exceptions import VLLMClientError
@@ -249,7 +258,7 @@ class VLLMEngine:
         adapter = self.slots.pin() if self.slots else None  # LoRA: its version's, to the end
         try:
             final, seen = None, 0
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sp,
+            async for out in self.llm.generate(TokensPrompt(**prompt), sp,  # type: ignore[typeddict-item]
                                                request_id=f"{seed}-{next(self.ids)}",
                                                lora_request=adapter and adapter.request):
                 if stream is not None:  # the tokens sampled since the last step (vLLM may
@@ -271,6 +280,8 @@ class VLLMEngine:
                 self.idle.set()
                 self.sleep.idle(asyncio.get_running_loop().time())
         assert final is not None
+        if "multi_modal_data" in prompt:
+            check_expanded(prompt_ids, final.prompt_token_ids)
         c = final.outputs[0]
         ids = torch.tensor(list(c.token_ids), dtype=torch.int32)  # (R,)
         lps = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],

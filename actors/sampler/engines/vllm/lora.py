@@ -36,8 +36,11 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's LoRAConfig.ma
 def lora_options(limits: AdapterLimits) -> dict[str, Any]:
     """vLLM's engine arguments that let it serve ``limits``' adapters."""
     rank = next(r for r in VLLM_RANKS if r >= limits.rank)  # checked at start: <= 512
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": limits.slots,
-            "max_cpu_loras": limits.slots}
+    options = {"enable_lora": True, "max_lora_rank": rank, "max_loras": limits.slots,
+               "max_cpu_loras": limits.slots}
+    if limits.vision:  # without it vLLM applies no adapter inside the vision tower
+        options["enable_tower_connector_lora"] = True
+    return options
 
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
