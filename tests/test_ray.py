@@ -45,7 +45,8 @@ def test_the_launcher_key_lists_exactly_the_table():
     (['hosts={a="10.0.0.1"}'], "hosts"),
     (['ray.address="ray://nohost"'], "ray.address"),
     (['replay.address="ipc:///tmp/x"'], "replay.address"),
-    (["learner.nnodes=2", "learner.master_port=29500"], "learner.nnodes"),
+    (["learner.nnodes=2", "learner.node_rank=1", "run.dir=runs/x"], "learner.node_rank"),
+    (["learner.nnodes=2", 'learner.host=["a", "b", "c"]'], "learner.host"),
     (["sampler.count=2", 'sampler.host=["a"]'], "sampler.host"),
     (['reward.host="bad name"'], "reward.host"),
     (['run.host="a"'], "run.host"),
@@ -61,6 +62,38 @@ def test_under_ray_the_weights_go_by_zmq_and_the_host_names_a_resource():
         'run.launcher="ray"', "sampler.count=2", 'sampler.host=["gen1", "gen2"]'])
     assert topology.learner.weights_transport == "zmq"  # the samplers may be on other nodes
     assert load_topology(ROOT / "topology.toml").learner.weights_transport == "shm"
+
+
+def test_under_ray_one_runner_starts_every_learner_node_with_the_per_node_runners_env():
+    """A learner over two nodes: the Ray runner starts both nodes' ranks, each with the torchrun
+    variables the runner of its own node (``[hosts]``, SLURM) gives it, less that runner's own
+    topology file (every rank reports to the one runner)."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    from actors.job.processes import learner_ranks
+
+    nodes = ["learner.nnodes=2", "learner.nproc_per_node=2", "learner.master_port=29500",
+             'learner.master_addr="10.0.0.5"', "run.dir=runs/x"]
+    ray = learner_ranks(load_topology(ROOT / "topology.toml", ['run.launcher="ray"', *nodes]),
+                        Path("run"))
+    per_node = [p for k in (0, 1) for p in learner_ranks(
+        load_topology(ROOT / "topology.toml", [*nodes, f"learner.node_rank={k}"]), Path("run"))]
+    assert [p.name for p in ray] == ["learner-0", "learner-0.rank1", "learner-0.rank2",
+                                     "learner-0.rank3"]
+    assert [p.env for p in ray] == [
+        {k: v for k, v in p.env.items() if k != "FLOWRL_TOPOLOGY"} for p in per_node]
+    assert [(p.env["GROUP_RANK"], p.env["LOCAL_RANK"]) for p in ray] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
+def test_a_learner_nodes_ranks_share_one_bundle():
+    """Ray's bundles hold a learner node's ranks together, numbered as torchrun numbers them."""
+    from actors.job.launchers.ray import learner_node, summed
+
+    t = load_topology(ROOT / "topology.toml", ["learner.nproc_per_node=2"])
+    assert [learner_node(t, n) for n in ("learner-0", "learner-0.rank1", "learner-0.rank2",
+                                         "learner-0.rank3")] == [0, 0, 1, 1]
+    assert summed([{"CPU": 1.0, "t": 0.001}, {"CPU": 1.0, "GPU": 0.5}]) == {
+        "CPU": 2.0, "t": 0.001, "GPU": 0.5}
 
 
 def test_without_ray_the_flag_is_one_line_naming_the_extra(monkeypatch, capsys):
@@ -173,6 +206,34 @@ def test_a_job_runs_with_its_actors_on_three_nodes(ray_cluster, tiny_model, tmp_
         ("replay-0", "router-0", "learner-0"), ids["main"])
     assert placed["sampler-0"] == placed["reward-0"] == ids["gen1"]
     assert placed["sampler-1"] == placed["reward-1"] == ids["gen2"]
+    assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_learner_over_two_ray_nodes(ray_cluster, tiny_model, tmp_path):
+    """``learner.nnodes = 2``, one CPU rank per node: each node's rank on a Ray node of its
+    own, the rendezvous at rank 0's node, gloo between them; the job trains the steps the
+    one-node job trains (the accounting of ``test_per_host_runners_and_ray_train_the_same_steps``)
+    and both ranks write their shards of the checkpoint."""
+    b = ray_cluster.add_node(num_cpus=3, resources={"b": 1}, object_store_memory=STORE)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=2",
+                                  "learner.nnodes=2", 'learner.host=["main", "b"]',
+                                  'sampler.host="b"', 'reward.host="b"'),
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    placed = placed_on(done.stdout)
+    assert (placed["learner-0"], placed["learner-0.rank1"]) == (
+        ray_cluster.head_node.node_id[:8], b.node_id[:8])
+    rows = metrics(run_dir)
+    assert all(balanced(r) for r in rows)
+    assert [(r["step"], r["replay/trained"]) for r in rows] == [(1, 4), (2, 8)]
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["learner"]["master_addr"] == ray_cluster.head_node.node_ip_address
+    assert status_lines(run_dir)[-1]["returncodes"]["learner-0.rank1"] == 0
+    (ckpt,) = (run_dir / "checkpoints").glob("step_2")
+    assert sorted(p.name for p in (ckpt / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
     assert not actor_pids(run_dir)
 
 

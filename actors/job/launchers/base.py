@@ -74,7 +74,9 @@ class LauncherRow:
     build: Callable[[Topology], Launcher]  # the launcher for a job (its file imported then)
     check: Callable[[Topology, Any], None]  # its keys; need(ok, key, why) names a bad one
     problem: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
-    across_nodes: bool = False  # its processes may be on other machines: weights go by zmq
+    # its one runner places processes on other machines: weights go by zmq, and it starts
+    # every node of a learner over several (a local runner starts only its own node's ranks)
+    across_nodes: bool = False
 
 
 def _local(topology: Topology) -> Launcher:

@@ -2,11 +2,11 @@
 on a node, starts it there and tells the runner when the node is gone.
 
 At the start (``addresses``) the runner joins the cluster named by ``ray.address`` (or starts
-a Ray of its own on this machine), reserves one placement-group bundle per process (the
-learner's ranks together on one node in rank order, ``STRICT_PACK``; the others by
-``ray.strategy``; a ``KIND.host`` adds that custom resource to its processes' bundles), and
-gives every ``auto`` address the address of the node that binds it, with the ports
-``run.base_port`` says. Each process is then started by a keeper in its bundle
+a Ray of its own on this machine), reserves placement-group bundles (one per learner node,
+holding that node's ranks, each on a Ray node of its own, ``STRICT_SPREAD``; one per other
+process, by ``ray.strategy``; a ``KIND.host`` adds that custom resource to its processes'
+bundles), and gives every ``auto`` address the address of the node that binds it, with the
+ports ``run.base_port`` says, and the learner's rendezvous the address of rank 0's node. Each process is then started by a keeper in its bundle
 (``ray_host.py``) with the GPUs Ray gave it. When a keeper is lost (its node died) its process
 counts as killed: the supervisor restarts it per its kind's ``restart`` policy, in the same
 bundle, which Ray moves to a node with room; a lost replay buffer, router or learner stops the
@@ -20,7 +20,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +39,12 @@ HOST_SHARE = 0.001  # of a KIND.host resource per process: a node's resource ser
 
 @dataclass
 class Bundle:
-    """One process's reservation: its resources and where the cluster put them."""
+    """One process's reservation: the bundle it is placed in (a learner node's ranks share
+    one), its own resources there, and where the cluster put them."""
 
     group: Any  # its ray.util.placement_group.PlacementGroup
     index: int
-    resources: dict[str, float]
+    resources: dict[str, float]  # the process's own share of the bundle
     node: str = ""  # the node's address, once reserved
     node_id: str = ""  # its Ray id
 
@@ -101,6 +102,7 @@ class RayLauncher(Launcher):
         self.options = topology.ray
         self.temp: str | None = None  # a Ray started for the job: its temp dir, removed at close
         self.bundles: dict[str, Bundle] = {}
+        self.needs: dict[str, dict[str, float]] = {}  # each process's own resources
         self.groups: list[Any] = []
         self.keepers: dict[str, Any] = {}
         self.cluster_gpus = 0
@@ -138,8 +140,8 @@ class RayLauncher(Launcher):
         self.topology_file = str(Path(topology.run.dir) / TOPOLOGY)
         gpus = {p.name: p for p in place(topology, names, self.gpus())}
         have = ray.cluster_resources()
-        learner: list[tuple[str, dict[str, float]]] = []
-        others: list[tuple[str, dict[str, float]]] = []
+        nodes: dict[int, list[tuple[str, dict[str, float]]]] = {}  # learner node -> its ranks
+        others: list[tuple[list[str], dict[str, float]]] = []
         for name in names:
             kind = name.split("-")[0]
             host = _host(topology, kind, name)
@@ -152,12 +154,20 @@ class RayLauncher(Launcher):
                 resources["GPU"] = placed.memory_share or float(len(placed.gpus))
             if host:
                 resources[host] = HOST_SHARE
-            (learner if kind == "learner" else others).append((name, resources))
-        self.reserve(learner, "STRICT_PACK")
+            self.needs[name] = resources
+            if kind == "learner":
+                nodes.setdefault(learner_node(topology, name), []).append((name, resources))
+            else:
+                others.append(([name], resources))
+        # one bundle per learner node holding its ranks (so they share a Ray node), each node
+        # on a Ray node of its own
+        self.reserve([([n for n, _ in ranks], summed(r for _, r in ranks))
+                      for _, ranks in sorted(nodes.items())], "STRICT_SPREAD")
         self.reserve(others, self.options.strategy)
         return self.fill(topology)
 
-    def reserve(self, wanted: list[tuple[str, dict[str, float]]], strategy: str) -> None:
+    def reserve(self, wanted: list[tuple[list[str], dict[str, float]]], strategy: str) -> None:
+        """One bundle per entry of ``wanted``: its processes and the resources they share."""
         from ray.util.placement_group import placement_group
 
         if not wanted:
@@ -167,16 +177,17 @@ class RayLauncher(Launcher):
         if not group.wait(timeout_seconds=self.options.reserve_timeout_s):
             import ray
 
-            need = "; ".join(f"{n}: {r}" for n, r in wanted)
+            need = "; ".join(f"{'+'.join(n)}: {r}" for n, r in wanted)
             raise ConfigError(
                 f"ray.reserve_timeout_s: the cluster did not grant the job's resources within "
                 f"{self.options.reserve_timeout_s:g}s ({strategy} of {need}; the cluster has "
                 f"{ray.available_resources()} free)")
-        for index, (name, resources) in enumerate(wanted):
-            self.bundles[name] = Bundle(group, index, resources)
+        for index, (names, _) in enumerate(wanted):
+            for name in names:
+                self.bundles[name] = Bundle(group, index, self.needs[name])
         self.locate(group)
         print("=== ray: " + "; ".join(f"{n} on {where(self.bundles[n].node, self.bundles[n].node_id)}"
-                                      for n, _ in wanted), flush=True)
+                                      for names, _ in wanted for n in names), flush=True)
 
     def locate(self, group: Any) -> None:
         """Each bundle of ``group``'s node address (bundles move when a node dies)."""
@@ -211,7 +222,10 @@ class RayLauncher(Launcher):
             replay=rep(topology.replay, address=addr("replay.address", "replay-0")),
             router=rep(topology.router, address=addr("router.address", "router-0"),
                        worker_address=addr("router.worker_address", "router-0")),
+            # the rendezvous on rank 0's node, as with [hosts], unless the topology says where
             learner=rep(L, weights_address=addr("learner.weights_address", "learner-0"),
+                        master_addr=self.bundles["learner-0"].node
+                        if L.master_addr == "127.0.0.1" else L.master_addr,
                         master_port=L.master_port or base + MASTER_PORT),
             control_address=control)
 
@@ -284,9 +298,27 @@ def where(node: str, node_id: str) -> str:
 
 
 def _host(topology: Topology, kind: str, name: str) -> str:
-    """The custom resource ``KIND.host`` names for process ``name`` (empty: none)."""
+    """The custom resource ``KIND.host`` names for process ``name`` (empty: none): one per
+    process, or for the learner one per node."""
     host = getattr(topology, kind).host
     if isinstance(host, list):
-        index = int(name.split("-")[1].split(".")[0])
+        index = learner_node(topology, name) if kind == "learner" else \
+            int(name.split("-")[1].split(".")[0])
         return host[index] if index < len(host) else ""
     return host
+
+
+def learner_node(topology: Topology, name: str) -> int:
+    """The learner node of rank process ``name`` (``learner-0`` or ``learner-0.rankR``): node
+    k holds ranks k·nproc_per_node .. (k+1)·nproc_per_node − 1, as torchrun numbers them."""
+    _, _, rank = name.partition(".rank")
+    return int(rank or 0) // topology.learner.nproc_per_node
+
+
+def summed(resources: Iterable[dict[str, float]]) -> dict[str, float]:
+    """The resources of several processes sharing one bundle."""
+    total: dict[str, float] = {}
+    for r in resources:
+        for key, amount in r.items():
+            total[key] = total.get(key, 0.0) + amount
+    return total

@@ -21,10 +21,11 @@ def check_ray(topology: Topology, need: Any) -> None:
     need(not topology.run.host, "run.host", "--host is for [hosts]; under Ray one runner starts "
          "the whole job")
     L = topology.learner
-    need(L.nnodes == 1, "learner.nnodes",
-         "must be 1 under Ray for now: a learner's ranks share one Ray node (run a learner over "
-         "several nodes with [hosts] or SLURM)")
-    need(not isinstance(L.host, list), "learner.host", "names one resource under Ray")
+    need(L.node_rank == 0, "learner.node_rank",
+         "is not set under Ray: the one runner starts every learner node's ranks")
+    need(not isinstance(L.host, list) or len(L.host) == L.nnodes, "learner.host",
+         f"lists {len(L.host) if isinstance(L.host, list) else 1} resources for "
+         f"learner.nnodes = {L.nnodes} nodes (one per node, or one name for all)")
     for kind in NAMES:
         section = getattr(topology, kind)
         hosts = section.host if isinstance(section.host, list) else [section.host]
