@@ -11,7 +11,9 @@ after.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
@@ -123,25 +125,31 @@ def test_a_bad_ray_address_on_the_command_line_is_named(capsys):
 # -- jobs on Ray's multi-node test cluster ----------------------------------------------------
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch):
-    """Ray's test cluster, its head alone (tests add worker nodes); its temp dir is removed and
-    no Ray process of it is left after."""
-    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+@contextlib.contextmanager
+def local_cluster(monkeypatch, **head):
+    """Ray's test cluster, its head alone (tests add worker nodes; ``head``: more of the head's
+    arguments); its temp dir is removed and no Ray process of it is left after."""
     from ray.cluster_utils import Cluster
 
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
     (temp / "ray").mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(temp))  # where the cluster writes its address
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=3, resources={"main": 1}, object_store_memory=STORE, include_dashboard=False,
-        temp_dir=str(temp / "ray")))
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 3, "resources": {"main": 1}, "object_store_memory": STORE,
+        "include_dashboard": False, "temp_dir": str(temp / "ray"), **head})
     try:
         yield cluster
     finally:
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     assert not ray_processes(temp)
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    with local_cluster(monkeypatch) as cluster:
+        yield cluster
 
 
 def ray_processes(temp: Path) -> list[int]:
@@ -392,3 +400,46 @@ def test_ctrl_c_under_a_ray_of_the_jobs_own_leaves_no_process_and_no_temp_dir(
     assert not actor_pids(run_dir)
     assert set(Path("/tmp").glob("flowrl-ray-*")) <= before
     assert not ray_processes(Path("/tmp/flowrl-ray-"))
+
+
+@pytest.mark.ray
+def test_ray_job_submit_runs_the_job_from_its_working_dir(monkeypatch, tiny_model, tmp_path):
+    """The docs' ``ray job submit --working-dir . -- python runner.py topology.toml --ray auto``
+    on a cluster with Ray's job server (its dashboard, from ``ray[default]``): the tree is
+    uploaded, the runner runs as the job's driver, and the keepers on another node start the
+    actors from the uploaded tree there; the job succeeds with every step."""
+    pytest.importorskip("ray.dashboard.optional_deps",
+                        reason="needs Ray's job server: pip install 'ray[default]==2.60.0'")
+    from actors.runtime.ranks import free_port
+
+    page = (ROOT / "docs" / "ray.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if ln.startswith("ray job submit ")]
+    words = line.split("#")[0].split()
+    assert words[words.index("--") + 1:] == ["python", "runner.py", "topology.toml", "--ray",
+                                            "auto"]
+    # the job's `python` is the one running the tests, as a user's is their environment's
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    port = free_port()
+    with local_cluster(monkeypatch, include_dashboard=True, dashboard_host="127.0.0.1",
+                      dashboard_port=port, num_cpus=4) as cluster:
+        # the nodes of this one-machine cluster share a session directory: the worker's copy
+        # of the uploaded tree goes to a folder of its own, as on a machine of its own (in one
+        # folder for both, one node's Ray removes and unpacks again the files the runner on
+        # the other is importing from)
+        cluster.add_node(num_cpus=2, resources={"b": 1}, object_store_memory=STORE,
+                         runtime_env_dir_name="runtime_resources_b")
+        run_dir = tmp_path / "run"
+        job = [*words[words.index("--") + 1:], *command(tiny_model, run_dir)[3:],
+               "learner.total_steps=2", "run.heartbeat_timeout=600",
+               f"run.base_port={random.randrange(21000, 32000, 20)}", 'sampler.host="b"',
+               'reward.host="b"']
+        cli = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit",
+               "--address", f"http://127.0.0.1:{port}", "--working-dir", str(ROOT), "--", *job]
+        done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "succeeded" in done.stdout + done.stderr
+    rows = metrics(run_dir)
+    assert [(r["step"], r["replay/trained"]) for r in rows] == [(1, 4), (2, 8)]
+    assert all(balanced(r) for r in rows)
+    assert "=== ray: joined" in done.stdout  # the runner's own lines, as the job's output
+    assert not actor_pids(run_dir)
