@@ -106,6 +106,13 @@ def test_without_ray_the_flag_is_one_line_naming_the_extra(monkeypatch, capsys):
                    "pip install 'flowrl[ray]'\n")
 
 
+def test_a_ray_jobs_topology_reads_without_ray(monkeypatch):
+    """Only the runner needs Ray: a worker attached from a machine without it reads the job's
+    topology (``run.launcher = "ray"``) as it is."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert load_topology(ROOT / "topology.toml", ['run.launcher="ray"']).run.launcher == "ray"
+
+
 @pytest.mark.parametrize("argv", [
     ["topology.toml", "--ray", 'hosts={a="10.0.0.1"}'],  # a bare --ray before an override
     ["topology.toml", "--ray", "auto", 'hosts={a="10.0.0.1"}'],
@@ -442,4 +449,60 @@ def test_ray_job_submit_runs_the_job_from_its_working_dir(monkeypatch, tiny_mode
     assert [(r["step"], r["replay/trained"]) for r in rows] == [(1, 4), (2, 8)]
     assert all(balanced(r) for r in rows)
     assert "=== ray: joined" in done.stdout  # the runner's own lines, as the job's output
+    assert not actor_pids(run_dir)
+
+
+# ``runner.py ...`` on a machine without Ray (Python's mark of a module that is unavailable)
+WITHOUT_RAY = ("import sys; sys.modules['ray'] = None; from runner import main; "
+               "sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.ray
+def test_a_reward_worker_attaches_to_a_job_under_ray_from_a_machine_without_ray(
+        monkeypatch, tiny_model, tmp_path):
+    """``runner.py attach reward --to RUN_DIR`` outside Ray (no Ray importable): it reads the
+    job's topology (the nodes' tcp addresses), joins the router, reports to the runner (the
+    status shows it attached, as the live panel does), takes work, and detaches on SIGTERM;
+    the job goes on whole and stops on Ctrl-C."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    from tests.test_pools_job import router_worker
+
+    with local_cluster(monkeypatch, num_cpus=5) as cluster:
+        run_dir, log, attach_log = tmp_path / "run", tmp_path / "runner.log", tmp_path / "attach.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(ray_job(tiny_model, run_dir, cluster, "learner.total_steps=400",
+                                            "reward.capacity=1"),
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        worker = None
+        try:
+            deadline = time.monotonic() + 300
+            while not metrics(run_dir):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            with attach_log.open("w") as out:
+                worker = subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, "attach", "reward",
+                                           "--to", str(run_dir)],
+                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            name = f"reward-attached-{worker.pid}"
+            deadline = time.monotonic() + 180
+            while router_worker(run_dir, name).get("done", 0) == 0:
+                assert worker.poll() is None, attach_log.read_text()[-4000:]
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(timeout=60) == 0, attach_log.read_text()[-4000:]
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=200) == 130, log.read_text()[-4000:]
+        finally:
+            for p in (worker, proc):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+    assert "Traceback" not in attach_log.read_text()
+    status = status_lines(run_dir)
+    events = [(line["event"], line.get("actor", "")) for line in status]
+    assert ("attached", name) in events and ("detached", name) in events, events[-20:]
+    assert not [line for line in status if line["event"] == "exited"]
+    rows = metrics(run_dir)
+    assert rows and all(balanced(r) for r in rows)
     assert not actor_pids(run_dir)

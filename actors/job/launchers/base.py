@@ -116,5 +116,13 @@ LAUNCHERS: dict[str, LauncherRow] = {row.name: row for row in (
 
 
 def launcher_for(topology: Topology) -> Launcher:
-    """The launcher ``run.launcher`` names, built for ``topology``."""
-    return LAUNCHERS[topology.run.launcher].build(topology)
+    """The launcher ``run.launcher`` names, built for ``topology``; a ConfigError naming the key
+    where it cannot run here. Asked by the runner alone: a worker attached to the job from
+    another machine reads the same topology and needs no launcher."""
+    from actors.runtime.config import ConfigError
+
+    row = LAUNCHERS[topology.run.launcher]
+    problem = row.problem()
+    if problem is not None:
+        raise ConfigError(f"run.launcher: {row.name}: {problem}")
+    return row.build(topology)

@@ -1,6 +1,7 @@
 """The Ray launcher's checks of a topology (``run.launcher = "ray"``), run with the others before
 anything starts; they need no Ray and no cluster (what the cluster has is checked when the
-runner reserves it, ``ray.py``)."""
+runner reserves it, ``ray.py``), so a worker attached from a machine without Ray reads the
+job's topology as it is (whether Ray is installed is the runner's question: ``launcher_for``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 from actors.job.config.hosts import NAME, PORTS, _get
 from actors.registry import NAMES
 from actors.runtime.config import Topology
-from actors.runtime.config.ray import ray_problem
 
 
 def check_ray(topology: Topology, need: Any) -> None:
@@ -41,5 +41,3 @@ def check_ray(topology: Topology, need: Any) -> None:
         need(value == "auto" or value.startswith("tcp://"), key,
              f"{value!r} cannot be reached from other Ray nodes: use auto (the node's own "
              "address, port from run.base_port) or tcp://HOST:PORT")
-    problem = ray_problem()
-    need(problem is None, "run.launcher", f"ray: {problem}")
