@@ -87,15 +87,56 @@ def test_under_ray_one_runner_starts_every_learner_node_with_the_per_node_runner
         ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
 
 
-def test_a_learner_nodes_ranks_share_one_bundle():
-    """Ray's bundles hold a learner node's ranks together, numbered as torchrun numbers them."""
-    from actors.job.launchers.ray import learner_node, summed
+def test_the_bundles_on_a_made_up_cluster_of_gpu_nodes():
+    """A learner over two nodes of two GPU ranks each: one bundle per node with its ranks' CPUs
+    and GPUs, the nodes spread; a sampler's share of a GPU is a Ray fraction of one, a sampler
+    over two GPUs takes them whole; a host adds a share of its resource, and a host the cluster
+    lacks is refused naming the key."""
+    from actors.job.launchers.ray_plan import HOST_SHARE, plan_bundles
+    from actors.runtime.config.gpus import PlacedProcess
 
-    t = load_topology(ROOT / "topology.toml", ["learner.nproc_per_node=2"])
-    assert [learner_node(t, n) for n in ("learner-0", "learner-0.rank1", "learner-0.rank2",
-                                         "learner-0.rank3")] == [0, 0, 1, 1]
-    assert summed([{"CPU": 1.0, "t": 0.001}, {"CPU": 1.0, "GPU": 0.5}]) == {
-        "CPU": 2.0, "t": 0.001, "GPU": 0.5}
+    t = load_topology(ROOT / "topology.toml", [
+        'run.launcher="ray"', "learner.nnodes=2", "learner.nproc_per_node=2", "sampler.count=2",
+        'sampler.host="gen"', 'learner.host=["t0", "t1"]'])
+    ranks = ["learner-0", "learner-0.rank1", "learner-0.rank2", "learner-0.rank3"]
+    names = ["replay-0", "router-0", *ranks, "sampler-0", "sampler-1", "reward-0"]
+    placed = {n: PlacedProcess(n, gpus=[str(i)]) for i, n in enumerate(ranks)}
+    placed["sampler-0"] = PlacedProcess("sampler-0", gpus=["4"], memory_share=0.45)
+    placed["sampler-1"] = PlacedProcess("sampler-1", gpus=["5", "6"])
+    have = {"CPU": 32.0, "GPU": 16.0, "gen": 2.0, "t0": 1.0, "t1": 1.0}
+    plan = plan_bundles(t, names, placed, have)
+    (spread, learner), (pack, others) = plan.groups
+    assert (spread, pack) == ("STRICT_SPREAD", "PACK")
+    assert learner == [
+        (ranks[:2], {"CPU": 2.0, "GPU": 2.0, "t0": 2 * HOST_SHARE}),
+        (ranks[2:], {"CPU": 2.0, "GPU": 2.0, "t1": 2 * HOST_SHARE})]
+    assert others == [(["replay-0"], {"CPU": 1.0}), (["router-0"], {"CPU": 1.0}),
+                      (["sampler-0"], {"CPU": 1.0, "GPU": 0.45, "gen": HOST_SHARE}),
+                      (["sampler-1"], {"CPU": 1.0, "GPU": 2.0, "gen": HOST_SHARE}),
+                      (["reward-0"], {"CPU": 1.0})]
+    assert plan.needs["learner-0.rank3"] == {"CPU": 1.0, "GPU": 1.0, "t1": HOST_SHARE}
+    with pytest.raises(ConfigError, match=r"^sampler.host: no node of the Ray cluster has the "
+                                          r"resource 'gen'"):
+        plan_bundles(t, names, placed, {k: v for k, v in have.items() if k != "gen"})
+
+
+def test_a_process_sees_the_gpus_ray_assigned_it():
+    """The keeper's variables: Ray's GPU ids (this node's numbering) replace the runner's
+    placement's (the cluster's as one machine), the device the first of them; a memory share
+    and the torchrun variables carry over; a process without GPUs keeps the placement's cpu."""
+    from actors.job.launchers.ray_host import device_env
+    from actors.runtime.config.gpus import DEVICE_ENV, SHARE_ENV, PlacedProcess
+
+    rank1 = {**PlacedProcess("learner-0.rank1", gpus=["1"], visible=["0", "1"]).env(), "RANK": "1"}
+    assert rank1[DEVICE_ENV] == "cuda:1"  # the runner's own: the second of its node's GPUs
+    assert device_env([3], rank1) == {"CUDA_VISIBLE_DEVICES": "3", DEVICE_ENV: "cuda:0",
+                                      "RANK": "1"}
+    assert device_env(["2", "5"], PlacedProcess("sampler-1", gpus=["5", "6"]).env()) == {
+        "CUDA_VISIBLE_DEVICES": "2,5", DEVICE_ENV: "cuda:0"}
+    shared = device_env([0], PlacedProcess("sampler-0", gpus=["4"], memory_share=0.45).env())
+    assert (shared["CUDA_VISIBLE_DEVICES"], shared[SHARE_ENV]) == ("0", "0.45")
+    cpu = PlacedProcess("reward-0").env()
+    assert device_env([], cpu) == cpu == {"CUDA_VISIBLE_DEVICES": "", DEVICE_ENV: "cpu"}
 
 
 def test_without_ray_the_flag_is_one_line_naming_the_extra(monkeypatch, capsys):

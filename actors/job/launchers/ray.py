@@ -2,12 +2,12 @@
 on a node, starts it there and tells the runner when the node is gone.
 
 At the start (``addresses``) the runner joins the cluster named by ``ray.address`` (or starts
-a Ray of its own on this machine), reserves placement-group bundles (one per learner node,
-holding that node's ranks, each on a Ray node of its own, ``STRICT_SPREAD``; one per other
-process, by ``ray.strategy``; a ``KIND.host`` adds that custom resource to its processes'
-bundles), and gives every ``auto`` address the address of the node that binds it, with the
-ports ``run.base_port`` says, and the learner's rendezvous the address of rank 0's node. Each process is then started by a keeper in its bundle
-(``ray_host.py``) with the GPUs Ray gave it. When a keeper is lost (its node died) its process
+a Ray of its own on this machine), reserves placement-group bundles (``ray_plan.py``: one per
+learner node, holding that node's ranks, each on a Ray node of its own; one per other process,
+by ``ray.strategy``; a ``KIND.host`` adds that custom resource), and gives every ``auto``
+address the address of the node that binds it, with the ports ``run.base_port`` says, and the
+learner's rendezvous the address of rank 0's node. Each process is then started by a keeper in
+its bundle (``ray_host.py``) with the GPUs Ray gave it. When a keeper is lost (its node died) its process
 counts as killed: the supervisor restarts it per its kind's ``restart`` policy, in the same
 bundle, which Ray moves to a node with room; a lost replay buffer, router or learner stops the
 job (``runner.py ... run.dir=...`` resumes it). Messages never pass through Ray.
@@ -20,7 +20,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,9 @@ import trio
 from actors.job.config.hosts import CONTROL_PORT, MASTER_PORT, PORTS, _get
 from actors.job.config.layout import place
 from actors.job.launchers.base import Child, Launcher
+from actors.job.launchers.ray_plan import Wanted, plan_bundles
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.rundir import LOGS, TOPOLOGY
-
-HOST_SHARE = 0.001  # of a KIND.host resource per process: a node's resource serves them all
 
 
 @dataclass
@@ -138,35 +137,14 @@ class RayLauncher(Launcher):
 
         self.connect(len(names))
         self.topology_file = str(Path(topology.run.dir) / TOPOLOGY)
-        gpus = {p.name: p for p in place(topology, names, self.gpus())}
-        have = ray.cluster_resources()
-        nodes: dict[int, list[tuple[str, dict[str, float]]]] = {}  # learner node -> its ranks
-        others: list[tuple[list[str], dict[str, float]]] = []
-        for name in names:
-            kind = name.split("-")[0]
-            host = _host(topology, kind, name)
-            if host and host not in have:
-                raise ConfigError(f"{kind}.host: no node of the Ray cluster has the resource "
-                                  f"{host!r} (it has {', '.join(sorted(have))})")
-            resources = {"CPU": self.options.cpus}
-            placed = gpus.get(name)
-            if placed is not None and placed.gpus:
-                resources["GPU"] = placed.memory_share or float(len(placed.gpus))
-            if host:
-                resources[host] = HOST_SHARE
-            self.needs[name] = resources
-            if kind == "learner":
-                nodes.setdefault(learner_node(topology, name), []).append((name, resources))
-            else:
-                others.append(([name], resources))
-        # one bundle per learner node holding its ranks (so they share a Ray node), each node
-        # on a Ray node of its own
-        self.reserve([([n for n, _ in ranks], summed(r for _, r in ranks))
-                      for _, ranks in sorted(nodes.items())], "STRICT_SPREAD")
-        self.reserve(others, self.options.strategy)
+        placed = {p.name: p for p in place(topology, names, self.gpus())}
+        plan = plan_bundles(topology, names, placed, ray.cluster_resources())
+        self.needs = plan.needs
+        for strategy, wanted in plan.groups:
+            self.reserve(wanted, strategy)
         return self.fill(topology)
 
-    def reserve(self, wanted: list[tuple[list[str], dict[str, float]]], strategy: str) -> None:
+    def reserve(self, wanted: Wanted, strategy: str) -> None:
         """One bundle per entry of ``wanted``: its processes and the resources they share."""
         from ray.util.placement_group import placement_group
 
@@ -295,30 +273,3 @@ def reachable(address: str, timeout_s: float = 10.0) -> None:
 
 def where(node: str, node_id: str) -> str:
     return f"{node} (node {node_id[:8]})"
-
-
-def _host(topology: Topology, kind: str, name: str) -> str:
-    """The custom resource ``KIND.host`` names for process ``name`` (empty: none): one per
-    process, or for the learner one per node."""
-    host = getattr(topology, kind).host
-    if isinstance(host, list):
-        index = learner_node(topology, name) if kind == "learner" else \
-            int(name.split("-")[1].split(".")[0])
-        return host[index] if index < len(host) else ""
-    return host
-
-
-def learner_node(topology: Topology, name: str) -> int:
-    """The learner node of rank process ``name`` (``learner-0`` or ``learner-0.rankR``): node
-    k holds ranks k·nproc_per_node .. (k+1)·nproc_per_node − 1, as torchrun numbers them."""
-    _, _, rank = name.partition(".rank")
-    return int(rank or 0) // topology.learner.nproc_per_node
-
-
-def summed(resources: Iterable[dict[str, float]]) -> dict[str, float]:
-    """The resources of several processes sharing one bundle."""
-    total: dict[str, float] = {}
-    for r in resources:
-        for key, amount in r.items():
-            total[key] = total.get(key, 0.0) + amount
-    return total
