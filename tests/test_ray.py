@@ -182,13 +182,15 @@ def local_cluster(monkeypatch, **head):
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
     (temp / "ray").mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(temp))  # where the cluster writes its address
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 3, "resources": {"main": 1}, "object_store_memory": STORE,
-        "include_dashboard": False, "temp_dir": str(temp / "ray"), **head})
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 3, "resources": {"main": 1}, "object_store_memory": STORE,
+            "include_dashboard": False, "temp_dir": str(temp / "ray"), **head})
         yield cluster
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     assert not ray_processes(temp)
 
