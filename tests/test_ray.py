@@ -11,7 +11,9 @@ after.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
@@ -45,7 +47,8 @@ def test_the_launcher_key_lists_exactly_the_table():
     (['hosts={a="10.0.0.1"}'], "hosts"),
     (['ray.address="ray://nohost"'], "ray.address"),
     (['replay.address="ipc:///tmp/x"'], "replay.address"),
-    (["learner.nnodes=2", "learner.master_port=29500"], "learner.nnodes"),
+    (["learner.nnodes=2", "learner.node_rank=1", "run.dir=runs/x"], "learner.node_rank"),
+    (["learner.nnodes=2", 'learner.host=["a", "b", "c"]'], "learner.host"),
     (["sampler.count=2", 'sampler.host=["a"]'], "sampler.host"),
     (['reward.host="bad name"'], "reward.host"),
     (['run.host="a"'], "run.host"),
@@ -63,12 +66,92 @@ def test_under_ray_the_weights_go_by_zmq_and_the_host_names_a_resource():
     assert load_topology(ROOT / "topology.toml").learner.weights_transport == "shm"
 
 
+def test_under_ray_one_runner_starts_every_learner_node_with_the_per_node_runners_env():
+    """A learner over two nodes: the Ray runner starts both nodes' ranks, each with the torchrun
+    variables the runner of its own node (``[hosts]``, SLURM) gives it, less that runner's own
+    topology file (every rank reports to the one runner)."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    from actors.job.processes import learner_ranks
+
+    nodes = ["learner.nnodes=2", "learner.nproc_per_node=2", "learner.master_port=29500",
+             'learner.master_addr="10.0.0.5"', "run.dir=runs/x"]
+    ray = learner_ranks(load_topology(ROOT / "topology.toml", ['run.launcher="ray"', *nodes]),
+                        Path("run"))
+    per_node = [p for k in (0, 1) for p in learner_ranks(
+        load_topology(ROOT / "topology.toml", [*nodes, f"learner.node_rank={k}"]), Path("run"))]
+    assert [p.name for p in ray] == ["learner-0", "learner-0.rank1", "learner-0.rank2",
+                                     "learner-0.rank3"]
+    assert [p.env for p in ray] == [
+        {k: v for k, v in p.env.items() if k != "FLOWRL_TOPOLOGY"} for p in per_node]
+    assert [(p.env["GROUP_RANK"], p.env["LOCAL_RANK"]) for p in ray] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
+def test_the_bundles_on_a_made_up_cluster_of_gpu_nodes():
+    """A learner over two nodes of two GPU ranks each: one bundle per node with its ranks' CPUs
+    and GPUs, the nodes spread; a sampler's share of a GPU is a Ray fraction of one, a sampler
+    over two GPUs takes them whole; a host adds a share of its resource, and a host the cluster
+    lacks is refused naming the key."""
+    from actors.job.launchers.ray_plan import HOST_SHARE, plan_bundles
+    from actors.runtime.config.gpus import PlacedProcess
+
+    t = load_topology(ROOT / "topology.toml", [
+        'run.launcher="ray"', "learner.nnodes=2", "learner.nproc_per_node=2", "sampler.count=2",
+        'sampler.host="gen"', 'learner.host=["t0", "t1"]'])
+    ranks = ["learner-0", "learner-0.rank1", "learner-0.rank2", "learner-0.rank3"]
+    names = ["replay-0", "router-0", *ranks, "sampler-0", "sampler-1", "reward-0"]
+    placed = {n: PlacedProcess(n, gpus=[str(i)]) for i, n in enumerate(ranks)}
+    placed["sampler-0"] = PlacedProcess("sampler-0", gpus=["4"], memory_share=0.45)
+    placed["sampler-1"] = PlacedProcess("sampler-1", gpus=["5", "6"])
+    have = {"CPU": 32.0, "GPU": 16.0, "gen": 2.0, "t0": 1.0, "t1": 1.0}
+    plan = plan_bundles(t, names, placed, have)
+    (spread, learner), (pack, others) = plan.groups
+    assert (spread, pack) == ("STRICT_SPREAD", "PACK")
+    assert learner == [
+        (ranks[:2], {"CPU": 2.0, "GPU": 2.0, "t0": 2 * HOST_SHARE}),
+        (ranks[2:], {"CPU": 2.0, "GPU": 2.0, "t1": 2 * HOST_SHARE})]
+    assert others == [(["replay-0"], {"CPU": 1.0}), (["router-0"], {"CPU": 1.0}),
+                      (["sampler-0"], {"CPU": 1.0, "GPU": 0.45, "gen": HOST_SHARE}),
+                      (["sampler-1"], {"CPU": 1.0, "GPU": 2.0, "gen": HOST_SHARE}),
+                      (["reward-0"], {"CPU": 1.0})]
+    assert plan.needs["learner-0.rank3"] == {"CPU": 1.0, "GPU": 1.0, "t1": HOST_SHARE}
+    with pytest.raises(ConfigError, match=r"^sampler.host: no node of the Ray cluster has the "
+                                          r"resource 'gen'"):
+        plan_bundles(t, names, placed, {k: v for k, v in have.items() if k != "gen"})
+
+
+def test_a_process_sees_the_gpus_ray_assigned_it():
+    """The keeper's variables: Ray's GPU ids (this node's numbering) replace the runner's
+    placement's (the cluster's as one machine), the device the first of them; a memory share
+    and the torchrun variables carry over; a process without GPUs keeps the placement's cpu."""
+    from actors.job.launchers.ray_host import device_env
+    from actors.runtime.config.gpus import DEVICE_ENV, SHARE_ENV, PlacedProcess
+
+    rank1 = {**PlacedProcess("learner-0.rank1", gpus=["1"], visible=["0", "1"]).env(), "RANK": "1"}
+    assert rank1[DEVICE_ENV] == "cuda:1"  # the runner's own: the second of its node's GPUs
+    assert device_env([3], rank1) == {"CUDA_VISIBLE_DEVICES": "3", DEVICE_ENV: "cuda:0",
+                                      "RANK": "1"}
+    assert device_env(["2", "5"], PlacedProcess("sampler-1", gpus=["5", "6"]).env()) == {
+        "CUDA_VISIBLE_DEVICES": "2,5", DEVICE_ENV: "cuda:0"}
+    shared = device_env([0], PlacedProcess("sampler-0", gpus=["4"], memory_share=0.45).env())
+    assert (shared["CUDA_VISIBLE_DEVICES"], shared[SHARE_ENV]) == ("0", "0.45")
+    cpu = PlacedProcess("reward-0").env()
+    assert device_env([], cpu) == cpu == {"CUDA_VISIBLE_DEVICES": "", DEVICE_ENV: "cpu"}
+
+
 def test_without_ray_the_flag_is_one_line_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # how Python marks a module unavailable
     assert main(["topology.toml", "--ray", "learner.total_steps=2"]) == 2
     err = capsys.readouterr().err
     assert err == ("error: bad topology: run.launcher: ray: Ray is not installed: "
                    "pip install 'flowrl[ray]'\n")
+
+
+def test_a_ray_jobs_topology_reads_without_ray(monkeypatch):
+    """Only the runner needs Ray: a worker attached from a machine without it reads the job's
+    topology (``run.launcher = "ray"``) as it is."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert load_topology(ROOT / "topology.toml", ['run.launcher="ray"']).run.launcher == "ray"
 
 
 @pytest.mark.parametrize("argv", [
@@ -90,25 +173,33 @@ def test_a_bad_ray_address_on_the_command_line_is_named(capsys):
 # -- jobs on Ray's multi-node test cluster ----------------------------------------------------
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch):
-    """Ray's test cluster, its head alone (tests add worker nodes); its temp dir is removed and
-    no Ray process of it is left after."""
-    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+@contextlib.contextmanager
+def local_cluster(monkeypatch, **head):
+    """Ray's test cluster, its head alone (tests add worker nodes; ``head``: more of the head's
+    arguments); its temp dir is removed and no Ray process of it is left after."""
     from ray.cluster_utils import Cluster
 
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
     (temp / "ray").mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(temp))  # where the cluster writes its address
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=3, resources={"main": 1}, object_store_memory=STORE, include_dashboard=False,
-        temp_dir=str(temp / "ray")))
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 3, "resources": {"main": 1}, "object_store_memory": STORE,
+            "include_dashboard": False, "temp_dir": str(temp / "ray"), **head})
         yield cluster
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     assert not ray_processes(temp)
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    with local_cluster(monkeypatch) as cluster:
+        yield cluster
 
 
 def ray_processes(temp: Path) -> list[int]:
@@ -173,6 +264,34 @@ def test_a_job_runs_with_its_actors_on_three_nodes(ray_cluster, tiny_model, tmp_
         ("replay-0", "router-0", "learner-0"), ids["main"])
     assert placed["sampler-0"] == placed["reward-0"] == ids["gen1"]
     assert placed["sampler-1"] == placed["reward-1"] == ids["gen2"]
+    assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_learner_over_two_ray_nodes(ray_cluster, tiny_model, tmp_path):
+    """``learner.nnodes = 2``, one CPU rank per node: each node's rank on a Ray node of its
+    own, the rendezvous at rank 0's node, gloo between them; the job trains the steps the
+    one-node job trains (the accounting of ``test_per_host_runners_and_ray_train_the_same_steps``)
+    and both ranks write their shards of the checkpoint."""
+    b = ray_cluster.add_node(num_cpus=3, resources={"b": 1}, object_store_memory=STORE)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=2",
+                                  "learner.nnodes=2", 'learner.host=["main", "b"]',
+                                  'sampler.host="b"', 'reward.host="b"'),
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    placed = placed_on(done.stdout)
+    assert (placed["learner-0"], placed["learner-0.rank1"]) == (
+        ray_cluster.head_node.node_id[:8], b.node_id[:8])
+    rows = metrics(run_dir)
+    assert all(balanced(r) for r in rows)
+    assert [(r["step"], r["replay/trained"]) for r in rows] == [(1, 4), (2, 8)]
+    topo = json.loads((run_dir / "topology.json").read_text())
+    assert topo["learner"]["master_addr"] == ray_cluster.head_node.node_ip_address
+    assert status_lines(run_dir)[-1]["returncodes"]["learner-0.rank1"] == 0
+    (ckpt,) = (run_dir / "checkpoints").glob("step_2")
+    assert sorted(p.name for p in (ckpt / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
     assert not actor_pids(run_dir)
 
 
@@ -331,3 +450,102 @@ def test_ctrl_c_under_a_ray_of_the_jobs_own_leaves_no_process_and_no_temp_dir(
     assert not actor_pids(run_dir)
     assert set(Path("/tmp").glob("flowrl-ray-*")) <= before
     assert not ray_processes(Path("/tmp/flowrl-ray-"))
+
+
+@pytest.mark.ray
+def test_ray_job_submit_runs_the_job_from_its_working_dir(monkeypatch, tiny_model, tmp_path):
+    """The docs' ``ray job submit --working-dir . -- python runner.py topology.toml --ray auto``
+    on a cluster with Ray's job server (its dashboard, from ``ray[default]``): the tree is
+    uploaded, the runner runs as the job's driver, and the keepers on another node start the
+    actors from the uploaded tree there; the job succeeds with every step."""
+    pytest.importorskip("ray.dashboard.optional_deps",
+                        reason="needs Ray's job server: pip install 'ray[default]==2.60.0'")
+    from actors.runtime.ranks import free_port
+
+    page = (ROOT / "docs" / "ray.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if ln.startswith("ray job submit ")]
+    words = line.split("#")[0].split()
+    assert words[words.index("--") + 1:] == ["python", "runner.py", "topology.toml", "--ray",
+                                            "auto"]
+    # the job's `python` is the one running the tests, as a user's is their environment's
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    port = free_port()
+    with local_cluster(monkeypatch, include_dashboard=True, dashboard_host="127.0.0.1",
+                      dashboard_port=port, num_cpus=4) as cluster:
+        # the nodes of this one-machine cluster share a session directory: the worker's copy
+        # of the uploaded tree goes to a folder of its own, as on a machine of its own (in one
+        # folder for both, one node's Ray removes and unpacks again the files the runner on
+        # the other is importing from)
+        cluster.add_node(num_cpus=2, resources={"b": 1}, object_store_memory=STORE,
+                         runtime_env_dir_name="runtime_resources_b")
+        run_dir = tmp_path / "run"
+        job = [*words[words.index("--") + 1:], *command(tiny_model, run_dir)[3:],
+               "learner.total_steps=2", "run.heartbeat_timeout=600",
+               f"run.base_port={random.randrange(21000, 32000, 20)}", 'sampler.host="b"',
+               'reward.host="b"']
+        cli = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit",
+               "--address", f"http://127.0.0.1:{port}", "--working-dir", str(ROOT), "--", *job]
+        done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "succeeded" in done.stdout + done.stderr
+    rows = metrics(run_dir)
+    assert [(r["step"], r["replay/trained"]) for r in rows] == [(1, 4), (2, 8)]
+    assert all(balanced(r) for r in rows)
+    assert "=== ray: joined" in done.stdout  # the runner's own lines, as the job's output
+    assert not actor_pids(run_dir)
+
+
+# ``runner.py ...`` on a machine without Ray (Python's mark of a module that is unavailable)
+WITHOUT_RAY = ("import sys; sys.modules['ray'] = None; from runner import main; "
+               "sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.ray
+def test_a_reward_worker_attaches_to_a_job_under_ray_from_a_machine_without_ray(
+        monkeypatch, tiny_model, tmp_path):
+    """``runner.py attach reward --to RUN_DIR`` outside Ray (no Ray importable): it reads the
+    job's topology (the nodes' tcp addresses), joins the router, reports to the runner (the
+    status shows it attached, as the live panel does), takes work, and detaches on SIGTERM;
+    the job goes on whole and stops on Ctrl-C."""
+    pytest.importorskip("ray", reason="needs Ray: pip install 'flowrl[ray]'")
+    from tests.test_pools_job import router_worker
+
+    with local_cluster(monkeypatch, num_cpus=5) as cluster:
+        run_dir, log, attach_log = tmp_path / "run", tmp_path / "runner.log", tmp_path / "attach.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(ray_job(tiny_model, run_dir, cluster, "learner.total_steps=400",
+                                            "reward.capacity=1"),
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        worker = None
+        try:
+            deadline = time.monotonic() + 300
+            while not metrics(run_dir):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            with attach_log.open("w") as out:
+                worker = subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, "attach", "reward",
+                                           "--to", str(run_dir)],
+                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            name = f"reward-attached-{worker.pid}"
+            deadline = time.monotonic() + 180
+            while router_worker(run_dir, name).get("done", 0) == 0:
+                assert worker.poll() is None, attach_log.read_text()[-4000:]
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(timeout=60) == 0, attach_log.read_text()[-4000:]
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=200) == 130, log.read_text()[-4000:]
+        finally:
+            for p in (worker, proc):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+    assert "Traceback" not in attach_log.read_text()
+    status = status_lines(run_dir)
+    events = [(line["event"], line.get("actor", "")) for line in status]
+    assert ("attached", name) in events and ("detached", name) in events, events[-20:]
+    assert not [line for line in status if line["event"] == "exited"]
+    rows = metrics(run_dir)
+    assert rows and all(balanced(r) for r in rows)
+    assert not actor_pids(run_dir)

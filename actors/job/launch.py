@@ -96,12 +96,12 @@ def run_job(topology: Topology) -> int:
               "one runner on each with --host NAME", file=sys.stderr)
         return 2
     try:
+        launcher = launcher_for(topology)  # (refused where it cannot run: Ray not installed)
         print("=== checking the model, the data files and the user code", flush=True)
         preflight(topology)  # before anything is started or written: a bad input stops here
     except ConfigError as exc:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
-    launcher = launcher_for(topology)
     try:
         return _run(topology, launcher, own_sockets)
     finally:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from actors.job.config.hosts import host_of, local_actors, owner
+from actors.job.launchers.base import LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
@@ -227,10 +228,13 @@ def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
 
 
 def learner_ranks(topology: Topology, home: Path) -> list[Proc]:
-    """This node's learner processes, one per rank, each with its torchrun environment (and on
-    a node k > 0, the topology file of this node's runner)."""
+    """The learner processes this runner starts, one per rank, each with its torchrun
+    environment: this node's (and on a node k > 0, the topology file of this node's runner),
+    or under a launcher that places processes across nodes (Ray) every node's, in rank order,
+    with the same variables the per-node runners would give them."""
     L = topology.learner
     own = {"FLOWRL_TOPOLOGY": str(home / TOPOLOGY)} if L.node_rank > 0 else {}
+    every = LAUNCHERS[topology.run.launcher].across_nodes
     return [Proc("learner", 0, env={**r.env(), **own}, rank=r.rank)
-            for r in node_ranks(L.nproc_per_node, L.nnodes, L.node_rank, L.master_addr,
-                                L.master_port)]
+            for node in (range(L.nnodes) if every else (L.node_rank,))
+            for r in node_ranks(L.nproc_per_node, L.nnodes, node, L.master_addr, L.master_port)]

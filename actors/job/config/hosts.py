@@ -101,6 +101,8 @@ def check_hosts(topology: Topology, need: Any) -> None:
         host = getattr(topology, kind).host
         need(not host or bool(hosts), f"{kind}.host", "needs a [hosts] table naming the hosts")
     need(not run.host or bool(hosts), "run.host", "--host needs a [hosts] table in the topology")
+    need(topology.learner.nnodes == 1 or topology.learner.master_port > 0 or bool(hosts),
+         "learner.master_port", "several nodes must agree on the rendezvous port: set it")
     if not hosts:
         return
     for name, address in hosts.items():

@@ -74,7 +74,9 @@ class LauncherRow:
     build: Callable[[Topology], Launcher]  # the launcher for a job (its file imported then)
     check: Callable[[Topology, Any], None]  # its keys; need(ok, key, why) names a bad one
     problem: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
-    across_nodes: bool = False  # its processes may be on other machines: weights go by zmq
+    # its one runner places processes on other machines: weights go by zmq, and it starts
+    # every node of a learner over several (a local runner starts only its own node's ranks)
+    across_nodes: bool = False
 
 
 def _local(topology: Topology) -> Launcher:
@@ -114,5 +116,13 @@ LAUNCHERS: dict[str, LauncherRow] = {row.name: row for row in (
 
 
 def launcher_for(topology: Topology) -> Launcher:
-    """The launcher ``run.launcher`` names, built for ``topology``."""
-    return LAUNCHERS[topology.run.launcher].build(topology)
+    """The launcher ``run.launcher`` names, built for ``topology``; a ConfigError naming the key
+    where it cannot run here. Asked by the runner alone: a worker attached to the job from
+    another machine reads the same topology and needs no launcher."""
+    from actors.runtime.config import ConfigError
+
+    row = LAUNCHERS[topology.run.launcher]
+    problem = row.problem()
+    if problem is not None:
+        raise ConfigError(f"run.launcher: {row.name}: {problem}")
+    return row.build(topology)

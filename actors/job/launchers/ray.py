@@ -2,12 +2,12 @@
 on a node, starts it there and tells the runner when the node is gone.
 
 At the start (``addresses``) the runner joins the cluster named by ``ray.address`` (or starts
-a Ray of its own on this machine), reserves one placement-group bundle per process (the
-learner's ranks together on one node in rank order, ``STRICT_PACK``; the others by
-``ray.strategy``; a ``KIND.host`` adds that custom resource to its processes' bundles), and
-gives every ``auto`` address the address of the node that binds it, with the ports
-``run.base_port`` says. Each process is then started by a keeper in its bundle
-(``ray_host.py``) with the GPUs Ray gave it. When a keeper is lost (its node died) its process
+a Ray of its own on this machine), reserves placement-group bundles (``ray_plan.py``: one per
+learner node, holding that node's ranks, each on a Ray node of its own; one per other process,
+by ``ray.strategy``; a ``KIND.host`` adds that custom resource), and gives every ``auto``
+address the address of the node that binds it, with the ports ``run.base_port`` says, and the
+learner's rendezvous the address of rank 0's node. Each process is then started by a keeper in
+its bundle (``ray_host.py``) with the GPUs Ray gave it. When a keeper is lost (its node died) its process
 counts as killed: the supervisor restarts it per its kind's ``restart`` policy, in the same
 bundle, which Ray moves to a node with room; a lost replay buffer, router or learner stops the
 job (``runner.py ... run.dir=...`` resumes it). Messages never pass through Ray.
@@ -31,19 +31,19 @@ import trio
 from actors.job.config.hosts import CONTROL_PORT, MASTER_PORT, PORTS, _get
 from actors.job.config.layout import place
 from actors.job.launchers.base import Child, Launcher
+from actors.job.launchers.ray_plan import Wanted, plan_bundles
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.rundir import LOGS, TOPOLOGY
-
-HOST_SHARE = 0.001  # of a KIND.host resource per process: a node's resource serves them all
 
 
 @dataclass
 class Bundle:
-    """One process's reservation: its resources and where the cluster put them."""
+    """One process's reservation: the bundle it is placed in (a learner node's ranks share
+    one), its own resources there, and where the cluster put them."""
 
     group: Any  # its ray.util.placement_group.PlacementGroup
     index: int
-    resources: dict[str, float]
+    resources: dict[str, float]  # the process's own share of the bundle
     node: str = ""  # the node's address, once reserved
     node_id: str = ""  # its Ray id
 
@@ -101,6 +101,7 @@ class RayLauncher(Launcher):
         self.options = topology.ray
         self.temp: str | None = None  # a Ray started for the job: its temp dir, removed at close
         self.bundles: dict[str, Bundle] = {}
+        self.needs: dict[str, dict[str, float]] = {}  # each process's own resources
         self.groups: list[Any] = []
         self.keepers: dict[str, Any] = {}
         self.cluster_gpus = 0
@@ -136,28 +137,15 @@ class RayLauncher(Launcher):
 
         self.connect(len(names))
         self.topology_file = str(Path(topology.run.dir) / TOPOLOGY)
-        gpus = {p.name: p for p in place(topology, names, self.gpus())}
-        have = ray.cluster_resources()
-        learner: list[tuple[str, dict[str, float]]] = []
-        others: list[tuple[str, dict[str, float]]] = []
-        for name in names:
-            kind = name.split("-")[0]
-            host = _host(topology, kind, name)
-            if host and host not in have:
-                raise ConfigError(f"{kind}.host: no node of the Ray cluster has the resource "
-                                  f"{host!r} (it has {', '.join(sorted(have))})")
-            resources = {"CPU": self.options.cpus}
-            placed = gpus.get(name)
-            if placed is not None and placed.gpus:
-                resources["GPU"] = placed.memory_share or float(len(placed.gpus))
-            if host:
-                resources[host] = HOST_SHARE
-            (learner if kind == "learner" else others).append((name, resources))
-        self.reserve(learner, "STRICT_PACK")
-        self.reserve(others, self.options.strategy)
+        placed = {p.name: p for p in place(topology, names, self.gpus())}
+        plan = plan_bundles(topology, names, placed, ray.cluster_resources())
+        self.needs = plan.needs
+        for strategy, wanted in plan.groups:
+            self.reserve(wanted, strategy)
         return self.fill(topology)
 
-    def reserve(self, wanted: list[tuple[str, dict[str, float]]], strategy: str) -> None:
+    def reserve(self, wanted: Wanted, strategy: str) -> None:
+        """One bundle per entry of ``wanted``: its processes and the resources they share."""
         from ray.util.placement_group import placement_group
 
         if not wanted:
@@ -167,16 +155,17 @@ class RayLauncher(Launcher):
         if not group.wait(timeout_seconds=self.options.reserve_timeout_s):
             import ray
 
-            need = "; ".join(f"{n}: {r}" for n, r in wanted)
+            need = "; ".join(f"{'+'.join(n)}: {r}" for n, r in wanted)
             raise ConfigError(
                 f"ray.reserve_timeout_s: the cluster did not grant the job's resources within "
                 f"{self.options.reserve_timeout_s:g}s ({strategy} of {need}; the cluster has "
                 f"{ray.available_resources()} free)")
-        for index, (name, resources) in enumerate(wanted):
-            self.bundles[name] = Bundle(group, index, resources)
+        for index, (names, _) in enumerate(wanted):
+            for name in names:
+                self.bundles[name] = Bundle(group, index, self.needs[name])
         self.locate(group)
         print("=== ray: " + "; ".join(f"{n} on {where(self.bundles[n].node, self.bundles[n].node_id)}"
-                                      for n, _ in wanted), flush=True)
+                                      for names, _ in wanted for n in names), flush=True)
 
     def locate(self, group: Any) -> None:
         """Each bundle of ``group``'s node address (bundles move when a node dies)."""
@@ -211,7 +200,10 @@ class RayLauncher(Launcher):
             replay=rep(topology.replay, address=addr("replay.address", "replay-0")),
             router=rep(topology.router, address=addr("router.address", "router-0"),
                        worker_address=addr("router.worker_address", "router-0")),
+            # the rendezvous on rank 0's node, as with [hosts], unless the topology says where
             learner=rep(L, weights_address=addr("learner.weights_address", "learner-0"),
+                        master_addr=self.bundles["learner-0"].node
+                        if L.master_addr == "127.0.0.1" else L.master_addr,
                         master_port=L.master_port or base + MASTER_PORT),
             control_address=control)
 
@@ -281,12 +273,3 @@ def reachable(address: str, timeout_s: float = 10.0) -> None:
 
 def where(node: str, node_id: str) -> str:
     return f"{node} (node {node_id[:8]})"
-
-
-def _host(topology: Topology, kind: str, name: str) -> str:
-    """The custom resource ``KIND.host`` names for process ``name`` (empty: none)."""
-    host = getattr(topology, kind).host
-    if isinstance(host, list):
-        index = int(name.split("-")[1].split(".")[0])
-        return host[index] if index < len(host) else ""
-    return host

@@ -1,6 +1,7 @@
 """The Ray launcher's checks of a topology (``run.launcher = "ray"``), run with the others before
 anything starts; they need no Ray and no cluster (what the cluster has is checked when the
-runner reserves it, ``ray.py``)."""
+runner reserves it, ``ray.py``), so a worker attached from a machine without Ray reads the
+job's topology as it is (whether Ray is installed is the runner's question: ``launcher_for``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 from actors.job.config.hosts import NAME, PORTS, _get
 from actors.registry import NAMES
 from actors.runtime.config import Topology
-from actors.runtime.config.ray import ray_problem
 
 
 def check_ray(topology: Topology, need: Any) -> None:
@@ -21,10 +21,11 @@ def check_ray(topology: Topology, need: Any) -> None:
     need(not topology.run.host, "run.host", "--host is for [hosts]; under Ray one runner starts "
          "the whole job")
     L = topology.learner
-    need(L.nnodes == 1, "learner.nnodes",
-         "must be 1 under Ray for now: a learner's ranks share one Ray node (run a learner over "
-         "several nodes with [hosts] or SLURM)")
-    need(not isinstance(L.host, list), "learner.host", "names one resource under Ray")
+    need(L.node_rank == 0, "learner.node_rank",
+         "is not set under Ray: the one runner starts every learner node's ranks")
+    need(not isinstance(L.host, list) or len(L.host) == L.nnodes, "learner.host",
+         f"lists {len(L.host) if isinstance(L.host, list) else 1} resources for "
+         f"learner.nnodes = {L.nnodes} nodes (one per node, or one name for all)")
     for kind in NAMES:
         section = getattr(topology, kind)
         hosts = section.host if isinstance(section.host, list) else [section.host]
@@ -40,5 +41,3 @@ def check_ray(topology: Topology, need: Any) -> None:
         need(value == "auto" or value.startswith("tcp://"), key,
              f"{value!r} cannot be reached from other Ray nodes: use auto (the node's own "
              "address, port from run.base_port) or tcp://HOST:PORT")
-    problem = ray_problem()
-    need(problem is None, "run.launcher", f"ray: {problem}")

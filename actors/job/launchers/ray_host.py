@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from actors.runtime.config.gpus import DEVICE_ENV
@@ -24,6 +25,18 @@ ROOT = Path(__file__).resolve().parents[3]  # the tree on this node (a Ray worki
 
 def _die_with_parent() -> None:  # in the child, before exec
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def device_env(assigned: Sequence[object], env: Mapping[str, str]) -> dict[str, str]:
+    """A process's variables on its node: ``env`` (the runner's placement among them), with the
+    GPUs Ray assigned it, where it assigned any, as its ``CUDA_VISIBLE_DEVICES`` and the first
+    of them as its device. Ray's ids number this node's GPUs; the runner's placement numbered
+    the cluster's as if on one machine, so only its choice of how many (and its memory share)
+    carries over. A process with no GPU keeps the placement's (none: ``cpu``)."""
+    if not assigned:
+        return dict(env)
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in assigned),
+            DEVICE_ENV: "cuda:0"}
 
 
 class ProcessKeeper:
@@ -48,11 +61,7 @@ class ProcessKeeper:
         # Ray sets OMP_NUM_THREADS in its workers (to their CPUs: 1) where it is unset; the
         # actors size their threads themselves (KIND.threads), as the runner's own children do
         base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        full = {**base, **env}
-        gpus = [str(g) for g in ray.get_gpu_ids()]
-        if gpus:  # the GPUs Ray gave this process, as it sees them
-            full["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            full[DEVICE_ENV] = "cuda:0"
+        full = device_env(ray.get_gpu_ids(), {**base, **env})
         with open(log, "ab") as out:  # noqa: ASYNC230 - the child holds its own copy
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, *args, cwd=ROOT, env=full, stdout=out, stderr=out,

@@ -24,13 +24,16 @@ class LearnerPlacement(ActorCommon, frozen=True):
     nproc_per_node: PositiveInt = 1
     """Learner ranks on each node (one per GPU): FSDP2 across them, gloo on CPU, NCCL on GPU."""
     nnodes: PositiveInt = 1
-    """Nodes the learner spans; run the runner on each with its own learner.node_rank."""
+    """Nodes the learner spans: with [hosts] or by hand, a runner on each with its own
+    learner.node_rank; under Ray, one runner places every node's ranks."""
     node_rank: NonNegInt = 0
     """This node's index (0 runs the whole job; k > 0 runs only its learner ranks)."""
     master_addr: str = "127.0.0.1"
-    """Host of rank 0 (the group's rendezvous); reachable from every node."""
+    """Host of rank 0 (the group's rendezvous); reachable from every node. With [hosts] or
+    under Ray this default stands for the address of learner node 0's machine."""
     master_port: Port = 0
-    """Rendezvous port on master_addr (0: a free port, one node only)."""
+    """Rendezvous port on master_addr (0: a free port on one node; run.base_port + 4 with
+    [hosts] or under Ray)."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after each forward and reduce gradients after every
     micro-batch (true: least memory), or keep them gathered until backward and reduce once per
@@ -72,8 +75,6 @@ def check_placement(topology: Any, need: Any) -> None:
             need(ok, key, why)
     need(L.node_rank < L.nnodes, "learner.node_rank",
          f"must be in [0, learner.nnodes = {L.nnodes})")
-    need(L.nnodes == 1 or L.master_port > 0 or bool(topology.hosts), "learner.master_port",
-         "several nodes must agree on the rendezvous port: set it")
     need(L.node_rank == 0 or "{time}" not in topology.run.dir, "run.dir",
          "every node's runner must name the same run directory (shared by the nodes): set it")
     world = L.nproc_per_node * L.nnodes
