@@ -73,11 +73,15 @@ def reward_of(c: Generation) -> int:
     return -1 if k is None else k
 
 
-def own_prompt(c: Generation, group: list[int]) -> Tensor | None:
-    """A sample's own prompt when it differs from its group's (an endpoint call that rendered
-    another conversation), else None."""
+def own_prompt(c: Generation, group: list[int], images: list[bytes]
+               ) -> tuple[Tensor | None, list[bytes]]:
+    """A sample's own prompt and its images when they differ from its group's (an endpoint
+    call that rendered another conversation, or sent other images), else (None, [])."""
     ids = getattr(c, "prompt_ids", None)
-    return None if ids is None or ids == group else to_wire(torch.tensor(ids, dtype=torch.int32))
+    own = list(getattr(c, "images", ()))
+    if ids is None or (ids == group and own == list(images)):
+        return None, []
+    return to_wire(torch.tensor(ids, dtype=torch.int32)), own
 
 
 def without_images(prompt: Prompt) -> Prompt:
@@ -204,9 +208,11 @@ class Rollout:
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
                           answer=r.answer, teacher_logprobs=t, reward_of=reward_of(c),
-                          prompt_ids=own_prompt(c, g.prompt_ids))
-                   for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
-                                                    rewards, teacher, strict=True)]
+                          prompt_ids=own[0], images=own[1])
+                   for c, text, r, reward, t, own in zip(
+                       g.completions, texts, results[:len(texts)], rewards, teacher,
+                       [own_prompt(c, g.prompt_ids, p.images) for c in g.completions],
+                       strict=True)]
         return ScoredGroup(
             prompt=without_images(p), prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,

@@ -47,6 +47,7 @@ class EndpointGeneration(AgentGeneration):
     # (None: the episode made no call; the group's prompt)
     reward_of: int | None = None  # a segment its episode left behind: the index in the group
     # of the episode's last sample, whose reward (the scorer's on it) it shares
+    images: tuple[bytes, ...] = ()  # its own prompt's images (their tokens are in prompt_ids)
 
 
 class _Slot:
@@ -156,12 +157,14 @@ class EndpointRollout:
         return ids
 
     async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
-                          stream=None, seed: int | None = None) -> list[Generation]:
-        """``n`` completions of ``ids``; ``stream`` (``GenerateRequest.stream``) hears a
-        continuous engine's tokens as they come; ``seed`` (the request's) seeds an engine
-        with per-sample seeds (vllm), ``GenerateRequest.seed``."""
+                          stream=None, seed: int | None = None,
+                          images: tuple[bytes, ...] = ()) -> list[Generation]:
+        """``n`` completions of ``ids`` (with ``images``, whose tokens ``ids`` holds expanded);
+        ``stream`` (``GenerateRequest.stream``) hears a continuous engine's tokens as they come;
+        ``seed`` (the request's) seeds an engine with per-sample seeds (vllm),
+        ``GenerateRequest.seed``."""
         started = time.monotonic()
-        request = GenerateRequest(ids, params, n, seed=seed, stream=stream)
+        request = GenerateRequest(ids, params, n, seed=seed, images=images, stream=stream)
         if self.engine.continuous:
             (gens,) = await self.engine.generate([request])
         else:
@@ -243,4 +246,5 @@ class EndpointRollout:
         return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
                                   g.finish_reason, g.version, turns=g.turns, own=own,
                                   prompt_ids=seg.prompt if seg is not None else None,
-                                  reward_of=reward_of)
+                                  reward_of=reward_of,
+                                  images=seg.images if seg is not None else ())
