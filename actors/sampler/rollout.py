@@ -180,14 +180,15 @@ class Rollout:
         request = None if ((self.agent is not None and self.agent.env_reward_only)
                            or None not in own) else ScoreRequest(
             data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
-            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens)
+            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens,
+            images=p.images)
         scored, taught = Answer(), Answer()  # the scoring and teacher requests run side by side
         async with anyio.create_task_group() as tg:
             if request is not None:
                 tg.start_soon(scored.fill, self.scoring.score(request))
             if self.teacher and g.completions:  # on-policy distillation: the teacher's log-probs
                 tg.start_soon(taught.fill, teacher_logprobs(
-                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions]))
+                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions], p.images))
         reply = ScoreReply([ScoreResult(0.0)] * len(responses)) if request is None else scored.value
         teacher, teacher_error = taught.value or (None, "")  # (None, ""): not asked
         error = "" if reply is not None else (
