@@ -6,7 +6,6 @@ bad image is a 400 naming the message and the part."""
 
 from __future__ import annotations
 
-import base64
 import re
 from pathlib import Path
 
@@ -23,19 +22,16 @@ from actors.learner.objective import response_logprobs
 from actors.model_store import PolicyModel
 from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.endpoint.episodes import Episode
+from actors.sampler.endpoint.images import data_url, openai_messages
 from actors.sampler.endpoint.strategy import EndpointRollout
 from actors.sampler.engines.hf import HFEngine
-from actors.sampler.rollout import Generated, Rollout
+from actors.sampler.rollout import Generated, Rollout, own_prompt
 from actors.sandbox.protocol import Outcome
 from messages.rollout import ChatMessage, Prompt, SamplingParams, ScoredGroup
 from tests.tiny_vlm import solid_png
 
 RED, BLUE, GREEN = solid_png((230, 20, 20), 28), solid_png((20, 20, 230), 56), \
     solid_png((20, 200, 20), 28)  # 1, 4 and 1 image tokens
-
-
-def data_url(image: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(image).decode()
 
 
 def image(url: str) -> dict:
@@ -186,3 +182,27 @@ def test_a_text_only_policy_refuses_an_image_part(tiny_model):
     run_with_endpoint(r, body)
     assert seen["error"] == ("messages[0].content[0]: an image for a text-only policy (its "
                              "config.json has no vision tower)")
+
+
+def test_a_dataset_prompts_images_reach_the_agent_and_its_sample_trains_on_the_groups(tiny_vlm):
+    """The row an episode gets holds the prompt's images as ``image_url`` parts: sent back
+    unchanged, they make the dataset prompt's tokens, so the sample needs no prompt of its own
+    and trains on the group's prompt and images (which the replay buffer puts back)."""
+    r = make(tiny_vlm)
+    ep = r.episodes["a"] = Episode(SamplingParams(max_tokens=8), max_calls=8)
+    prompt = Prompt(0, [ChatMessage("system", "look"), ChatMessage("user", "<image>and<image>?")],
+                    "colour", "red", images=[RED, BLUE])
+    row = openai_messages(prompt.messages, prompt.images)
+    assert row[1]["content"][0]["image_url"]["url"] == data_url(RED) and row[0]["content"] == "look"
+    seen: dict = {}
+
+    async def body(client: openai.AsyncOpenAI) -> None:
+        seen["first"] = await client.chat.completions.create(model="policy", messages=row,
+                                                             max_tokens=3)
+
+    run_with_endpoint(r, body)
+    ids = r.prompt_ids(prompt)
+    assert seen["first"].prompt_token_ids == ids
+    (sample,) = r.group(ids, [(ep, Outcome(score=1.0))])
+    assert own_prompt(sample, ids, prompt.images) == (None, [])
+

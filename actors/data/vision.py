@@ -109,10 +109,11 @@ class ImageProcessor:
         # the learner's pixels then come from one implementation of the resize
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
         self.image_token: str = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
+        token = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        if not isinstance(token, int) or token == self.tokenizer.unk_token_id:
             raise ValueError(f"{model_path}: the tokenizer has no {self.image_token} token: "
                              "not a Qwen2-VL-family model")
+        self.image_token_id: int = token
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
 
     def pixels(self, images: Sequence[bytes]) -> PixelInputs:

@@ -116,9 +116,7 @@ class Rollout:
 
     async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
                         params: SamplingParams, n: int) -> list[list[Generation]]:
-        if self.agent is not None:
-            if any(p.images for p in prompts):  # they would be lost: refuse
-                raise ValueError("multi-turn rollouts ([agent]) do not take prompts with images")
+        if self.agent is not None:  # each turn's request carries the prompt's images
             return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
         return await self.engine.generate([GenerateRequest(i, params, n, images=tuple(p.images))
                                            for i, p in zip(ids, prompts, strict=True)])

@@ -164,10 +164,6 @@ def check_data(topology: Topology) -> str:
                 data = FileDataset(d, topology.run.seed, key)
                 data.prompt_at(data.name, 0, prompt_id=0)
                 if data.image_key:  # every row's images against its placeholders
-                    if topology.agent.enabled:
-                        raise ConfigError(
-                            f"{key}.path: its rows have images (column {data.image_key!r}), "
-                            "which multi-turn rollouts ([agent]) do not take yet")
                     for row in range(data.size):
                         data.prompt_at(data.name, row, prompt_id=0)
                     images = images or key

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 from urllib.parse import unquote, urlparse
 
-from actors.data.vision import ImageError, decode
+from actors.data.chat import as_dicts
+from actors.data.vision import PLACEHOLDER, ImageError, decode
+from messages.rollout import ChatMessage
 
 
 def image_url(part: dict[str, Any], where: str) -> str:
@@ -85,3 +88,35 @@ def image_parts(content: list[Any], where: str, images: list[bytes] | None) -> l
         elif part.get("text"):
             out.append({"type": "text", "text": part["text"]})
     return out
+
+
+def openai_messages(messages: Sequence[ChatMessage], images: Sequence[bytes]) -> list[dict[str, Any]]:
+    """A dataset prompt as an episode's ``row["prompt"]``: each ``<image>`` placeholder an
+    ``image_url`` part holding its image as a data URL, so an agent that sends the row's
+    messages gets the tokens the sampler makes of the prompt (and its sample trains on the
+    prompt's images)."""
+    if not images:
+        return as_dicts(messages)
+    out: list[dict[str, Any]] = []
+    k = 0
+    for m in messages:
+        if PLACEHOLDER not in m.content:
+            out.append({"role": m.role, "content": m.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, text in enumerate(m.content.split(PLACEHOLDER)):
+            if j:
+                url = data_url(images[k])
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+                k += 1
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({"role": m.role, "content": parts})
+    return out
+
+
+def data_url(image: bytes) -> str:
+    """``image`` (encoded bytes) as a base64 data URL, its type read from its first bytes."""
+    kind = next((k for magic, k in ((b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"RIFF", "webp"))
+                 if image.startswith(magic)), "png")
+    return f"data:image/{kind};base64," + base64.b64encode(image).decode()

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import anyio
 
-from actors.data.chat import ChatTokenizer, as_dicts
+from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
 from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.endpoint.images import openai_messages
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
@@ -149,7 +150,7 @@ class EndpointRollout:
         await self.children.aclose()
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return self.tok.prompt_ids(prompt.messages)
+        return self.tok.prompt_ids(prompt.messages, images=prompt.images)
 
     def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
         """The group's prompt: the dataset prompt's tokens (a sample whose calls rendered
@@ -192,7 +193,8 @@ class EndpointRollout:
         eid = f"{self._prefix}-{next(self._ids)}"
         ep = Episode(params, max_calls=self.cfg.rollout.max_calls)
         self.episodes[eid] = ep
-        row = {"prompt": as_dicts(prompt.messages), "data_source": prompt.data_source,
+        row = {"prompt": openai_messages(prompt.messages, prompt.images),
+               "data_source": prompt.data_source,
                "reward_model": {"ground_truth": prompt.ground_truth, "style": "rule"},
                "extra_info": dict(prompt.extra_info)}
         try:
