@@ -7,6 +7,9 @@ working directory). Remote URLs (``http``, ``https``) are refused: the sampler f
 from the network on an agent's behalf, and a training sample must not depend on what a server
 answered that day. Every refusal is an ``ImageError`` naming the message and the part, which
 the endpoint answers as a 400 (``api.BadRequest``).
+
+The other way round, ``openai_messages`` writes a dataset prompt's images into an episode's
+``row["prompt"]`` as such parts, so an agent that sends the row back gets the prompt's tokens.
 """
 
 from __future__ import annotations
