@@ -30,6 +30,8 @@ class ScoreRequest(msgspec.Struct, tag=True, gc=False):
     extra_info: dict[str, str | int | float] = {}
     prompt: list[ChatMessage] = []  # the prompt's messages, for scorers that read it (reward models)
     max_response_length: int = 0  # the sampler's response budget: L_max of the overlong penalty
+    images: list[bytes] = []  # the prompt's encoded images (``Prompt.images``), for a judge of a
+    # vision-language model, which reads them with the prompt
 
 
 class ScoreResult(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

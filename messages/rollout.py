@@ -102,6 +102,9 @@ class Sample(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # group of the episode's last sample, whose reward it shares (-1: its own reward)
     prompt_ids: Tensor | None = None  # (P',) int32, the sample's own prompt when it is not the
     # group's (an endpoint call that rendered another conversation); None: the group's
+    images: list[bytes] = []  # encoded images of its own prompt (``prompt_ids`` holds their
+    # tokens expanded), an endpoint call's ``image_url`` parts; with ``prompt_ids`` None: the
+    # group's prompt's (``Prompt.images``)
 
 
 class ScoredGroup(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

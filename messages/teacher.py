@@ -20,6 +20,8 @@ class TeacherRequest(msgspec.Struct, tag=True, gc=False):
 
     prompt_ids: Tensor  # (P,) int32, the chat-templated prompt tokens
     responses: list[Tensor]  # each (R_i,) int32, a sample's response tokens
+    images: list[bytes] = []  # the prompt's encoded images (``Prompt.images``): ``prompt_ids``
+    # holds their tokens expanded, and a vision-language teacher reads their pixels
 
 
 class TeacherReply(msgspec.Struct, tag=True, gc=False, omit_defaults=True):

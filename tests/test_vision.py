@@ -312,13 +312,12 @@ def test_the_vision_page_job_is_a_topology_whose_data_passes_the_preflight(tiny_
     check_data(topo)
 
 
-def test_images_with_a_multi_turn_rollout_are_refused_before_the_start(tmp_path):
+def test_images_with_a_multi_turn_rollout_pass_the_preflight(tmp_path):
+    """Agent loops keep the prompt's images across turns (``tests/test_agent_vision.py``)."""
     pq.write_table(pa.Table.from_pylist(image_rows(tmp_path)), tmp_path / "verl.parquet")
     topo = decode_topology({"task": {"datasets": [{"path": str(tmp_path / "verl.parquet")}]},
                             "agent": {"tools": [{"builtin": "calculator"}]}})
-    with pytest.raises(ConfigError, match=r"task.datasets\[0\].path: its rows have images "
-                                          r"\(column 'images'\), which multi-turn rollouts"):
-        check_data(topo)
+    assert check_data(topo) == "task.datasets[0]"
 
 
 def test_validation_prompts_bring_their_images(tmp_path):

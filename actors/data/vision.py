@@ -116,10 +116,11 @@ class ImageProcessor:
         # the learner's pixels then come from one implementation of the resize
         self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
         self.image_token: str = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
+        token = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        if not isinstance(token, int) or token == self.tokenizer.unk_token_id:
             raise ValueError(f"{model_path}: the tokenizer has no {self.image_token} token: "
                              "not a Qwen2-VL-family model")
+        self.image_token_id: int = token
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
 
     def pixels(self, images: Sequence[bytes]) -> PixelInputs:
@@ -141,11 +142,19 @@ class ImageProcessor:
         extra = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(structured(messages), add_generation_prompt=True,
                                                   tokenize=False, **extra)
-        pieces = str(text).split(self.image_token)
+        expanded = self.expand(str(text), images)
+        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
+
+    def expand(self, text: str, images: Sequence[bytes]) -> str:
+        """``text`` as a chat template renders it (one image token per image, in order) with
+        each image's token repeated once per token its features fill: every prompt with images
+        (a dataset's, an endpoint call's) is expanded here, so engine and learner count alike."""
+        pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(images):
             raise ImageError(f"the chat template rendered {len(pieces) - 1} image token(s) for "
                              f"{len(images)} image(s)")
-        counts = self.tokens_per_image(self.pixels(images).image_grid_thw) if images else []
-        expanded = pieces[0] + "".join(self.image_token * c + p
-                                       for c, p in zip(counts, pieces[1:], strict=True))
-        return list(self.tokenizer(expanded, add_special_tokens=False)["input_ids"])
+        if not images:
+            return text
+        counts = self.tokens_per_image(self.pixels(images).image_grid_thw)
+        return pieces[0] + "".join(self.image_token * c + p
+                                   for c, p in zip(counts, pieces[1:], strict=True))

@@ -63,20 +63,20 @@ class VisionRows:
 def vision_rows(groups: list[ScoredGroup], processor: ImageProcessor | None) -> VisionRows | None:
     """The images of a batch built from ``groups`` (rows as ``build_batch`` orders them), or
     None when no prompt has any. Each group's images are processed once and repeated for its
-    samples."""
-    if not any(g.prompt.images for g in groups):
+    samples; a sample with a prompt of its own (an endpoint call's) has its own images."""
+    if not any(g.prompt.images or any(s.images for s in g.samples) for g in groups):
         return None
     if processor is None:
         raise ValueError("a batch with images for a model without a vision tower")
     pixels, grids, per_row, lengths = [], [], [], []
     for g in groups:
-        inputs = processor.pixels(g.prompt.images) if g.prompt.images else None
+        shared = processor.pixels(g.prompt.images) if g.prompt.images else None
         for s in g.samples:
-            if s.prompt_ids is not None:
-                raise ValueError("samples with a prompt of their own (endpoint branches) do not "
-                                 "carry images yet")
-            per_row.append(len(g.prompt.images))
-            lengths.append(g.prompt_ids.shape[0])
+            own = s.prompt_ids is not None
+            images = s.images if own else g.prompt.images
+            inputs = (processor.pixels(images) if images else None) if own else shared
+            per_row.append(len(images))
+            lengths.append((g.prompt_ids if s.prompt_ids is None else s.prompt_ids).shape[0])
             if inputs is not None:
                 pixels.append(inputs.pixel_values)
                 grids.append(inputs.image_grid_thw)

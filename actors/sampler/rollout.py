@@ -73,11 +73,15 @@ def reward_of(c: Generation) -> int:
     return -1 if k is None else k
 
 
-def own_prompt(c: Generation, group: list[int]) -> Tensor | None:
-    """A sample's own prompt when it differs from its group's (an endpoint call that rendered
-    another conversation), else None."""
+def own_prompt(c: Generation, group: list[int], images: list[bytes]
+               ) -> tuple[Tensor | None, list[bytes]]:
+    """A sample's own prompt and its images when they differ from its group's (an endpoint
+    call that rendered another conversation, or sent other images), else (None, [])."""
     ids = getattr(c, "prompt_ids", None)
-    return None if ids is None or ids == group else to_wire(torch.tensor(ids, dtype=torch.int32))
+    own = list(getattr(c, "images", ()))
+    if ids is None or (ids == group and own == list(images)):
+        return None, []
+    return to_wire(torch.tensor(ids, dtype=torch.int32)), own
 
 
 def without_images(prompt: Prompt) -> Prompt:
@@ -112,9 +116,7 @@ class Rollout:
 
     async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
                         params: SamplingParams, n: int) -> list[list[Generation]]:
-        if self.agent is not None:
-            if any(p.images for p in prompts):  # they would be lost: refuse
-                raise ValueError("multi-turn rollouts ([agent]) do not take prompts with images")
+        if self.agent is not None:  # each turn's request carries the prompt's images
             return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
         return await self.engine.generate([GenerateRequest(i, params, n, images=tuple(p.images))
                                            for i, p in zip(ids, prompts, strict=True)])
@@ -176,14 +178,15 @@ class Rollout:
         request = None if ((self.agent is not None and self.agent.env_reward_only)
                            or None not in own) else ScoreRequest(
             data_source=p.data_source, ground_truth=p.ground_truth, responses=responses,
-            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens)
+            extra_info=p.extra_info, prompt=p.messages, max_response_length=self.params.max_tokens,
+            images=p.images)
         scored, taught = Answer(), Answer()  # the scoring and teacher requests run side by side
         async with anyio.create_task_group() as tg:
             if request is not None:
                 tg.start_soon(scored.fill, self.scoring.score(request))
             if self.teacher and g.completions:  # on-policy distillation: the teacher's log-probs
                 tg.start_soon(taught.fill, teacher_logprobs(
-                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions]))
+                    self.scoring, g.prompt_ids, [c.token_ids for c in g.completions], p.images))
         reply = ScoreReply([ScoreResult(0.0)] * len(responses)) if request is None else scored.value
         teacher, teacher_error = taught.value or (None, "")  # (None, ""): not asked
         error = "" if reply is not None else (
@@ -204,9 +207,11 @@ class Rollout:
                           token_versions=to_wire(c.versions), loss_mask=to_wire(c.loss_mask),
                           reward_extra=r.extra, turns=turns_of(c), seed=c.seed,
                           answer=r.answer, teacher_logprobs=t, reward_of=reward_of(c),
-                          prompt_ids=own_prompt(c, g.prompt_ids))
-                   for c, text, r, reward, t in zip(g.completions, texts, results[:len(texts)],
-                                                    rewards, teacher, strict=True)]
+                          prompt_ids=own[0], images=own[1])
+                   for c, text, r, reward, t, own in zip(
+                       g.completions, texts, results[:len(texts)], rewards, teacher,
+                       [own_prompt(c, g.prompt_ids, p.images) for c in g.completions],
+                       strict=True)]
         return ScoredGroup(
             prompt=without_images(p), prompt_ids=to_wire(torch.tensor(g.prompt_ids, dtype=torch.int32)),
             samples=samples, sampler=self.sampler, generate_seconds=g.generate_seconds,

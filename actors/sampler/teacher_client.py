@@ -18,10 +18,12 @@ _codec: Codec[ToTeacherClient] = Codec(ToTeacherClient)
 
 
 async def teacher_logprobs(client: ScoringClient, prompt_ids: list[int],
-                           responses: list[torch.Tensor]) -> tuple[list[Tensor] | None, str]:
-    """Per response, the teacher's ``(R_i,)`` float32 log-probs of its tokens; or None and why."""
+                           responses: list[torch.Tensor], images: list[bytes] | None = None
+                           ) -> tuple[list[Tensor] | None, str]:
+    """Per response, the teacher's ``(R_i,)`` float32 log-probs of its tokens (given the
+    prompt's ``images``); or None and why."""
     request = TeacherRequest(to_wire(torch.tensor(prompt_ids, dtype=torch.int32)),
-                             [to_wire(r.to(torch.int32)) for r in responses])
+                             [to_wire(r.to(torch.int32)) for r in responses], list(images or []))
     body = await client.request(POOL, encode(request))
     if body is None:
         return None, (f"no teacher worker answered after {client.attempts} sends "

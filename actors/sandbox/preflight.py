@@ -179,10 +179,11 @@ def check_model(path: str, needs_chat: bool = True) -> str:
     return ""
 
 
-def check_teacher(path: str, student: str) -> str:
+def check_teacher(path: str, student: str, images: str = "") -> str:
     """``[teacher]``'s model ``path`` loads as a causal LM and tokenizes exactly as the student
     (``student``, model.path) does: the teacher scores the student's token ids, so one id must
-    mean the same token to both (the same vocabulary and special tokens, ids the model covers)."""
+    mean the same token to both (the same vocabulary and special tokens, ids the model covers).
+    ``images`` (the key of a dataset with images): the teacher must see them too."""
     problem = check_model(path, needs_chat=False)
     if problem:
         return problem
@@ -190,7 +191,8 @@ def check_teacher(path: str, student: str) -> str:
 
     try:
         mine, theirs = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(student)
-        vocab_size = AutoConfig.from_pretrained(path).vocab_size
+        # a vision-language model's vocabulary is its text model's
+        vocab_size = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     except (Exception, SystemExit) as exc:
         return f"{path}: the tokenizers do not load: {describe(exc)}"
     a, b = mine.get_vocab(), theirs.get_vocab()
@@ -209,4 +211,33 @@ def check_teacher(path: str, student: str) -> str:
     if why:
         return (f"the teacher {path} and the student {student} (model.path) do not share a "
                 f"tokenizer: {why}; the teacher scores the student's token ids, so they must")
+    return teacher_images(path, student, images) if images else ""
+
+
+def teacher_images(path: str, student: str, where: str) -> str:
+    """A teacher of prompts with images (``where`` has them) is a vision-language model whose
+    processor counts each image's tokens as the student's does: it scores the student's prompt
+    tokens, where each image's tokens are expanded already. Probed on a few image sizes."""
+    import io
+
+    from PIL import Image
+
+    from actors.data.vision import ImageProcessor, is_vision_model
+
+    if not is_vision_model(path):
+        return (f"the teacher {path} is a text-only model and {where} has images: it would read "
+                "the student's image tokens without the images; use a vision-language teacher")
+    try:
+        mine, theirs = ImageProcessor(path), ImageProcessor(student)
+    except (Exception, SystemExit) as exc:
+        return f"{path}: the image processors do not load: {describe(exc)}"
+    for size in ((28, 28), (200, 120), (640, 480), (1280, 720)):
+        out = io.BytesIO()
+        Image.new("RGB", size, (128, 128, 128)).save(out, format="PNG")
+        a, b = (sum(p.tokens_per_image(p.pixels([out.getvalue()]).image_grid_thw))
+                for p in (mine, theirs))
+        if a != b:
+            return (f"the teacher {path} and the student {student} (model.path) process images "
+                    f"differently: a {size[0]}x{size[1]} image is {a} image tokens for the "
+                    f"teacher and {b} for the student; the teacher scores the student's tokens")
     return ""

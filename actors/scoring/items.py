@@ -21,6 +21,8 @@ class ScoreItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # ``num_turns`` (``with_turns``)
     response_length: int = 0  # response tokens, for the overlong penalty (0: unknown, none applied)
     prompt: list[ChatMessage] = []  # the prompt's messages, for scorers that read it (reward models)
+    images: list[bytes] = []  # the prompt's images (one per ``<image>`` in its messages), for a
+    # judge of a vision-language model
 
 
 def turn_dict(turn: Turn) -> dict[str, Any]:
@@ -50,7 +52,8 @@ def items_of(request: ScoreRequest) -> list[ScoreItem]:
     """The items of a group's request: its responses, each with the prompt's fields (and its
     own turns, for a multi-turn response)."""
     return [ScoreItem(request.data_source, r.solution_str, request.ground_truth,
-                      with_turns(request.extra_info, r.turns), r.length, request.prompt)
+                      with_turns(request.extra_info, r.turns), r.length, request.prompt,
+                      request.images)
             for r in request.responses]
 
 

@@ -12,6 +12,13 @@ with the answer's start), never a silent 0.
 The judge generates through the sampler's engine protocol (``actors/sampler/engines``: hf or
 vllm from the registry), all the items of a batch in one ``generate`` call. Torch-free until a
 replica loads it.
+
+Images: a judge that is a vision-language model reads the prompt's images with it (the filled
+template is its user message, each ``<image>`` of ``{prompt}`` an image part, expanded by the
+judge's own processor as the sampler expands a dataset prompt's; a template without
+``{prompt}`` gets the images before its text). A text-only judge reads the prompt's text, where
+each image stays a literal ``<image>``, as a verl reward model reads a multimodal prompt's text;
+it counts the items it judged without their images (``judge_images_unseen``).
 """
 
 from __future__ import annotations
@@ -176,8 +183,10 @@ class Judge:
             self.children = Children(
                 [FunctionSpec(path=cfg.function_path, name=cfg.function_name)], size=1,
                 timeout_s=R.timeout_s, memory_mb=R.memory_mb, cpu_s=R.cpu_s, limits_key="reward")
+        self.processor: Any = None  # a vision-language judge's ImageProcessor (set by load)
         self.answers = 0  # answers generated
         self.unreadable = 0  # answers the parser could not read
+        self.images_unseen = 0  # items with images a text-only judge read without them
 
     async def load(self, device: Any) -> None:
         """Start the judge's engine on ``device`` (a broken one fails the replica at start)."""
@@ -191,6 +200,9 @@ class Judge:
         self.engine = await ENGINES[self.cfg.engine].start(EngineSpec(
             Path(self.cfg.path), dtype.removeprefix("torch."), self.topology.run.seed,
             device, sampler, label=self.label))
+        from actors.data.vision import ImageProcessor, is_vision_model
+
+        self.processor = ImageProcessor(self.cfg.path) if is_vision_model(self.cfg.path) else None
         self.tokenizer = getattr(self.engine, "tokenizer", None)
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -204,9 +216,14 @@ class Judge:
 
     def prompt_ids(self, item: ScoreItem) -> list[int]:
         from actors.data.chat import chat_ids
+        from actors.data.vision import PLACEHOLDER
         from messages.rollout import ChatMessage
 
         text = self.cfg.template.format_map(judge_fields(item))
+        if item.images and self.processor is not None:
+            if PLACEHOLDER not in text:  # the template shows no prompt: the images go first
+                text = PLACEHOLDER * len(item.images) + text
+            return self.processor.prompt_ids([ChatMessage("user", text)], item.images)
         if self.tokenizer.chat_template:
             return chat_ids(self.tokenizer, [ChatMessage("user", text)])
         return list(self.tokenizer(text)["input_ids"])
@@ -217,7 +234,12 @@ class Judge:
         from messages.rollout import SamplingParams
 
         params = SamplingParams(temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens)
-        requests = [GenerateRequest(self.prompt_ids(item), params) for item in items]
+        vision = self.processor is not None
+        requests = [GenerateRequest(self.prompt_ids(item), params,
+                                    images=tuple(item.images) if vision else ())
+                    for item in items]
+        if not vision:
+            self.images_unseen += sum(1 for item in items if item.images)
         out = await self.engine.generate(requests)  # continuous engines run them at once
         return [self.tokenizer.decode(gens[0].token_ids.tolist(), skip_special_tokens=True)
                 for gens in out]
@@ -246,7 +268,8 @@ class Judge:
 
     def status(self) -> dict[str, Any]:
         """The judge's counts, and a vllm engine's own sleep (an hf one sleeps as a module)."""
-        out: dict[str, Any] = {"judge_answers": self.answers, "judge_unreadable": self.unreadable}
+        out: dict[str, Any] = {"judge_answers": self.answers, "judge_unreadable": self.unreadable,
+                               "judge_images_unseen": self.images_unseen}
         if self.engine is not None and self.module is None and self.cfg.sleep_idle_s > 0:
             out.update(self.engine.sleep.clock.statistics().status())
         return out

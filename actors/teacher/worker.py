@@ -92,7 +92,8 @@ class TeacherWorker(PoolWorker):
             try:
                 if self.sleeper is not None and self.sleeper.asleep:  # woken by the request
                     await anyio.to_thread.run_sync(self.sleeper.wake)
-                lps = await anyio.to_thread.run_sync(self.forward, prompt, responses)
+                lps = await anyio.to_thread.run_sync(self.forward, prompt, responses,
+                                                     request.images)
             except Exception as exc:  # a forward's failure is the request's error, not the worker's
                 self.errors += 1
                 return TeacherReply([], error=f"teacher: {type(exc).__name__}: {exc}"[:500])

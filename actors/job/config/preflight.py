@@ -7,7 +7,9 @@ reason``, exit 2 from the runner) when:
 - ``model.path`` is not a model directory, is not a causal LM, its tokenizer does not load, or
   it has no chat template (every prompt is chat messages rendered by it);
 - ``teacher.path`` (on-policy distillation) is not a causal LM, or its tokenizer is not the
-  student's (the error names both models);
+  student's (the error names both models); with images in the data, it is a text-only model
+  (it would read the student's image tokens without their images) or its processor counts an
+  image's tokens otherwise than the student's;
 - a file of ``task.datasets`` or ``validation.datasets`` does not read whole the way the replay
   buffer reads it (not a parquet file, a jsonl line that is not a JSON object, a first prompt
   that is not a prompt); in a file with images, any row whose ``<image>`` placeholders do not
@@ -96,13 +98,15 @@ async def _in_children(checks: list[tuple[str, str, dict[str, Any]]]) -> list[st
     return problems
 
 
-def _check_in_children(topology: Topology, model_path: str) -> None:
+def _check_in_children(topology: Topology, model_path: str, images: str = "") -> None:
+    """The checks that load models and user code; ``images``: the first dataset key whose rows
+    have images ("" when none)."""
     checks = [("model.path", "check_model", {"path": model_path, "needs_chat": True})]
     checks += [(key, "check_function", args) for key, args in user_code(topology)]
     if topology.teacher.path:  # on-policy distillation: the teacher reads the student's ids
         checks.append(("teacher.path", "check_teacher",
                        {"path": _directory(topology.teacher.path, "teacher.path"),
-                        "student": model_path}))
+                        "student": model_path, "images": images}))
     passed = _passed_marker(model_path)
     if passed is not None and passed.exists():
         _done.setdefault(_memo(checks[0]), [""])
@@ -141,13 +145,15 @@ def _memo(check: tuple[str, str, dict[str, Any]]) -> tuple:
     return check[1], msgspec.json.encode(check[2])
 
 
-def check_data(topology: Topology) -> None:
-    """Every dataset file read whole as the replay buffer reads it, and its first prompt built."""
+def check_data(topology: Topology) -> str:
+    """Every dataset file read whole as the replay buffer reads it, and its first prompt built;
+    returns the key of the first training dataset whose rows have images ("" when none)."""
     import pyarrow as pa  # type: ignore[import-untyped]
 
     from actors.data.datasets import FileDataset
     from actors.validation.prompts import validation_prompts
 
+    images = ""
     for where, datasets in (("task.datasets", topology.task.datasets),
                             ("validation.datasets", topology.validation.datasets)):
         for i, d in enumerate(datasets):
@@ -158,12 +164,9 @@ def check_data(topology: Topology) -> None:
                 data = FileDataset(d, topology.run.seed, key)
                 data.prompt_at(data.name, 0, prompt_id=0)
                 if data.image_key:  # every row's images against its placeholders
-                    if topology.agent.enabled:
-                        raise ConfigError(
-                            f"{key}.path: its rows have images (column {data.image_key!r}), "
-                            "which multi-turn rollouts ([agent]) do not take yet")
                     for row in range(data.size):
                         data.prompt_at(data.name, row, prompt_id=0)
+                    images = images or key
             except pa.ArrowException as exc:
                 suffix = ".parquet" if d.path.endswith(".parquet") else ""
                 raise ConfigError(f"{key}.path: {'not a parquet file' if suffix else 'unreadable'}"
@@ -179,6 +182,7 @@ def check_data(topology: Topology) -> None:
             validation_prompts(topology)  # every row of every file, as the replay buffer does
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    return images
 
 
 def model_directory(topology: Topology) -> str:
@@ -199,5 +203,5 @@ def _directory(path: str, key: str) -> str:
 def preflight(topology: Topology) -> None:
     """Raise ``ConfigError`` (naming the key) for a model, data file or user code the job's
     actors would fail to load; nothing is started."""
-    check_data(topology)
-    _check_in_children(topology, model_directory(topology))
+    images = check_data(topology)
+    _check_in_children(topology, model_directory(topology), images)

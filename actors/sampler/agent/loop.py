@@ -7,6 +7,12 @@ or environment's answer is rendered into tokens once (``render.Renderer``) and a
 loss mask 0. Nothing already in the list is ever re-tokenized or re-templated, so the tokens
 the learner trains on are the tokens the log-probs were computed on.
 
+A prompt with images (a vision-language model's) keeps them for the whole episode: every turn's
+request carries them (their tokens are the prompt's, at its start), and the sample trains on
+them as a single turn's does (the replay buffer hands the group's prompt images to the learner).
+A model turn that writes the image token ends its episode: the next turn's context would hold
+one image token more than its images fill, which no engine takes (``image_stops`` counts them).
+
 The response budget (``max_tokens``) counts every token after the prompt, tool tokens
 included: a model turn gets what is left of it, and an answer that does not fit is cut there;
 either way the sample ends with ``finish_reason = "length"``. A sample also ends when the model
@@ -67,11 +73,12 @@ class Rounds:
     def __init__(self, engine: Engine, params: SamplingParams, episodes: int) -> None:
         self.engine, self.params = engine, params
         self.active = episodes  # episodes not finished: a round waits for each of them
-        self.pending: list[tuple[list[int], int, _Slot]] = []
+        self.pending: list[tuple[list[int], int, tuple[bytes, ...], _Slot]] = []
 
-    async def generate(self, ids: list[int], budget: int) -> Generation:
+    async def generate(self, ids: list[int], budget: int,
+                       images: tuple[bytes, ...] = ()) -> Generation:
         slot = _Slot()
-        self.pending.append((ids, budget, slot))
+        self.pending.append((ids, budget, images, slot))
         if len(self.pending) == self.active:
             await self._fire()
         await slot.done.wait()
@@ -87,9 +94,10 @@ class Rounds:
     async def _fire(self) -> None:
         batch, self.pending = self.pending, []
         # one call has one setting: the largest budget, each completion then cut to its own
-        params = replace(self.params, max_tokens=max(b for _, b, _ in batch))
-        out = await self.engine.generate([GenerateRequest(ids, params, 1) for ids, _, _ in batch])
-        for (_, budget, slot), (gen,) in zip(batch, out, strict=True):
+        params = replace(self.params, max_tokens=max(b for _, b, _, _ in batch))
+        out = await self.engine.generate([GenerateRequest(ids, params, 1, images=images)
+                                          for ids, _, images, _ in batch])
+        for (_, budget, _, slot), (gen,) in zip(batch, out, strict=True):
             slot.result = cut(gen, budget)
             slot.done.set()
 
@@ -100,9 +108,10 @@ class Direct:
     def __init__(self, engine: Engine, params: SamplingParams) -> None:
         self.engine, self.params = engine, params
 
-    async def generate(self, ids: list[int], budget: int) -> Generation:
+    async def generate(self, ids: list[int], budget: int,
+                       images: tuple[bytes, ...] = ()) -> Generation:
         ((gen,),) = await self.engine.generate(
-            [GenerateRequest(ids, replace(self.params, max_tokens=budget), 1)])
+            [GenerateRequest(ids, replace(self.params, max_tokens=budget), 1, images=images)])
         return cut(gen, budget)
 
     async def leave(self) -> None:
@@ -160,6 +169,9 @@ class AgentLoop:
                                  cfg.max_tool_response_tokens)
         self.parser: Parser | None = None
         self.stop: tuple[str, ...] = ()  # stop strings added to the sampling parameters
+        processor = tokenizer.processor
+        self.image_token = processor.image_token_id if processor is not None else -1
+        self.image_stops = 0  # episodes ended because a model turn wrote the image token
 
     @property
     def broken(self) -> str:
@@ -172,14 +184,16 @@ class AgentLoop:
         return bool(self.cfg.env.path) and self.cfg.env.reward == "replace"
 
     def statistics(self) -> dict[str, int | str]:
-        """Counters since start, for the sampler's status."""
+        """Counters since start, for the sampler's status (a vision-language policy's
+        ``image_stops`` too)."""
+        images = {"image_stops": self.image_stops} if self.image_token >= 0 else {}
         if self.tools is not None:
             s = self.tools.statistics()
             broken = {"tool_broken": self.tools.broken} if self.tools.broken else {}
             return {"tool_calls": s.calls, "tool_errors": s.errors, "tool_timeouts": s.timeouts,
-                    "tool_crashes": s.crashes, **broken}
+                    "tool_crashes": s.crashes, **images, **broken}
         assert self.env is not None
-        return {"env_steps": self.env.steps, "env_errors": self.env.errors}
+        return {"env_steps": self.env.steps, "env_errors": self.env.errors, **images}
 
     async def start(self) -> None:
         """Build the tools' schemas (in a child); raises when a tool does not load."""
@@ -205,7 +219,7 @@ class AgentLoop:
         """The prompt's tokens, with the tools described (``render.prompt_ids``)."""
         schemas = self.tools.schemas if self.tools is not None else []
         return prompt_ids(self.tok, prompt.messages, schemas, self.parser,
-                          hermes=self.cfg.parser == "hermes")
+                          hermes=self.cfg.parser == "hermes", images=prompt.images)
 
     async def generate(self, prompts: list[Prompt], ids: list[list[int]], n: int,
                        params: SamplingParams) -> list[list[AgentGeneration]]:
@@ -229,6 +243,7 @@ class AgentLoop:
     async def episode(self, prompt: Prompt, prompt_ids: list[int], gen: Rounds | Direct,
                       budget: int) -> AgentGeneration:
         t = Transcript()
+        images = tuple(prompt.images)  # every turn's request carries the prompt's images
         env = self.env.episode() if self.env is not None else None
         finish = "stop"
         alone = False  # the environment failed to reset: the model answers without it
@@ -246,7 +261,7 @@ class AgentLoop:
                 if finish == "length" or len(t.ids) >= budget:
                     finish = "length"
                     break
-                g = await gen.generate(prompt_ids + t.ids, budget - len(t.ids))
+                g = await gen.generate(prompt_ids + t.ids, budget - len(t.ids), images)
                 text = self.tok.decode(g.token_ids.tolist())
                 t.model_turn(g, text)
                 if g.finish_reason == "length":  # the budget ran out inside the turn
@@ -254,6 +269,9 @@ class AgentLoop:
                     break
                 if alone:
                     break
+                if images and self.image_token in g.token_ids.tolist():
+                    self.image_stops += 1  # the next context would hold an image token with
+                    break  # no image: no engine takes it (the learner reads it as text)
                 last = turn == self.cfg.max_turns - 1
                 if env is None:
                     if last:  # a call made in the last turn is not run

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.data.chat import ChatTokenizer, as_dicts, chat_ids
+from actors.data.chat import ChatTokenizer, as_dicts
 from actors.sampler.agent.parsers import Parser
 from messages.rollout import ChatMessage
 
@@ -99,20 +99,22 @@ class Renderer:
 
 
 def prompt_ids(tok: ChatTokenizer, messages: Sequence[ChatMessage],
-               schemas: list[dict[str, Any]], parser: Parser | None, hermes: bool) -> list[int]:
+               schemas: list[dict[str, Any]], parser: Parser | None, hermes: bool,
+               images: Sequence[bytes] = ()) -> list[int]:
     """The prompt's tokens with the tools described: by the chat template when it renders
     ``tools`` and the parser is hermes (the format such templates teach), else by the parser's
-    instructions at the end of the system message (one is added when there is none)."""
+    instructions at the end of the system message (one is added when there is none). With
+    ``images``, each image's tokens are expanded by the model's processor, as a single turn's."""
     if not schemas or parser is None:
-        return tok.prompt_ids(messages)
+        return tok.prompt_ids(messages, images=images)
     if hermes and renders_tools(tok):
-        return chat_ids(tok.tokenizer, messages, schemas)
+        return tok.prompt_ids(messages, schemas, images)
     text = parser.instructions(schemas)
     first = messages[0] if messages else None
     if first is not None and first.role == "system":
         head = [ChatMessage("system", f"{first.content}\n\n{text}")]
-        return tok.prompt_ids(head + list(messages[1:]))
-    return tok.prompt_ids([ChatMessage("system", text), *messages])
+        return tok.prompt_ids(head + list(messages[1:]), images=images)
+    return tok.prompt_ids([ChatMessage("system", text), *messages], images=images)
 
 
 def renders_tools(tok: ChatTokenizer) -> bool:

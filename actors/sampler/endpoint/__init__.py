@@ -5,5 +5,6 @@
   the batch engine's batching of concurrent calls).
 - ``episodes.py``: one episode's segments, token in and token out.
 - ``api.py``: the OpenAI wire format (requests, chat template, tool calls, responses).
+- ``images.py``: ``image_url`` content parts read into encoded images (data URLs, paths).
 - ``server.py``: the Starlette app on Hypercorn's trio worker.
 """

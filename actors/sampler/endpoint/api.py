@@ -1,5 +1,6 @@
 """The OpenAI wire format: request bodies decoded (a bad one is a ``BadRequest`` naming the
-field), messages rendered by the chat template, a completion's text read back as content and
+field), messages rendered by the chat template (``image_url`` parts through the model's processor,
+``images.py``), a completion's text read back as content and
 tool calls, and the response bodies (with the token ids and policy version as extra fields,
 vLLM's ``return_token_ids`` style).
 
@@ -15,7 +16,10 @@ from typing import Any
 
 import msgspec
 
+from actors.data.chat import ChatTokenizer
+from actors.data.vision import ImageError
 from actors.sampler.agent.parsers import Hermes, Parser
+from actors.sampler.endpoint.images import has_images, image_parts
 
 
 class BadRequest(Exception):
@@ -140,14 +144,22 @@ def _content(value: Any) -> str:
     raise BadRequest(f"a message's content is {type(value).__name__}, not text or parts")
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: text content, tool-call arguments as objects
-    (the API sends them as JSON strings; templates write them with ``tojson``)."""
+def template_messages(messages: list[dict[str, Any]],
+                      images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content (a message with ``image_url``
+    parts keeps its parts, each image an ``{"type": "image"}`` part, and its images are
+    appended to ``images``; None: a text-only policy, which refuses them), tool-call arguments
+    as objects (the API sends them as JSON strings; templates write them with ``tojson``)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}].role: missing or not a string")
-        one = {**m, "content": _content(m.get("content"))}
+        content = m.get("content")
+        try:
+            one = {**m, "content": image_parts(content, f"messages[{i}].content", images)
+                   if has_images(content) else _content(content)}
+        except ImageError as exc:  # it names the message and the part
+            raise BadRequest(str(exc)) from None
         if m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:
@@ -163,17 +175,27 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render(hf_tokenizer: Any, request: ChatRequest) -> str:
-    """The request's conversation as the chat template writes it, the assistant's turn opened."""
-    extra = {"tools": request.tools} if request.tools and request.tool_choice != "none" else {}
+def render(tok: ChatTokenizer, request: ChatRequest) -> tuple[str, tuple[bytes, ...]]:
+    """The request's conversation as the chat template writes it, the assistant's turn opened,
+    and its images in order: each image's token expanded by the model's processor as a
+    dataset prompt's are (``ImageProcessor.expand``)."""
+    extra: dict[str, Any] = {"tools": request.tools} \
+        if request.tools and request.tool_choice != "none" else {}
+    images: list[bytes] | None = [] if tok.processor is not None else None
+    messages = template_messages(request.messages, images)
+    hf: Any = tok.tokenizer
     try:
-        return str(hf_tokenizer.apply_chat_template(
-            template_messages(request.messages), tokenize=False, add_generation_prompt=True,
-            **extra))
-    except BadRequest:
-        raise
+        text = str(hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra))
     except Exception as exc:  # jinja's errors: a message the template refuses
         raise BadRequest(f"the chat template refused the messages: {exc}") from None
+    if not images:
+        return text, ()
+    assert tok.processor is not None  # images is a list only for a vision-language policy
+    try:
+        return tok.processor.expand(text, images), tuple(images)
+    except ImageError as exc:  # a template that writes no image token for an image part
+        raise BadRequest(f"messages: {exc}") from None
 
 
 def assistant_message(text: str, parser: Parser | None) -> tuple[dict[str, Any], bool]:

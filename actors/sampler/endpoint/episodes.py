@@ -39,6 +39,8 @@ class Segment:
     # extends it any more
     fresh: bool = False  # a call's new segment (it extends none): once answered, the previous
     # call's segment is left behind
+    images: tuple[bytes, ...] = ()  # its prompt's images, in order (their tokens are prompt
+    # tokens): every call that extends it sends these images and no other
 
     def extend(self, ids: list[int], turn: Turn, text: str, budget: int) -> None:
         """The environment's tokens between two calls, cut to what is left of ``budget``."""
@@ -55,7 +57,7 @@ class Segment:
         t = Transcript()
         t.ids, t.logprobs = list(self.t.ids), list(self.t.logprobs)
         t.versions, t.mask, t.turns = list(self.t.versions), list(self.t.mask), list(self.t.turns)
-        return Segment(list(self.prompt), self.text, t, self.full)
+        return Segment(list(self.prompt), self.text, t, self.full, images=self.images)
 
 
 @dataclass
@@ -70,13 +72,16 @@ class Episode:
     last: list[Segment] = field(default_factory=list)  # one per choice of the last call
     done: list[Segment] = field(default_factory=list)  # left behind by a call that branched
 
-    def base(self, text: str, encode, role: str) -> Segment:
-        """The segment a call on ``text`` continues (a copy, with the new tokens as the
-        environment's), or a new one on ``text``'s own tokens."""
-        match = max((s for s in self.last if not s.full and text.startswith(s.text)),
+    def base(self, text: str, encode, role: str, images: tuple[bytes, ...] = ()) -> Segment:
+        """The segment a call on ``text`` with ``images`` continues (a copy, with the new tokens
+        as the environment's), or a new one on ``text``'s own tokens. A call extends only a
+        segment with the same images: an image added in a later turn would put image tokens
+        in the response, so the call starts a new segment with every image in its prompt."""
+        match = max((s for s in self.last
+                     if not s.full and s.images == images and text.startswith(s.text)),
                     key=lambda s: len(s.text), default=None)
         if match is None:
-            return Segment(encode(text), text, fresh=True)
+            return Segment(encode(text), text, fresh=True, images=images)
         seg = match.copy()
         new = text[len(seg.text):]
         if new:

@@ -113,12 +113,12 @@ class Calls:
         ep = self.episode(request)
         raw_body = await request.body()
         req: ChatRequest = decode_body(raw_body, ChatRequest)
-        text = render(self.r.tok.tokenizer, req)
+        text, images = render(self.r.tok, req)
         forced = forced_tool(req)
         prefix = call_prefix(self.r.cfg.parser, forced) if forced else ""
         text += prefix  # the forced call opened: its tokens are the prompt's, mask 0
         role = "tool" if req.messages[-1].get("role") == "tool" else "user"
-        seg = ep.base(text, self.encode, role)
+        seg = ep.base(text, self.encode, role, images)
         params = self.params(ep, req, seg)
         parser = make_parser(self.r.cfg.parser, req.tools) if req.tools and \
             req.tool_choice != "none" else None
@@ -127,7 +127,8 @@ class Calls:
                                                                         parser):
             return StreamingResponse(stream_tokens(self, ep, seg, req, params, raw_body, usage),
                                      media_type="text/event-stream")
-        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed,
+                                   images=seg.images)
         body, raws = self.chat_body(req, seg, gens, params, parser, forced, prefix)
         ep.answered(seg, gens, raws, raw_body.decode(), json.dumps(body))
         if req.stream:  # a batch engine's (hf) completions arrive whole: sent whole
@@ -166,7 +167,8 @@ class Calls:
             seg = ep.base_ids(req.prompt, self.r.tok.tokenizer.decode(
                 req.prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False))
         params = self.params(ep, req, seg)
-        gens = await self.generate(seg.context, params, req.n, seed=req.seed)
+        gens = await self.generate(seg.context, params, req.n, seed=req.seed,
+                                   images=seg.images)
         raws, contents, finishes = self.texts(gens, params.stop)
         choices = [{"index": k, "text": c, "finish_reason": f, "token_ids": g.token_ids.tolist(),
                     "logprobs": {"tokens": self.pieces(g), "token_logprobs": g.logprobs.tolist()}
@@ -189,12 +191,12 @@ class Calls:
         return [str(hf.decode([t], skip_special_tokens=False)) for t in ids]
 
     async def generate(self, context: list[int], params: SamplingParams, n: int, stream=None,
-                       seed: int | None = None):
+                       seed: int | None = None, images: tuple[bytes, ...] = ()):
         if params.max_tokens <= 0:  # the sample's budget is spent: an empty, cut answer
             return [full_generation(torch.zeros(0, dtype=torch.int32), torch.zeros(0),
                                     self.r.engine.version, "length") for _ in range(n)]
         try:
-            return await self.r.call_engine(context, params, n, stream, seed)
+            return await self.r.call_engine(context, params, n, stream, seed, images)
         except (ValueError, ExceptionGroup) as exc:  # a setting the engine cannot take (hf: a
             # stop string its tokenizer cannot spell: transformers' StopStringCriteria, raised
             # in the compute thread's task group)

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import anyio
 
-from actors.data.chat import ChatTokenizer, as_dicts
+from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig
 from actors.sampler.agent.loop import AgentGeneration, Transcript
 from actors.sampler.endpoint.episodes import Episode, Segment
+from actors.sampler.endpoint.images import openai_messages
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import TO_SCORER, Call, FunctionSpec, Outcome
@@ -47,6 +48,7 @@ class EndpointGeneration(AgentGeneration):
     # (None: the episode made no call; the group's prompt)
     reward_of: int | None = None  # a segment its episode left behind: the index in the group
     # of the episode's last sample, whose reward (the scorer's on it) it shares
+    images: tuple[bytes, ...] = ()  # its own prompt's images (their tokens are in prompt_ids)
 
 
 class _Slot:
@@ -148,7 +150,7 @@ class EndpointRollout:
         await self.children.aclose()
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return self.tok.prompt_ids(prompt.messages)
+        return self.tok.prompt_ids(prompt.messages, images=prompt.images)
 
     def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
         """The group's prompt: the dataset prompt's tokens (a sample whose calls rendered
@@ -156,12 +158,14 @@ class EndpointRollout:
         return ids
 
     async def call_engine(self, ids: list[int], params: SamplingParams, n: int,
-                          stream=None, seed: int | None = None) -> list[Generation]:
-        """``n`` completions of ``ids``; ``stream`` (``GenerateRequest.stream``) hears a
-        continuous engine's tokens as they come; ``seed`` (the request's) seeds an engine
-        with per-sample seeds (vllm), ``GenerateRequest.seed``."""
+                          stream=None, seed: int | None = None,
+                          images: tuple[bytes, ...] = ()) -> list[Generation]:
+        """``n`` completions of ``ids`` (with ``images``, whose tokens ``ids`` holds expanded);
+        ``stream`` (``GenerateRequest.stream``) hears a continuous engine's tokens as they come;
+        ``seed`` (the request's) seeds an engine with per-sample seeds (vllm),
+        ``GenerateRequest.seed``."""
         started = time.monotonic()
-        request = GenerateRequest(ids, params, n, seed=seed, stream=stream)
+        request = GenerateRequest(ids, params, n, seed=seed, images=images, stream=stream)
         if self.engine.continuous:
             (gens,) = await self.engine.generate([request])
         else:
@@ -189,7 +193,8 @@ class EndpointRollout:
         eid = f"{self._prefix}-{next(self._ids)}"
         ep = Episode(params, max_calls=self.cfg.rollout.max_calls)
         self.episodes[eid] = ep
-        row = {"prompt": as_dicts(prompt.messages), "data_source": prompt.data_source,
+        row = {"prompt": openai_messages(prompt.messages, prompt.images),
+               "data_source": prompt.data_source,
                "reward_model": {"ground_truth": prompt.ground_truth, "style": "rule"},
                "extra_info": dict(prompt.extra_info)}
         try:
@@ -243,4 +248,5 @@ class EndpointRollout:
         return EndpointGeneration(g.token_ids, g.logprobs, g.versions, g.loss_mask,
                                   g.finish_reason, g.version, turns=g.turns, own=own,
                                   prompt_ids=seg.prompt if seg is not None else None,
-                                  reward_of=reward_of)
+                                  reward_of=reward_of,
+                                  images=seg.images if seg is not None else ())

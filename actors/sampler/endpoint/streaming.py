@@ -64,7 +64,7 @@ async def stream_tokens(calls: Calls, ep: Episode, seg: Segment, req: ChatReques
         with scope:
             try:
                 done["gens"] = await calls.generate(seg.context, params, req.n, on_tokens,
-                                                    req.seed)
+                                                    req.seed, seg.images)
             except Exception as exc:  # answered as an error event
                 done["error"] = exc
         put(None)  # after every token: the engine's callbacks were queued before its result
