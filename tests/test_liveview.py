@@ -161,3 +161,20 @@ def test_a_finished_actor_shows_as_finished_not_as_silent():
     hung = Proc("learner", 0, ready=True, last_seen=now - 16.0, status={"state": "training"})
     view.actors = [r for r in rows() if r.name != "learner-0"] + [hung.row(now)]
     assert "learner-0: silent 16s" in text_of(view, now=253.0)[0]
+
+
+def test_the_panel_shows_the_last_sampled_images_answers():
+    from messages.control import ImageSample
+    from tests.tiny_vlm import solid_png
+
+    out = io.StringIO()
+    view = view_at_step_12()
+    live = LiveView(view, Console(file=out, width=150, force_terminal=False))
+    red, blue = solid_png((220, 30, 30), 56), solid_png((30, 30, 220), 28)
+    assert "images @" not in text_of(view, now=253.0)[0]  # a text job shows no such line
+    live.write_samples(10, [ImageSample([red], "red, I think", 1.0, 3),
+                            ImageSample([blue, red], "a very long answer that goes on and on", 0.0,
+                                        4)])
+    text = text_of(view, now=253.0)[0]
+    assert ("images @10: [56x56] 'red, I think' 1.00 | [28x28 56x56] 'a very long answer that…' "
+            "0.00") in text, text

@@ -2,7 +2,8 @@
 
 It shows a progress bar over the learner's steps with the elapsed time and an ETA, the last
 step's key numbers (reward, length, KL, IS weight, staleness, tokens/s), the last validation,
-and one line per actor with its state and the few figures that matter for its kind. Problems
+the last sampled images' answers (a vision-language job: each image's size, the answer, its
+reward; the trackers show the images themselves), and one line per actor with its state and the few figures that matter for its kind. Problems
 stand out in red and are listed: an actor restarted or silent, score errors, groups dropped or
 never scored, no live reward worker, broken weights. Step and validation lines and the runner's
 messages scroll above the panel. Off a terminal the runner prints plain lines instead
@@ -27,6 +28,8 @@ from rich.table import Table
 from rich.text import Text
 
 from actors.job.metrics import Kind, format_step, format_validation, headline, time_breakdown
+from actors.job.trackers import image_size
+from messages.control import ImageSample
 
 IDLE_STATES = ("running", "finished")  # states that need no mention
 
@@ -61,6 +64,7 @@ class View:
     validation: tuple[int, Mapping[str, float]] | None = None  # the last validation
     actors: list[ActorRow] = field(default_factory=list)
     note: str = ""  # what the job is doing when that is not training (the final validation)
+    samples: tuple[int, list[ImageSample]] | None = None  # the last sampled images, by step
 
     def record(self, kind: Kind, step: int, metrics: Mapping[str, float], now: float) -> None:
         if kind == "train":
@@ -152,6 +156,18 @@ def actor_figures(row: ActorRow, heartbeat_interval: float) -> tuple[str, list[s
     return "  ".join(parts), problems
 
 
+def samples_line(step: int, samples: list[ImageSample], width: int = 24) -> str:
+    """``images @step: [WxH] "answer" reward | ...``: what the policy said to each sampled image,
+    the answer cut to ``width`` characters."""
+    def one(s: ImageSample) -> str:
+        sizes = " ".join("{}x{}".format(*image_size(data)[:2]) for data in s.images)
+        answer = " ".join(s.answer.split())
+        answer = answer if len(answer) <= width else answer[:width - 1] + "…"
+        return f"[{sizes}] {answer!r} {s.reward:.2f}"
+
+    return f"images @{step}: " + " | ".join(one(s) for s in samples)
+
+
 def render(view: View, now: float) -> RenderableType:
     """The panel, as of ``now`` (monotonic)."""
     head = Table.grid(padding=(0, 1))
@@ -184,6 +200,8 @@ def render(view: View, now: float) -> RenderableType:
         figures = "  ".join(f"{source} " + " ".join(f"{k} {v:.3f}" for k, v in f.items())
                             for source, f in sorted(headline(metrics).items()))
         lines.append(Text(f"validation @{step}: {figures}", style="cyan"))
+    if view.samples is not None:
+        lines.append(Text(samples_line(*view.samples), style="dim"))
     if view.note:
         lines.append(Text(view.note, style="bold yellow"))
     actors = Table.grid(padding=(0, 2))
@@ -231,6 +249,9 @@ class LiveView:
         line = (format_step(step, metrics, self.view.total_steps, self.view.max_staleness)
                 if kind == "train" else format_validation(step, metrics))
         self.live.console.print(line, markup=False, highlight=False)
+
+    def write_samples(self, step: int, samples: list[ImageSample]) -> None:
+        self.view.samples = (step, list(samples))
 
     def close(self, outcome: str) -> None:
         self.live.refresh()
