@@ -4,6 +4,8 @@ and readers of what a job records (``metrics.jsonl``, ``status.jsonl``)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +105,29 @@ def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: f
         assert proc.poll() is None, f"job ended early with {proc.returncode}"
         assert time.monotonic() < deadline, f"no {steps} steps within {timeout}s"
         time.sleep(0.2)
+
+
+def kill_the_sampler(run_dir: Path, proc: subprocess.Popen, after_steps: int,
+                     timeout: float = 240) -> str:
+    """SIGKILL the job's one sampler once ``after_steps`` steps are recorded, then wait for the
+    job to end; its console output. The runner must have restarted the sampler once, saying
+    so in ``status.jsonl``, and finished."""
+    try:
+        wait_for_steps(run_dir, after_steps, proc)
+        sampler = [p for p in actor_pids(run_dir)
+                   if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+        assert len(sampler) == 1
+        os.kill(sampler[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    status = status_lines(run_dir)
+    (exited,) = [line for line in status if line["event"] == "exited"]
+    assert exited["actor"] == "sampler-0" and exited["returncode"] == -signal.SIGKILL
+    assert exited["restart"] and status[-1]["sampler-0"]["restarts"] == 1
+    assert status[-1]["outcome"] == "finished"
+    return out
 
 
 def balanced(row: dict) -> bool:

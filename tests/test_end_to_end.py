@@ -23,6 +23,7 @@ from tests.jobs import (
     actor_pids,
     balanced,
     command,
+    kill_the_sampler,
     metrics,
     status_lines,
     wait_for_steps,
@@ -131,21 +132,7 @@ def test_killed_sampler_is_restarted_and_no_prompt_is_lost(tiny_model, tmp_path)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=12"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_steps(run_dir, 3, proc)
-        sampler = [p for p in actor_pids(run_dir)
-                   if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
-        assert len(sampler) == 1
-        os.kill(sampler[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    status = status_lines(run_dir)
-    (exited,) = [line for line in status if line["event"] == "exited"]
-    assert exited["actor"] == "sampler-0" and exited["returncode"] == -signal.SIGKILL
-    assert exited["restart"] and status[-1]["sampler-0"]["restarts"] == 1
-    assert status[-1]["outcome"] == "finished"
+    kill_the_sampler(run_dir, proc, after_steps=3)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert all(balanced(r) for r in rows)

@@ -5,15 +5,12 @@ was recorded with the image its prompt was issued with."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from actors.runtime.recording import decode_group, read_table
-from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines, wait_for_steps
+from tests.jobs import ROOT, actor_pids, balanced, command, kill_the_sampler, metrics
 from tests.test_vision_job import JOB, colour_data
 
 STEPS = 8
@@ -28,20 +25,7 @@ def test_a_killed_sampler_of_a_vlm_job_loses_no_image(tiny_vlm, tmp_path):
                                     f"task.datasets=[{{path='{data}'}}]",
                                     f"reward.functions=[{{path='{data.parent / 'reward.py'}'}}]"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_steps(run_dir, 2, proc)
-        sampler = [p for p in actor_pids(run_dir)
-                   if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
-        assert len(sampler) == 1
-        os.kill(sampler[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-4000:]
-    status = status_lines(run_dir)
-    (exited,) = [line for line in status if line["event"] == "exited"]
-    assert exited["actor"] == "sampler-0" and exited["returncode"] == -signal.SIGKILL
-    assert status[-1]["sampler-0"]["restarts"] == 1 and status[-1]["outcome"] == "finished"
+    kill_the_sampler(run_dir, proc, after_steps=2, timeout=600)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and all(balanced(r) for r in rows)
 
