@@ -171,15 +171,19 @@ def engine_groups(tiny_vlm, prompts: list[tuple[list[ChatMessage], list[bytes]]]
         return await engine.generate([GenerateRequest(p, params, n, images=tuple(i))
                                       for p, (_, i) in zip(ids, prompts, strict=True)])
 
-    out = anyio.run(generate, backend="trio")
-    groups = []
-    for k, (completions, (messages, images)) in enumerate(zip(out, prompts, strict=True)):
-        samples = [Sample(to_wire(c.token_ids), to_wire(c.logprobs), 0, "", c.finish_reason,
-                          reward=float(j % 2)) for j, c in enumerate(completions)]
-        groups.append(ScoredGroup(Prompt(k, messages, "colour", "red", images=images),
-                                  to_wire(torch.tensor(ids[k], dtype=torch.int32)), samples, "s",
-                                  sampling=params))
-    return groups
+    return as_groups(anyio.run(generate, backend="trio"), prompts, ids, params)
+
+
+def as_groups(out, prompts, ids: list[list[int]], params: SamplingParams,
+              version: int = 0) -> list[ScoredGroup]:
+    """An engine's completions of ``prompts`` (token ids ``ids``) as scored groups, the j-th
+    sample of each rewarded j mod 2 (a spread the advantages need)."""
+    return [ScoredGroup(Prompt(k, messages, "colour", "red", images=images),
+                        to_wire(torch.tensor(ids[k], dtype=torch.int32)),
+                        [Sample(to_wire(c.token_ids), to_wire(c.logprobs), version, "",
+                                c.finish_reason, reward=float(j % 2))
+                         for j, c in enumerate(completions)], "s", sampling=params)
+            for k, (completions, (messages, images)) in enumerate(zip(out, prompts, strict=True))]
 
 
 PROMPTS = [(ask(), [solid_png(RED, 28)]), (ask(), [solid_png(BLUE, 56)]),

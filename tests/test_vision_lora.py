@@ -13,14 +13,13 @@ from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.config import ConfigError
-from actors.runtime.tensors import to_wire
 from actors.runtime.transports.sources import AdapterWeights
 from actors.sampler.engines.base import AdapterLimits, GenerateRequest
 from actors.sampler.engines.hf import HFEngine
-from messages.rollout import Prompt, Sample, SamplingParams, ScoredGroup
+from messages.rollout import SamplingParams
 from tests.learner_cases import make_trainer
 from tests.test_packing import gradients
-from tests.test_vision import PROMPTS, engine_groups
+from tests.test_vision import PROMPTS, as_groups, engine_groups
 
 LORA = ("learner.lora.rank=4", "learner.lora.alpha=32", "algorithm.n=2",
         "learner.groups_per_step=4")
@@ -69,12 +68,7 @@ def test_vision_adapters_train_and_the_sampler_applies_them(tiny_vlm, tmp_path):
         return await engine.generate([GenerateRequest(p, params, 2, images=tuple(i))
                                       for p, (_, i) in zip(ids, PROMPTS, strict=True)])
 
-    out = anyio.run(sample, backend="trio")
-    groups = [ScoredGroup(Prompt(k, m, "colour", "red", images=i),
-                          to_wire(torch.tensor(ids[k], dtype=torch.int32)),
-                          [Sample(to_wire(c.token_ids), to_wire(c.logprobs), 1, "",
-                                  c.finish_reason) for c in gens], "s", sampling=params)
-              for k, (gens, (m, i)) in enumerate(zip(out, PROMPTS, strict=True))]
+    groups = as_groups(anyio.run(sample, backend="trio"), PROMPTS, ids, params, version=1)
     batch = build_batch(groups, policy.pad_id, policy.processor)
     at = batch.response_mask.bool()
     with torch.no_grad():

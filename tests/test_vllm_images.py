@@ -90,10 +90,9 @@ def test_vllm_behaviour_logprobs_with_images_equal_the_learners(tmp_path):
     from actors.learner.batch import build_batch
     from actors.learner.objective import response_logprobs
     from actors.model_store import PolicyModel
-    from actors.runtime.tensors import to_wire
     from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
     from actors.sampler.engines.vllm.options import VLLMOptions
-    from messages.rollout import Prompt, Sample, ScoredGroup
+    from tests.test_vision import as_groups
     from tests.test_vllm import TOLERANCE
     from tests.tiny_vlm import build_tiny_vlm
 
@@ -114,12 +113,7 @@ def test_vllm_behaviour_logprobs_with_images_equal_the_learners(tmp_path):
         finally:
             await engine.aclose()
 
-    out = anyio.run(generate, backend="trio")
-    groups = [ScoredGroup(Prompt(k, m, "colour", "red", images=i),
-                          to_wire(torch.tensor(ids[k], dtype=torch.int32)),
-                          [Sample(to_wire(c.token_ids), to_wire(c.logprobs), 0, "",
-                                  c.finish_reason) for c in gens], "s", sampling=params)
-              for k, (gens, (m, i)) in enumerate(zip(out, prompts, strict=True))]
+    groups = as_groups(anyio.run(generate, backend="trio"), prompts, ids, params)
     model = PolicyModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = ImageProcessor(model_dir)
     batch = build_batch(groups, 0, processor)
