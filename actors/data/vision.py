@@ -17,7 +17,7 @@ tokenizer), which is all still images need.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,18 +78,23 @@ def decode(data: bytes, index: int = 0) -> Any:
     return image.convert("RGB")
 
 
-def structured(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def structured(messages: Sequence[ChatMessage],
+               image_part: Callable[[int], dict[str, Any]] = lambda k: {"type": "image"},
+               ) -> list[dict[str, Any]]:
     """The messages with structured content, as chat templates of vision-language models read
-    them: each ``<image>`` placeholder an image part, the text between them text parts."""
+    them: each ``<image>`` placeholder an image part (``image_part(k)`` for the k-th of all the
+    messages), the text between them text parts."""
     out: list[dict[str, Any]] = []
+    k = 0
     for m in messages:
         if PLACEHOLDER not in m.content:
             out.append({"role": m.role, "content": m.content})
             continue
         parts: list[dict[str, Any]] = []
-        for k, text in enumerate(m.content.split(PLACEHOLDER)):
-            if k:
-                parts.append({"type": "image"})
+        for j, text in enumerate(m.content.split(PLACEHOLDER)):
+            if j:
+                parts.append(image_part(k))
+                k += 1
             if text:
                 parts.append({"type": "text", "text": text})
         out.append({"role": m.role, "content": parts})

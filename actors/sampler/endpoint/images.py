@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 from urllib.parse import unquote, urlparse
 
 from actors.data.chat import as_dicts
-from actors.data.vision import PLACEHOLDER, ImageError, decode
+from actors.data.vision import ImageError, decode, structured
 from messages.rollout import ChatMessage
 
 
@@ -100,22 +100,8 @@ def openai_messages(messages: Sequence[ChatMessage], images: Sequence[bytes]) ->
     prompt's images)."""
     if not images:
         return as_dicts(messages)
-    out: list[dict[str, Any]] = []
-    k = 0
-    for m in messages:
-        if PLACEHOLDER not in m.content:
-            out.append({"role": m.role, "content": m.content})
-            continue
-        parts: list[dict[str, Any]] = []
-        for j, text in enumerate(m.content.split(PLACEHOLDER)):
-            if j:
-                url = data_url(images[k])
-                parts.append({"type": "image_url", "image_url": {"url": url}})
-                k += 1
-            if text:
-                parts.append({"type": "text", "text": text})
-        out.append({"role": m.role, "content": parts})
-    return out
+    return structured(messages, lambda k: {"type": "image_url",
+                                           "image_url": {"url": data_url(images[k])}})
 
 
 def data_url(image: bytes) -> str:
