@@ -94,7 +94,7 @@ def test_the_default_suite_pins_the_cpu_and_gpu_sessions_see_the_gpus(pytestconf
     assert selects_gpu_tests("gpu") and selects_gpu_tests("gpu and not slow")
     assert not selects_gpu_tests("vllm")
     if selects_gpu_tests(pytestconfig.option.markexpr):
-        pytest.skip("this session runs the gpu tests: the GPUs stay visible")
+        pytest.skip("this pytest run selects the gpu tests: the GPUs stay visible")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # so it runs on the CPU, as do its jobs
     assert not torch.cuda.is_available()
 
