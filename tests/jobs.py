@@ -107,6 +107,14 @@ def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: f
         time.sleep(0.2)
 
 
+def reap(*procs: subprocess.Popen | None) -> None:
+    """Kill whichever of ``procs`` still run (a test's clean-up after a failed assertion)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
 def kill_the_sampler(run_dir: Path, proc: subprocess.Popen, after_steps: int,
                      timeout: float = 240) -> str:
     """SIGKILL the job's one sampler once ``after_steps`` steps are recorded, then wait for the

@@ -31,6 +31,7 @@ from tests.jobs import (
     command,
     metrics,
     pids_of,
+    reap,
     status_lines,
     wait_for_steps,
 )
@@ -133,10 +134,7 @@ def test_attached_sampler_works_then_hands_back_its_prompts_on_detach(tiny_model
         assert proc.wait(timeout=150) == 130, log.read_text()[-3000:]
     finally:
         flag.unlink(missing_ok=True)
-        for p in (worker, proc):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        reap(worker, proc)
     assert "Traceback" not in attach_log.read_text()
     assert not alive(worker.pid) and not actor_pids(run_dir)
     status = status_lines(run_dir)
@@ -208,10 +206,7 @@ def test_a_sampler_attaches_to_a_secured_job_by_the_runners_address_only_with_an
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=150) == 130, log.read_text()[-3000:]
     finally:
-        for p in (worker, proc):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        reap(worker, proc)
     status = status_lines(run_dir)
     assert ("detached", name) in [(line["event"], line.get("actor")) for line in status]
     replay = status[-1]["replay-0"]
@@ -305,10 +300,7 @@ def test_a_sampler_attached_at_another_hosts_runner_shows_in_the_owners_status(t
         assert runners["a"].wait(timeout=150) == 130, (tmp_path / "a.log").read_text()[-3000:]
         runners["b"].wait(timeout=60)
     finally:
-        for p in (worker, *runners.values()):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        reap(worker, *runners.values())
     assert seen[name]["ready"]
     events = [(line["event"], line.get("actor")) for line in status_lines(run_dir)]
     assert ("attached", name) in events

@@ -32,7 +32,7 @@ from actors.job.launchers.base import LAUNCHERS
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import RunConfig
 from runner import main
-from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
+from tests.jobs import ROOT, actor_pids, balanced, command, metrics, reap, status_lines
 
 STORE = 80 * 2**20  # bytes of object store per test node (flowrl's messages never use it)
 
@@ -537,10 +537,7 @@ def test_a_reward_worker_attaches_to_a_job_under_ray_from_a_machine_without_ray(
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=200) == 130, log.read_text()[-4000:]
         finally:
-            for p in (worker, proc):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=30)
+            reap(worker, proc)
     assert "Traceback" not in attach_log.read_text()
     status = status_lines(run_dir)
     events = [(line["event"], line.get("actor", "")) for line in status]
