@@ -16,7 +16,8 @@ Libraries: what several actors, the runner or the offline tools import.
   (``runtime/config/``), devices, cores, weights transports, recording, security.
 - ``job/``: the runner behind the top-level runner.py: loading and checking a topology,
   placing, starting and supervising processes; no actor process imports it.
-- ``data/``: prompt sources and the one chat-template helper.
+- ``data/``: prompt sources, the one chat-template helper, images from a data set's row to a
+  model's forward inputs.
 - ``scoring/``: reward sources, one module each (rules, user functions, reward models, judges).
 - ``sandbox/``: child processes that run user code under limits.
 - ``validation/``: validation prompts and their summaries.

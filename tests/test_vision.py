@@ -244,7 +244,7 @@ def test_packed_rows_need_their_own_rope_positions(tiny_vlm):
     """The packed path's 3-D positions are each sequence's: image tokens sit on a 2-D grid
     (a 56-pixel image: 2x2 tokens sharing a temporal position), unlike text positions, so the
     parity above would fail with 1-D positions."""
-    from actors.learner.vision import packed_positions
+    from actors.data.vision_inputs import packed_positions
 
     groups = engine_groups(tiny_vlm, PROMPTS[:2], n=1, max_tokens=2)
     model = PolicyModel.from_pretrained(tiny_vlm, dtype=torch.float32)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from actors.data.vision import ImageProcessor
-from actors.learner.vision import VisionRows, vision_rows
+from actors.data.vision_inputs import VisionRows
+from actors.learner.vision import vision_rows
 from actors.runtime.tensors import from_wire
 from messages.rollout import ScoredGroup
 

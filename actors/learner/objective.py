@@ -10,16 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.learner.batch import RolloutBatch
-from actors.learner.distributed import is_sharded
-from actors.learner.packing import pack
-from actors.learner.vision import (
+from actors.data.vision_inputs import (
     VisionRows,
     idle_tower,
     packed_embeddings,
     packed_positions,
     padded_inputs,
 )
+from actors.learner.batch import RolloutBatch
+from actors.learner.distributed import is_sharded
+from actors.learner.packing import pack
 from actors.runtime.config import AlgorithmConfig
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
@@ -48,7 +48,7 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     A ``packed`` batch runs the model on its rows packed into one (``actors/learner/packing.py``);
     the values come back in the same padded layout. A batch with images (``batch.vision``) runs
     the vision tower on them and reads its features at the prompts' image tokens, with 3-D
-    M-RoPE positions, padded or packed alike (``actors/learner/vision.py``).
+    M-RoPE positions, padded or packed alike (``actors/data/vision_inputs.py``).
     """
     at = batch.response_mask.bool()  # (N, W-1)
     forward = getattr(model, FORWARD, None)

@@ -6,10 +6,10 @@ states at the positions that predict the response tokens go through the LM head 
 only a few ``(chunk, V)`` blocks exist at once, never ``(tokens, V)`` logits. Temperature 1:
 the teacher's own distribution, as Tinker's and verl's teacher servers return it.
 
-A vision-language teacher reads the prompt's images: their pixel tensors come from its processor
-(``actors/data/vision.py``) and its forward takes them as the learner's does
-(``actors/learner/vision.py``: features over the prompt's image tokens, M-RoPE positions), so a
-teacher with the student's weights gives the learner's log-probs. The student's prompt tokens
+A vision-language teacher reads the prompt's images: their pixel tensors come from its
+processor (``actors/data/vision.py``) and its forward takes them as the learner's does
+(``actors/data/vision_inputs.py``: features over the prompt's image tokens, M-RoPE positions),
+so a teacher with the student's weights gives the learner's log-probs. The student's prompt tokens
 hold each image's tokens as the student's processor expanded them; a teacher whose processor
 counts another number of tokens for an image is an error naming both counts.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from actors.data.vision_inputs import VisionRows, padded_inputs
 from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 from kernels.lm_head_logprobs import lm_head_logprobs
 
@@ -100,8 +101,6 @@ class TeacherModel:
         if pixels is None:
             inputs = dict(input_ids=ids, attention_mask=attn)
         else:  # every row the same prompt: its images once per row
-            from actors.learner.vision import VisionRows, padded_inputs
-
             K = pixels.image_grid_thw.shape[0]
             vision = VisionRows(pixels.pixel_values.repeat(N, 1).to(self.device, self.dtype),
                                 pixels.image_grid_thw.repeat(N, 1).to(self.device),
