@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from actors.runtime.cores import (
     SAMPLERS,
     Borrower,
     CoreTable,
+    LayerHooks,
     Lender,
+    RerunThreads,
     remove_table,
     table_path,
 )
@@ -85,10 +88,12 @@ def test_borrower_splits_what_is_lent_between_the_ranks_of_the_host(tmp_path):
         remove_table(tmp_path)
 
 
-def _train_once(model, borrower: Borrower | None, seen: list[tuple[str, int]],
-                reclaim_at: int | None = None, table: CoreTable | None = None):
+def _train_once(model, borrower: LayerHooks | None, seen: list[tuple[str, int]],
+                reclaim_at: int | None = None, table: CoreTable | None = None,
+                start: Callable[[], None] | None = None):
     """One forward and backward in a fresh thread (as the learner's worker thread runs a
-    step); records the thread count each layer ran its forward and backward with."""
+    step), ``start`` called first there; records the thread count each layer ran its forward
+    and backward with."""
     result = {}
 
     def record(i):
@@ -107,6 +112,8 @@ def _train_once(model, borrower: Borrower | None, seen: list[tuple[str, int]],
 
     def run():
         torch.set_num_threads(1)
+        if start is not None:
+            start()
         torch.manual_seed(0)
         ids = torch.randint(0, model.config.vocab_size, (4, 12))
         model.zero_grad()
@@ -152,6 +159,46 @@ def test_the_learner_takes_lent_threads_per_layer_and_gives_them_back(tmp_path):
         _train_once(model, borrower, reclaimed, reclaim_at=1, table=table)
         assert reclaimed == [("forward", 2)] * 2 + [("forward", 1)] * 2 + [("backward", 1)] * 4
         assert borrower.changes == 2  # up at the first layer, down at the third
+    finally:
+        table.close()
+        remove_table(tmp_path)
+
+
+def test_a_rerun_sets_the_thread_counts_the_live_step_had_at_each_layer(tmp_path):
+    """The trace a borrowing step records (``threads`` of its batches row), set again by the
+    rerun: the same count at every layer, with nothing lent to the rerun."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(layers=4))
+    table = CoreTable(table_path(tmp_path))
+    try:
+        table.lend(0, 1)
+        live: list[tuple[str, int]] = []
+        borrower = Borrower(table, range(1), own=1, keep_trace=True)
+        got = _train_once(model, borrower, live, reclaim_at=1, table=table, start=borrower.check)
+        assert live == [("forward", 2)] * 2 + [("forward", 1)] * 2 + [("backward", 1)] * 4
+        trace = borrower.take_trace()
+        # the step's start and layers 0-1 forward on two threads; the rest on one
+        assert trace == [2, 3, 1, 6] and borrower.take_trace() == []
+        unkept = Borrower(table, range(1), own=1)  # a sampler's, a learner's other ranks'
+        unkept.check()
+        assert unkept.take_trace() == []
+
+        again: list[tuple[str, int]] = []
+        threads = RerunThreads(own=1)
+        rerun = _train_once(model, threads, again, start=lambda: threads.start(trace))
+        assert again == live and threads.finish() == ""
+        assert torch.equal(rerun["loss"], got["loss"])
+        assert all(torch.equal(a, b) for a, b in zip(rerun["grads"], got["grads"], strict=True))
+
+        # a trace of another step's shape (an override changed the micro-batches): said
+        short = RerunThreads(own=1)
+        _train_once(model, short, [], start=lambda: short.start([2, 3]))
+        assert "checked at 9 places, in the live step at 3" in short.finish()
+        # a step recorded without borrowing runs on ``own`` threads
+        plain: list[tuple[str, int]] = []
+        none = RerunThreads(own=1)
+        _train_once(model, none, plain, start=lambda: none.start(None))
+        assert {n for _, n in plain} == {1} and none.finish() == ""
     finally:
         table.close()
         remove_table(tmp_path)

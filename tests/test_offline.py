@@ -68,6 +68,12 @@ def test_the_recorded_learner_borrowed_the_samplers_idle_thread(run_dir):
     threads (the sampler's, lent while it waited: actors/runtime/cores.py)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["perf/borrowed_share"] > 0 for r in rows), [r["perf/borrowed_share"] for r in rows]
+    # each step recorded the count of every check (run-length: count, checks, ...), which the
+    # rerun sets again: more than one thread where the step borrowed
+    traces = {r["step"]: r["threads"] for r in read_table(run_dir, "batches").to_pylist()}
+    for r in rows:
+        counts = traces[r["step"]][::2]
+        assert (max(counts) > 1) == (r["perf/borrowed_share"] > 0), (r, traces[r["step"]])
 
 
 def test_rerun_with_forward_steps_matches_exactly(run_dir):

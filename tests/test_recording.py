@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.runtime.recording import (
+    RECORD_DIR,
     Recorder,
     TableWriter,
     decode_group,
@@ -70,3 +71,20 @@ def test_disabled_recorder_writes_nothing(tmp_path):
     rec.append("groups", group_row(sample_group()))
     rec.flush()
     assert not (tmp_path / "record").exists()
+
+
+def test_parts_written_before_a_column_was_added_read_with_nulls_there(tmp_path):
+    """A run resumed by a newer flowrl: its older parts lack the batches' ``threads``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    old = pa.schema([f for f in TableWriter(tmp_path, "batches").schema if f.name != "threads"])
+    old_part = tmp_path / RECORD_DIR / "batches" / f"part-{0:020d}-000000.parquet"  # earlier
+    assert old_part.parent.is_dir()
+    pq.write_table(pa.Table.from_pylist([{"step": 1, "group_ids": [0], "version": 0,
+                                          "time": 0.0, "incarnation": "a"}], schema=old), old_part)
+    w = TableWriter(tmp_path, "batches")
+    w.append({"step": 2, "group_ids": [1], "version": 1, "threads": [2, 3, 1, 6]})
+    w.flush()
+    rows = read_table(tmp_path, "batches").to_pylist()
+    assert [(r["step"], r["threads"]) for r in rows] == [(1, None), (2, [2, 3, 1, 6])]

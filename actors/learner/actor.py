@@ -130,18 +130,25 @@ class Learner:
         policy = self.trainer.policy
         version = policy.version
         self.tell(RanksStep(groups=groups))
+        borrower = self.share.borrower if self.share is not None else None
+        if borrower is not None:  # the step's first count, before anything it computes
+            borrower.take_trace()
+            borrower.check()
         with borrowing(self.memory) as lent_mib:
             metrics = {**self.trainer.train_step(groups), **extra}
         if self.memory is not None:
             metrics["perf/gpu_memory_borrowed_mib"] = float(lent_mib)
-        if self.share is not None and self.share.borrower is not None:
-            metrics["perf/borrowed_share"] = self.share.borrower.take_share()
+        threads = None
+        if borrower is not None:
+            metrics["perf/borrowed_share"] = borrower.take_share()
+            threads = borrower.take_trace()  # what ``runner.py rerun`` sets again
         run = self.ctx.topology.run
         shown = image_samples(groups, policy.tokenizer, run.image_samples) \
             if policy.processor is not None and policy.step % run.image_interval == 0 else []
         self.unreported.append(StepReport(step=policy.step, metrics=metrics, samples=shown))
         self.recorder.append("batches", {"step": policy.step, "version": version,
-                                         "group_ids": [g.prompt.prompt_id for g in groups]})
+                                         "group_ids": [g.prompt.prompt_id for g in groups],
+                                         "threads": threads})
         self.recorder.append("metrics", {"step": policy.step,
                                          "metrics": {k: float(v) for k, v in metrics.items()}})
         return metrics
@@ -256,7 +263,7 @@ def share_threads(ctx: ActorContext, trainer: Trainer, rank: Rank) -> Share | No
         return None
     table = CoreTable(table_path(ctx.run_dir))
     borrower = Borrower(table, SAMPLERS, cfg.threads, rank=rank.local_rank,
-                        ranks=rank.local_world_size)
+                        ranks=rank.local_world_size, keep_trace=rank.rank == 0)
     borrower.attach(trainer.policy.model, trainer.policy.optimizer)
     # and its own threads, lent while it waits for a batch (a sampler's engine takes them)
     return Share(table, Lender(table, LEARNERS[rank.local_rank % len(LEARNERS)], cfg.threads),

@@ -6,13 +6,14 @@ when none is left; the recorded batches of the steps in between are trained agai
 runs on its recorded batch (each group decoded from its exact recorded encoding, in the
 recorded order), with no sampler or reward worker, and every metric is compared with the
 recorded one. On the CPU they match exactly: a step's inputs are the recorded bytes, its RNG is
-seeded from (run seed, step) (``Trainer.step_seed``), the thread count is ``learner.threads``
-and the step runs on a worker thread as in the learner actor. A live learner that also computed
-on a sampler's lent threads (``learner.share_threads``) reruns exactly as well: torch's CPU
-kernels split these computations by rows, not their sums, so one or two threads give the same
-bits (tests/test_offline.py's run borrows; the embedded model's step 6 matched too). A run whose learner had several
-ranks is rerun on one (its checkpoints load with any number of ranks): the same computation
-with sums in another order, so metrics agree to float rounding, not to the last bit.
+seeded from (run seed, step) (``Trainer.step_seed``), the step runs on a worker thread as in
+the learner actor, and on the thread counts it had: ``learner.threads``, or where the live
+learner also computed on a sampler's lent threads (``learner.share_threads``), the count each
+of its layers ran with, recorded with the step (``actors/runtime/cores.py: RerunThreads``).
+Those counts matter: a small matrix product (a few rows of the LM head) can split its sum
+between two threads and round otherwise than on one. A run whose learner had several ranks is
+rerun on one (its checkpoints load with any number of ranks): the same computation with sums
+in another order, so metrics agree to float rounding, not to the last bit.
 
 Metrics about the live system rather than the computation (``timing_s/*``, ``perf/*``,
 ``replay/*``) are not compared. A mismatch names the first differing quantity, in the order the
@@ -146,11 +147,21 @@ def rerun(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
 
 def _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> int:
     from actors.learner.trainer import Trainer
+    from actors.runtime.cores import RerunThreads
 
     gids = [g.prompt.prompt_id for g in batch]
     # the learner actor builds its Trainer and trains on a worker thread: so does the rerun
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
         trainer = thread.submit(Trainer, run.topology, run.run_dir, ckpt).result()
+        threads = RerunThreads(run.topology.learner.threads)
+        threads.attach(trainer.policy.model, trainer.policy.optimizer)
+
+        def train(s: int, groups, *trace: dict) -> tuple[dict, str]:
+            """Step ``s`` on the thread counts it had live (``threads`` of its batches row)."""
+            threads.start(run.batches[s].get("threads"))
+            got = trainer.train_step(groups, *trace)
+            return got, threads.finish()
+
         source = f"checkpoint {ckpt}" if ckpt is not None else "the base model (no checkpoint ≤ " \
             f"step {step - 1} left), fresh optimizer"
         print(f"=== rerun of step {step} of {run.run_dir}", file=out)
@@ -163,14 +174,16 @@ def _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> 
             print(f"=== overrides: {' '.join(overrides)}", file=out)
         first: tuple[int, str] | None = None
         for s in forward:
-            got = thread.submit(trainer.train_step, run.batch_groups(s)).result()
+            got, unlike = thread.submit(train, s, run.batch_groups(s)).result()
             diff = first_difference(run.metrics.get(s, {}), got)
-            print(f"    rerun step {s} on the way: {'match' if diff is None else 'differs at ' + diff}",
-                  file=out)
+            print(f"    rerun step {s} on the way: {'match' if diff is None else 'differs at ' + diff}"
+                  + (f" ({unlike})" if unlike else ""), file=out)
             if diff is not None and first is None:
                 first = (s, diff)
         trace: dict = {}
-        got = thread.submit(trainer.train_step, batch, trace).result()
+        got, unlike = thread.submit(train, step, batch, trace).result()
+        if unlike:
+            print(f"=== step {step}: {unlike}", file=out)
     recorded = run.metrics[step]
     print(f"\nstep {step}: {len(batch)} groups × {len(batch[0].samples)} samples "
           f"(group ids {gids})", file=out)

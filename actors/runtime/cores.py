@@ -137,45 +137,18 @@ class Lender:
             self.table = None
 
 
-class Borrower:
-    """The borrowing side: before each decoder layer's forward and backward (and each
-    optimizer step), the calling thread's torch thread count becomes ``own`` plus its share of
-    what ``lenders`` lend now.
+class LayerHooks:
+    """Calls ``check`` before each decoder layer's forward and backward (the layers of the
+    model's layer lists: a transformer's decoder layers) and each optimizer step: where the
+    thread count of a step may change."""
 
-    ``rank``/``ranks``: the borrowers of this host split what is lent (the learner's ranks, or
-    the samplers; rank r gets one more of the remainder when r is below it)."""
-
-    def __init__(self, table: CoreTable, lenders: range, own: int, rank: int = 0,
-                 ranks: int = 1) -> None:
-        self.table, self.lenders, self.own = table, lenders, own
-        self.rank, self.ranks = rank, ranks
-        self.changes = 0  # how often the calling thread's count was changed
-        self.borrowed_calls = 0  # checks that found threads to borrow
-        self.checks = 0
+    def __init__(self) -> None:
         self._handles: list[Any] = []
 
-    def share(self) -> int:
-        lent = self.table.lent(self.lenders)
-        return lent // self.ranks + (1 if self.rank < lent % self.ranks else 0)
-
     def check(self, *_: Any) -> None:
-        """Set the calling thread's torch threads to what is free now (a hook's signature)."""
-        import torch
-
-        want = self.own + self.share()
-        self.checks += 1
-        if want > self.own:
-            self.borrowed_calls += 1
-        # the calling thread's own count (OpenMP's is per thread, and steps may run in
-        # different worker threads), not the last one set
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
-            self.changes += 1
+        raise NotImplementedError
 
     def attach(self, model: Any, optimizer: Any | None = None) -> None:
-        """Hooks on every layer of the model's layer lists (a transformer's decoder layers):
-        a forward pre-hook checks before the layer's forward, and a hook on its output's
-        gradient before its backward; one on the optimizer's step."""
         import torch
 
         def after_forward(_module: Any, _inputs: Any, output: Any) -> None:
@@ -195,13 +168,65 @@ class Borrower:
         self.check()
 
     def detach(self) -> None:
-        import torch
-
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if torch.get_num_threads() != self.own:
-            torch.set_num_threads(self.own)
+
+
+def _set_threads(count: int) -> bool:
+    """The calling thread's torch thread count (OpenMP's is per thread, and steps may run in
+    different worker threads), set when it differs; True when it did."""
+    import torch
+
+    if count == torch.get_num_threads():
+        return False
+    torch.set_num_threads(count)
+    return True
+
+
+class Borrower(LayerHooks):
+    """The borrowing side: before each decoder layer's forward and backward (and each
+    optimizer step), the calling thread's torch thread count becomes ``own`` plus its share of
+    what ``lenders`` lend now.
+
+    ``rank``/``ranks``: the borrowers of this host split what is lent (the learner's ranks, or
+    the samplers; rank r gets one more of the remainder when r is below it).
+
+    With ``keep_trace`` the counts it set are kept until ``take_trace``: torch's CPU kernels do
+    not give the same bits on every thread count for every shape (a small matrix product may
+    split its sum between threads), so a step is rerun exactly only on the counts it ran with
+    (``RerunThreads``). Only a borrower whose steps are recorded keeps them (the learner's rank
+    0, taking them every step); any other would only grow the list."""
+
+    def __init__(self, table: CoreTable, lenders: range, own: int, rank: int = 0,
+                 ranks: int = 1, keep_trace: bool = False) -> None:
+        super().__init__()
+        self.table, self.lenders, self.own = table, lenders, own
+        self.rank, self.ranks = rank, ranks
+        self.changes = 0  # how often the calling thread's count was changed
+        self.borrowed_calls = 0  # checks that found threads to borrow
+        self.checks = 0
+        self.keep_trace = keep_trace
+        self.trace: list[int] = []  # the count each check since the last take_trace set
+
+    def share(self) -> int:
+        lent = self.table.lent(self.lenders)
+        return lent // self.ranks + (1 if self.rank < lent % self.ranks else 0)
+
+    def check(self, *_: Any) -> None:
+        """Set the calling thread's torch threads to what is free now (a hook's signature)."""
+        want = self.own + self.share()
+        self.checks += 1
+        if want > self.own:
+            self.borrowed_calls += 1
+        if self.keep_trace:
+            self.trace.append(want)
+        if _set_threads(want):
+            self.changes += 1
+
+    def detach(self) -> None:
+        super().detach()
+        _set_threads(self.own)
 
     def take_share(self) -> float:
         """The share of the checks since the last call that found threads to borrow (a
@@ -209,6 +234,55 @@ class Borrower:
         share = self.borrowed_calls / max(self.checks, 1)
         self.borrowed_calls = self.checks = 0
         return share
+
+    def take_trace(self) -> list[int]:
+        """The counts the checks since the last call set, run-length encoded as ``[count,
+        checks, count, checks, ...]`` (a step's ``threads`` in the recording's batches)."""
+        out: list[int] = []
+        for count in self.trace:
+            if out and out[-2] == count:
+                out[-1] += 1
+            else:
+                out += [count, 1]
+        self.trace = []
+        return out
+
+
+class RerunThreads(LayerHooks):
+    """A rerun's side: each check sets the count the live step's check at the same place set
+    (``Borrower.take_trace``), so a step that ran on borrowed threads reruns on them.
+
+    ``start(trace)`` before a step, on the thread that runs it; a step recorded without a trace
+    runs on ``own`` threads. ``finish()`` after it says whether the rerun checked at as many
+    places as the live step (an override that changes the micro-batches does not: the counts
+    then no longer line up, and metrics may differ by float rounding)."""
+
+    def __init__(self, own: int) -> None:
+        super().__init__()
+        self.own = own
+        self._counts: list[int] = []  # the live step's count at each check, in order
+        self._checks = 0  # checks of this step so far
+
+    def start(self, trace: list[int] | None) -> None:
+        self._counts = [c for c, n in zip(trace[::2], trace[1::2], strict=True)
+                        for _ in range(n)] if trace else []
+        self._checks = 0
+        if self._counts:
+            self.check()  # the live step's first check was at its start
+        else:
+            _set_threads(self.own)
+
+    def check(self, *_: Any) -> None:
+        if self._checks < len(self._counts):
+            _set_threads(self._counts[self._checks])
+        self._checks += 1
+
+    def finish(self) -> str:
+        """"" when the step's checks matched the live step's, else what differed."""
+        if not self._counts or self._checks == len(self._counts):
+            return ""
+        return (f"the thread count was checked at {self._checks} places, in the live step at "
+                f"{len(self._counts)}: the rerun's threads follow the live step's only so far")
 
 
 @dataclass

@@ -79,6 +79,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "batches": pa.schema([
         ("step", _i64), ("group_ids", pa.list_(_i64)), ("version", _i64), ("time", _f64),
         ("incarnation", _str),
+        # the learner's thread counts in the step, run-length encoded (null: not borrowing)
+        ("threads", pa.list_(_i64)),
     ]),
     "metrics": pa.schema([
         ("step", _i64), ("metrics", pa.map_(_str, _f64)), ("time", _f64), ("incarnation", _str),
@@ -228,7 +230,8 @@ def read_table(run_dir: Path, table: str, columns: list[str] | None = None) -> p
     tables = [pq.read_table(p, columns=columns) for p in parts(run_dir, table)]
     if not tables:
         return schema.empty_table()
-    return pa.concat_tables(tables)
+    # parts written before a column was added have none: null there
+    return pa.concat_tables(tables, promote_options="default")
 
 
 def last_by(table: pa.Table, key: str) -> dict[Any, dict[str, Any]]:
