@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from actors.registry import BY_NAME
-from actors.runtime.actor import run_actor
+from actors.runtime.actor import exit_process, run_actor
 from actors.runtime.config import Topology
 from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.rundir import TOPOLOGY
@@ -37,4 +37,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))
