@@ -30,7 +30,8 @@ def test_a_lora_job_publishes_adapters_reruns_and_resumes(tiny_model, tmp_path):
     assert all(r["staleness/max"] == 0 for r in rows)
     assert all(abs(r["rollout_corr/kl"]) < 1e-5 for r in rows), [r["rollout_corr/kl"] for r in rows]
     sampler = [line for line in status_lines(run_dir) if "sampler-0" in line][-1]["sampler-0"]
-    assert sampler["version"] == 6 and not sampler.get("weights_error")
+    # at least the version of step 6's batch (on-policy: 5); 6 itself may come after the stop
+    assert sampler["version"] >= 5 and not sampler.get("weights_error"), sampler
     ckpt = run_dir / "checkpoints" / "step_6"
     assert not (ckpt / "model.safetensors").exists()
     adapter = load_file(ckpt / "adapter_model.safetensors")  # it moved: lora_B starts at 0

@@ -178,6 +178,12 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
             task_status.started()
     finally:
         if ctx.control is not None:
+            try:  # the status it ends with (a version loaded since the last heartbeat): the
+                # runner's record of the stop shows that, not the last interval's
+                ctx.control.send_multipart_nowait([encode(Heartbeat(actor=ctx.name,
+                                                                    status=dict(ctx.status)))])
+            except zmq.ZMQError:
+                pass
             ctx.control.close(linger=CONTROL_LINGER_MS)
 
 
