@@ -302,7 +302,10 @@ def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
     Ray moves to a node with room), and every step comes whole with the counters balanced."""
     nodes = {"b": worker_node(ray_cluster, "b"), "c": worker_node(ray_cluster, "c")}
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
-    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=6", "sampler.count=2",
+    # steps enough that the loss is seen and its processes restarted while the job runs (the
+    # test waits for that below; a tiny step takes a fraction of a second)
+    steps = 40
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, f"learner.total_steps={steps}", "sampler.count=2",
                   "reward.count=2", 'ray.strategy="SPREAD"', "replay.sampler_timeout_s=10",
                   "router.request_timeout=10")
     with log.open("w") as out:
@@ -322,6 +325,13 @@ def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
         gone = sorted(k for k, v in placed.items() if v == nodes[lost].node_id[:8])
         spare = worker_node(ray_cluster, "d")  # room for what the lost node held
         ray_cluster.remove_node(nodes[lost])
+        deadline = time.monotonic() + 120
+        while sorted(line["actor"] for line in status_lines(run_dir)
+                     if line["event"] == "exited") != gone:
+            assert proc.poll() is None, "the job ended before the loss was seen:\n" + \
+                log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
         proc.wait(timeout=400)
     finally:
         proc.kill()
@@ -330,7 +340,7 @@ def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
     assert proc.returncode == 0, said[-6000:]
     assert "lost with its keeper" in said
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(balanced(r) for r in rows)
     assert rows[-1]["replay/dropped_score_failed"] == 0
     exited = [line for line in status_lines(run_dir) if line["event"] == "exited"]
