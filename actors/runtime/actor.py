@@ -193,10 +193,12 @@ def exit_process(code: int) -> NoReturn:
     that: its last garbage collections walk every object torch and transformers created (a
     second or more per process on a small machine, at every stop of every actor), and the
     process's memory is freed whole anyway. ``run_actor`` has closed what the actor opened (its
-    sockets, recording, engines) before this is called."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    sockets, recording, engines) before this is called.
+
+    The first two steps are the interpreter's own, in its order: ``threading._shutdown`` runs
+    the threading exit hooks (an executor left open wakes its workers there) and then joins the
+    non-daemon threads; joining them without the hooks first would wait on such workers forever."""
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
