@@ -24,8 +24,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str.strip()[:1] == ground_truth[:1] else 0.0
 '''
 STEPS = 60
+# the learning rate is tests/jobs.py's (3e-3): at 5e-3 the job that sees the images reached a
+# reward of 1.0 and then fell back to 0 within a few steps on an AMD EPYC (its float sums differ)
 JOB = [f"learner.total_steps={STEPS}", "sampler.max_tokens=2", "algorithm.n=8",
-       "learner.groups_per_step=4", "learner.lr=5e-3", "learner.save_every=1000",
+       "learner.groups_per_step=4", "learner.save_every=1000",
        "sampler.prompts_per_request=4",
        # the learner on its own thread: the vision tower's patch embedding (a Conv3d) has a
        # weight gradient whose bits depend on the thread count, so a step reruns exactly only
