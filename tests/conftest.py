@@ -33,6 +33,19 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The default job's file (by far the longest test) first, then the other files with
+    ``slow`` tests, then the rest, each group in its collection order: the two workers
+    (pyproject's ``-n 2 --dist loadfile``) take whole files in this order, two queued on each,
+    and a minutes-long file started last would leave one worker idle while it runs alone. Whole
+    files move, so a module's fixtures still start once."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.path.name != LONGEST, item.path not in slow))
+
+
+LONGEST = "test_slow.py"  # the real default job: 30 steps on the embedded model
+
+
 @pytest.fixture
 def anyio_backend():
     """Every async test runs on trio, the backend the actors use."""
