@@ -85,6 +85,15 @@ class Job:
             assert time.monotonic() < deadline, f"no {steps} steps in {timeout}s"
             time.sleep(0.1)
 
+    def wait_count(self, actor: str, key: str, at_least: int, timeout: float = 60) -> None:
+        """Until ``actor``'s last reported status has ``key`` >= ``at_least``, the job running."""
+        deadline = time.monotonic() + timeout
+        while last_status(self.run_dir, actor).get(key, 0) < at_least:
+            for host, p in self.procs.items():
+                assert p.poll() is None, f"{host} ended: {log_tail(self.log(host))}"
+            assert time.monotonic() < deadline, f"{actor}: no {key} >= {at_least} in {timeout}s"
+            time.sleep(0.1)
+
     def wait(self, host: str, timeout: float = 180) -> int:
         try:
             return self.procs[host].wait(timeout=timeout)
@@ -117,8 +126,13 @@ def assert_complete(run_dir: Path, steps: int) -> None:
     assert not actor_pids(run_dir)
 
 
+STEPS = 20  # of the reward host cut-off job
+
+
 def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, tmp_path):
-    job = Job(net, tiny_model, tmp_path, 27400, "learner.total_steps=12", "reward.count=2",
+    # steps enough that the job still runs when the mended link carries reward-1's answers:
+    # TCP sends them again on its own backed-off timer, seconds after the link is back
+    job = Job(net, tiny_model, tmp_path, 27400, f"learner.total_steps={STEPS}", "reward.count=2",
               'reward.host=["a", "c"]', "router.request_timeout=3")
     job.start("a", "c")
     try:
@@ -126,8 +140,9 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
         net.cut("c")
         cut_at = len(metrics(job.run_dir))
         job.wait_steps(cut_at + 3)  # the job goes on with the worker of host a alone
-        time.sleep(2)
+        job.wait_count("router-0", "resent", 1)  # what reward-1 held, sent to reward-0
         net.mend("c")
+        job.wait_count("router-0", "duplicates", 1)  # reward-1's answers, late: discarded
         assert job.wait("a") == 0, log_tail(job.log("a"))
         assert job.wait("c") == 0, log_tail(job.log("c"))
     finally:
@@ -138,7 +153,7 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
     assert router["duplicates"] >= 1  # its answers, through when the link came back: discarded
     assert metrics(job.run_dir)[-1]["replay/dropped_score_failed"] == 0
     assert "the owner host a ended the job: finished" in job.log("c").read_text()
-    assert_complete(job.run_dir, 12)
+    assert_complete(job.run_dir, STEPS)
 
 
 @pytest.mark.slow  # about 40 s: the fast suite keeps the reward host cut off
