@@ -100,7 +100,8 @@ def router_workers(run_dir: Path) -> list[dict]:
     return [line["router-0"] for line in status_lines(run_dir) if line["event"] == "step"]
 
 
-@pytest.mark.parametrize("to", ["run_dir", "address"])
+# by address as from another machine: a variant of the run_dir one, behind -m slow (run by CI)
+@pytest.mark.parametrize("to", ["run_dir", pytest.param("address", marks=pytest.mark.slow)])
 def test_attached_reward_worker_gets_work_and_detaches_cleanly(tiny_model, tmp_path, to):
     run_dir, log, attach_log = tmp_path / "run", tmp_path / "runner.log", tmp_path / "attach.log"
     total = 80

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, pids_of, status_lines
 
 RANKS = ["learner.nproc_per_node=2"]
@@ -118,6 +120,7 @@ def test_a_killed_rank_stops_the_job_and_the_run_resumes(tiny_model, tmp_path):
     assert not actor_pids(run_dir)
 
 
+@pytest.mark.slow  # the fast suite keeps the same two-node learner placed by [hosts] (test_hosts)
 def test_a_learner_over_two_nodes(tiny_model, tmp_path):
     """Two runners, as on two machines (here both on this one, rendezvous on 127.0.0.1): node 0
     runs the job with learner rank 0, node 1 only learner rank 1; they share the run directory."""
