@@ -88,7 +88,8 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
 def auto_engine(device: str = "auto") -> str:
     """``sampler.engine = "auto"`` for samplers on ``device`` (``sampler.device``): the first
     engine preferred on a GPU that can run, when the samplers compute on a GPU (``cuda``,
-    ``cuda:N``, or ``auto`` where torch sees one); hf otherwise, and always for ``cpu``: a GPU
+    ``cuda:N``, or ``auto`` where the runner sees one: ``visible_gpus``, the count placement
+    hands out, found without importing torch); hf otherwise, and always for ``cpu``: a GPU
     engine started on a CPU sampler (no GPU visible to it) could only fail. On a CPU vllm trains
     the default job no faster than hf, starts later and cannot borrow the learner's threads, so
     a CPU keeps hf (the figures: BENCHMARKS.md, "The sampler's engines")."""
@@ -100,6 +101,6 @@ def auto_engine(device: str = "auto") -> str:
         return FALLBACK
     if device.startswith("cuda"):  # (the placement check makes sure there is one)
         return runnable[0]
-    import torch  # only with a GPU engine installed: a config check stays torch-free without
+    from actors.runtime.config.gpus import visible_gpus
 
-    return runnable[0] if torch.cuda.is_available() else FALLBACK
+    return runnable[0] if visible_gpus() else FALLBACK
