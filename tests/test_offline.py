@@ -136,8 +136,22 @@ def test_rescore_with_a_hanging_function_ends_with_errors(run_dir, tmp_path):
     fn.write_text("import time\n\n\ndef compute_score(data_source, solution_str, ground_truth, "
                   "extra_info=None):\n    time.sleep(600)\n")
     res = runner("rerun", str(run_dir), "--rescore", str(fn), "--limit", "1", "--timeout", "0.5")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]  # nothing was scored
     assert "errors: 8" in res.stdout and "timed out after 0.5 s" in res.stdout
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert "every one of the 8 samples failed in hang.py:compute_score" in line
+    assert "timed out after 0.5 s" in line  # the first error, said where a user looks
+
+
+def test_rescore_with_the_debugging_pages_lenient_py_scores_every_sample(run_dir, tmp_path):
+    """docs/debugging.md's ``lenient.py``, as the page prints it."""
+    page = (ROOT / "docs" / "debugging.md").read_text()
+    start = page.index("$ cat lenient.py")
+    body = page[page.index("\n", start) + 1:page.index("\n$ python runner.py rerun", start)]
+    (tmp_path / "lenient.py").write_text(body + "\n")
+    res = runner("rerun", str(run_dir), "--rescore", str(tmp_path / "lenient.py"), "--limit", "2")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "of 16 scores; errors: 0" in res.stdout
 
 
 def test_inspect_prints_summary_and_writes_plots(run_dir, tmp_path):

@@ -83,7 +83,8 @@ def parse_steps(text: str | None, recorded: list[int]) -> list[int]:
 
 def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, limit: int = 0,
             threshold: float = 0.5, timeout_s: float = 0.0, out: TextIO = sys.stdout) -> int:
-    """Re-score and report; ``timeout_s`` > 0 replaces the run's ``reward.timeout_s``."""
+    """Re-score and report; ``timeout_s`` > 0 replaces the run's ``reward.timeout_s``. Exit
+    status 1 when every sample failed to score (a function that cannot run scores nothing)."""
     run = open_run(run_dir)
     path, name = parse_function(function)
     chosen = parse_steps(steps, run.steps)
@@ -108,7 +109,12 @@ def rescore(run_dir: str | Path, function: str, *, steps: str | None = None, lim
     results = [x for g in score_recorded(topo, max_tokens, [g for *_, g in groups]) for x in g.samples]
     for r, x in zip(samples, results, strict=True):
         r.after, r.error = x.reward, x.reward_error
-    _report(samples, f"{path.name}:{name}", threshold, out)
+    label = f"{path.name}:{name}"
+    _report(samples, label, threshold, out)
+    if samples and all(r.error for r in samples):  # nothing was scored: the function is broken
+        print(f"error: every one of the {len(samples)} samples failed in {label}; the first: "
+              f"{samples[0].error}", file=sys.stderr)
+        return 1
     return 0
 
 
