@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from actors.job.config.load import load_topology
 from actors.registry import ATTACHABLE
@@ -74,7 +75,8 @@ def rerun_main(argv: list[str]) -> int:
         prog="runner.py rerun",
         description="Rerun a recorded learner step offline and compare its metrics with the "
                     "recorded ones (--step), or re-score the recorded completions with another "
-                    "reward function (--rescore). Exit status: 0 match, 1 mismatch, 2 bad input.",
+                    "reward function (--rescore). Exit status: 0 match, 1 mismatch (or, with --rescore, "
+                    "every sample failed to score), 2 bad input.",
         epilog="examples: python runner.py rerun RUN_DIR --step 12 --dump 40:3; "
                "python runner.py rerun RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
     )
@@ -265,37 +267,33 @@ def keys_main(argv: list[str]) -> int:
     return 0
 
 
+# every verb of the command line: its function and what ``runner.py --help`` says of it
+VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "check": (check_main, "TOPOLOGY [overrides]: every check a start runs; starts nothing"),
+    "keys": (keys_main, "[PREFIX]: the topology keys with type, range, default and doc"),
+    "attach": (attach_main, "KIND --to RUN_DIR|ADDRESS: one more actor joins a running job"),
+    "rerun": (rerun_main, "RUN_DIR --step N | --rescore FILE.py[:NAME]: a recorded step again"),
+    "inspect": (inspect_main, "RUN_DIR: a recorded run's summary, samples and plots"),
+    "validate": (validate_main, "RUN_DIR [--checkpoint step_N]: validate a checkpoint offline"),
+    "export": (export_main, "RUN_DIR --step N [--merge]: a checkpoint as a model directory"),
+    "keygen": (keygen_main, "NAME: a CURVE key pair for attaching to a secured job"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "attach":
-        return attach_main(argv[1:])
-    if argv and argv[0] == "rerun":
-        return rerun_main(argv[1:])
+    if argv and argv[0] in VERBS:
+        return VERBS[argv[0]][0](argv[1:])
     if argv and argv[0] == "replay":  # the replay buffer is [replay]: the tool was renamed
         print("error: 'replay' is now 'rerun' (runner.py rerun --step N)", file=sys.stderr)
         return 2
-    if argv and argv[0] == "inspect":
-        return inspect_main(argv[1:])
-    if argv and argv[0] == "keygen":
-        return keygen_main(argv[1:])
-    if argv and argv[0] == "validate":
-        return validate_main(argv[1:])
-    if argv and argv[0] == "keys":
-        return keys_main(argv[1:])
-    if argv and argv[0] == "check":
-        return check_main(argv[1:])
-    if argv and argv[0] == "export":
-        return export_main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="runner.py", description="Run an async RL post-training job from a topology file.",
-        epilog="example: python runner.py topology.toml learner.total_steps=3 sampler.count=2; "
-               "python runner.py attach reward --to RUN_DIR adds a reward worker to a running job; "
-               "python runner.py rerun RUN_DIR --step N | --rescore FILE.py[:NAME] and "
-               "python runner.py inspect RUN_DIR debug a recorded run; "
-               "python runner.py validate RUN_DIR [--checkpoint step_N] validates a checkpoint; "
-               "python runner.py check TOPOLOGY [overrides] runs the checks before a start; "
-               "python runner.py export RUN_DIR --step N [--merge] writes a checkpoint as a model; "
-               "python runner.py keygen NAME makes a CURVE key for attaching to a secured job",
+        prog="runner.py", description="Run an async RL post-training job from a topology file "
+                                      "(python runner.py TOPOLOGY [overrides]), or a verb.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="verbs (python runner.py VERB --help for each):\n"
+               + "".join(f"  {verb:<9} {doc}\n" for verb, (_, doc) in VERBS.items())
+               + "example: python runner.py topology.toml learner.total_steps=3 sampler.count=2",
     )
     parser.add_argument("topology", help="topology TOML file")
     parser.add_argument("--host", default="", metavar="NAME",
@@ -307,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                              "submit; ray://HOST:10001; HOST:6379), or without one on a Ray "
                              "started for the job here (or the topology's ray.address)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
+    if not argv:
+        parser.print_help(sys.stderr)
+        print("error: name a topology file (python runner.py topology.toml) or a verb",
+              file=sys.stderr)
+        return 2
     args = parser.parse_intermixed_args(argv)
     host = [f"run.host={json.dumps(args.host)}"] if args.host else []
     if args.ray is not None and "=" in args.ray:  # an override after a bare --ray

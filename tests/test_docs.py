@@ -137,9 +137,26 @@ def test_every_relative_link_resolves():
 
 
 def runner_verbs() -> set[str]:
-    """The verbs ``runner.py`` dispatches to a command (``argv[0] == "rerun"`` -> rerun_main)."""
-    source = (ROOT / "runner.py").read_text()
-    return set(re.findall(r'argv\[0\] == "(\w+)":\n\s+return \1_main\(', source))
+    """The verbs ``runner.py`` dispatches to a command (its ``VERBS`` table)."""
+    from runner import VERBS
+
+    return set(VERBS)
+
+
+def test_the_runners_help_lists_every_verb_and_no_arguments_say_what_to_name():
+    from runner import VERBS
+
+    shown = subprocess.run([sys.executable, "runner.py", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    listed = {line.split()[0] for line in shown.stdout.split("verbs (")[1].splitlines()[1:]
+              if line.startswith("  ")}
+    assert listed == set(VERBS)
+    bare = subprocess.run([sys.executable, "runner.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert bare.returncode == 2 and "required" not in bare.stderr, bare.stderr
+    assert bare.stderr.splitlines()[-1] == ("error: name a topology file (python runner.py "
+                                            "topology.toml) or a verb")
 
 
 def test_every_runner_command_shown_exists():
@@ -223,19 +240,18 @@ def train_your_own() -> tuple[str, list[list[str]]]:
     return "\n".join(blocks), commands
 
 
-def test_the_readme_train_your_own_files_run(tmp_path):
+def test_the_readme_train_your_own_files_run(tiny_model, tmp_path):
     """The README's model, data and reward blocks, verbatim, in a directory holding what they
-    name: ``my-model`` (the embedded model's directory), ``data.jsonl`` (20 verl rows of this
-    test's own) and ``reward.py`` (a five-line ``compute_score``); then its commands, the job for
-    2 short steps."""
-    from actors.model_store import resolve_model_path
-
+    name: ``my-model`` (a user's Hugging Face directory: the tests' tiny llama, with the
+    embedded model's tokenizer and chat template; the embedded model itself runs in the slow
+    default job), ``data.jsonl`` (20 verl rows of this test's own) and ``reward.py`` (a
+    five-line ``compute_score``); then its commands, the job for 2 short steps."""
     topology, commands = train_your_own()
     assert "my-model" in topology and "data.jsonl" in topology and "reward.py" in topology
     assert [c[:3] for c in commands] == [["python", "runner.py", "check"],
                                          ["python", "runner.py", "my_job.toml"]]
     (tmp_path / "my_job.toml").write_text(topology)
-    (tmp_path / "my-model").symlink_to(resolve_model_path("default"))
+    (tmp_path / "my-model").symlink_to(tiny_model)
     rows = [{"data_source": "sums", "prompt": [{"role": "user", "content": f"What is {a} + 2?"}],
              "reward_model": {"style": "rule", "ground_truth": str(a + 2)},
              "extra_info": {"split": "train", "index": a}} for a in range(20)]
