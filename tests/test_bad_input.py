@@ -11,6 +11,7 @@ that hangs on 1 call in 50 is killed at ``reward.timeout_s`` and counted.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -231,7 +232,10 @@ def test_a_function_failing_on_every_item_stops_the_job_and_a_resume_after_the_f
     assert "my_reward.compute_score: KeyError: 'missing_key'" in output  # the first failure ...
     assert f'File "{function}", line 2, in compute_score' in output  # ... and its traceback,
     assert 'File "' + str(ROOT) not in output  # the user's frames only
-    assert f"resume with: python runner.py TOPOLOGY run.dir={run_dir}" in output
+    (line,) = [x for x in output.splitlines() if x.startswith("    resume with: ")]
+    resume = shlex.split(line.split(": ", 1)[1])  # the job's own command, run.dir named
+    assert resume[:3] == ["python", "runner.py", "topology.toml"], line
+    assert resume[-1] == f"run.dir={run_dir}" and f"model.path={tiny_model}" in resume, line
     assert metrics(run_dir) == []  # no step trained on those zeros
     dropped = fates(run_dir)
     assert dropped and set(dropped) == {("dropped", "score_errors")}  # recorded as such

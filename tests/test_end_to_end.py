@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -123,12 +124,19 @@ def test_ctrl_c_checkpoints_stops_everything_and_resumes(tiny_model, tmp_path):
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"half")
 
-    res = subprocess.run(command(tiny_model, run_dir, f"learner.total_steps={done + 2}"), cwd=ROOT,
+    # the command the runner printed, as printed (its python is this one), for 2 more steps
+    (line,) = [x for x in out.splitlines() if x.startswith("    resume with: python runner.py ")]
+    again = [sys.executable, *shlex.split(line.split(": ", 1)[1])[1:]]
+    assert again[-1] == f"run.dir={run_dir}", line
+    res = subprocess.run([*again, f"learner.total_steps={done + 2}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert f"=== resuming from step_{done} ({ckpt})\n" in res.stdout
     assert not half.exists()
     assert [r["step"] for r in metrics(run_dir)][done:] == [done + 1, done + 2]
     assert not actor_pids(run_dir)
+    (more,) = [x for x in res.stdout.splitlines() if x.startswith("    continue it for more ")]
+    assert more.endswith(f" run.dir={run_dir} learner.total_steps={2 * (done + 2)}"), more
 
 
 def test_killed_sampler_is_restarted_and_no_prompt_is_lost(tiny_model, tmp_path):

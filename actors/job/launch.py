@@ -40,7 +40,7 @@ from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.ranks import free_port
-from actors.runtime.rundir import LOGS, TOPOLOGY, remove_stale_sockets
+from actors.runtime.rundir import LOGS, TOPOLOGY, latest_checkpoint, remove_stale_sockets
 from actors.runtime.security import prepare_job_keys
 
 
@@ -157,6 +157,9 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
+        resumed = latest_checkpoint(run_dir) if topology.learner.resume else None
+        if resumed is not None:  # the learner loads it; the replay buffer its recording
+            print(f"=== resuming from {resumed.name} ({resumed})", flush=True)
         counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES
                            if getattr(topology, k).count)  # (no teacher×0)
         if node > 0:

@@ -29,7 +29,9 @@ other than the replay buffer's keeps its own files in ``RUN_DIR/hosts/NAME/``.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +70,18 @@ STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's fi
 TERM_GRACE_S = 10.0
 LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
 QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
+
+
+def continue_command(run_dir: Path, *overrides: str, argv: list[str] | None = None) -> str:
+    """The command that continues this run: the runner's own command line (``argv``, default
+    this process's), with ``run.dir`` naming the run's directory (a ``{time}`` in the topology's
+    would name a new one) and ``overrides`` in place of the same keys given before."""
+    argv = sys.argv if argv is None else argv
+    if not argv or Path(argv[0]).name != "runner.py":  # started otherwise (a Ray node's script)
+        argv = ["runner.py", "TOPOLOGY"]
+    keys = {o.split("=", 1)[0] for o in (*overrides, "run.dir=")}
+    kept = [a for a in argv[1:] if a.split("=", 1)[0] not in keys]
+    return shlex.join(["python", argv[0], *kept, f"run.dir={run_dir}", *overrides])
 
 
 def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
@@ -348,9 +362,11 @@ class Job:
         self.metrics.close(self.outcome or "failed")
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
         if self.outcome == "finished":
+            more = f"learner.total_steps={2 * self.topo.learner.total_steps}"
+            print(f"    continue it for more steps: {continue_command(self.run_dir, more)}",
+                  flush=True)
             return 0
-        if self.outcome == "interrupted" or (self.outcome or "").startswith("failed: scoring"):
-            print(f"    resume with: python runner.py TOPOLOGY run.dir={self.run_dir}", flush=True)
+        print(f"    resume with: {continue_command(self.run_dir)}", flush=True)
         if self.outcome == "interrupted":
             return 130
         return 1
