@@ -331,31 +331,33 @@ class Job:
                 getattr(process, action)()
 
     async def run(self) -> int:
-        async with trio.open_nursery() as outer:
-            outer.start_soon(self.signals)  # stays on through shutdown
-            outer.start_soon(self.listen)  # so does this: a step taken while stopping is reported
-            try:
-                async with trio.open_nursery() as nursery:
-                    if self.member is not None:
-                        nursery.start_soon(self.member.serve)
-                    await self.processes.start(nursery)
-                    nursery.start_soon(self.watch)
-                    await self.done.wait()
-                    nursery.cancel_scope.cancel()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self.shutdown()
-                    remove_table(self.run_dir)  # this host's core table (actors/runtime/cores.py)
-                    await trio.sleep(0.1)  # the last reports of the actors just reaped
-                    if self.member is not None:
-                        await self.member.closing()
-                    if self.owner is not None:
-                        await self.owner.closing()
-                outer.cancel_scope.cancel()
-                self.control.close()
-                if self.zap is not None:
-                    self.zap.close()
-                self.zmq.destroy(linger=0)
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self.signals)  # stays on through shutdown
+                outer.start_soon(self.listen)  # so does this: a step taken while stopping is reported
+                try:
+                    async with trio.open_nursery() as nursery:
+                        if self.member is not None:
+                            nursery.start_soon(self.member.serve)
+                        await self.processes.start(nursery)
+                        nursery.start_soon(self.watch)
+                        await self.done.wait()
+                        nursery.cancel_scope.cancel()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self.shutdown()
+                        remove_table(self.run_dir)  # this host's core table (actors/runtime/cores.py)
+                        await trio.sleep(0.1)  # the last reports of the actors just reaped
+                        if self.member is not None:
+                            await self.member.closing()
+                        if self.owner is not None:
+                            await self.owner.closing()
+                    outer.cancel_scope.cancel()
+        finally:  # once every task of the nursery has ended: none is left waiting on them
+            self.control.close()
+            if self.zap is not None:
+                self.zap.close()
+            self.zmq.destroy(linger=0)
         self.record_status("stopped", outcome=self.outcome,
                            returncodes={p.name: p.process.returncode if p.process else None
                                         for p in self.procs.values() if not p.attached})
