@@ -91,6 +91,9 @@ def test_the_reverse_kl_to_the_teacher_falls(job):
     assert all(r["timing_s/teacher"] > 0 for r in rows)
 
 
+# a pool worker's restart by the runner (test_chaos: a killed reward worker) and the router's
+# re-send of what a dead teacher held (test_teacher), together in a job: behind -m slow (run by CI)
+@pytest.mark.slow
 def test_a_killed_teacher_worker_is_restarted_and_its_requests_resent(tiny_model, tmp_path):
     teacher = build_tiny_model(tmp_path / "teacher", seed=5)
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
