@@ -35,7 +35,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The default job's file (by far the longest test) first, then the other files with
-    ``slow`` tests, then the rest, each group in its collection order: the two workers
+    ``slow`` tests, then the rest, each group in its collection order: the workers
     (pyproject's ``-n 2 --dist loadfile``) take whole files in this order, two queued on each,
     and a minutes-long file started last would leave one worker idle while it runs alone. Whole
     files move, so a module's fixtures still start once."""
