@@ -75,8 +75,8 @@ def rerun_main(argv: list[str]) -> int:
         prog="runner.py rerun",
         description="Rerun a recorded learner step offline and compare its metrics with the "
                     "recorded ones (--step), or re-score the recorded completions with another "
-                    "reward function (--rescore). Exit status: 0 match, 1 mismatch (or, with --rescore, "
-                    "every sample failed to score), 2 bad input.",
+                    "reward function (--rescore). Exit status: 0 match, 1 mismatch (or, with "
+                    "--rescore, every sample failed to score), 2 bad input.",
         epilog="examples: python runner.py rerun RUN_DIR --step 12 --dump 40:3; "
                "python runner.py rerun RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
     )

@@ -33,6 +33,9 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+LONGEST = "test_slow.py"  # the real default job: 30 steps on the embedded model
+
+
 def pytest_collection_modifyitems(config, items):
     """The default job's file (by far the longest test) first, then the other files with
     ``slow`` tests, then the rest, each group in its collection order: the workers
@@ -41,9 +44,6 @@ def pytest_collection_modifyitems(config, items):
     files move, so a module's fixtures still start once."""
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: (item.path.name != LONGEST, item.path not in slow))
-
-
-LONGEST = "test_slow.py"  # the real default job: 30 steps on the embedded model
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,22 +78,22 @@ class Job:
     def log(self, host: str) -> Path:
         return self.tmp / f"{host}-{self.round}.log"
 
-    def wait_steps(self, steps: int, timeout: float = 120) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: str, timeout: float) -> None:
+        """Until ``ready()``, every runner of the job still running."""
         deadline = time.monotonic() + timeout
-        while len(metrics(self.run_dir)) < steps:
+        while not ready():
             for host, p in self.procs.items():
                 assert p.poll() is None, f"{host} ended: {log_tail(self.log(host))}"
-            assert time.monotonic() < deadline, f"no {steps} steps in {timeout}s"
+            assert time.monotonic() < deadline, f"{what} not within {timeout}s"
             time.sleep(0.1)
 
+    def wait_steps(self, steps: int, timeout: float = 120) -> None:
+        self.wait_until(lambda: len(metrics(self.run_dir)) >= steps, f"{steps} steps", timeout)
+
     def wait_count(self, actor: str, key: str, at_least: int, timeout: float = 60) -> None:
-        """Until ``actor``'s last reported status has ``key`` >= ``at_least``, the job running."""
-        deadline = time.monotonic() + timeout
-        while last_status(self.run_dir, actor).get(key, 0) < at_least:
-            for host, p in self.procs.items():
-                assert p.poll() is None, f"{host} ended: {log_tail(self.log(host))}"
-            assert time.monotonic() < deadline, f"{actor}: no {key} >= {at_least} in {timeout}s"
-            time.sleep(0.1)
+        """Until ``actor``'s last reported status has ``key`` >= ``at_least``."""
+        self.wait_until(lambda: last_status(self.run_dir, actor).get(key, 0) >= at_least,
+                        f"{actor}: {key} >= {at_least}", timeout)
 
     def wait(self, host: str, timeout: float = 180) -> int:
         try:
