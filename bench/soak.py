@@ -53,10 +53,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def kind_of(pid: int) -> str:
     try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
     except OSError:
         return ""
-    return args[-3].decode() if len(args) > 3 else ""  # ... actors.main RUN_DIR KIND INDEX ''
+    # ... actors.main RUN_DIR KIND INDEX (one title when forked by the fork server)
+    return args[-2].decode() if len(args) > 3 else ""
 
 
 def rss_mb(pid: int) -> float | None:

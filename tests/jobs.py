@@ -49,17 +49,24 @@ def status_lines(run_dir: Path) -> list[dict]:
     return jsonl(run_dir / "status.jsonl")
 
 
+def args_of(pid: int) -> list[bytes]:
+    """The words of a process's command line ([] once it is gone): an actor forked by the local
+    launcher's fork server carries its command line as one title (``setproctitle``), an exec'd
+    one as separate arguments."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
+    except OSError:
+        return []
+
+
 def actor_pids(run_dir: Path) -> list[int]:
     """Live processes started for this run (their command line names the run directory)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"actors.main" in cmdline and str(run_dir).encode() in cmdline:
+        args = args_of(int(entry.name))
+        if b"actors.main" in args and str(run_dir).encode() in args:
             pids.append(int(entry.name))
     return pids
 
@@ -81,14 +88,7 @@ def engine_pids(run_dir: Path) -> list[int]:
 
 
 def pids_of(run_dir: Path, kind: str) -> list[int]:
-    out = []
-    for pid in actor_pids(run_dir):
-        try:
-            if kind.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+    return [pid for pid in actor_pids(run_dir) if kind.encode() in args_of(pid)]
 
 
 def alive(pid: int) -> bool:
@@ -122,8 +122,7 @@ def kill_the_sampler(run_dir: Path, proc: subprocess.Popen, after_steps: int,
     so in ``status.jsonl``, and finished."""
     try:
         wait_for_steps(run_dir, after_steps, proc)
-        sampler = [p for p in actor_pids(run_dir)
-                   if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+        sampler = pids_of(run_dir, "sampler")
         assert len(sampler) == 1
         os.kill(sampler[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=timeout)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from actors.runtime.recording import read_table
-from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
+from tests.jobs import ROOT, actor_pids, args_of, balanced, command, metrics, status_lines
 from tests.tiny_model import build_tiny_reward_model
 
 PARSER = '''
@@ -51,8 +51,7 @@ def parse_score(judge_answer, data_source, solution_str, ground_truth, extra_inf
 def reward_pid(run_dir: Path, index: int) -> int:
     """The pid of process ``reward-INDEX`` of this run."""
     for pid in actor_pids(run_dir):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if args[-3:-1] == [b"reward", str(index).encode()] or args[-2:] == [b"reward", str(index).encode()]:
+        if args_of(pid)[-2:] == [b"reward", str(index).encode()]:
             return pid
     raise AssertionError(f"no reward-{index} process")
 

@@ -23,16 +23,11 @@ RANKS = ["learner.nproc_per_node=2"]
 
 
 def rank_pids(run_dir: Path) -> dict[str, int]:
-    """The live learner ranks of a run, by rank (their RANK variable)."""
-    out = {}
-    for pid in pids_of(run_dir, "learner"):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "0")
-        out[rank] = pid
-    return out
+    """The live learner ranks of a run, by rank (as the runner's status records their pids)."""
+    live = set(pids_of(run_dir, "learner"))
+    last = status_lines(run_dir)[-1]
+    return {name.partition(".rank")[2] or "0": row["pid"] for name, row in last.items()
+            if name.startswith("learner-0") and row.get("pid") in live}
 
 
 def test_two_ranks_learn_and_resume_on_one(tiny_model, tmp_path):

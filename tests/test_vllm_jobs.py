@@ -26,6 +26,7 @@ from tests.jobs import (
     command,
     engine_pids,
     metrics,
+    pids_of,
     status_lines,
     validations,
     wait_for_steps,
@@ -44,8 +45,7 @@ def ppid(pid: int) -> int:
 
 def sampler_and_engine(run_dir: Path) -> tuple[int, list[int]]:
     """The sampler's pid and the pids of its vLLM processes."""
-    samplers = [p for p in actor_pids(run_dir)
-                if b"sampler" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    samplers = pids_of(run_dir, "sampler")
     assert len(samplers) == 1, samplers
     return samplers[0], [p for p in engine_pids(run_dir) if ppid(p) == samplers[0]]
 

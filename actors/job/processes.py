@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from actors.job.config.hosts import host_of, local_actors, owner
-from actors.job.launchers.base import LAUNCHERS
+from actors.job.launchers.base import ACTOR_ENV, LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
@@ -126,8 +126,7 @@ class Processes:
         args = ["-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
         p.ready, p.finished, p.status, p.last_seen = False, False, {}, time.monotonic()
         p.state = ("starting", p.last_seen)
-        # progress bars of libraries an actor uses (weights loading, saving) are noise in a log
-        env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **p.env}
+        env = {**ACTOR_ENV, **p.env}
         if job.home != job.run_dir:  # another host's actors read their own runner's topology
             env["FLOWRL_TOPOLOGY"] = str(job.home / TOPOLOGY)
         # plain lines: the actors write to the runner's own output; under the live panel an

@@ -235,9 +235,12 @@ class Job:
     def record_status(self, event: str, **fields: object) -> None:
         """A ``status.jsonl`` line (``actors/runtime/rundir.py`` lists the events), with every
         actor's last reported status (the router's per-worker in flight, done, failed and
-        latency percentiles among them), whether it is ready and how often it restarted."""
+        latency percentiles among them), whether it is ready, how often it restarted and the
+        pid of its process (one this runner started)."""
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
-                **{p.name: {"ready": p.ready, "restarts": p.restarts, **p.status}
+                **{p.name: {"ready": p.ready, "restarts": p.restarts,
+                            **({"pid": p.process.pid} if p.process is not None else {}),
+                            **p.status}
                    for p in self.procs.values()}}
         with (self.home / STATUS).open("a") as f:
             f.write(json.dumps(line) + "\n")

@@ -78,7 +78,8 @@ Body = Callable[..., Awaitable[Any]]
 
 
 async def _orphan_watch(scope: anyio.CancelScope, parent: int) -> None:
-    """Stop when the runner that started this actor is gone (no orphans if it is killed).
+    """Stop when the runner that started this actor is gone (no orphans if it is killed): the
+    parent is the runner, or the local launcher's fork server, which ends with the runner.
 
     PR_SET_PDEATHSIG would fire when the *thread* that spawned us exits (trio spawns from a
     worker thread), so the parent pid is watched instead: on its death we are re-parented.

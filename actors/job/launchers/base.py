@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from actors.runtime.config import Topology
 
 ROOT = Path(__file__).resolve().parents[3]  # the tree the actor processes import
+# in every actor's environment: progress bars of libraries an actor uses (weights loading,
+# saving) are noise in a log (read as their libraries are imported)
+ACTOR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 class Child(Protocol):
@@ -82,7 +85,7 @@ class LauncherRow:
 def _local(topology: Topology) -> Launcher:
     from actors.job.launchers.local import LocalLauncher
 
-    return LocalLauncher()
+    return LocalLauncher(topology)
 
 
 def _check_local(topology: Topology, need: Any) -> None:

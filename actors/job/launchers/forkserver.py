@@ -1,0 +1,263 @@
+"""The local launcher's fork server: one process that imports torch, transformers and the job's
+actor bodies once, then forks each actor process from that state.
+
+Every actor process started afresh pays the same imports (torch, transformers, the learner's
+and sampler's modules: ~4 s of CPU each on a small machine, most of a small job's start). Forked
+from a process that already holds them, an actor starts with them imported: the job's start
+costs one set of imports instead of one per process. Used by the local launcher where the
+runner sees no GPU (``LocalLauncher``): a process that forked after CUDA's driver was touched
+cannot use CUDA, and nothing here proves every import leaves it untouched, so a machine with
+GPUs starts each actor with its own interpreter.
+
+A forked actor is the same process ``python -m actors.main ...`` would be: its environment,
+working directory and output (its log file, or the runner's) are the request's, its command
+line reads the same (``setproctitle``), its parent is this server, which the runner's death
+ends (its socket closes), so an actor's watch on its parent works unchanged. The server reaps
+each actor and tells the runner its exit status; to the supervisor a ``Forked`` is a ``Child``
+like any other.
+
+Protocol, one JSON object per line on a socket pair: the runner sends ``{"args", "env", "log",
+"cwd"}``; the server answers ``{"pid"}`` (or ``{"error"}``) in order, and ``{"exit", "code"}``
+whenever one of its actors ends (``code`` as ``Popen.returncode``: -N for signal N).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ENTRY = "actors.main"  # the module a forked process runs: what ``python -m`` would
+
+
+def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> None:
+    """The server's loop: import the bodies of ``kinds``, ``modules`` and the code of ``model``'s
+    architecture, then fork an actor per request until the runner's end of the socket closes."""
+    from actors.registry import BY_NAME
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the runner's to act on
+    for kind in kinds:
+        BY_NAME[kind].body()
+    for name in modules:
+        importlib.import_module(name)
+    if model:
+        _import_architecture(model)
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop through it
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is sock:
+                data = sock.recv(1 << 16)
+                if not data:  # the runner is gone (done, or killed): its actors see us go
+                    os._exit(0)
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    _send(sock, _fork(json.loads(line), sock, sel, (wake_r, wake_w)))
+            else:
+                os.read(wake_r, 4096)
+        _reap(sock)
+
+
+def _import_architecture(model: str) -> None:
+    """Import the transformers module of ``model``'s causal-LM class (each process that loads
+    the model would import it otherwise). Best effort: a model this cannot read is the actors'
+    to report, each as it loads it."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]
+    except Exception:  # noqa: BLE001, S110 - left to the actors, which say what is wrong
+        pass
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _fork(request: dict[str, Any], sock: socket.socket, sel: selectors.BaseSelector,
+          wake: tuple[int, int]) -> dict[str, Any]:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        return {"error": f"fork: {exc}"}
+    if pid:
+        return {"pid": pid}
+    code = 1
+    try:  # the child: from here on, the actor's own process
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sel.close()
+        sock.close()
+        for fd in wake:
+            os.close(fd)
+        args = request["args"]
+        try:  # (before the environment changes: it takes over the memory of argv and environ)
+            from setproctitle import setproctitle
+        except ImportError:
+            pass
+        else:  # ``ps`` and /proc/PID/cmdline name the actor as its command line would
+            setproctitle(subprocess.list2cmdline([sys.executable, "-m", ENTRY, *args]))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        if request["log"]:
+            out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+        sys.argv = [ENTRY, *args]
+        import runpy
+
+        runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as an exec'd interpreter would
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed stream has nothing to flush
+                pass
+        os._exit(code)
+
+
+class Forked:
+    """One actor forked by the server, as the supervisor's ``Child``."""
+
+    def __init__(self, pid: int) -> None:
+        import trio
+
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = trio.Event()
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._ended.set()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _signal(self, signum: int) -> None:
+        if self.returncode is None:  # (reaped: its pid may be another process's now)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The runner's side: starts the server, asks it for actors, follows their exits."""
+
+    def __init__(self, kinds: Sequence[str], model: str, modules: Sequence[str],
+                 env: dict[str, str], cwd: Path) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(kinds), model,
+             *modules],
+            cwd=cwd,
+            env={**os.environ, **env}, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._sock = ours
+        self._children: dict[int, Forked] = {}
+        self._trio: Any = None  # the socket, lock and reply channel, made by the first spawn
+        self.dead = False  # the server exited: the launcher starts processes itself
+
+    async def spawn(self, args: Sequence[str], env: dict[str, str], log: Path | None,
+                    cwd: Path) -> Forked:
+        import trio
+
+        if self._trio is None:
+            self._sock.setblocking(False)
+            put, replies = trio.open_memory_channel[dict[str, Any]](float("inf"))
+            self._trio = (trio.socket.from_stdlib_socket(self._sock), trio.Lock(), replies)
+            trio.lowlevel.spawn_system_task(self._read, self._trio[0], put)
+        sock, one_at_a_time, replies = self._trio
+        if self.dead:
+            raise OSError("the fork server exited")
+        request = {"args": list(args), "env": env, "log": str(log) if log else None,
+                   "cwd": str(cwd)}
+        async with one_at_a_time:  # the server answers requests in order
+            await sock.send(json.dumps(request).encode() + b"\n")
+            reply = await replies.receive()
+        if "error" in reply:
+            raise OSError(f"the fork server could not start {' '.join(args)}: {reply['error']}")
+        return self._children[reply["pid"]]
+
+    async def _read(self, sock: Any, put: Any) -> None:
+        pending = b""
+        while True:
+            try:
+                data = await sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:  # the server died: its actors are orphans that end themselves
+                self.dead = True
+                for orphan in self._children.values():
+                    orphan.kill()
+                    orphan.ended(-signal.SIGKILL)
+                put.send_nowait({"error": "the fork server exited"})
+                return
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                message = json.loads(line)
+                if "exit" in message:
+                    if message["exit"] in self._children:  # (popped: a pid is reused in time)
+                        self._children.pop(message["exit"]).ended(message["code"])
+                    continue
+                if "pid" in message:  # registered here: its exit may be the next line
+                    self._children[message["pid"]] = Forked(message["pid"])
+                put.send_nowait(message)
+
+    def close(self) -> None:
+        """End the server (at the job's end: its actors have exited; any left see their parent
+        go and end themselves)."""
+        self._sock.close()
+        self.process.kill()
+        self.process.wait()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:])

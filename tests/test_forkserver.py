@@ -1,0 +1,78 @@
+"""How the local launcher starts actors: forked from its fork server on a machine without GPUs
+(torch and transformers imported once), or each with its own interpreter
+(``FLOWRL_FORKSERVER=0``, and wherever the runner sees a GPU). Either way an actor is the
+process ``python -m actors.main RUN_DIR KIND INDEX`` and goes with a killed runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.jobs import ROOT, actor_pids, args_of, command, reap, status_lines, wait_for_steps
+
+
+def ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def start(tiny_model: Path, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=1000",
+                                    "run.status_interval=0.5"),
+                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def running_actors(run_dir: Path, proc: subprocess.Popen) -> dict[str, int]:
+    """The job's actors by name, once a step is trained and the runner's status names them."""
+    wait_for_steps(run_dir, 1, proc)
+    deadline = time.monotonic() + 60
+    while True:
+        last = status_lines(run_dir)[-1]
+        pids = {name: last[name].get("pid") for name in ("replay-0", "router-0", "learner-0",
+                                                          "reward-0", "sampler-0")}
+        if set(pids.values()) == set(actor_pids(run_dir)):
+            return pids
+        assert time.monotonic() < deadline, (pids, actor_pids(run_dir))
+        time.sleep(0.1)
+
+
+def test_actors_are_forked_from_one_server_and_go_with_a_killed_runner(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(tiny_model, run_dir, {"FLOWRL_FORKSERVER": "1"})
+    try:
+        actors = running_actors(run_dir, proc)
+        (server,) = {ppid(pid) for pid in actors.values()}  # one parent: the fork server
+        assert b"actors.job.launchers.forkserver" in args_of(server)
+        assert ppid(server) == proc.pid
+        for name, pid in actors.items():  # each titled as its own command line would read
+            kind, index = name.split("-")
+            assert args_of(pid)[-5:] == [b"-m", b"actors.main", str(run_dir).encode(),
+                                         kind.encode(), index.encode()]
+        proc.kill()  # the runner alone: its fork server sees it go, the actors their parent
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while actor_pids(run_dir) or args_of(server):
+            assert time.monotonic() < deadline, "the fork server or an actor outlived the runner"
+            time.sleep(0.1)
+    finally:
+        reap(proc)
+
+
+def test_without_the_fork_server_each_actor_is_the_runners_own_process(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(tiny_model, run_dir, {"FLOWRL_FORKSERVER": "0"})
+    try:
+        actors = running_actors(run_dir, proc)
+        assert {ppid(pid) for pid in actors.values()} == {proc.pid}
+        sampler = Path(f"/proc/{actors['sampler-0']}/cmdline").read_bytes().split(b"\0")
+        assert sampler[-5:] == [b"actors.main", str(run_dir).encode(), b"sampler", b"0", b""]
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a final checkpoint, every actor stopped
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out[-4000:]
+        assert not actor_pids(run_dir)
+        assert status_lines(run_dir)[-1]["outcome"] == "interrupted"
+    finally:
+        reap(proc)
