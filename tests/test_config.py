@@ -151,6 +151,19 @@ def test_in_flight_updates_need_a_continuous_engine():
         decode_topology(apply_overrides({}, ["sampler.engine=hf", "sampler.weight_update=in_flight"]))
 
 
+def test_profiled_batches_need_an_engine_torch_profiles(monkeypatch):
+    import dataclasses
+
+    from actors.sampler.engines.registry import ENGINES
+
+    # (vLLM installed or not: its own availability check is another test's)
+    monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
+    with pytest.raises(ConfigError, match=r"sampler.profile_batches: the vllm engine's batches "
+                                          r"are not profiled here \(engines that are: hf\)"):
+        decode_topology(apply_overrides({}, ["sampler.engine=vllm", "sampler.profile_batches=[1]"]))
+    decode_topology(apply_overrides({}, ["sampler.engine=hf", "sampler.profile_batches=[1]"]))
+
+
 def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monkeypatch):
     from importlib import util
 

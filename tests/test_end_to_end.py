@@ -43,7 +43,10 @@ ESTIMATORS = {
                                        for e in ESTIMATORS])
 def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     run_dir = tmp_path / "run"
-    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40", *ESTIMATORS[estimator]),
+    # a profiled learner step and sampler batch (learner.profile_steps, sampler.profile_batches)
+    # train and generate as any other: the curve below is the job's own
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=40", *ESTIMATORS[estimator],
+                                 "learner.profile_steps=[2]", "sampler.profile_batches=[3]"),
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     # the kinds it runs, none it does not (no teacher×0)
@@ -95,6 +98,15 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_40")
     assert model.config.vocab_size > 0
+
+    # the profiles: an op table and a trace a browser opens, for each profiled step
+    for name, step in (("learner-0", 2), ("sampler-0", 3)):
+        where = run_dir / "profiles" / name
+        assert sorted(p.name for p in where.iterdir()) == [f"step_{step}.trace.json", f"step_{step}.txt"]
+        table = (where / f"step_{step}.txt").read_text()
+        assert table.startswith(f"step {step}: torch.profiler") and "aten::mm" in table
+        events = json.loads((where / f"step_{step}.trace.json").read_text())["traceEvents"]
+        assert any(e.get("name") == "aten::mm" for e in events)
 
 
 def test_ctrl_c_checkpoints_stops_everything_and_resumes(tiny_model, tmp_path):

@@ -38,6 +38,7 @@ from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import CudaMemory, on_device
 from actors.runtime.memory_lending import MemoryBorrower, holder_slot, lenders_among
+from actors.runtime.profiling import profile_dir, profiled
 from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
@@ -134,7 +135,10 @@ class Learner:
         if borrower is not None:  # the step's first count, before anything it computes
             borrower.take_trace()
             borrower.check()
-        with borrowing(self.memory) as lent_mib:
+        step = policy.step + 1
+        profile = profile_dir(self.ctx.run_dir, self.ctx.name) \
+            if step in self.cfg.profile_steps else None
+        with borrowing(self.memory) as lent_mib, profiled(profile, step, self.group.device):
             metrics = {**self.trainer.train_step(groups), **extra}
         if self.memory is not None:
             metrics["perf/gpu_memory_borrowed_mib"] = float(lent_mib)

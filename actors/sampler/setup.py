@@ -12,6 +12,7 @@ from actors.runtime.actor import ActorContext
 from actors.runtime.cores import CoreTable, table_path
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.memory_lending import MemoryLender, holders_among, lender_slot
+from actors.runtime.profiling import profile_dir
 from actors.sampler.engines import registry
 from actors.sampler.engines.base import AdapterLimits, Engine, EngineSpec
 
@@ -27,7 +28,8 @@ async def start_engine(ctx: ActorContext) -> Engine:
     return await registry.ENGINES[cfg.engine].start(EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
         label=f"{ctx.name} {ctx.run_dir}", transport=topo.learner.weights_transport,
-        adapters=adapter_limits(topo), memory=lend_memory(ctx, device)))
+        adapters=adapter_limits(topo), memory=lend_memory(ctx, device),
+        profiles=profile_dir(ctx.run_dir, ctx.name)))
 
 
 def lend_memory(ctx: ActorContext, device: torch.device) -> MemoryLender | None:

@@ -54,6 +54,12 @@ def check(topology: Topology) -> None:
              "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine = "
              f"{_engines(lambda r: r.continuous)}): the {s.engine} engine loads weights between "
              "batches")
+    if s.profile_batches:
+        engine = s.engine if s.engine != "auto" else auto_engine(s.device)
+        need(ENGINES[engine].profiled, "sampler.profile_batches",
+             f"the {engine} engine's batches are not profiled here (engines that are: "
+             f"{_engines(lambda r: r.profiled, ', ')}); vLLM has its own profiler "
+             "(VLLM_TORCH_PROFILER_DIR)")
     _check_sleep(s, need)
     L = topology.learner
     need(L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",

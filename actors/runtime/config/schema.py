@@ -180,6 +180,10 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     and vLLM is installed, hf otherwise (hf is the faster on a CPU: BENCHMARKS.md)."""
     vllm: VLLMOptions = VLLMOptions()
     """vLLM's engine arguments (sampler.engine = vllm)."""
+    profile_batches: list[PositiveInt] = []
+    """hf: batches of each sampler to run under torch.profiler (1: its first generate call):
+    each writes RUN_DIR/profiles/sampler-I/step_N.txt and step_N.trace.json, as
+    learner.profile_steps does (vllm: vLLM's own profiler, VLLM_TORCH_PROFILER_DIR)."""
     weight_update: Literal["between_batches", "in_flight"] = "between_batches"
     """When new weights go into the engine: once the requests in it have finished, or at once,
     pausing generation and keeping its requests (vllm only): tokens after the swap carry the
@@ -367,6 +371,10 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     kept); older ``step_N`` folders are removed once a newer checkpoint is complete."""
     resume: bool = True
     """Continue from the run directory's latest checkpoint when one exists."""
+    profile_steps: list[PositiveInt] = []
+    """Steps to run under torch.profiler (1: the first step trained), rank 0's: each writes
+    RUN_DIR/profiles/learner-0/step_N.txt (ops by CPU and CUDA time) and step_N.trace.json
+    (Perfetto, chrome://tracing); docs/debugging.md reads one."""
 
 
 class ValidationDataset(DatasetConfig, frozen=True):

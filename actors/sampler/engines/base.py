@@ -126,6 +126,7 @@ class EngineSpec:
     transport: str = ""  # the weights transport ("": none; GPU ones configure its worker)
     adapters: AdapterLimits | None = None  # LoRA: the versions arrive as adapters of this
     memory: Any = None  # a MemoryLender: GPU memory a sleeping engine lends the learner
+    profiles: Path | None = None  # where batches of sampler.profile_batches write their profile
 
 
 def full_generation(token_ids: torch.Tensor, logprobs: torch.Tensor, version: int,

@@ -40,6 +40,7 @@ from actors.data.vision import ImageProcessor, is_vision_model
 from actors.model_store import PolicyModel
 from actors.runtime.actor import run_compute
 from actors.runtime.devices import cap_memory, indexed, on_device
+from actors.runtime.profiling import profiled
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import EngineSpec, GenerateRequest, Generation, full_generation
 from kernels.logprobs import token_logprobs
@@ -153,7 +154,8 @@ class HFEngine:
     continuous = False
 
     def __init__(self, model_path: Path, dtype: str, seed: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", profile: Sequence[int] = (),
+                 profiles: Path | None = None) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -175,6 +177,8 @@ class HFEngine:
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
         self.abort = threading.Event()  # set by run_compute when the call is cancelled
         self.lock = anyio.Lock()  # one generate (or weight load) at a time: they share the model
+        self.batches = 0  # generate calls so far; those in ``profile`` run under torch.profiler
+        self.profile, self.profiles = set(profile), profiles
         torch.manual_seed(seed)
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
@@ -187,9 +191,15 @@ class HFEngine:
             raise ValueError("the HF engine generates one batch per call: every request of a "
                              "call needs the same sampling parameters and n")
         async with self.lock:
-            return await run_compute(on_device(self.device, self._generate),
+            self.batches += 1
+            return await run_compute(on_device(self.device, self._profiled),
                                      [r.prompt_ids for r in requests], first,
                                      [r.images for r in requests], abort=self.abort)
+
+    def _profiled(self, *args: Any) -> list[list[Generation]]:
+        where = self.profiles if self.batches in self.profile else None
+        with profiled(where, self.batches, self.device):
+            return self._generate(*args)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], like: GenerateRequest,
@@ -346,4 +356,5 @@ def adapter_parameter(saved: str) -> str:
 async def start(spec: EngineSpec) -> HFEngine:
     """The engine of ``sampler.engine = "hf"`` (registry row ``hf``): no section of its own."""
     return await anyio.to_thread.run_sync(on_device(spec.device, HFEngine), spec.model,
-                                          spec.dtype, spec.seed, spec.device)
+                                          spec.dtype, spec.seed, spec.device,
+                                          spec.sampler.profile_batches, spec.profiles)

@@ -49,13 +49,14 @@ class EngineRow:
     sleeps: bool = False  # has a sleep mode of its own, on a GPU (sampler.sleep_idle_s)
     measures_memory: bool = False  # sizes its cache from the GPU's free memory as it starts
     # (vLLM's profile run): started alone on a GPU it shares (``layout.start_after``)
+    profiled: bool = False  # runs the batches of sampler.profile_batches under torch.profiler
     preload: tuple[str, ...] = ()  # its modules the local launcher's fork server imports ahead
     # of forking the samplers (none for an engine whose imports must happen in its process)
 
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    EngineRow(FALLBACK, _start_hf, adapters=True,
+    EngineRow(FALLBACK, _start_hf, adapters=True, profiled=True,
               preload=("actors.sampler.engines.hf",)),
     EngineRow("vllm", _start_vllm, vllm_problem, continuous=True, prefer_on_gpu=True,
               in_worker=True, ranks="vllm.tensor_parallel_size", adapters=True,
