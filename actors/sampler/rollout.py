@@ -209,7 +209,7 @@ class Rollout:
                           answer=r.answer, teacher_logprobs=t, reward_of=reward_of(c),
                           prompt_ids=own[0], images=own[1])
                    for c, text, r, reward, t, own in zip(
-                       g.completions, texts, results[:len(texts)], rewards, teacher,
+                       g.completions, texts, results[:len(texts)], rewards[:len(texts)], teacher,
                        [own_prompt(c, g.prompt_ids, p.images) for c in g.completions],
                        strict=True)]
         return ScoredGroup(

@@ -1,0 +1,61 @@
+"""Every advantage estimator and every policy loss trains in a whole job (the tiny model, three
+steps): an estimator whose inputs come from the sampler (remax's greedy completion) or the
+reward worker (gdpo's reward keys) is exercised by the actors that make them, not by the
+learner alone (tests/test_learner.py takes a step of each on made-up groups).
+
+The names come from the config's Literals, so a variant added there without a case here fails
+``test_every_variant_has_a_case``. Behind ``-m slow`` (run by CI): one job per variant."""
+
+from __future__ import annotations
+
+import subprocess
+import typing
+
+import pytest
+
+from actors.runtime.config.algorithm import AdvEstimator, PolicyLoss
+from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
+from tests.learner_cases import OPTIONS
+
+# the reward keys gdpo normalises, returned by every job's reward function here
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    acc = float(solution_str.strip()[:1] == str(ground_truth).strip()[:1])
+    form = float(len(solution_str.strip()) > 0)
+    return {"score": acc + 0.1 * form, "acc": acc, "format": form}
+'''
+
+
+def case(key: str, name: str) -> list[str]:
+    """The learner tests' overrides for ``algorithm.KEY = NAME`` (the first case setting it)."""
+    for overrides in OPTIONS.values():
+        if f"algorithm.{key}={name}" in overrides:
+            return overrides
+    return []
+
+
+VARIANTS = [("adv_estimator", n) for n in typing.get_args(AdvEstimator)] + \
+           [("policy_loss", n) for n in typing.get_args(PolicyLoss) if n != "vanilla"]
+
+
+def test_every_variant_has_a_case():
+    assert [f"{k}={n}" for k, n in VARIANTS if k != "adv_estimator" or n != "grpo"
+            if not case(k, n)] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "name"), VARIANTS, ids=[f"{k}={n}" for k, n in VARIANTS])
+def test_the_variant_trains_in_a_whole_job(tiny_model, tmp_path, key, name):
+    (tmp_path / "reward.py").write_text(REWARD)
+    run_dir = tmp_path / "run"
+    overrides = [o for o in case(key, name) if not o.startswith("learner.micro_batch_size")]
+    res = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=3", "algorithm.n=4",
+                                 f"reward.functions=[{{path='{tmp_path / 'reward.py'}'}}]",
+                                 f"algorithm.{key}={name}", *overrides),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(balanced(r) for r in rows)
+    assert status_lines(run_dir)[-1]["outcome"] == "finished"
+    assert not actor_pids(run_dir)
