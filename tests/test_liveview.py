@@ -178,3 +178,20 @@ def test_the_panel_shows_the_last_sampled_images_answers():
     text = text_of(view, now=253.0)[0]
     assert ("images @10: [56x56] 'red, I think' 1.00 | [28x28 56x56] 'a very long answer that…' "
             "0.00") in text, text
+
+
+def test_off_a_terminal_a_long_validation_round_says_how_far_it_has_got():
+    from actors.job.supervisor import VALIDATION_PROGRESS_S, validation_progress
+
+    status = {"val_step": 0, "val_done": 12, "val_total": 64}
+    shown, line = validation_progress(status, set(), (-1, 0.0), now=100.0)
+    assert (shown, line) == ((0, 100.0), "")  # the round's start: nothing yet
+    shown, line = validation_progress(status, set(), shown, now=100.0 + VALIDATION_PROGRESS_S - 1)
+    assert line == ""
+    shown, line = validation_progress(status, set(), shown, now=100.0 + VALIDATION_PROGRESS_S)
+    assert line == "... validation of step 0: 12/64 prompts scored"
+    assert shown == (0, 100.0 + VALIDATION_PROGRESS_S)  # the next one a period later
+    # a round done, reported, or none running: nothing to say
+    for done in ({**status, "val_done": 64}, {**status, "val_step": -1}, {}):
+        assert validation_progress(done, set(), (0, 0.0), now=1e6)[1] == ""
+    assert validation_progress(status, {0}, (0, 0.0), now=1e6)[1] == ""

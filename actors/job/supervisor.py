@@ -33,7 +33,9 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import trio
 import zmq
@@ -70,6 +72,7 @@ STOP_GRACE_S = 90.0  # time for a stop message to end an actor (the learner's fi
 TERM_GRACE_S = 10.0
 LONG_WAIT_S = 10.0  # off a terminal, an actor this long in a state other than running is shown
 QUIET_STATES = ("running", "finished", "stopping", "training", "waiting for batch")  # prefixes
+VALIDATION_PROGRESS_S = 30.0  # off a terminal, a validation round's progress this often
 
 
 def continue_command(run_dir: Path, *overrides: str, argv: list[str] | None = None) -> str:
@@ -82,6 +85,21 @@ def continue_command(run_dir: Path, *overrides: str, argv: list[str] | None = No
     keys = {o.split("=", 1)[0] for o in (*overrides, "run.dir=")}
     kept = [a for a in argv[1:] if a.split("=", 1)[0] not in keys]
     return shlex.join(["python", argv[0], *kept, f"run.dir={run_dir}", *overrides])
+
+
+def validation_progress(replay: Mapping[str, Any], validated: set[int],
+                        shown: tuple[int, float], now: float) -> tuple[tuple[int, float], str]:
+    """The line saying how far the validation round the replay buffer's status names has got
+    (``""``: none due), every ``VALIDATION_PROGRESS_S`` from the round's start (a round can take
+    minutes before its one line of metrics); ``shown`` is the round last shown and when."""
+    step, done, total = (int(replay.get(k, 0) or 0) for k in ("val_step", "val_done", "val_total"))
+    if step < 0 or not total or done >= total or step in validated:
+        return shown, ""
+    if shown[0] != step:  # a new round: its first line one period on
+        return (step, now), ""
+    if now - shown[1] < VALIDATION_PROGRESS_S:
+        return shown, ""
+    return (step, now), f"... validation of step {step}: {done}/{total} prompts scored"
 
 
 def awaits_final_validation(topology: Topology, resume: Resume) -> bool:
@@ -115,6 +133,7 @@ class Job:
         self.final_validation = awaits_final_validation(topology, resume or Resume())
         self.validated: set[int] = set()  # steps whose validation was reported
         self.learner_done = False  # finished, the final validation still to come
+        self.validation_shown = (-1, 0.0)  # the round whose progress was last printed, and when
         self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
         self.done = trio.Event()
         self.stopping = False
@@ -286,6 +305,15 @@ class Job:
                     and p.shown != state:
                 p.shown = state
                 self.say(f"... {p.name}: {state} ({now - since:.0f}s so far)")
+        self.mention_validation(now)
+
+    def mention_validation(self, now: float) -> None:
+        """Off a terminal: a running validation round's prompts done (``validation_progress``)."""
+        replay = next((p.status for p in self.procs.values() if p.kind == "replay"), {})
+        self.validation_shown, line = validation_progress(replay, self.validated,
+                                                          self.validation_shown, now)
+        if line:
+            self.say(line)
 
     async def signals(self) -> None:
         """First Ctrl-C: orderly stop (final checkpoint). A second one: kill every actor now."""
