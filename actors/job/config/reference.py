@@ -78,7 +78,9 @@ def type_name(t: Any) -> str:
         case mi.IntType() | mi.FloatType():
             return f"{'int' if isinstance(t, mi.IntType) else 'float'}{_bounds(t)}"
         case mi.StrType():
-            return f"str ({extra['bad'].removeprefix('is not ')})" if "bad" in extra else "str"
+            if "bad" not in extra:
+                return "str"
+            return f"str ({extra.get('shows') or extra['bad'].removeprefix('is not ')})"
         case mi.BoolType():
             return "bool"
         case mi.NoneType():

@@ -32,9 +32,11 @@ FilePath = Annotated[str, Meta(extra={"path": True})]
 ModelPath = Annotated[str, Meta(extra={"path": "model"})]
 
 
-def matching(regex: str, bad: str) -> Meta:
-    """The whole value matches ``regex``; ``bad`` says what a value that does not is."""
-    return Meta(pattern=rf"\A(?:{regex})\Z", extra={"bad": bad})
+def matching(regex: str, bad: str, shows: str = "") -> Meta:
+    """The whole value matches ``regex``; ``bad`` says what a value that does not is, and
+    ``shows`` what one that does is, for the key reference (default: ``bad`` without its
+    ``is not``: ``is not auto, cpu, ...`` shows as ``auto, cpu, ...``)."""
+    return Meta(pattern=rf"\A(?:{regex})\Z", extra={"bad": bad, **({"shows": shows} if shows else {})})
 
 
 def one_of(names: tuple[str, ...], unset: bool = False) -> Meta:

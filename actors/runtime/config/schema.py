@@ -102,7 +102,8 @@ class ModelConfig(_Section, frozen=True):
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")
 DatasetPath = Annotated[FilePath, matching(r"(?:.*[^/]\.(?:parquet|jsonl))?",
-                                           "is neither .parquet nor .jsonl")]
+                                           "is neither .parquet nor .jsonl",
+                                           "a .parquet or .jsonl file, or unset")]
 
 
 class DatasetConfig(_Section, frozen=True):
