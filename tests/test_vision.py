@@ -115,7 +115,8 @@ def test_verl_trl_and_jsonl_rows_bring_their_images(tmp_path):
      r"2 <image> placeholder\(s\) in the prompt for 1 image\(s\)"),
     ("What colour? <image>", [], r"1 <image> placeholder\(s\) in the prompt for 0 image\(s\)"),
     ("<image>What colour?", ["missing.png"], r"image 0: no file 'missing.png'"),
-    ("<image>What colour?", ["junk.png"], r"image 0 \(16 bytes\) is not an image PIL can read"),
+    ("<image>What colour?", ["junk.png"],
+     r"image 0 \(16 bytes\) is not an image PIL can read: cannot identify image file$"),
     ("<image>What colour?", [17], r"image 0 is neither bytes"),
 ])
 def test_a_bad_image_row_stops_the_job_before_it_starts_naming_row_and_column(
@@ -335,6 +336,20 @@ def test_the_vision_page_job_is_a_topology_whose_data_passes_the_preflight(tiny_
     topo = decode_topology(apply_overrides(tomllib.loads(block), [f"model.path={tiny_vlm}"]))
     assert topo.sampler.engine == "hf" and topo.task.datasets[0].path.endswith("colours.jsonl")
     check_data(topo)
+
+
+def test_images_for_a_text_only_policy_are_refused_before_the_job_starts(tiny_model, tmp_path):
+    """A text-only model (the embedded default is one) given a dataset with images: one line
+    naming model.path and the dataset, exit 2 from the runner, not a sampler dying mid-run."""
+    from actors.job.config.preflight import preflight
+
+    pq.write_table(pa.Table.from_pylist(image_rows(tmp_path)), tmp_path / "verl.parquet")
+    topo = decode_topology({"model": {"path": str(tiny_model)},
+                            "task": {"datasets": [{"path": str(tmp_path / "verl.parquet")}]}})
+    with pytest.raises(ConfigError, match=r"^model.path: .* is a text-only model \(its config.json "
+                                          r"has no vision_config\) and task.datasets\[0\] has "
+                                          r"images: the policy must see them"):
+        preflight(topo)
 
 
 def test_images_with_a_multi_turn_rollout_pass_the_preflight(tmp_path):

@@ -17,6 +17,7 @@ tokenizer), which is all still images need.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +74,10 @@ def decode(data: bytes, index: int = 0) -> Any:
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
+        # PIL names the in-memory file it was given (``<_io.BytesIO object at 0x...>``): noise
+        why = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc))
         raise ImageError(f"image {index} ({len(data)} bytes) is not an image PIL can read: "
-                         f"{exc}") from None
+                         f"{why}") from None
     return image.convert("RGB")
 
 

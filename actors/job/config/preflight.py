@@ -5,7 +5,8 @@ model, the data files and the user's code will load the way the actors load them
 reason``, exit 2 from the runner) when:
 
 - ``model.path`` is not a model directory, is not a causal LM, its tokenizer does not load, or
-  it has no chat template (every prompt is chat messages rendered by it);
+  it has no chat template (every prompt is chat messages rendered by it); or it is a text-only
+  model and a training dataset has images;
 - ``teacher.path`` (on-policy distillation) is not a causal LM, or its tokenizer is not the
   student's (the error names both models); with images in the data, it is a text-only model
   (it would read the student's image tokens without their images) or its processor counts an
@@ -204,4 +205,14 @@ def preflight(topology: Topology) -> None:
     """Raise ``ConfigError`` (naming the key) for a model, data file or user code the job's
     actors would fail to load; nothing is started."""
     images = check_data(topology)
-    _check_in_children(topology, model_directory(topology), images)
+    model = model_directory(topology)
+    if images:
+        from actors.data.vision import is_vision_model  # (reads config.json: no torch)
+
+        if not is_vision_model(model):
+            raise ConfigError(
+                f"model.path: {topology.model.path} is a text-only model (its config.json has no "
+                f"vision_config) and {images} has images: the policy must see them. Use a "
+                "vision-language model (a Qwen2.5-VL directory: docs/vision.md) or a dataset "
+                "without images")
+    _check_in_children(topology, model, images)
