@@ -158,7 +158,8 @@ class Processes:
                 tb = f"(no traceback: killed by signal {signal.Signals(-rc).name})"
             else:
                 tb = "(no traceback: it stopped without being asked to)"
-            print(f"!!! actor {p.name} (pid {p.process.pid}) exited with status {rc}\n{tb}",
+            pid = f"pid {p.process.pid}" if p.process.pid else "its process never started"
+            print(f"!!! actor {p.name} ({pid}) exited with status {rc}\n{tb}",
                   flush=True)
             cfg = getattr(job.topo, p.kind)
             restart = cfg.restart == "on-failure" and p.restarts < cfg.max_restarts
