@@ -66,11 +66,56 @@ def test_activations_are_what_autograd_saves(checkpointing):
     assert forward == pytest.approx(got, rel=0.15)
 
 
-def test_the_planned_table_without_a_token_budget_counts_a_whole_batch_at_most():
-    """With no token budget and the GPU's auto (no row cap), the table assumes the batch's
-    sequences (4 groups x 8) at 1024 tokens each, not an unbounded row count."""
-    from actors.job.config.load import apply_overrides, decode_topology
-    from actors.learner.memory import planned
+def test_the_planned_table_counts_rows_of_the_longest_prompt_and_response(tiny_model):
+    """``runner.py check``'s table: a micro-batch of ``micro_batch_size`` rows, each the longest
+    prompt the task issues plus sampler.max_tokens, when that is under the token budget (the
+    budget alone put the default job's activations at 12 GB, four times its learner's peak);
+    with no token budget and the GPU's auto (no row cap), the whole batch (4 groups x 8) at
+    most; task.max_prompt_length bounds the prompt when set; a multi-turn rollout's samples
+    have no bound but the budget."""
+    import re
 
-    topology = decode_topology(apply_overrides({}, ["learner.max_tokens_per_micro_batch=0"]))
-    assert "32768 tokens per micro-batch (no token budget" in planned(topology, "cuda")
+    from actors.data.chat import prompt_token_counter
+    from actors.data.sources import make_task
+    from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner.memory import PROMPTS_SAMPLED, planned
+
+    def table(*overrides: str, device: str = "cpu") -> str:
+        return planned(decode_topology(apply_overrides({}, [
+            f"model.path={tiny_model}", "task.name=repeat_letter", "sampler.max_tokens=8",
+            *overrides])), device)
+
+    topology = decode_topology(apply_overrides({}, [f"model.path={tiny_model}",
+                                                    "task.name=repeat_letter"]))
+    count, task = prompt_token_counter(str(tiny_model)), make_task(topology.task, seed=0)
+    longest = max(count(task.prompt(i, prompt_id=i)) for i in range(PROMPTS_SAMPLED))
+    assert f"{8 * (longest + 8)} tokens per micro-batch (8 rows of at most {longest + 8} " \
+           f"tokens: the longest of the first {PROMPTS_SAMPLED} prompts, {longest}, + " \
+           "sampler.max_tokens 8) on cpu" in table()
+    assert f"{32 * (longest + 8)} tokens per micro-batch (32 rows" in \
+        table("learner.max_tokens_per_micro_batch=0", device="cuda")
+    assert "8 rows of at most 108 tokens: task.max_prompt_length" in \
+        table("task.max_prompt_length=100")
+    assert re.search(r" 8192 tokens per micro-batch \(learner.max_tokens_per_micro_batch",
+                     table("agent.tools=[{builtin='calculator'}]"))
+
+
+def test_the_estimate_is_within_1_5x_of_a_measured_learners_peak(tmp_path):
+    """Two layers of the embedded model's shape (its vocabulary: the LM head's logits weigh as in
+    the default job), three steps, in a process of its own: how much it grew from after its
+    imports to its peak RSS against the estimate's total (parameters, gradients, AdamW state,
+    activations and logits for the largest micro-batch)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "tests.memory_worker", str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    ratio = got["peak"] / got["estimate"]
+    print(f"\n{got['tokens']} tokens: peak {got['peak'] / 1e6:.0f} MB, estimate "
+          f"{got['estimate'] / 1e6:.0f} MB, ratio {ratio:.2f}")
+    assert 1 / 1.5 <= ratio <= 1.5

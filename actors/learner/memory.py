@@ -236,10 +236,15 @@ def planned(topology, device: str) -> str:
     checkpointing = cuda if L.gradient_checkpointing == "auto" else bool(L.gradient_checkpointing)
     rows, budget_tokens = micro_limits(L, cuda)
     rows = min(rows, L.groups_per_step * topology.algorithm.n)  # a micro-batch is in one batch
-    tokens = budget_tokens or rows * 1024
-    budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
-              if budget_tokens else
-              " (no token budget: micro_batch_size x 1024 assumed)")
+    longest, source = longest_sequence(topology)
+    if longest is not None and (not budget_tokens or rows * longest < budget_tokens):
+        tokens = rows * longest
+        budget = f" ({rows} rows of at most {longest} tokens: {source})"
+    else:
+        tokens = budget_tokens or rows * 1024
+        budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
+                  if budget_tokens else
+                  " (no token budget: micro_batch_size x 1024 assumed)")
     a = topology.algorithm
     return table(config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
                  budget=f"{budget} on {device}", param_bytes=dtype_bytes(params),
@@ -248,6 +253,32 @@ def planned(topology, device: str) -> str:
                  else not L.reshard_after_forward,
                  reference=a.use_kl_loss or a.use_kl_in_reward,
                  trainable=None if L.lora.rank == 0 else 0)
+
+
+PROMPTS_SAMPLED = 256  # prompts of the task whose longest sets ``planned``'s sequence length
+
+
+def longest_sequence(topology) -> tuple[int | None, str]:
+    """The most tokens one row of a micro-batch holds, and where the figure comes from: the
+    prompt (``task.max_prompt_length``, or else the longest of the task's first
+    ``PROMPTS_SAMPLED`` prompts, chat-templated as the sampler feeds them) plus the response
+    (``sampler.max_tokens``). None for a multi-turn rollout (tool output and later turns make
+    a sample's length open-ended)."""
+    if topology.agent.enabled:
+        return None, ""
+    response = topology.sampler.max_tokens
+    if topology.task.max_prompt_length:
+        return (topology.task.max_prompt_length + response,
+                f"task.max_prompt_length + sampler.max_tokens {response}")
+    from actors.data.chat import prompt_token_counter
+    from actors.data.sources import make_task
+
+    count = prompt_token_counter(topology.model.path)
+    task = make_task(topology.task, seed=topology.run.seed)
+    drawn = min(PROMPTS_SAMPLED, task.size)
+    longest = max(count(task.prompt(i, prompt_id=i)) for i in range(drawn))
+    return (longest + response,
+            f"the longest of the first {drawn} prompts, {longest}, + sampler.max_tokens {response}")
 
 
 def measured(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
