@@ -170,6 +170,18 @@ def test_inspect_prints_summary_and_writes_plots(run_dir, tmp_path):
     assert series["repeat_letter mean@4"]["steps"] == [0, 3, 6]
 
 
+def test_inspect_shows_as_worst_only_samples_below_the_top_reward():
+    from actors.offline.inspection import extremes
+
+    def ordered(*rewards: float) -> list[tuple]:
+        return sorted(((r, k) for k, r in enumerate(rewards)), key=lambda x: (-x[0], x[1]))
+
+    assert extremes(ordered(1.0, 1.0, 1.0, 1.0, 1.0), 3) == (ordered(1.0, 1.0, 1.0), [])
+    best, worst = extremes(ordered(1.0, 0.0, 1.0, 0.5, 1.0, 1.0), 3)
+    assert [r for r, _ in best] == [1.0, 1.0, 1.0] and worst == [(0.0, 1), (0.5, 3)]
+    assert extremes(ordered(1.0, 0.0), 3) == (ordered(1.0, 0.0), [])  # all shown as the best
+
+
 def test_validate_a_checkpoint_offline(run_dir, tmp_path):
     out = tmp_path / "val.json"
     res = runner("validate", str(run_dir), "--checkpoint", "step_3", "validation.n=2",
@@ -182,6 +194,7 @@ def test_validate_a_checkpoint_offline(run_dir, tmp_path):
     assert 0 <= m["val-core/repeat_letter/reward/mean@2"] <= 1
     assert "val-aux/repeat_letter/reward/pass@2" in m
     assert got["recorded"]["val-aux/prompts"] == 8  # the live validation of step 3, beside it
+    assert "agree in distribution, not to the digit" in res.stdout  # (not a failed rerun)
     assert len(got["samples"]) == 8 and all(len(s["completions"]) == 2 for s in got["samples"])
     # the default is the newest checkpoint; base is the model the run started from
     res = runner("validate", str(run_dir), "--checkpoint", "base", "--out", str(out),

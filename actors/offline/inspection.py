@@ -129,6 +129,14 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
         print(f"  {k:<{width}}  {v}", file=out)
 
 
+def extremes(ordered: list[tuple], top: int) -> tuple[list[tuple], list[tuple]]:
+    """The ``top`` best of ``ordered`` (reward first in each, best first) and the ``top`` worst of
+    the others, lowest first, those below the top reward only: none when every sample scored
+    alike (a step where all scored 1.0 has no worst samples to show)."""
+    best, rest = ordered[:top], ordered[top:]
+    return best, [x for x in rest[::-1][:top] if x[0] < ordered[0][0]]
+
+
 def _samples(run: RecordedRun, step: int, top: int, out: TextIO, images: Path) -> None:
     """The best and worst samples of ``step``; the images their prompt showed (a
     vision-language run) are written into ``images``, each sample's named under it."""
@@ -142,7 +150,17 @@ def _samples(run: RecordedRun, step: int, top: int, out: TextIO, images: Path) -
                                                strict=True)):
             samples.append((r, gid, j, len(g["response_ids"][j]), text, err, g["ground_truth"]))
     ordered = sorted(samples, key=lambda x: (-x[0], x[1], x[2]))
-    for title, chosen in (("best", ordered[:top]), ("worst", ordered[::-1][:top])):
+    best, worst = extremes(ordered, top)
+    rest = ordered[top:]
+    for title, chosen in (("best", best), ("worst", worst)):
+        if not chosen:
+            why = (f"no samples of step {step}" if not samples else
+                   f"worst: none besides the best above ({len(samples)} samples of step {step})"
+                   if not rest else
+                   f"worst: none; all {len(samples)} samples of step {step} scored "
+                   f"{ordered[0][0]:.3f}")
+            print(f"\n=== {why}", file=out)
+            continue
         print(f"\n=== {title} {len(chosen)} samples of step {step} (of {len(samples)})", file=out)
         for r, gid, j, n, text, err, truth in chosen:
             note = f"  error: {excerpt(err, 50)}" if err else ""

@@ -159,6 +159,9 @@ def _report(metrics: dict[str, float], recorded: dict[str, float],
     for k in shown:
         rec = f"{recorded[k]:>10.4f}" if k in recorded else f"{'-':>10}"
         print(f"{k:<52} {metrics[k]:>10.4f} {rec}", file=out)
+    if any(k in recorded for k in shown):
+        print("(offline and recorded sample anew: the same policy, other samples, so the two "
+              "agree in distribution, not to the digit)", file=out)
     errors = [e for s in samples for e in s["errors"] if e]
     print(f"reward errors: {len(errors)} of {sum(len(s['rewards']) for s in samples)} samples",
           file=out)
