@@ -91,6 +91,11 @@ def pids_of(run_dir: Path, kind: str) -> list[int]:
     return [pid for pid in actor_pids(run_dir) if kind.encode() in args_of(pid)]
 
 
+def ppid(pid: int) -> int:
+    """The parent of process ``pid``."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

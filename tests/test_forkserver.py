@@ -11,11 +11,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.jobs import ROOT, actor_pids, args_of, command, reap, status_lines, wait_for_steps
-
-
-def ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+from tests.jobs import (
+    ACTORS,
+    ROOT,
+    actor_pids,
+    args_of,
+    command,
+    ppid,
+    reap,
+    status_lines,
+    wait_for_steps,
+)
 
 
 def start(tiny_model: Path, run_dir: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -31,8 +37,7 @@ def running_actors(run_dir: Path, proc: subprocess.Popen) -> dict[str, int]:
     deadline = time.monotonic() + 60
     while True:
         last = status_lines(run_dir)[-1]
-        pids = {name: last[name].get("pid") for name in ("replay-0", "router-0", "learner-0",
-                                                          "reward-0", "sampler-0")}
+        pids = {name: last[name].get("pid") for name in ACTORS}
         if set(pids.values()) == set(actor_pids(run_dir)):
             return pids
         assert time.monotonic() < deadline, (pids, actor_pids(run_dir))

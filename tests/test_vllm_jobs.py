@@ -27,6 +27,7 @@ from tests.jobs import (
     engine_pids,
     metrics,
     pids_of,
+    ppid,
     status_lines,
     validations,
     wait_for_steps,
@@ -37,10 +38,6 @@ pytestmark = [pytest.mark.vllm,
 
 VLLM = ["sampler.engine=vllm", "sampler.vllm.max_model_len=256",
         f"sampler.vllm.kv_cache_memory_bytes={64 << 20}"]
-
-
-def ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def sampler_and_engine(run_dir: Path) -> tuple[int, list[int]]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from actors.job.config.hosts import host_of, local_actors, owner
-from actors.job.launchers.base import ACTOR_ENV, LAUNCHERS
+from actors.job.launchers.base import ACTOR_ENV, ENTRY, LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
@@ -123,7 +123,7 @@ class Processes:
 
     async def spawn(self, p: Proc) -> None:
         job = self.job
-        args = ["-m", "actors.main", str(job.run_dir), p.kind, str(p.index)]
+        args = ["-m", ENTRY, str(job.run_dir), p.kind, str(p.index)]
         p.ready, p.finished, p.status, p.last_seen = False, False, {}, time.monotonic()
         p.state = ("starting", p.last_seen)
         env = {**ACTOR_ENV, **p.env}

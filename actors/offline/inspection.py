@@ -149,17 +149,14 @@ def _samples(run: RecordedRun, step: int, top: int, out: TextIO, images: Path) -
         for j, (text, r, err) in enumerate(zip(g["completions"], g["rewards"], g["reward_errors"],
                                                strict=True)):
             samples.append((r, gid, j, len(g["response_ids"][j]), text, err, g["ground_truth"]))
+    if not samples:
+        print(f"\n=== no samples of step {step}", file=out)
+        return
     ordered = sorted(samples, key=lambda x: (-x[0], x[1], x[2]))
-    best, worst = extremes(ordered, top)
-    rest = ordered[top:]
-    for title, chosen in (("best", best), ("worst", worst)):
-        if not chosen:
-            why = (f"no samples of step {step}" if not samples else
-                   f"worst: none besides the best above ({len(samples)} samples of step {step})"
-                   if not rest else
-                   f"worst: none; all {len(samples)} samples of step {step} scored "
-                   f"{ordered[0][0]:.3f}")
-            print(f"\n=== {why}", file=out)
+    for title, chosen in zip(("best", "worst"), extremes(ordered, top), strict=True):
+        if not chosen:  # (the worst only: the best are never empty)
+            print(f"\n=== worst: none; no other sample of step {step} scored below "
+                  f"{ordered[0][0]:.3f} (of {len(samples)})", file=out)
             continue
         print(f"\n=== {title} {len(chosen)} samples of step {step} (of {len(samples)})", file=out)
         for r, gid, j, n, text, err, truth in chosen:

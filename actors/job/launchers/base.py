@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from actors.runtime.config import Topology
 
 ROOT = Path(__file__).resolve().parents[3]  # the tree the actor processes import
+ENTRY = "actors.main"  # every actor process runs ``python -m ENTRY RUN_DIR KIND INDEX``
 # in every actor's environment: progress bars of libraries an actor uses (weights loading,
 # saving) are noise in a log (read as their libraries are imported)
 ACTOR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

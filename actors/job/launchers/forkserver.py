@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ENTRY = "actors.main"  # the module a forked process runs: what ``python -m`` would
+from actors.job.launchers.base import ENTRY  # the module a forked process runs
 
 
 def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> None:
@@ -66,10 +66,9 @@ def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> 
                 data = sock.recv(1 << 16)
                 if not data:  # the runner is gone (done, or killed): its actors see us go
                     os._exit(0)
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    _send(sock, _fork(json.loads(line), sock, sel, (wake_r, wake_w)))
+                messages, pending = _messages(pending + data)
+                for message in messages:
+                    sock.sendall(_line(_fork(message, sock, sel, (wake_r, wake_w))))
             else:
                 os.read(wake_r, 4096)
         _reap(sock)
@@ -88,8 +87,15 @@ def _import_architecture(model: str) -> None:
         pass
 
 
-def _send(sock: socket.socket, message: dict[str, Any]) -> None:
-    sock.sendall(json.dumps(message).encode() + b"\n")
+def _line(message: dict[str, Any]) -> bytes:
+    """One message as the protocol sends it: a JSON line."""
+    return json.dumps(message).encode() + b"\n"
+
+
+def _messages(pending: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """The whole lines of ``pending`` as messages, and the part of a line that follows them."""
+    *lines, rest = pending.split(b"\n")
+    return [json.loads(line) for line in lines], rest
 
 
 def _reap(sock: socket.socket) -> None:
@@ -100,7 +106,7 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        sock.sendall(_line({"exit": pid, "code": os.waitstatus_to_exitcode(status)}))
 
 
 def _fork(request: dict[str, Any], sock: socket.socket, sel: selectors.BaseSelector,
@@ -219,7 +225,7 @@ class ForkServer:
         request = {"args": list(args), "env": env, "log": str(log) if log else None,
                    "cwd": str(cwd)}
         async with one_at_a_time:  # the server answers requests in order
-            await sock.send(json.dumps(request).encode() + b"\n")
+            await sock.send(_line(request))
             reply = await replies.receive()
         if "error" in reply:
             raise OSError(f"the fork server could not start {' '.join(args)}: {reply['error']}")
@@ -239,10 +245,8 @@ class ForkServer:
                     orphan.ended(-signal.SIGKILL)
                 put.send_nowait({"error": "the fork server exited"})
                 return
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                message = json.loads(line)
+            messages, pending = _messages(pending + data)
+            for message in messages:
                 if "exit" in message:
                     if message["exit"] in self._children:  # (popped: a pid is reused in time)
                         self._children.pop(message["exit"]).ended(message["code"])

@@ -16,8 +16,8 @@ from pathlib import Path
 import trio
 
 from actors.job.config.hosts import resolve_addresses
-from actors.job.launchers.base import ACTOR_ENV, ROOT, Child, Launcher
-from actors.job.launchers.forkserver import ENTRY, ForkServer
+from actors.job.launchers.base import ACTOR_ENV, ENTRY, ROOT, Child, Launcher
+from actors.job.launchers.forkserver import ForkServer
 from actors.runtime.config import Topology
 from actors.runtime.config.gpus import visible_gpus
 
