@@ -10,9 +10,10 @@ from __future__ import annotations
 import subprocess
 import typing
 
+import msgspec
 import pytest
 
-from actors.job.config.load import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology, shares_learners_gpu
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig
 from actors.runtime.transports.base import TRANSPORTS, resolve_transport
@@ -126,3 +127,34 @@ async def test_a_header_naming_no_usable_transport_costs_its_version_not_the_cha
                 tg.cancel_scope.cancel()
     finally:
         zctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("overrides", "gpus", "shares"), [
+    ([], ["0"], True),  # the default job on a one-GPU machine: hf samplers beside the learner
+    (["sampler.count=2"], ["0"], True),
+    ([], [], False),  # no GPU
+    (["sampler.device=cpu"], ["0"], False),
+    ([], ["0", "1"], False),  # the samplers take the free GPU
+    (["learner.device=cuda:1", "sampler.device=cuda:1"], ["0", "1"], True),
+    (["learner.lora.rank=8", "learner.lora.alpha=16"], ["0"], False),  # adapters: megabytes
+    (["learner.nproc_per_node=2"], ["0", "1"], False),
+])
+def test_auto_picks_ipc_only_for_samplers_on_the_learners_one_gpu(overrides, gpus, shares):
+    topo = decode_topology(apply_overrides({}, ["sampler.device=cpu", "learner.device=cpu"]))
+    raw = apply_overrides({}, overrides)
+    L = msgspec.convert(raw.get("learner", {}), LearnerConfig)
+    S = msgspec.structs.replace(msgspec.convert(raw.get("sampler", {}), SamplerConfig),
+                                engine="hf")
+    assert shares_learners_gpu(L, S, gpus) is shares
+    assert topo.learner.weights_transport == "shm"  # CPUs: the file in /dev/shm
+    assert resolve_transport("auto", weights_address="auto", beside=True) == "ipc"
+    assert resolve_transport("auto", weights_address="auto", hosts=True, beside=True) == "zmq"
+    assert resolve_transport("shm", weights_address="auto", beside=True) == "shm"
+
+
+def test_the_runner_on_a_one_gpu_machine_sends_hf_samplers_weights_by_ipc(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # what the runner would see (torch not asked)
+    assert decode_topology(apply_overrides({}, ["sampler.engine=hf"])).learner.weights_transport \
+        == "ipc"
+    assert decode_topology(apply_overrides({}, ["sampler.engine=hf", "learner.weights_transport=shm"])
+                           ).learner.weights_transport == "shm"  # a named one stays

@@ -19,8 +19,10 @@ from actors.job.config.checks import check
 from actors.job.launchers.base import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.constraints import refusal
-from actors.runtime.config.schema import ConfigError, Topology
+from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.config.schema import ConfigError, LearnerConfig, SamplerConfig, Topology
 from actors.runtime.transports.base import resolve_transport
+from actors.sampler.engines.registry import ENGINES, auto_engine, engine_gpus
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -101,19 +103,35 @@ def _derived(topology: Topology) -> Topology:
         timeout = topology.router.request_timeout + topology.reward.timeout_s + 10.0
         s = msgspec.structs.replace(s, score_timeout_s=timeout)
     if s.engine == "auto":
-        from actors.sampler.engines.registry import auto_engine
-
         s = msgspec.structs.replace(s, engine=auto_engine(s.device))
-    L = topology.learner  # auto: shm on one host, zmq across hosts (or nodes of a cluster)
+    L = topology.learner  # auto: shm on one host, zmq across hosts (or nodes of a cluster),
+    # the engine's own choice when it shares the learner's GPU (ipc for hf)
     across = bool(topology.hosts) or LAUNCHERS[topology.run.launcher].across_nodes
+    beside = (L.weights_transport == "auto" and ENGINES[s.engine].beside_learner
+              and shares_learners_gpu(L, s))
     L = msgspec.structs.replace(L, weights_transport=resolve_transport(
-        L.weights_transport, weights_address=L.weights_address, hosts=across))
+        L.weights_transport, weights_address=L.weights_address, hosts=across, beside=beside))
     v = topology.validation  # validation samples like the sampler unless told otherwise
     v = msgspec.structs.replace(
         v, temperature=s.temperature if v.temperature is None else v.temperature,
         top_p=s.top_p if v.top_p is None else v.top_p,
         max_tokens=s.max_tokens if v.max_tokens is None else v.max_tokens)
     return msgspec.structs.replace(topology, sampler=s, learner=L, validation=v)
+
+
+def shares_learners_gpu(learner: LearnerConfig, sampler: SamplerConfig,
+                        gpus: Sequence[str] | None = None) -> bool:
+    """Whether every sampler computes on the learner's one GPU (``gpus``: those the runner sees,
+    ``visible_gpus``): one learner rank, full weights (LoRA adapters are megabytes), one-GPU
+    engines, and either a single GPU for all or the same ``cuda:N`` named on both sides."""
+    if (not sampler.count or learner.nproc_per_node * learner.nnodes != 1 or learner.lora.rank
+            or engine_gpus(sampler.engine, sampler) != 1
+            or "cpu" in (learner.device, sampler.device)):
+        return False
+    gpus = visible_gpus() if gpus is None else gpus
+    if len(gpus) == 1:
+        return True
+    return bool(gpus) and learner.device == sampler.device and ":" in learner.device
 
 
 def _absolute_paths(value: Any) -> Any:

@@ -316,7 +316,8 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """How weights travel (a row of ``actors/runtime/transports/base.py``): zmq (the tensors in
     the message), shm (a safetensors file in /dev/shm, only its path in the message: samplers on
     the same host), nccl (GPU to GPU, a broadcast group per sampler), ipc (CUDA IPC on one
-    host), or auto (shm when weights_address is ipc://, or auto without [hosts]; zmq else)."""
+    host), or auto (shm when weights_address is ipc://, or auto without [hosts]; zmq else;
+    ipc for the hf engine when the learner and every sampler compute on one GPU)."""
     share_threads: bool = True
     """On a CPU, share threads with the samplers of this host: compute also on the threads a
     sampler lends while it has nothing to generate, and lend the learner's own while it waits

@@ -78,6 +78,7 @@ class Transport:
     framed: bool = False  # the tensors follow each header as frames of its message
     shm_versions: int = 0  # versions held in /dev/shm at once (a start checks they fit there)
     receivers: str = ANY_GPU  # where a sampler's GPUs may be, against the learner's rank 0's
+    auto_beside: bool = False  # ``auto``'s choice for samplers on the learner's one GPU
 
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (  # each file's docstring says more
@@ -88,7 +89,8 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (  # each file's docstrin
     # a broadcast group per sampler (NCCL on GPUs, gloo on CPUs)
     Transport("nccl", _nccl, same_host=False, gpu=True, receivers=OTHER_GPUS),
     # CUDA IPC handles of the learner's gathered tensors, on one host
-    Transport("ipc", _ipc, same_host=True, gpu=True, cuda_only=True, receivers=SENDERS_GPU),
+    Transport("ipc", _ipc, same_host=True, gpu=True, cuda_only=True, receivers=SENDERS_GPU,
+              auto_beside=True),
 )}
 if TYPE_CHECKING:
     TransportChoice = str
@@ -96,14 +98,18 @@ else:  # the values of learner.weights_transport: decoding refuses others
     TransportChoice = Literal[("auto", *TRANSPORTS)]
 
 
-def resolve_transport(setting: str, *, weights_address: str, hosts: bool = False) -> str:
+def resolve_transport(setting: str, *, weights_address: str, hosts: bool = False,
+                      beside: bool = False) -> str:
     """``learner.weights_transport``: a named transport as is; ``auto`` is shm when the weights
     address is ``ipc://`` (every sampler shares the learner's host, and its /dev/shm), or
-    ``auto`` without ``[hosts]`` (the runner makes it ``ipc://``), and zmq otherwise. The GPU
-    transports are chosen by name only."""
+    ``auto`` without ``[hosts]`` (the runner makes it ``ipc://``), and zmq otherwise. ``beside``
+    (every sampler computes on the learner's own GPU, with an engine whose row allows it): the
+    row marked ``auto_beside`` on one host (ipc: no copy through the host)."""
     if setting != "auto":
         return setting
     local = weights_address.startswith("ipc://") or (weights_address == "auto" and not hosts)
+    if local and beside:
+        return next(t.name for t in TRANSPORTS.values() if t.auto_beside)
     return "shm" if local else "zmq"
 
 

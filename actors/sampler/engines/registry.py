@@ -50,13 +50,19 @@ class EngineRow:
     measures_memory: bool = False  # sizes its cache from the GPU's free memory as it starts
     # (vLLM's profile run): started alone on a GPU it shares (``layout.start_after``)
     profiled: bool = False  # runs the batches of sampler.profile_batches under torch.profiler
+    beside_learner: bool = False  # ``learner.weights_transport = "auto"`` sends it weights GPU
+    # to GPU (the table's ``auto_beside`` row) when every sampler computes on the learner's
+    # only GPU (``load.shares_learners_gpu``); else the host's file, as for any engine
     preload: tuple[str, ...] = ()  # its modules the local launcher's fork server imports ahead
     # of forking the samplers (none for an engine whose imports must happen in its process)
 
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    EngineRow(FALLBACK, _start_hf, adapters=True, profiled=True,
+    # GPU to GPU beside the learner: 0.021 s per version at a 1.5B shape on an H200, against
+    # 2.6 s through the host (BENCHMARKS.md "On one GPU"); vLLM's receiving side of it has not
+    # run on a GPU yet
+    EngineRow(FALLBACK, _start_hf, adapters=True, profiled=True, beside_learner=True,
               preload=("actors.sampler.engines.hf",)),
     EngineRow("vllm", _start_vllm, vllm_problem, continuous=True, prefer_on_gpu=True,
               in_worker=True, ranks="vllm.tensor_parallel_size", adapters=True,
