@@ -85,6 +85,44 @@ def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
         policy.group.close()
 
 
+def test_fused_adamw_steps_the_learners_sharded_parameters_as_the_default_does(tiny_model,
+                                                                               tmp_path):
+    """On a GPU the learner's AdamW is the fused kernel (``policy.fused_adamw``), over FSDP2's
+    DTensor parameters where it computes in bf16 on one rank. The same kernel runs on a CPU:
+    here, on the same sharded parameters, it lands where torch's default AdamW does."""
+    from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner.policy import Policy, fused_adamw
+
+    assert fused_adamw(torch.device("cuda", 0)) is True
+    assert fused_adamw(torch.device("cpu")) is None  # the CPU figures' optimizer, unchanged
+    topo = decode_topology(apply_overrides({}, [
+        f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16"]))
+    policy = Policy(topo, tmp_path, None)
+    try:
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        assert all(hasattr(p, "full_tensor") for p in params)  # FSDP2's, on one rank
+        start = [p.detach().clone() for p in params]
+        ends = []
+        for fused in (None, True):
+            with torch.no_grad():
+                for p, s in zip(params, start, strict=True):
+                    p.copy_(s)
+            optimizer = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+            for seed in range(3):
+                torch.manual_seed(seed)
+                ids = torch.randint(0, policy.model.config.vocab_size, (2, 6))
+                policy.model(input_ids=ids).logits.float().pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            ends.append([p.full_tensor().detach().clone() for p in params])
+        moved = max(float((e - s.full_tensor()).abs().max()) for e, s in zip(ends[0], start))
+        assert moved > 1e-3  # the steps did move the weights
+        for a, b in zip(*ends, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    finally:
+        policy.group.close()
+
+
 def test_the_default_suite_pins_the_cpu_and_gpu_sessions_see_the_gpus(pytestconfig):
     import os
 

@@ -42,6 +42,8 @@ class RolloutBatch:
     teacher_logprobs: torch.Tensor | None = None  # (N, W-1) float, the teacher's log-prob of each
     # response token (on-policy distillation), 0 outside the response; None when a sample lacks them
     vision: VisionRows | None = None  # the rows' images (vision-language models), None: text only
+    lengths: tuple[int, ...] = ()  # each row's tokens, on the host: a micro-batch's width
+    # without reading the device (a host sync per micro-batch on a GPU); (): read it there
 
     @property
     def group_size(self) -> int | list[int]:
@@ -59,7 +61,8 @@ class RolloutBatch:
 
     def rows(self, index: slice) -> RolloutBatch:
         """Rows ``index`` with the width trimmed to their longest sequence."""
-        width = int(self.attention_mask[index].sum(1).max())
+        width = (max(self.lengths[index]) if self.lengths
+                 else int(self.attention_mask[index].sum(1).max()))
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -70,6 +73,8 @@ class RolloutBatch:
                 value = value[index]
             elif isinstance(value, VisionRows):
                 value = value.rows(index)
+            elif f.name == "lengths":
+                value = value[index]
             elif f.name == "group_sizes":  # the groups these rows cut (in part, at the ends)
                 value = [hi - lo for lo, hi in _spans(self.group_sizes, index)]
             out[f.name] = value
@@ -136,6 +141,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         baseline_rewards=baselines, group_sizes=[len(g.samples) for g in groups],
         token_versions=token_versions, teacher_logprobs=teacher,
         vision=vision_rows(groups, processor),
+        lengths=tuple(len(p) + len(r) for p, r, *_ in rows),
     )
 
 

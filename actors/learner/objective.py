@@ -186,7 +186,7 @@ def micro_batch_loss(
     token_count: float,
     seq_count: int,
     norm_constant: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """pg_loss + kl_loss_coef·kl_loss − entropy_coeff·entropy, aggregated over the mini-batch."""
     counts = dict(token_count=token_count, seq_count=seq_count, norm_constant=norm_constant)
     mask = corr.keep
@@ -196,9 +196,11 @@ def micro_batch_loss(
         loss_agg_mode=algo.loss_agg_mode, **counts, **loss_options(algo),
     )
     # bypass_mode returns rollout_corr/ metrics of this micro-batch; the trainer reports them
-    # once per step, over the whole batch
-    metrics = {k: float(v) for k, v in raw.items() if not k.startswith("rollout_corr/")}
-    metrics["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
+    # once per step, over the whole batch. The metrics stay on the device (float64, as the
+    # Python floats they become once per step): reading each here would stop the host for the
+    # device at every micro-batch
+    metrics = {k: _kept(v) for k, v in raw.items() if not k.startswith("rollout_corr/")}
+    metrics["actor/entropy"] = _kept((entropy.detach() * mask).sum() / mask.sum().clamp_min(1))
     if algo.entropy_coeff > 0:
         loss = loss - algo.entropy_coeff * aggregate(entropy, mask, algo.loss_agg_mode, **counts)
     if algo.use_kl_loss:
@@ -206,14 +208,20 @@ def micro_batch_loss(
         kl = kl_estimate(lp, ref, algo.kl_loss_type)  # (B, W-1)
         kl_loss = aggregate(kl, mask, algo.loss_agg_mode, **counts)
         loss = loss + algo.kl_loss_coef * kl_loss
-        metrics["actor/kl_loss"] = float((kl.detach() * mask).sum() / mask.sum().clamp_min(1))
+        metrics["actor/kl_loss"] = _kept((kl.detach() * mask).sum() / mask.sum().clamp_min(1))
     return loss, metrics
+
+
+def _kept(value: torch.Tensor | float) -> torch.Tensor | float:
+    """A micro-batch's metric as the step sums it: a detached float64 tensor where the
+    device has it (no host sync), a float as it came."""
+    return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
 
 
 def critic_loss(algo: AlgorithmConfig, values: torch.Tensor, old_values: torch.Tensor,
                 returns: torch.Tensor, mask: torch.Tensor, *, token_count: float,
-                seq_count: int) -> tuple[torch.Tensor, dict[str, float]]:
+                seq_count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     loss, raw = value_loss(values, old_values, returns, mask, cliprange_value=algo.cliprange_value,
                            loss_agg_mode=algo.loss_agg_mode, token_count=token_count,
                            seq_count=seq_count)
-    return loss, {k: float(v) for k, v in raw.items()}
+    return loss, {k: _kept(v) for k, v in raw.items()}

@@ -113,7 +113,8 @@ class Policy:
         updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, betas=self.cfg.betas,
-                                           weight_decay=self.cfg.weight_decay)
+                                           weight_decay=self.cfg.weight_decay,
+                                           fused=fused_adamw(self.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
             self.cfg.lr_scheduler, self.cfg.warmup_steps, updates, self.cfg.min_lr_ratio))
         # the reference policy is the initial model; with LoRA it is the base without adapters.
@@ -135,7 +136,8 @@ class Policy:
             if self.cfg.packing:
                 varlen_attention.choose(self.critic.body, self.device)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
-                                                      betas=self.cfg.betas)
+                                                      betas=self.cfg.betas,
+                                                      fused=fused_adamw(self.device))
         k = self.algo.kl_ctrl
         self.kl_ctrl = (FixedKLController(k.kl_coef) if k.type == "fixed"
                         else AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon))
@@ -368,6 +370,13 @@ def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
         return Group.lone(device)
     return Group.join(rank, device, timeout_s=topology.learner.collective_timeout_s,
                       offload=topology.learner.offload)
+
+
+def fused_adamw(device: torch.device) -> bool | None:
+    """AdamW's fused kernel on a GPU: one launch per step for every parameter (DTensor ones of
+    FSDP2 included) instead of a dozen foreach ops, each with its own dispatch. On a CPU
+    torch's default (one parameter at a time), which every CPU figure and test was taken with."""
+    return True if device.type == "cuda" else None
 
 
 def gradient_checkpointing(setting: bool | str, device: torch.device) -> bool:

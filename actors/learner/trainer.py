@@ -278,8 +278,8 @@ class Trainer:
                         ref[s, :w] if ref is not None else None, token_count=token_count,
                         seq_count=hi - lo, norm_constant=norm_constant)
                     loss.backward()
-                    n_tok = float(corr.keep.sum())
-                    tokens_seen += n_tok
+                    n_tok = corr.keep.sum().double()  # (on the device: read once per step)
+                    tokens_seen = tokens_seen + n_tok
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + v * n_tok
                     if self.policy.critic is not None:
@@ -292,7 +292,7 @@ class Trainer:
                         for k, v in vm.items():
                             critic_sums[k] = critic_sums.get(k, 0.0) + v * n_tok
                 self._check_abort()
-                grad_norms.append(_total(torch.nn.utils.clip_grad_norm_(
+                grad_norms.append(_full(torch.nn.utils.clip_grad_norm_(
                     [p for p in self.policy.model.parameters() if p.requires_grad], cfg.max_grad_norm)))
                 self.policy.optimizer.step()
                 self._updated = True
@@ -312,7 +312,10 @@ class Trainer:
 
         summed = {**sums, **critic_sums}
         names = list(summed)  # the same on every rank: the same code ran on each
-        tokens_seen, *values_summed = self.group.sum_floats([tokens_seen, *(summed[k] for k in names)])
+        # the step's one read of its per-micro-batch sums and norms from the device
+        local = _floats([tokens_seen, *(summed[k] for k in names), *grad_norms])
+        grad_norms = local[len(local) - len(grad_norms):]
+        tokens_seen, *values_summed = self.group.sum_floats(local[:len(local) - len(grad_norms)])
         metrics.update({k: v / max(tokens_seen, 1.0) for k, v in zip(names, values_summed, strict=True)})
         self.group.sum_(old_seen)  # each row from the rank that trained on it
         self.group.sum_(current)
@@ -417,10 +420,18 @@ def token_staleness(trained_at: int, batch, mask: torch.Tensor) -> dict[str, flo
     return out
 
 
-def _total(norm: torch.Tensor) -> float:
-    """A gradient norm as a float (with sharded parameters, a replicated DTensor)."""
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (with sharded parameters it is a replicated DTensor)."""
     full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
+    return full() if full is not None else norm
+
+
+def _floats(values: list[torch.Tensor | float]) -> list[float]:
+    """``values`` as floats, the tensors among them read from their device in one copy."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().to(tensors[0].device, torch.float64).reshape(())
+                             for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def _rows(corr: Correction, s: slice, width: int) -> Correction:
