@@ -296,18 +296,41 @@ def test_a_learner_over_two_ray_nodes(ray_cluster, tiny_model, tmp_path):
 
 
 @pytest.mark.ray
-def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
-    """A node holding a sampler and a reward worker is removed after the first step: Ray tells
-    the runner its processes are gone, the runner restarts them in their reservations (which
-    Ray moves to a node with room), and every step comes whole with the counters balanced."""
-    nodes = {"b": worker_node(ray_cluster, "b"), "c": worker_node(ray_cluster, "c")}
+def test_three_node_losses_cost_no_restart_and_no_step(ray_cluster, tiny_model, tmp_path):
+    """Nodes go one after another: the sampler's, then the node its replacement landed on,
+    then one holding a reward worker (a fresh node joins after each loss, as an autoscaler
+    would add one: the cluster always has room). Each lost process waits for Ray to move its
+    reservation to a live node, restarts there, and its restarts count as a lost node's, not
+    against ``max_restarts`` (one, here: three losses would have used it up); every step comes
+    once with the counters balanced."""
+    nodes = {name: worker_node(ray_cluster, name) for name in ("b", "c", "d")}  # d: the spare
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
-    # steps enough that the loss is seen and its processes restarted while the job runs (the
-    # test waits for that below; a tiny step takes a fraction of a second)
-    steps = 40
-    cmd = ray_job(tiny_model, run_dir, ray_cluster, f"learner.total_steps={steps}", "sampler.count=2",
+    steps = 100  # (each loss stalls the job; enough steps that the third comes mid-job)
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, f"learner.total_steps={steps}",
                   "reward.count=2", 'ray.strategy="SPREAD"', "replay.sampler_timeout_s=10",
-                  "router.request_timeout=10")
+                  "router.request_timeout=10", "sampler.max_restarts=1", "reward.max_restarts=1")
+
+    def holding(kind: str) -> str:  # a live node holding a process of ``kind``, by name
+        placed = placed_on(log.read_text())
+        return next(n for n, node in nodes.items() for k, v in placed.items()
+                    if k.startswith(kind) and v == node.node_id[:8])
+
+    def lose(name: str, added: str) -> list[str]:
+        """Remove node ``name`` (adding node ``added``); wait until what it held is placed
+        again; the processes lost."""
+        ids = {k for k, v in placed_on(log.read_text()).items()
+               if v == nodes[name].node_id[:8]}
+        nodes[added] = worker_node(ray_cluster, added)
+        ray_cluster.remove_node(nodes.pop(name))
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, "the job ended early:\n" + log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            placed = placed_on(log.read_text())
+            if all(placed[k] in {n.node_id[:8] for n in nodes.values()} for k in ids):
+                return sorted(ids)
+            time.sleep(0.2)
+
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -316,38 +339,62 @@ def test_a_node_lost_mid_job_costs_nothing(ray_cluster, tiny_model, tmp_path):
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
-        placed = placed_on(log.read_text())
-        # the node to lose: one holding a sampler and a reward worker (SPREAD puts one of each
-        # on b and on c, the head being full)
-        lost = next(n for n, node in nodes.items()
-                    if {k.split("-")[0] for k, v in placed.items() if v == node.node_id[:8]}
-                    == {"sampler", "reward"})
-        gone = sorted(k for k, v in placed.items() if v == nodes[lost].node_id[:8])
-        spare = worker_node(ray_cluster, "d")  # room for what the lost node held
-        ray_cluster.remove_node(nodes[lost])
-        deadline = time.monotonic() + 120
-        while sorted(line["actor"] for line in status_lines(run_dir)
-                     if line["event"] == "exited") != gone:
-            assert proc.poll() is None, "the job ended before the loss was seen:\n" + \
-                log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.2)
+        gone = lose(holding("sampler"), "e")
+        gone += lose(holding("sampler"), "f")
+        gone += lose(holding("reward"), "g")
         proc.wait(timeout=400)
     finally:
         proc.kill()
         proc.wait(timeout=30)
     said = log.read_text()
     assert proc.returncode == 0, said[-6000:]
-    assert "lost with its keeper" in said
+    assert "not counted against" in said and "(1/1)" not in said
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(balanced(r) for r in rows)
     assert rows[-1]["replay/dropped_score_failed"] == 0
     exited = [line for line in status_lines(run_dir) if line["event"] == "exited"]
-    assert sorted(line["actor"] for line in exited) == gone
-    assert all(line["restart"] for line in exited)
-    again = placed_on(said)  # restarted where there was room: the spare node
-    assert all(again[name] == spare.node_id[:8] for name in gone)
+    assert sorted(line["actor"] for line in exited) == sorted(gone)
+    assert all(line["restart"] and line["cause"] == "node lost" for line in exited)
+    last = status_lines(run_dir)[-1]
+    assert last["sampler-0"]["restarts"] == 2
+    assert last["sampler-0"]["restarts_by_cause"] == {"node lost": 2}
+    assert "    restarts: " in said and "sampler-0 2 (node lost 2)" in said
+    assert not actor_pids(run_dir)
+
+
+@pytest.mark.ray
+def test_a_lost_node_with_no_room_left_stops_the_job_naming_what_is_missing(
+        ray_cluster, tiny_model, tmp_path):
+    """The only node carrying a reward worker's resource is lost and none comes back: the
+    runner says what no live node has, the job stops the normal way (exit 1, the resume
+    command printed), and nothing is restarted in a loop."""
+    gen = worker_node(ray_cluster, "gen")
+    worker_node(ray_cluster, "s")
+    run_dir, log = tmp_path / "run", tmp_path / "runner.log"
+    cmd = ray_job(tiny_model, run_dir, ray_cluster, "learner.total_steps=200",
+                  'reward.host="gen"', 'sampler.host="s"', "ray.reserve_timeout_s=5")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics(run_dir):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        ray_cluster.remove_node(gen)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    said = log.read_text()
+    assert proc.returncode == 1, said[-4000:]
+    assert re.search(r"reward-0 cannot be started again: no live node has room for its "
+                     r"reservation .* missing \{'gen': [\d.]+\} on one node", said), said[-4000:]
+    assert "resume with: " in said
+    exited = [line for line in status_lines(run_dir) if line["event"] == "exited"]
+    assert [(line["cause"], line["restart"]) for line in exited] == [
+        ("node lost", True), ("no room", False)]
     assert not actor_pids(run_dir)
 
 

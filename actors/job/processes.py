@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from actors.job.config.hosts import host_of, local_actors, owner
-from actors.job.launchers.base import ACTOR_ENV, ENTRY, LAUNCHERS
+from actors.job.launchers.base import (
+    ACTOR_ENV,
+    ENTRY,
+    FAILED,
+    LAUNCHERS,
+    NO_ROOM,
+    NODE_LOST,
+    exit_cause,
+)
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
@@ -63,7 +71,8 @@ class Proc:
     kind: str
     index: int
     process: Child | None = None
-    restarts: int = 0
+    restarts: int = 0  # every restart, whatever the cause
+    causes: dict[str, int] = dataclasses.field(default_factory=dict)  # restarts by exit_cause
     ready: bool = False
     finished: bool = False
     last_seen: float = 0.0
@@ -162,15 +171,23 @@ class Processes:
             print(f"!!! actor {p.name} ({pid}) exited with status {rc}\n{tb}",
                   flush=True)
             cfg = getattr(job.topo, p.kind)
-            restart = cfg.restart == "on-failure" and p.restarts < cfg.max_restarts
-            job.record_status("exited", actor=p.name, returncode=rc, restart=restart)
+            cause = exit_cause(p.process)
+            failures = p.causes.get(FAILED, 0)
+            # a lost node is not the process's failure: it restarts wherever there is room
+            restart = cfg.restart == "on-failure" and cause != NO_ROOM and (
+                cause == NODE_LOST or failures < cfg.max_restarts)
+            job.record_status("exited", actor=p.name, returncode=rc, restart=restart, cause=cause)
             if restart:
                 p.restarts += 1
+                p.causes[cause] = p.causes.get(cause, 0) + 1
                 tb_file.unlink(missing_ok=True)
-                print(f"!!! restarting {p.name} ({p.restarts}/{cfg.max_restarts})", flush=True)
+                counted = (f"{failures + 1}/{cfg.max_restarts}" if cause == FAILED
+                           else f"{cause}: not counted against {p.kind}.max_restarts")
+                print(f"!!! restarting {p.name} ({counted})", flush=True)
                 await self.spawn(p)
                 continue
-            job.end(f"failed: actor {p.name} exited with status {rc}")
+            job.end(f"failed: actor {p.name} exited with status {rc}"
+                    + (" (no node has room for it)" if cause == NO_ROOM else ""))
             return
 
     def kill(self, procs: Iterable[Proc]) -> None:

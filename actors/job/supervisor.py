@@ -258,6 +258,7 @@ class Job:
         pid of its process (one this runner started)."""
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
                 **{p.name: {"ready": p.ready, "restarts": p.restarts,
+                            **({"restarts_by_cause": p.causes} if p.causes else {}),
                             **({"pid": p.process.pid} if p.process is not None else {}),
                             **p.status}
                    for p in self.procs.values()}}
@@ -394,6 +395,10 @@ class Job:
                                         for p in self.procs.values() if not p.attached})
         self.metrics.close(self.outcome or "failed")
         print(f"=== job {self.outcome}; run directory: {self.run_dir}", flush=True)
+        if restarted := [p for p in self.procs.values() if p.restarts]:
+            print("    restarts: " + ", ".join(
+                f"{p.name} {p.restarts} (" + ", ".join(f"{c} {n}" for c, n in p.causes.items())
+                + ")" for p in restarted), flush=True)
         if self.outcome == "finished":
             more = f"learner.total_steps={2 * self.topo.learner.total_steps}"
             print(f"    continue it for more steps: {continue_command(self.run_dir, more)}",

@@ -31,8 +31,20 @@ ENTRY = "actors.main"  # every actor process runs ``python -m ENTRY RUN_DIR KIND
 ACTOR_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
+# why a process is gone, as its launcher knows it (``exit_cause``): its own failure (what
+# ``max_restarts`` counts), the loss of the node it ran on (restarted where there is room, not
+# counted), or no node left with room for it (the job stops, resumable)
+FAILED, NODE_LOST, NO_ROOM = "failure", "node lost", "no room"
+
+
+def exit_cause(child: Child) -> str:
+    """Why ``child`` exited: its launcher's ``cause`` (``FAILED`` for a local process)."""
+    return getattr(child, "cause", FAILED)
+
+
 class Child(Protocol):
-    """One started process as the supervisor sees it (``trio.Process`` is one)."""
+    """One started process as the supervisor sees it (``trio.Process`` is one). A launcher's
+    own child may say why it ended (a ``cause`` attribute: ``exit_cause``)."""
 
     @property
     def pid(self) -> int: ...

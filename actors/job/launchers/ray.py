@@ -30,7 +30,7 @@ import trio
 
 from actors.job.config.hosts import CONTROL_PORT, MASTER_PORT, PORTS, _get
 from actors.job.config.layout import place
-from actors.job.launchers.base import Child, Launcher
+from actors.job.launchers.base import FAILED, NO_ROOM, NODE_LOST, Child, Launcher
 from actors.job.launchers.ray_plan import Wanted, plan_bundles
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.rundir import LOGS, TOPOLOGY
@@ -51,9 +51,11 @@ class Bundle:
 class RayChild:
     """A process started by its keeper on a Ray node (a ``Child`` for the supervisor)."""
 
-    def __init__(self, name: str, keeper: Any, pid: int, node: str) -> None:
+    def __init__(self, name: str, keeper: Any, pid: int, node: str, node_id: str) -> None:
         self.name, self.keeper, self.pid, self.node = name, keeper, pid, node
+        self.node_id = node_id  # the Ray node it runs on
         self.returncode: int | None = None
+        self.cause = FAILED  # why it ended: its own exit, or NODE_LOST with its keeper
         self._exit = keeper.wait.remote()
 
     def _result(self) -> int:
@@ -62,7 +64,9 @@ class RayChild:
 
         try:
             return int(ray.get(self._exit))
-        except RayActorError as exc:  # its keeper is gone, and with it the process
+        except RayActorError as exc:  # its keeper is gone, and with it the process: the
+            # keeper does nothing but wait, so what took it is its node (or its raylet)
+            self.cause = NODE_LOST
             print(f"!!! ray: {self.name} lost with its keeper on node {self.node} "
                   f"({type(exc).__name__}: the node died or left the cluster)", flush=True)
             return -signal.SIGKILL
@@ -81,10 +85,14 @@ class RayChild:
 
 
 class NotStarted:
-    """A process its keeper could not start (the reason is printed): it exits at once with 1."""
+    """A process its keeper could not start (the reason is printed): it exits at once with 1,
+    for ``cause`` (``NO_ROOM``: no live node can hold its reservation)."""
 
     pid = 0
     returncode = 1
+
+    def __init__(self, cause: str = FAILED) -> None:
+        self.cause = cause
 
     async def wait(self) -> int:
         return 1
@@ -104,6 +112,7 @@ class RayLauncher(Launcher):
         self.needs: dict[str, dict[str, float]] = {}  # each process's own resources
         self.groups: list[Any] = []
         self.keepers: dict[str, Any] = {}
+        self.children: dict[str, RayChild] = {}  # each process's last start
         self.cluster_gpus = 0
         self.topology_file = ""
 
@@ -219,6 +228,14 @@ class RayLauncher(Launcher):
         again = self.keepers.pop(name, None)
         if again is not None:
             ray.kill(again)
+        last = self.children.pop(name, None)
+        if last is not None and last.cause == NODE_LOST:  # its bundle is still on that node
+            # until Ray marks it dead and moves the bundle: started now, it would die unborn
+            problem = await trio.to_thread.run_sync(self.moved, bundle, last.node_id,
+                                                    abandon_on_cancel=True)
+            if problem is not None:
+                print(f"!!! ray: {name} cannot be started again: {problem}", flush=True)
+                return NotStarted(NO_ROOM)
         keeper: Any = ray.remote(ProcessKeeper).options(
             num_cpus=bundle.resources["CPU"], num_gpus=bundle.resources.get("GPU", 0),
             resources=custom, max_restarts=0, max_concurrency=4,
@@ -236,10 +253,42 @@ class RayLauncher(Launcher):
                                                                abandon_on_cancel=True)
         except Exception as exc:  # Ray's errors carry the keeper's: said once, as the exit
             print(f"!!! ray: {name} could not be started: {exc}", flush=True)
-            return NotStarted()
+            # a node lost while it started is not the process's failure either
+            return NotStarted(FAILED if self.alive(bundle.node_id) else NODE_LOST)
         if again is not None:  # (a restart: its bundle may have moved with a lost node)
             print(f"=== ray: {name} on {where(node, node_id)}", flush=True)
-        return RayChild(name, keeper, pid, where(node, node_id))
+        child = self.children[name] = RayChild(name, keeper, pid, where(node, node_id), node_id)
+        return child
+
+    def alive(self, node_id: str) -> bool:
+        import ray
+
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+    def moved(self, bundle: Bundle, lost: str) -> str | None:
+        """Wait until Ray has marked node ``lost`` dead and placed ``bundle`` on a live node
+        (None), or for ``ray.reserve_timeout_s``: then what is missing, in one line."""
+        import time
+
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        deadline = time.monotonic() + self.options.reserve_timeout_s
+        while time.monotonic() < deadline:
+            table = placement_group_table(bundle.group)
+            node = table["bundles_to_node_id"].get(bundle.index, "")
+            if (table["state"] == "CREATED" and node and node != lost and self.alive(node)
+                    and not self.alive(lost)):
+                self.locate(bundle.group)
+                return None
+            time.sleep(0.5)
+        free = {k: v for k, v in ray.available_resources().items()
+                if not k.startswith(("node:", "bundle_group", "object_store", "memory"))}
+        missing = {k: v for k, v in bundle.resources.items() if free.get(k, 0.0) < v}
+        return (f"no live node has room for its reservation {bundle.resources} after "
+                f"ray.reserve_timeout_s ({self.options.reserve_timeout_s:g}s): missing "
+                f"{missing or bundle.resources} on one node (the cluster has {free} free); "
+                "add a node with it, then resume")
 
     def close(self) -> None:
         """Stop every keeper (their processes die with them), release the reservations, leave
