@@ -23,7 +23,10 @@ Time is the training loop's: from the moment flowrl's actors are all ready, or T
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
 run: seconds, samples/s (``steps × 32 / seconds``), the CPU the whole job used over that time
 (user + system seconds of every process of it per wall second: 2.00 is both cores busy), the
-mean reward of the first and last 5 steps, and the load average before and after.
+mean reward of the first and last 5 steps, and the load average before and after; for flowrl
+also its step's parts (medians from step 3 on: the update, generation, the wait for the batch,
+the publish, the samplers' load of the weights, the learner's own time between steps) and the
+fixed cost per step (between steps, the publish included, plus the load).
 """
 
 from __future__ import annotations
@@ -67,7 +70,24 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
                              + "".join(tail))
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {"seconds": last - started, "rewards": [r["critic/score/mean"] for r in rows],
-                "cpu_seconds": cpu_end - cpu_start}
+                "cpu_seconds": cpu_end - cpu_start, "breakdown": breakdown(rows)}
+
+
+STEP_PARTS = ("update_actor", "gen", "wait_batch", "weight_publish", "weight_sync",
+              "between_steps")
+
+
+def breakdown(rows: list[dict]) -> dict[str, float]:
+    """Medians from step 3 on of the step's parts (``timing_s/...``), and the fixed cost per
+    step: publish + sync + the learner's own time between steps (the publish included)."""
+    def median(key: str) -> float:
+        values = sorted(r[key] for r in rows[2:] if key in r) or [0.0]
+        return values[len(values) // 2]
+
+    out = {part: median(f"timing_s/{part}") for part in STEP_PARTS}
+    # between_steps holds the publish: fixed = between + the sampler's load of the weights
+    out["fixed"] = out["between_steps"] + out["weight_sync"]
+    return out
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -183,6 +203,9 @@ def main() -> None:
                   f"{r['cpu_seconds'] / r['seconds']:4.2f} of {os.cpu_count()} | reward first 5 "
                   f"{first:.3f}, last 5 {last:.3f} | load {load:.1f} -> {os.getloadavg()[0]:.1f}",
                   flush=True)
+            if "breakdown" in r:  # flowrl: its step's parts, medians of steps 3 on
+                print("        per step (s): " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r["breakdown"].items()), flush=True)
 
 
 if __name__ == "__main__":

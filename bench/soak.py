@@ -1,7 +1,7 @@
 """A bounded chaos soak of a whole job on the tiny random model, then an audit of what it recorded.
 
 ``python bench/soak.py [--steps 320] [--kill-every 2:5] [--attach-every 60] [--job-kill-at 150]
-[--reward-pause 0.05]``
+[--reward-pause 0.05] [--ray]``
 
 Each reward call sleeps ``--reward-pause`` seconds (so that a step takes about a second, and a
 killed worker usually holds requests). While the learner takes ``--steps`` steps: a random sampler or reward worker is killed with
@@ -11,6 +11,14 @@ is attached by hand (``runner.py attach reward --to RUN_DIR``) and the previous 
 every actor are killed with SIGKILL together and the job is started again with the same run
 directory (crash resume). The resident memory of the long-lived actors (replay, router, learner)
 and of the runner is sampled every 2 s.
+
+``--ray``: the job runs through Ray (``--ray ADDRESS``) on Ray's own test cluster on this
+machine (``ray.cluster_utils.Cluster``: a head holding the replay buffer, router and learner, and
+``--ray-nodes`` worker nodes of two CPUs for the samplers and reward workers, placed SPREAD), and
+a kill is a node's: every ``--kill-every`` seconds a fresh node joins (as an autoscaler adds one)
+and a worker node holding a sampler or reward worker is removed with everything on it; its
+processes come back on a node with room, not counted against ``max_restarts`` (the soak sets
+it to 1). The whole-job kill is the runner's: Ray's keepers go with their driver.
 
 At the end it checks and prints: the job finished (exit 0), every step's counters balance
 (issued = trained + dropped + in flight), every step 1..N has exactly one batch in the final
@@ -35,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from actors.runtime.recording import last_by, read_table  # noqa: E402
-from tests.jobs import TINY, actor_pids, balanced, metrics  # noqa: E402
+from tests.jobs import TINY, actor_pids, balanced, metrics, placed_on  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 LONG_LIVED = ("replay", "router", "learner")
@@ -82,6 +90,51 @@ def slope_per_100(points: list[tuple[int, float]]) -> float | None:
     return 100 * sxy / sxx
 
 
+class RayNodes:
+    """Ray's test cluster on this machine (``--ray``): a head carrying ``main`` (the replay
+    buffer, router and learner) and worker nodes of two CPUs; ``lose`` removes a worker node
+    holding a sampler or reward worker after a fresh one has joined."""
+
+    STORE = 80 * 2**20  # object store bytes per node (flowrl's messages never use it)
+
+    def __init__(self, workers: int, rng: random.Random) -> None:
+        import tempfile
+
+        from ray.cluster_utils import Cluster
+
+        self.rng = rng
+        self.temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets
+        (self.temp / "ray").mkdir()
+        os.environ["RAY_TMPDIR"] = str(self.temp)
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 3, "resources": {"main": 1}, "object_store_memory": self.STORE,
+            "include_dashboard": False, "temp_dir": str(self.temp / "ray")})
+        self.workers = [self.add() for _ in range(workers)]
+        self.lost: list[list[str]] = []  # per loss, the processes the node held
+
+    def add(self):
+        return self.cluster.add_node(num_cpus=2, object_store_memory=self.STORE)
+
+    def lose(self, log: str) -> None:
+        placed = placed_on(log)
+        holding = [n for n in self.workers if any(
+            v == n.node_id[:8] and k.split("-")[0] in ("sampler", "reward")
+            for k, v in placed.items())]
+        if not holding:
+            return
+        node = self.rng.choice(holding)
+        self.lost.append(sorted(k for k, v in placed.items() if v == node.node_id[:8]))
+        self.workers.append(self.add())
+        self.workers.remove(node)
+        self.cluster.remove_node(node)
+
+    def close(self) -> None:
+        import shutil
+
+        self.cluster.shutdown()
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -93,6 +146,7 @@ class Soak:
         self.attach_rc: list[int] = []
         self.rss: dict[str, list[tuple[int, float]]] = {}  # "KIND#INCARNATION" -> (step, MB)
         self.incarnation = 0
+        self.ray = RayNodes(args.ray_nodes, self.rng) if args.ray else None
 
     def command(self, model: Path) -> list[str]:
         a = self.args
@@ -103,7 +157,17 @@ class Soak:
                 "router.request_timeout=5", "sampler.score_timeout_s=15",
                 "replay.sampler_timeout_s=10", "reward.timeout_s=5",
                 *([f'reward.functions=[{{path = "{self.out / "paced_reward.py"}"}}]']
-                  if a.reward_pause > 0 else [])]
+                  if a.reward_pause > 0 else []), *self.ray_args()]
+
+    def ray_args(self) -> list[str]:
+        """Under Ray: the cluster's address, the long-lived actors on the head, the others
+        spread over the workers, a lost node's restarts not counted (``max_restarts`` 1)."""
+        if self.ray is None:
+            return []
+        return ["--ray", self.ray.cluster.address, 'replay.host="main"', 'router.host="main"',
+                'learner.host="main"', 'ray.strategy="SPREAD"', "sampler.max_restarts=1",
+                "reward.max_restarts=1", "run.heartbeat_timeout=600",
+                f"run.base_port={self.rng.randrange(21000, 32000, 20)}"]
 
     def start(self, model: Path) -> subprocess.Popen:
         self.incarnation += 1
@@ -123,6 +187,9 @@ class Soak:
             self.rss.setdefault(f"runner#{self.incarnation}", []).append((step, mb))
 
     def kill_one(self) -> None:
+        if self.ray is not None:  # a node, with what it holds
+            self.ray.lose((self.out / f"runner-{self.incarnation}.log").read_text())
+            return
         victims = [(pid, k) for pid in actor_pids(self.run_dir)
                    if (k := kind_of(pid)) in ("sampler", "reward")]
         if victims:
@@ -200,7 +267,11 @@ class Soak:
         for p in self.attached:
             p.send_signal(signal.SIGTERM)
             self.attach_rc.append(p.wait(timeout=60))
-        return self.audit(rc, job_killed_at, time.monotonic() - started)
+        try:
+            return self.audit(rc, job_killed_at, time.monotonic() - started)
+        finally:
+            if self.ray is not None:
+                self.ray.close()
 
     def audit(self, rc: int, job_killed_at: int | None, wall_s: float) -> int:
         rows = metrics(self.run_dir)
@@ -234,9 +305,11 @@ class Soak:
                   for key, pts in sorted(self.rss.items())}
         summary = {
             "wall_s": round(wall_s), "steps": len(final), "job_killed_at_step": job_killed_at,
-            "kills": self.kills, "attached": len(self.attach_rc),
-            "restarts": {k: v.get("restarts") for k, v in status[-1].items()
-                         if isinstance(v, dict) and "restarts" in v},
+            "kills": self.kills if self.ray is None else {"nodes": len(self.ray.lost),
+                                                           "processes": sum(map(len, self.ray.lost))},
+            "attached": len(self.attach_rc),
+            "restarts": {k: v.get("restarts_by_cause", v.get("restarts"))
+                         for k, v in status[-1].items() if isinstance(v, dict) and "restarts" in v},
             "router": {k: status[-1].get("router-0", {}).get(k) for k in ("resent", "duplicates")},
             "replay": {k.removeprefix("replay/"): last.get(k) for k in (
                 "replay/issued", "replay/trained", "replay/dropped", "replay/in_flight",
@@ -267,6 +340,9 @@ def main() -> int:
     parser.add_argument("--reward-pause", type=float, default=0.05,
                         help="seconds each reward call sleeps (0: the built-in scorer alone)")
     parser.add_argument("--out", default="runs/soak")
+    parser.add_argument("--ray", action="store_true",
+                        help="through Ray on its test cluster here: kills are node losses")
+    parser.add_argument("--ray-nodes", type=int, default=3, help="worker nodes under --ray")
     args = parser.parse_args()
     args.kill_every = tuple(float(x) for x in args.kill_every.split(":"))
     return Soak(args).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,3 +145,10 @@ def kill_the_sampler(run_dir: Path, proc: subprocess.Popen, after_steps: int,
 
 def balanced(row: dict) -> bool:
     return row["replay/issued"] == row["replay/trained"] + row["replay/dropped"] + row["replay/in_flight"]
+
+
+def placed_on(log: str) -> dict[str, str]:
+    """Process -> the Ray id of its node (its first 8 characters), from the runner's
+    ``=== ray: NAME on ADDRESS (node ID)`` lines: the last said of each."""
+    return dict(re.findall(r"([\w.-]+) on [^ ;]+ \(node (\w+)\)", "\n".join(
+        line for line in log.splitlines() if line.startswith("=== ray: "))))

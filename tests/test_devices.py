@@ -115,7 +115,7 @@ def test_fused_adamw_steps_the_learners_sharded_parameters_as_the_default_does(t
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             ends.append([p.full_tensor().detach().clone() for p in params])
-        moved = max(float((e - s.full_tensor()).abs().max()) for e, s in zip(ends[0], start))
+        moved = max(float((e - s.full_tensor()).abs().max()) for e, s in zip(ends[0], start, strict=True))
         assert moved > 1e-3  # the steps did move the weights
         for a, b in zip(*ends, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

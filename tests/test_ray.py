@@ -32,7 +32,16 @@ from actors.job.launchers.base import LAUNCHERS
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import RunConfig
 from runner import main
-from tests.jobs import ROOT, actor_pids, balanced, command, metrics, reap, status_lines
+from tests.jobs import (
+    ROOT,
+    actor_pids,
+    balanced,
+    command,
+    metrics,
+    placed_on,
+    reap,
+    status_lines,
+)
 
 STORE = 80 * 2**20  # bytes of object store per test node (flowrl's messages never use it)
 
@@ -227,13 +236,6 @@ def ray_job(model: Path, run_dir: Path, cluster, *overrides: str) -> list[str]:
                      "run.heartbeat_timeout=600",
                      f"run.base_port={base}", 'replay.host="main"', 'router.host="main"',
                      'learner.host="main"', "--ray", cluster.address, *overrides)]
-
-
-def placed_on(log: str) -> dict[str, str]:
-    """Process -> the Ray id of its node (its first 8 characters), from the runner's
-    ``=== ray: NAME on ADDRESS (node ID)`` lines: the last said of each."""
-    return dict(re.findall(r"([\w.-]+) on [^ ;]+ \(node (\w+)\)", "\n".join(
-        line for line in log.splitlines() if line.startswith("=== ray: "))))
 
 
 @pytest.mark.ray

@@ -12,7 +12,8 @@ RUN_DIR/
   status.jsonl         the runner's record of the job, one line per event (``started``: every
                        actor ready; ``step``: a learner step; ``validation``: a validation
                        reported; ``status``: every run.status_interval seconds; ``exited``: an
-                       actor died, and whether it restarts; ``lost``: an actor of another
+                       actor died, why (``cause``: failure, node lost, no room) and whether it
+                       restarts; ``lost``: an actor of another
                        host went silent; ``attached`` / ``detached``: a worker attached by
                        hand joined / left, finished or silent; ``stopped``: the outcome), each
                        with every actor's last reported status
