@@ -211,3 +211,33 @@ def test_the_path_fields_are_the_ones_made_absolute():
     old, new = leaves(msgspec.to_builtins(before)), leaves(msgspec.to_builtins(after))
     assert {k for k in old if old[k] != new[k]} == PATH_KEYS
     assert all(new[k].startswith("/") and new[k].endswith(old[k]) for k in PATH_KEYS)
+
+
+def _unbounded(t, path: str, out: list[str]) -> None:
+    import msgspec.inspect as mi
+
+    if isinstance(t, mi.StructType):
+        for f in t.fields:
+            _unbounded(f.type, f"{path}.{f.name}" if path else f.name, out)
+    elif isinstance(t, mi.UnionType):
+        for member in t.types:
+            _unbounded(member, path, out)
+    elif isinstance(t, mi.ListType):
+        _unbounded(t.item_type, f"{path}[]", out)
+    elif isinstance(t, mi.DictType):
+        _unbounded(t.value_type, f"{path}{{}}", out)
+    elif isinstance(t, mi.IntType | mi.FloatType) and all(
+            getattr(t, k) is None for k in ("gt", "ge", "lt", "le")):
+        out.append(path)
+
+
+def test_every_numeric_key_declares_its_range_on_its_field():
+    """Every int and float of the topology has its bounds on its field (a constraint type of
+    ``constraints.py``), so a bad value is refused as it is decoded; the free-form ``kwargs``
+    of user functions and the runner's own ``placement`` are the exceptions."""
+    import msgspec.inspect as mi
+
+    found: list[str] = []
+    _unbounded(mi.type_info(Topology), "", found)
+    assert [p for p in found if not p.endswith("kwargs{}") and not p.startswith("placement[]")] \
+        == []

@@ -110,7 +110,7 @@ class AgentConfig(_Section, frozen=True):
     then added as tool tokens); false: the turn runs to EOS and every call in it is run."""
     processes: PositiveInt = 4
     """Sandboxed child processes for tools (or environments) per sampler."""
-    memory_mb: int = 2048
+    memory_mb: NonNegInt = 2048
     """Address-space limit (RLIMIT_AS) of each tool child in MiB (0: none)."""
     cpu_s: NonNegInt = 30
     """CPU seconds one tool call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""

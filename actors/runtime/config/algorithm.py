@@ -12,6 +12,7 @@ from typing import Literal
 from actors.runtime.config.constraints import (
     Finite,
     Fraction,
+    NonNegFinite,
     NonNegFloat,
     NonNegInt,
     PositiveFinite,
@@ -38,9 +39,9 @@ class RejectionRule(_Section, frozen=True):
     """What is bounded: the IS ratio, its per-sequence geometric mean, or a KL statistic of it."""
     level: Literal["token", "sequence"] = "sequence"
     """Mask single tokens, or every token of a sequence whose statistic is out of bounds."""
-    low: float | None = None
+    low: Finite | None = None
     """Lower bound, kept when statistic >= low (none: unbounded below; k1 can be negative)."""
-    high: float | None = None
+    high: Finite | None = None
     """Upper bound, kept when statistic <= high (none: unbounded above)."""
     reduce: Literal["mean", "sum", "max"] = "mean"
     """Sequence level, k1/k2/k3: how the token statistics of a sequence become its statistic
@@ -59,7 +60,7 @@ class CorrectionConfig(_Section, frozen=True):
     is_cap: PositiveFinite = 2.0
     """Cap of the truncated importance weight (verl ``rollout_is_threshold``: verl 2.0, AReaL
     5.0, TRL 3.0)."""
-    is_low: float | None = None
+    is_low: PositiveFinite | None = None
     """IcePop band: weights outside [is_low, is_cap] become 0 instead of being capped (verl
     ``rollout_is_threshold = "is_low_is_cap"``); none: truncated IS."""
     normalize_weights: bool = False
@@ -69,7 +70,7 @@ class CorrectionConfig(_Section, frozen=True):
     rollout_rs: str = ""
     """verl's rejection options, comma-separated (``token_k1|k2|k3``, ``seq_sum_k1|k2|k3``,
     ``seq_mean_k1|k2|k3``, ``seq_max_k2|k3``); their rules join ``rejection``. Empty: none."""
-    rollout_rs_threshold: str | float = ""
+    rollout_rs_threshold: str | PositiveFinite = ""
     """verl's thresholds for ``rollout_rs``, one per option or one for all (comma-separated):
     for k1 ``"lower_upper"`` or a number u (meaning ``"1/u_u"``), bounds on 1/ρ = π_behav/π_old
     as verl's code reads them (``"0.5_2.0"`` keeps ρ in [0.5, 2]); for k2/k3 one upper bound."""
@@ -82,7 +83,7 @@ class CorrectionConfig(_Section, frozen=True):
 class KLControl(_Section, frozen=True):
     type: Literal["fixed", "adaptive"] = "fixed"
     """Fixed coefficient, or adaptive towards target_kl (verl kl_ctrl)."""
-    kl_coef: float = 0.001
+    kl_coef: NonNegFinite = 0.001
     """Initial β of the KL penalty in the reward."""
     target_kl: PositiveFloat = 0.1
     """adaptive: the KL the controller steers to."""
@@ -130,7 +131,7 @@ class AlgorithmConfig(_Section, frozen=True):
     threshold for negative advantages)."""
     clip_ratio_high: NonNegFloat = 0.2
     """PPO clip ε_high (> ε_low is DAPO clip-higher; geo_mean, dppo_*: as clip_ratio_low)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: NonNegFinite = 3.0
     """Dual-clip constant c > 1 for negative advantages (0 disables); dppo_*: the cap of the
     truncated ratio (0: verl's fallback 20)."""
     tau_pos: PositiveFloat = 1.0
@@ -139,9 +140,9 @@ class AlgorithmConfig(_Section, frozen=True):
     """sapo: temperature of the gate for negative advantages (verl ``actor.tau_neg``)."""
     clip_cov_ratio: Share = 0.0002
     """clip_cov: share of tokens whose gradient is dropped (verl ``policy_loss.clip_cov_ratio``)."""
-    clip_cov_lb: float = 1.0
+    clip_cov_lb: Finite = 1.0
     """clip_cov: lower bound of the covariance of the tokens that may be dropped."""
-    clip_cov_ub: float = 5.0
+    clip_cov_ub: Finite = 5.0
     """clip_cov: upper bound of that covariance."""
     kl_cov_ratio: Share = 0.0002
     """kl_cov: share of tokens that get the KL penalty (verl ``policy_loss.kl_cov_ratio``)."""
@@ -153,13 +154,13 @@ class AlgorithmConfig(_Section, frozen=True):
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are reduced (verl names), over the whole mini-batch (token-sum: no
     normaliser, the loss grows with the token count)."""
-    loss_scale_factor: float = 0.0
+    loss_scale_factor: NonNegFinite = 0.0
     """seq-mean-token-sum-norm: the constant to divide by (0: sampler.max_tokens)."""
     entropy_coeff: NonNegFloat = 0.0
     """Entropy bonus: loss −= entropy_coeff·H."""
     use_kl_loss: bool = False
     """Add kl_loss_coef·KL(π_θ‖π_ref) to the loss, against the frozen initial model."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: NonNegFinite = 0.001
     """Coefficient of the KL loss."""
     kl_loss_type: KLType = "low_var_kl"
     """KL estimator of the loss term (``k3+`` etc.: that value with the gradient of k2)."""
@@ -169,7 +170,7 @@ class AlgorithmConfig(_Section, frozen=True):
     """KL estimator of the in-reward penalty (a ``+`` kind is its base kind here: no gradient)."""
     kl_ctrl: KLControl = KLControl()
     """Controller of β for the in-reward penalty."""
-    cliprange_value: float = 0.5
+    cliprange_value: PositiveFinite = 0.5
     """gae: value clipping range of the critic loss."""
     correction: CorrectionConfig = CorrectionConfig()
     """Off-policy correction between the sampler's policy μ and the learner's."""

@@ -17,6 +17,7 @@ from actors.runtime.config.constraints import (
     Finite,
     Fraction,
     ModelPath,
+    NonNegFinite,
     NonNegFloat,
     NonNegInt,
     PositiveFinite,
@@ -43,14 +44,14 @@ from actors.scoring.rules import BUILTINS
 class RunConfig(_Section, frozen=True):
     dir: str = "runs/{time}"
     """Run directory (metrics.jsonl, checkpoints, logs). ``{time}`` becomes a timestamp."""
-    seed: int = 0
+    seed: NonNegInt = 0
     """Seed for dataset order, sampling and initialisation."""
-    status_interval: float = 15.0
+    status_interval: NonNegFinite = 15.0
     """Seconds between the runner's ``status`` records in status.jsonl (every actor's last
     status; 0: none besides the per-step ones)."""
-    heartbeat_interval: float = 2.0
+    heartbeat_interval: PositiveFinite = 2.0
     """Seconds between actor heartbeats to the runner."""
-    heartbeat_timeout: float = 120.0
+    heartbeat_timeout: PositiveFinite = 120.0
     """An actor silent for this long is treated as dead."""
     socket_dir: str = ""
     """Directory for ipc:// sockets of ``auto`` addresses (default: a fresh folder under /tmp)."""
@@ -150,7 +151,7 @@ class TaskConfig(_Section, frozen=True):
     ``data.max_prompt_length``; 0: no limit). Skipped prompts are counted, never issued."""
     size: PositiveInt = 100_000
     """Number of distinct prompts the task generates."""
-    max_operand: int = 9
+    max_operand: PositiveInt = 9
     """arithmetic: operands are drawn from 1..max_operand."""
     system_prompt: str = ""
     """Override the task's system prompt (empty: the task's own)."""
@@ -160,9 +161,9 @@ class LoraConfig(_Section, frozen=True):
     rank: NonNegInt = 0
     """LoRA rank (0 trains all weights). Samplers receive the adapters alone, each version
     applied to the base they started with; checkpoints are PEFT adapters."""
-    alpha: float = 16.0
+    alpha: PositiveFinite = 16.0
     """LoRA scaling α."""
-    dropout: float = 0.0
+    dropout: Fraction = 0.0
     """LoRA dropout."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                        "up_proj", "down_proj")
@@ -233,7 +234,7 @@ class RouterConfig(ActorCommon, frozen=True):
     """Where samplers send scoring requests (ZeroMQ endpoint, or ``auto``)."""
     worker_address: str = "auto"
     """Where reward workers connect (ZeroMQ endpoint, or ``auto``)."""
-    request_timeout: float = 60.0
+    request_timeout: PositiveFinite = 60.0
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
@@ -270,7 +271,7 @@ class RewardConfig(ActorCommon, frozen=True):
     scored by the built-in its ``data_source`` names (the task's scorer, verl's defaults)."""
     timeout_s: PositiveFloat = 15.0
     """Per call of a function in a child: past it the child is killed, the item scores 0.0."""
-    memory_mb: int = 2048
+    memory_mb: NonNegInt = 2048
     """Address-space limit (RLIMIT_AS) of each scoring child in MiB (0: none)."""
     cpu_s: NonNegInt = 60
     """CPU seconds one call may use in its child (RLIMIT_CPU, re-armed per call; 0: none)."""
@@ -299,7 +300,7 @@ class RewardConfig(ActorCommon, frozen=True):
 class ReplayConfig(ActorCommon, frozen=True):
     address: str = "auto"
     """Where samplers and the learner connect (ZeroMQ endpoint, or ``auto``)."""
-    capacity: int = 256
+    capacity: NonNegInt = 256
     """Most scored groups held at once; admission never lets more be in flight."""
     reuse: PositiveInt = 1
     """Serve each group in up to this many batches (one per policy version, while it is within
@@ -350,7 +351,7 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """Optimizer updates of linear warmup from 0."""
     min_lr_ratio: Fraction = 0.0
     """linear/cosine: final learning rate as a fraction of lr."""
-    critic_lr: float = 1e-5
+    critic_lr: PositiveFinite = 1e-5
     """gae: the critic's AdamW learning rate."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute each layer's activations in backward (keep only its input): auto is on on a
@@ -360,11 +361,11 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     each layer is copied to the device when it runs (a 7B model on one 141 GB GPU)."""
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters instead of full fine-tuning."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegFinite = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: PositiveFinite = 1.0
     """Gradient clipping norm."""
     save_every: PositiveInt = 10
     """Checkpoint every K steps (and always at the end)."""

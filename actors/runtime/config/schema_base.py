@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.registry import Restart
-from actors.runtime.config.constraints import PositiveInt
+from actors.runtime.config.constraints import NonNegInt, PositiveInt
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -14,14 +14,14 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 
 
 class ActorCommon(_Section, frozen=True):
-    count: int = 1
+    count: NonNegInt = 1
     """How many processes of this actor kind to start."""
     threads: PositiveInt = 1
     """torch intra-op threads for this actor's compute (its share of the cores)."""
     restart: Restart = "never"
     """What the runner does when one of these processes dies: stop the job, or restart it
     (each kind's default is its row in ``actors/registry.py``)."""
-    max_restarts: int = 3
+    max_restarts: NonNegInt = 3
     """Restarts allowed per process before the job is stopped."""
     host: str | list[str] = ""
     """With ``[hosts]``: the host these processes run on, or one host per process (a list of
