@@ -45,6 +45,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -94,6 +95,40 @@ def batch_sampling(groups: list[ScoredGroup]) -> SamplingParams:
         raise ValueError(f"the groups of one batch were sampled with different parameters: "
                          f"{sorted(map(str, found))}")
     return found.pop()
+
+
+@dataclass
+class StepState:
+    """One step's working state, filled phase by phase (``Trainer.train_step``'s outline)."""
+
+    groups: list[ScoredGroup]
+    batch: RolloutBatch  # on the policy's device
+    lengths: list[int]  # tokens of each row
+    sampling: SamplingParams  # how the batch was generated (its temperature, max_tokens)
+    times: StepTimes
+    trained_at: int  # the weights' version the step starts from
+    otb: bool  # an optimal-token-baseline estimator: π_old and Σπ² before the advantages
+    inline_old: bool  # π_old is each micro-batch's own first forward (no batch-wide pass)
+    need_old: bool  # π_old by a batch-wide no-grad pass
+    old: torch.Tensor  # (N, W-1) π_old (bypass: the behaviour log-probs)
+    sum_pi_sq: torch.Tensor | None
+    ref: torch.Tensor | None  # reference log-probs, with a KL loss or penalty
+    values: torch.Tensor | None  # the critic's, with gae
+    metrics: dict[str, float] = field(default_factory=dict)
+    seq_kl: float = 0.0  # the KL penalty's mean, with use_kl_in_reward
+    batch_corr: Correction | None = None  # the batch-wide correction (need_old)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_seen: torch.Tensor = field(init=False)  # the PPO old log-probs used
+    current: torch.Tensor = field(init=False)  # π_θ in the first epoch's forward passes
+    sums: dict = field(default_factory=dict)  # metric -> its token-weighted sum (on the device)
+    critic_sums: dict = field(default_factory=dict)
+    tokens_seen: torch.Tensor | float = 0.0
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.old_seen = torch.zeros_like(self.batch.response_mask)
+        self.current = torch.zeros_like(self.batch.response_mask)
 
 
 class Trainer:
@@ -152,23 +187,31 @@ class Trainer:
         the first epoch's forward) and ``is_weights``. Left ``None``, nothing extra is kept.
         """
         started = time.monotonic()
-        times = StepTimes(self.policy.device)
-        times.begin("prepare")  # the batch's arrival to the first forward
         torch.manual_seed(self.step_seed())
         self._updated = False
+        s = self._prepare(groups)  # the batch on the device; what the algorithm needs of it
+        self._batch_wide(s)  # π_old, Σπ², reference log-probs, values: with the step's weights
+        self._advantages(s)  # rewards (a KL penalty), the correction, the advantages
+        self._updates(s)  # ppo_epochs × ppo_mini_batches optimizer updates
+        self.policy.step += 1
+        if self.algo.use_kl_in_reward:  # after the step: an abandoned step leaves β as it was
+            self.policy.kl_ctrl.update(s.seq_kl, s.batch.size)
+        return self._report(s, started, trace)
+
+    def _prepare(self, groups: list[ScoredGroup]) -> StepState:
+        """The padded batch on the policy's device and which batch-wide passes the step needs."""
+        times = StepTimes(self.policy.device)
+        times.begin("prepare")  # the batch's arrival to the first forward
         algo, cfg = self.algo, self.cfg
         sampling = batch_sampling(groups)
-        temp = sampling.temperature
-        trained_at = self.policy.version  # the weights this step starts from
         batch = build_batch(groups, self.policy.pad_id, self.policy.processor).to(self.policy.device)
         if self.group.world > 1 and not isinstance(batch.group_size, int):
             raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
                              "(agent.rollout.branches)")
         batch.packed = cfg.packing
-        lengths = batch.attention_mask.sum(1).tolist()  # tokens of each row
-        N, mask = batch.size, batch.response_mask
+        lengths = list(batch.lengths)  # tokens of each row
         if self.on_first_batch is not None:  # the micro-batches' size is known from here
-            slices = self._micro_slices(lengths, 0, N)
+            slices = self._micro_slices(lengths, 0, batch.size)
             self.on_first_batch(max(sum(lengths[s]) for s in slices),
                                 max(batch.vision.patches(s) for s in slices) if batch.vision else 0)
             self.on_first_batch = None
@@ -177,168 +220,201 @@ class Trainer:
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
                       and not rejection_rules(algo) and not c.normalize_weights
                       and not algo.use_kl_in_reward and not otb)
-        need_old = c.mode == "decoupled" and not inline_old
-        need_ref = algo.use_kl_loss or algo.use_kl_in_reward
-
+        mask = batch.response_mask
         times.end("prepare")
-        # batch-wide quantities, computed with the weights of the start of the step
-        old = batch.behaviour_logprobs.clone() if c.mode == "bypass" else torch.zeros_like(mask)
-        sum_pi_sq = torch.zeros_like(mask) if otb else None
-        ref = torch.zeros_like(mask) if need_ref else None
-        values = torch.zeros_like(mask) if self.policy.critic is not None else None
+        return StepState(
+            groups=groups, batch=batch, lengths=lengths, sampling=sampling, times=times,
+            trained_at=self.policy.version, otb=otb, inline_old=inline_old,
+            need_old=c.mode == "decoupled" and not inline_old,
+            # the batch-wide quantities, filled with the weights of the start of the step
+            old=batch.behaviour_logprobs.clone() if c.mode == "bypass" else torch.zeros_like(mask),
+            sum_pi_sq=torch.zeros_like(mask) if otb else None,
+            ref=torch.zeros_like(mask) if algo.use_kl_loss or algo.use_kl_in_reward else None,
+            values=torch.zeros_like(mask) if self.policy.critic is not None else None)
+
+    def _batch_wide(self, s: StepState) -> None:
+        """No-grad passes over this rank's micro-batches: π_old (with Σπ² for the optimal
+        token baselines), the reference log-probs, the critic's values; summed over ranks."""
+        temp, times = s.sampling.temperature, s.times
         with torch.no_grad():
-            for s in self._micro_slices(lengths, 0, N):
+            for sl in self._micro_slices(s.lengths, 0, s.batch.size):
                 self._check_abort()
-                mb = batch.rows(s)
+                mb = s.batch.rows(sl)
                 w = mb.response_mask.shape[1]
-                if sum_pi_sq is not None:
+                if s.sum_pi_sq is not None:
                     with times("old_log_prob"):
-                        old[s, :w], sum_pi_sq[s, :w] = response_logprobs(
+                        s.old[sl, :w], s.sum_pi_sq[sl, :w] = response_logprobs(
                             self.policy.model, mb, temp, with_sum_pi_squared=True)
-                elif need_old:
+                elif s.need_old:
                     with times("old_log_prob"):
-                        old[s, :w] = response_logprobs(self.policy.model, mb, temp)
-                if need_ref:
+                        s.old[sl, :w] = response_logprobs(self.policy.model, mb, temp)
+                if s.ref is not None:
                     with times("ref"):
-                        ref[s, :w] = self.policy.reference_logprobs(mb, temp)
-                if values is not None:
+                        s.ref[sl, :w] = self.policy.reference_logprobs(mb, temp)
+                if s.values is not None:
                     with times("values"):
-                        values[s, :w] = critic_values(self.policy.critic, mb) * mb.response_mask
-        for shared in (old if need_old or otb else None, sum_pi_sq, ref, values):
+                        s.values[sl, :w] = critic_values(self.policy.critic, mb) * mb.response_mask
+        for shared in (s.old if s.need_old or s.otb else None, s.sum_pi_sq, s.ref, s.values):
             if shared is not None:
                 self.group.sum_(shared)  # each row from the rank that computed it
 
-        metrics: dict[str, float] = {}
-        times.begin("adv")
+    def _advantages(self, s: StepState) -> None:
+        """The rewards (less the KL penalty when it is in the reward), the batch's correction
+        where it is batch-wide, and the chosen estimator's advantages and returns."""
+        algo, batch, mask = self.algo, s.batch, s.batch.response_mask
+        s.times.begin("adv")
         rewards = batch.token_rewards
         if algo.use_kl_in_reward:
-            source = old if c.mode == "decoupled" else batch.behaviour_logprobs
-            kl = kl_estimate(source, ref, algo.kl_penalty) * mask  # (N, W-1)
+            source = s.old if algo.correction.mode == "decoupled" else batch.behaviour_logprobs
+            kl = kl_estimate(source, s.ref, algo.kl_penalty) * mask  # (N, W-1)
             rewards = rewards - self.policy.kl_ctrl.value * kl
-            seq_kl = float((kl.sum(1) / mask.sum(1).clamp_min(1)).mean())
-            metrics.update({"actor/reward_kl_penalty": seq_kl, "actor/reward_kl_penalty_coeff":
-                            self.policy.kl_ctrl.value})
-        batch_corr = correction(algo, old, batch.behaviour_logprobs, mask) if need_old else None
+            s.seq_kl = float((kl.sum(1) / mask.sum(1).clamp_min(1)).mean())
+            s.metrics.update({"actor/reward_kl_penalty": s.seq_kl,
+                              "actor/reward_kl_penalty_coeff": self.policy.kl_ctrl.value})
+        s.batch_corr = (correction(algo, s.old, batch.behaviour_logprobs, mask) if s.need_old
+                        else None)
         inputs = {}  # what the chosen estimator needs beyond the rewards
-        if otb:
-            inputs = dict(old_logprobs=old, sum_pi_squared=sum_pi_sq,
-                          is_weights=batch_corr.weights if batch_corr is not None else None)
+        if s.otb:
+            inputs = dict(old_logprobs=s.old, sum_pi_squared=s.sum_pi_sq,
+                          is_weights=s.batch_corr.weights if s.batch_corr is not None else None)
         elif algo.adv_estimator == "gdpo":
-            components = reward_components(groups, algo.gdpo_reward_keys).to(mask.device)
+            components = reward_components(s.groups, algo.gdpo_reward_keys).to(mask.device)
             inputs = dict(reward_components=components,
                           reward_weights=algo.gdpo_reward_weights or None)
-            metrics.update(_gdpo_metrics(algo.gdpo_reward_keys, components))
-        advantages, returns = compute_advantages(
-            algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=values,
+            s.metrics.update(_gdpo_metrics(algo.gdpo_reward_keys, components))
+        s.advantages, s.returns = compute_advantages(
+            algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=s.values,
             gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
             norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
         if self.topo.teacher.path:  # on-policy distillation (kernels/distill.py)
-            advantages, distill_metrics = distill(self.topo.teacher, batch, advantages)
-            metrics.update(distill_metrics)
-        times.end("adv")  # the advantages are on the policy's device: synchronised like the rest
+            s.advantages, distill_metrics = distill(self.topo.teacher, batch, s.advantages)
+            s.metrics.update(distill_metrics)
+        s.times.end("adv")  # the advantages are on the policy's device: synchronised like the rest
 
-        # optimizer updates: mini-batches hold whole groups
+    def _updates(self, s: StepState) -> None:
+        """``ppo_epochs`` passes over the mini-batches (whole groups each), one optimizer update
+        per mini-batch, its gradient accumulated over this rank's micro-batches."""
+        cfg, groups = self.cfg, s.groups
         groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
-        starts = [0, *itertools.accumulate(batch.group_sizes)]  # each group's first row
+        starts = [0, *itertools.accumulate(s.batch.group_sizes)]  # each group's first row
         bounds = [(starts[g], starts[min(len(groups), g + groups_per_mb)])
                   for g in range(0, len(groups), groups_per_mb)]
-        norm_constant = algo.loss_scale_factor or float(sampling.max_tokens)
-        sums: dict[str, float] = {}
-        tokens_seen = 0.0
-        grad_norms, critic_sums = [], {}
-        old_seen = torch.zeros_like(mask)  # the PPO old log-probs used
-        current = torch.zeros_like(mask)  # π_θ in the first epoch's forward passes
-        times.begin("update_actor")  # the critic's share is moved to update_critic below
+        s.times.begin("update_actor")  # the critic's share is moved to update_critic below
         for epoch in range(cfg.ppo_epochs):
             for lo, hi in bounds:
-                keep_mb = batch_corr.keep[lo:hi] if batch_corr is not None else mask[lo:hi]
+                keep_mb = s.batch_corr.keep[lo:hi] if s.batch_corr is not None \
+                    else s.batch.response_mask[lo:hi]
                 token_count = float(keep_mb.sum())
                 self.policy.optimizer.zero_grad(set_to_none=True)
-                micro = self._micro_slices(lengths, lo, hi)
-                for s in micro:
+                micro = self._micro_slices(s.lengths, lo, hi)
+                for sl in micro:
                     self._check_abort()
                     for module in (self.policy.model, self.policy.critic):
                         if self.policy.keep_gathered:
-                            sync_gradients(module, last=s is micro[-1])
-                    mb = batch.rows(s)
-                    w = mb.response_mask.shape[1]
-                    lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)
-                    if inline_old:
-                        old_mb = lp.detach()
-                        corr = correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
-                    else:
-                        old_mb = old[s, :w]
-                        corr = (correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
-                                if batch_corr is None else _rows(batch_corr, s, w))
-                    old_seen[s, :w] = old_mb
-                    if epoch == 0:
-                        current[s, :w] = lp.detach()
-                    loss, m = micro_batch_loss(
-                        algo, lp, entropy, mb, advantages[s, :w], old_mb, corr,
-                        ref[s, :w] if ref is not None else None, token_count=token_count,
-                        seq_count=hi - lo, norm_constant=norm_constant)
-                    loss.backward()
-                    n_tok = corr.keep.sum().double()  # (on the device: read once per step)
-                    tokens_seen = tokens_seen + n_tok
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v * n_tok
-                    if self.policy.critic is not None:
-                        with times("update_critic"):
-                            v_new = critic_values(self.policy.critic, mb)
-                            vloss, vm = critic_loss(algo, v_new, values[s, :w], returns[s, :w],
-                                                    mb.response_mask, token_count=token_count,
-                                                    seq_count=hi - lo)
-                            vloss.backward()
-                        for k, v in vm.items():
-                            critic_sums[k] = critic_sums.get(k, 0.0) + v * n_tok
+                            sync_gradients(module, last=sl is micro[-1])
+                    self._micro_batch(s, sl, epoch, token_count, hi - lo)
                 self._check_abort()
-                grad_norms.append(_full(torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.policy.model.parameters() if p.requires_grad], cfg.max_grad_norm)))
+                s.grad_norms.append(_full(torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.policy.model.parameters() if p.requires_grad],
+                    cfg.max_grad_norm)))
                 self.policy.optimizer.step()
                 self._updated = True
                 self.policy.scheduler.step()
                 if self.policy.critic is not None:
-                    with times("update_critic"):
+                    with s.times("update_critic"):
                         torch.nn.utils.clip_grad_norm_(self.policy.critic.parameters(),
                                                        cfg.max_grad_norm)
                         self.policy.critic_optimizer.step()
                         self.policy.critic_optimizer.zero_grad(set_to_none=True)
-        times.end("update_actor")
-        times.seconds["update_actor"] -= times.seconds.get("update_critic", 0.0)
+        s.times.end("update_actor")
+        s.times.seconds["update_actor"] -= s.times.seconds.get("update_critic", 0.0)
         self.policy.optimizer.zero_grad(set_to_none=True)
-        self.policy.step += 1
-        if algo.use_kl_in_reward:  # after the step: an abandoned step leaves β as it was
-            self.policy.kl_ctrl.update(seq_kl, N)
 
-        summed = {**sums, **critic_sums}
+    def _micro_batch(self, s: StepState, sl: slice, epoch: int, token_count: float,
+                     seq_count: int) -> None:
+        """One micro-batch's forward and backward (policy, then critic); its metrics are summed
+        on the device, weighted by its kept tokens."""
+        algo, temp = self.algo, s.sampling.temperature
+        mb = s.batch.rows(sl)
+        w = mb.response_mask.shape[1]
+        lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)
+        if s.inline_old:
+            old_mb = lp.detach()
+            corr = correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
+        else:
+            old_mb = s.old[sl, :w]
+            corr = (correction(algo, old_mb, mb.behaviour_logprobs, mb.response_mask)
+                    if s.batch_corr is None else _rows(s.batch_corr, sl, w))
+        s.old_seen[sl, :w] = old_mb
+        if epoch == 0:
+            s.current[sl, :w] = lp.detach()
+        loss, m = micro_batch_loss(
+            algo, lp, entropy, mb, s.advantages[sl, :w], old_mb, corr,
+            s.ref[sl, :w] if s.ref is not None else None, token_count=token_count,
+            seq_count=seq_count, norm_constant=algo.loss_scale_factor
+            or float(s.sampling.max_tokens))
+        loss.backward()
+        n_tok = corr.keep.sum().double()  # (on the device: read once per step)
+        s.tokens_seen = s.tokens_seen + n_tok
+        for k, v in m.items():
+            s.sums[k] = s.sums.get(k, 0.0) + v * n_tok
+        if self.policy.critic is not None:
+            with s.times("update_critic"):
+                v_new = critic_values(self.policy.critic, mb)
+                vloss, vm = critic_loss(algo, v_new, s.values[sl, :w], s.returns[sl, :w],
+                                        mb.response_mask, token_count=token_count,
+                                        seq_count=seq_count)
+                vloss.backward()
+            for k, v in vm.items():
+                s.critic_sums[k] = s.critic_sums.get(k, 0.0) + v * n_tok
+
+    def _report(self, s: StepState, started: float,
+                trace: dict[str, torch.Tensor] | None) -> dict[str, float]:
+        """The step's metrics: the losses' token-weighted means over every rank, the
+        correction over the whole batch, staleness, timings, throughput and the batch's own."""
+        batch, groups, metrics = s.batch, s.groups, s.metrics
+        mask = batch.response_mask
+        summed = {**s.sums, **s.critic_sums}
         names = list(summed)  # the same on every rank: the same code ran on each
         # the step's one read of its per-micro-batch sums and norms from the device
-        local = _floats([tokens_seen, *(summed[k] for k in names), *grad_norms])
-        grad_norms = local[len(local) - len(grad_norms):]
+        local = _floats([s.tokens_seen, *(summed[k] for k in names), *s.grad_norms])
+        grad_norms = local[len(local) - len(s.grad_norms):]
         tokens_seen, *values_summed = self.group.sum_floats(local[:len(local) - len(grad_norms)])
         metrics.update({k: v / max(tokens_seen, 1.0) for k, v in zip(names, values_summed, strict=True)})
-        self.group.sum_(old_seen)  # each row from the rank that trained on it
-        self.group.sum_(current)
-        probe, final, weights = self._final_correction(batch, old_seen, current)
+        self.group.sum_(s.old_seen)  # each row from the rank that trained on it
+        self.group.sum_(s.current)
+        probe, final, weights = self._final_correction(batch, s.old_seen, s.current)
         metrics.update(final.metrics)
         metrics.update(weight_metrics(probe, batch.behaviour_logprobs, final.keep, weights))
-        metrics.update(staleness_histogram(staleness(trained_at, batch.versions)))
-        metrics.update(token_staleness(trained_at, batch, mask))
+        metrics.update(staleness_histogram(staleness(s.trained_at, batch.versions)))
+        metrics.update(token_staleness(s.trained_at, batch, mask))
         metrics["timing_s/weight_sync"] = sum(g.weight_sync_s for g in groups)
         if self.topo.teacher.path:  # the teacher's slowest answer among the batch's groups
             metrics["timing_s/teacher"] = max(g.teacher_seconds for g in groups)
         # the sampler's side: its longest generation call among the batch's groups (a call
         # generates a request's prompts together); in async mode it overlaps the learner's step
         metrics["timing_s/gen"] = max(g.generate_seconds for g in groups)
-        metrics.update(times.metrics())
+        metrics.update(s.times.metrics())
         # a vision-language model: its language model's FLOPs and its vision tower's
         patches = [] if batch.vision is None else batch.vision.image_grid_thw.prod(-1).tolist()
         metrics.update(perf_metrics(self.policy.model.config.get_text_config(), self.policy.device,
-                                    lengths, cfg.ppo_epochs, times.seconds["update_actor"],
-                                    self.group.world, vision_flops(self.vision_tower, patches)))
+                                    s.lengths, self.cfg.ppo_epochs,
+                                    s.times.seconds["update_actor"], self.group.world,
+                                    vision_flops(self.vision_tower, patches)))
+        metrics.update(self._batch_metrics(s, grad_norms, time.monotonic() - started))
+        if trace is not None:
+            trace.update(input_ids=batch.input_ids, mask=mask, keep=final.keep,
+                         advantages=s.advantages, behaviour_logprobs=batch.behaviour_logprobs,
+                         old_logprobs=s.old_seen, current_logprobs=s.current, is_weights=weights)
+        return metrics
+
+    def _batch_metrics(self, s: StepState, grad_norms: list[float],
+                       elapsed: float) -> dict[str, float]:
+        """The batch's scores, advantages and lengths, the optimizer's, and the step's time."""
+        batch, metrics = s.batch, {}
+        mask = batch.response_mask
         lengths = mask.sum(1)
-        adv_at = advantages[mask.bool()]
-        elapsed = time.monotonic() - started
+        adv_at = s.advantages[mask.bool()]
         metrics.update({
             "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
             "critic/score/min": float(batch.scores.min()),
@@ -351,14 +427,10 @@ class Trainer:
             "timing_s/step": elapsed,
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
         })
-        metrics.update(agent_metrics(groups))  # multi-turn batches only
-        if values is not None:
-            metrics["critic/values/mean"] = float(values[mask.bool()].mean())
-            metrics["critic/returns/mean"] = float(returns[mask.bool()].mean())
-        if trace is not None:
-            trace.update(input_ids=batch.input_ids, mask=mask, keep=final.keep,
-                         advantages=advantages, behaviour_logprobs=batch.behaviour_logprobs,
-                         old_logprobs=old_seen, current_logprobs=current, is_weights=weights)
+        metrics.update(agent_metrics(s.groups))  # multi-turn batches only
+        if s.values is not None:
+            metrics["critic/values/mean"] = float(s.values[mask.bool()].mean())
+            metrics["critic/returns/mean"] = float(s.returns[mask.bool()].mean())
         return metrics
 
     def _final_correction(self, batch: RolloutBatch, old_seen: torch.Tensor,

