@@ -60,7 +60,7 @@ class CorrectionConfig(_Section, frozen=True):
     is_cap: PositiveFinite = 2.0
     """Cap of the truncated importance weight (verl ``rollout_is_threshold``: verl 2.0, AReaL
     5.0, TRL 3.0)."""
-    is_low: PositiveFinite | None = None
+    is_low: Finite | None = None
     """IcePop band: weights outside [is_low, is_cap] become 0 instead of being capped (verl
     ``rollout_is_threshold = "is_low_is_cap"``); none: truncated IS."""
     normalize_weights: bool = False
