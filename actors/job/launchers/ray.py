@@ -113,6 +113,8 @@ class RayLauncher(Launcher):
         self.groups: list[Any] = []
         self.keepers: dict[str, Any] = {}
         self.children: dict[str, RayChild] = {}  # each process's last start
+        self.unborn: dict[str, str] = {}  # a process whose start its node's loss cut short:
+        # that node's id (its next start waits for the bundle to move, as after a loss)
         self.cluster_gpus = 0
         self.topology_file = ""
 
@@ -229,9 +231,11 @@ class RayLauncher(Launcher):
         if again is not None:
             ray.kill(again)
         last = self.children.pop(name, None)
-        if last is not None and last.cause == NODE_LOST:  # its bundle is still on that node
-            # until Ray marks it dead and moves the bundle: started now, it would die unborn
-            problem = await trio.to_thread.run_sync(self.moved, bundle, last.node_id,
+        lost = last.node_id if last is not None and last.cause == NODE_LOST \
+            else self.unborn.pop(name, "")
+        if lost:  # its bundle is still on that node until Ray marks it dead and moves the
+            # bundle: started now, it would die unborn
+            problem = await trio.to_thread.run_sync(self.moved, bundle, lost,
                                                     abandon_on_cancel=True)
             if problem is not None:
                 print(f"!!! ray: {name} cannot be started again: {problem}", flush=True)
@@ -253,8 +257,10 @@ class RayLauncher(Launcher):
                                                                abandon_on_cancel=True)
         except Exception as exc:  # Ray's errors carry the keeper's: said once, as the exit
             print(f"!!! ray: {name} could not be started: {exc}", flush=True)
-            # a node lost while it started is not the process's failure either
-            return NotStarted(FAILED if self.alive(bundle.node_id) else NODE_LOST)
+            if self.alive(bundle.node_id):
+                return NotStarted(FAILED)
+            self.unborn[name] = bundle.node_id  # a node lost as it started: not its failure
+            return NotStarted(NODE_LOST)
         if again is not None:  # (a restart: its bundle may have moved with a lost node)
             print(f"=== ray: {name} on {where(node, node_id)}", flush=True)
         child = self.children[name] = RayChild(name, keeper, pid, where(node, node_id), node_id)
