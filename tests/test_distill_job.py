@@ -97,7 +97,8 @@ def test_the_reverse_kl_to_the_teacher_falls(job):
 def test_a_killed_teacher_worker_is_restarted_and_its_requests_resent(tiny_model, tmp_path):
     teacher = build_tiny_model(tmp_path / "teacher", seed=5)
     run_dir, log = tmp_path / "run", tmp_path / "runner.log"
-    cmd = command(tiny_model, run_dir, *FAST, "learner.total_steps=6", f"teacher.path={teacher}")
+    # steps enough after the kill that the router reports its re-send before the job ends
+    cmd = command(tiny_model, run_dir, *FAST, "learner.total_steps=20", f"teacher.path={teacher}")
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
@@ -107,7 +108,13 @@ def test_a_killed_teacher_worker_is_restarted_and_its_requests_resent(tiny_model
             time.sleep(0.1)
         (pid,) = pids_of(run_dir, "teacher")
         os.kill(pid, signal.SIGSTOP)  # requests reach it and stay there
-        time.sleep(3.0)
+        seen = len(status_lines(run_dir))
+        # until the router's status, recorded after the stop, shows it holding requests
+        while not any(line.get("router-0", {}).get("worker/teacher-0", {}).get("in_flight")
+                      for line in status_lines(run_dir)[seen:]):
+            assert proc.poll() is None and time.monotonic() < deadline + 120, \
+                log.read_text()[-4000:]
+            time.sleep(0.1)
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=300)
     finally:
@@ -120,7 +127,7 @@ def test_a_killed_teacher_worker_is_restarted_and_its_requests_resent(tiny_model
     assert exited["restart"] and status[-1]["teacher-0"]["restarts"] == 1
     assert status[-1]["router-0"]["resent"] >= 1  # what it held went to the restarted worker
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(balanced(r) for r in rows)
     assert rows[-1]["replay/dropped_score_failed"] == 0
     assert not actor_pids(run_dir)
