@@ -377,9 +377,10 @@ class Trainer:
         summed = {**s.sums, **s.critic_sums}
         names = list(summed)  # the same on every rank: the same code ran on each
         # the step's one read of its per-micro-batch sums and norms from the device
+        n = len(s.grad_norms)  # (one per optimizer update: at least one)
         local = _floats([s.tokens_seen, *(summed[k] for k in names), *s.grad_norms])
-        grad_norms = local[len(local) - len(s.grad_norms):]
-        tokens_seen, *values_summed = self.group.sum_floats(local[:len(local) - len(grad_norms)])
+        grad_norms = local[-n:]
+        tokens_seen, *values_summed = self.group.sum_floats(local[:-n])
         metrics.update({k: v / max(tokens_seen, 1.0) for k, v in zip(names, values_summed, strict=True)})
         self.group.sum_(s.old_seen)  # each row from the rank that trained on it
         self.group.sum_(s.current)
