@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0,
                    help="a model of this many layers of the default model's shape (0: the "
                         "default model itself)")
+    p.add_argument("--profiles", default="",
+                   help="copy the job's RUN_DIR/profiles here (with learner.profile_steps=[N])")
     p.add_argument("overrides", nargs="*", help="dotted overrides for the job")
     args = p.parse_args()
     from transformers.utils import logging as hf_logging
@@ -93,6 +96,8 @@ def main() -> None:
             overrides.append(f"model.path={small_model(Path(tmp) / 'model', args.layers)}")
         run_dir = Path(tmp) / "run"
         job = run_job(run_dir, args.steps, overrides)
+        if args.profiles and (run_dir / "profiles").is_dir():
+            shutil.copytree(run_dir / "profiles", args.profiles, dirs_exist_ok=True)
         alone = standalone(run_dir, args.steps)
     j, a = statistics.median(job[2:]), statistics.median(alone[2:])
     what = f"{args.layers} layers" if args.layers else "the default model"

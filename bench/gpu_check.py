@@ -196,7 +196,7 @@ class Check:
                                                       if not r.startswith("liger"))
         return ("ok" if ok else "FAIL"), "; ".join(rows) or out.stderr.strip()[-200:]
 
-    def hf_parity(self) -> tuple[str, str]:
+    def hf_parity(self, decode: str = "eager") -> tuple[str, str]:
         import torch
         import trio
 
@@ -212,7 +212,7 @@ class Check:
         model = self.model() if self.dry else resolve_model_path("default")
         trainer = Trainer(self.topology(f"model.path={model}"), self.workdir / "parity")
         engine = HFEngine(model, "float32" if self.dry else "bfloat16", seed=0,
-                          device=self.device)
+                          device=self.device, decode=decode)
         tok = ChatTokenizer(model)
         questions = [f"What is {a} + {b}? Answer with the number." for a, b in
                      ((3, 4), (12, 30), (7, 8), (25, 17), (6, 9), (40, 2), (11, 11), (5, 13))]
@@ -478,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every row on the CPU, tiny shapes")
     p.add_argument("--only", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--decode", default="eager",
+                   help="comma list of sampler.hf.decode modes the hf parity row runs with")
     p.add_argument("--workdir", default="", help="where models and runs go (default: a temp dir)")
     args = p.parse_args(argv)
     only = {r.strip() for r in args.only.split(",") if r.strip()}
@@ -503,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         for hidden in ((32,) if args.dry_run else (1536, 3584)):
             check.run(f"logprobs H={hidden}", lambda h=hidden: check.logprobs(h))
     if "hf parity" in only:
-        check.run("hf parity", check.hf_parity)
+        for decode in args.decode.split(","):
+            check.run("hf parity" + ("" if decode == "eager" else f" ({decode})"),
+                      lambda d=decode: check.hf_parity(d))
     if "hf tokens" in only:
         check.run("hf tokens", check.hf_tokens)
     if "ipc colocated" in only:  # the learner's GPU to a sampler on it, beside shm

@@ -156,3 +156,28 @@ def test_generate_warns_of_nothing_it_was_given(tiny_model):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "min_new_tokens" not in done.stdout + done.stderr, done.stderr[-2000:]
+
+
+def test_a_worker_thread_gets_the_graph_trees_state_compiled_decode_replays_through():
+    """Compiled decode (sampler.hf.decode) runs in run_compute's worker thread, where torch's
+    CUDA graph trees find no thread-local state of their own (an AssertionError at the first
+    replay on a GPU); ``graph_trees_here`` gives the thread its own."""
+    import threading
+
+    import torch
+    from torch._inductor import cudagraph_trees
+
+    from actors.sampler.engines.hf import graph_trees_here
+
+    seen = {}
+
+    def worker() -> None:
+        seen["before"] = torch._C._is_key_in_tls("tree_manager_containers")
+        graph_trees_here()
+        seen["after"] = torch._C._is_key_in_tls("tree_manager_containers")
+        seen["container"] = type(cudagraph_trees.get_container(0)).__name__
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"before": False, "after": True, "container": "TreeManagerContainer"}

@@ -44,13 +44,16 @@ def learner_logprobs(trainer: Trainer, groups: list[ScoredGroup]) -> tuple[torch
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("temperature", "decode"),
+                         [(1.0, "eager"), (0.7, "eager"), (0.7, "inductor")])
 async def test_behaviour_logprobs_match_the_learners_recomputation(tiny_model, tmp_path,
-                                                                   temperature):
+                                                                   temperature, decode):
+    """(``inductor``: a static cache over padded prompts; on a CPU transformers decodes it
+    eagerly, on a GPU the same path runs compiled: bench/gpu_check.py's hf parity rows.)"""
     topo = decode_topology(apply_overrides({}, [f"model.path={tiny_model}", "learner.lr=1e-2",
                                                 "algorithm.n=4", "learner.groups_per_step=2"]))
     trainer = Trainer(topo, tmp_path)
-    engine = HFEngine(tiny_model, "float32", seed=0)
+    engine = HFEngine(tiny_model, "float32", seed=0, decode=decode)
     tok = ChatTokenizer(tiny_model)
     params = SamplingParams(temperature=temperature, max_tokens=8)
     prompts = [tok.prompt_ids([ChatMessage("user", f"say {c}")]) for c in "ab"]

@@ -34,6 +34,7 @@ from actors.runtime.config.ray import RayOptions
 from actors.runtime.config.schema_base import ActorCommon, _Section
 from actors.runtime.config.teacher import TeacherConfig
 from actors.runtime.transports.base import TransportChoice
+from actors.sampler.engines.hf_options import HFOptions
 from actors.sampler.engines.registry import EngineChoice
 from actors.sampler.engines.vllm.options import VLLMOptions
 from actors.scoring.judge import JudgeConfig
@@ -182,6 +183,8 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     and vLLM is installed, hf otherwise (hf is the faster on a CPU: BENCHMARKS.md)."""
     vllm: VLLMOptions = VLLMOptions()
     """vLLM's engine arguments (sampler.engine = vllm)."""
+    hf: HFOptions = HFOptions()
+    """The transformers engine's options (sampler.engine = hf)."""
     profile_batches: list[PositiveInt] = []
     """hf: batches of each sampler to run under torch.profiler (1: its first generate call):
     each writes RUN_DIR/profiles/sampler-I/step_N.txt and step_N.trace.json, as
@@ -354,8 +357,10 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     critic_lr: PositiveFinite = 1e-5
     """gae: the critic's AdamW learning rate."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    """Recompute each layer's activations in backward (keep only its input): auto is on on a
-    GPU, off on a CPU (memory is plentiful there and recomputing costs the cores)."""
+    """Recompute each layer's activations in backward (keep only its input). auto: off on a CPU
+    (memory is plentiful there and recomputing costs the cores); on a GPU decided for each
+    micro-batch, on only when without it the micro-batch would need more than half of this
+    process's share of the GPU's memory (actors/learner/memory.py's estimate)."""
     offload: bool = False
     """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and
     each layer is copied to the device when it runs (a 7B model on one 141 GB GPU)."""

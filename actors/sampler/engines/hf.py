@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import anyio
 import torch
 from transformers import (
     AutoTokenizer,
+    CompileConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -43,6 +45,7 @@ from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.profiling import profiled
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import EngineSpec, GenerateRequest, Generation, full_generation
+from actors.sampler.engines.hf_options import Decode
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
 from messages.weights import AdapterSpec
@@ -148,6 +151,39 @@ def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | Non
         stop_strings=list(params.stop) or None)
 
 
+# How ``generate`` decodes: ``eager`` (a growing cache, the prompts' cache shared by their
+# samples) or a static cache whose decode step is compiled once per batch shape by torch.compile,
+# with ``inductor`` (fused kernels, replayed as CUDA graphs: mode reduce-overhead) or with the
+# ``cudagraphs`` backend (the eager kernels captured as CUDA graphs, no code generation: a
+# shorter compile). Compiled modes pad the prompts to a multiple of ``WIDTH_BUCKET`` so a job's
+# batches share a few shapes; transformers compiles only on a GPU, so on a CPU they decode
+# eagerly over the static cache.
+DECODES = typing.get_args(Decode)
+WIDTH_BUCKET = 64
+
+
+def compile_config(decode: str) -> CompileConfig | None:
+    if decode == "eager":
+        return None
+    if decode == "inductor":
+        return CompileConfig(backend="inductor", mode="reduce-overhead")
+    if decode == "cudagraphs":
+        return CompileConfig(backend="cudagraphs", mode=None)  # type: ignore[arg-type]
+    raise ValueError(f"decode must be one of {', '.join(DECODES)} (got {decode!r})")
+
+
+def graph_trees_here() -> None:
+    """Give this thread the thread-local state torch's CUDA graph trees keep (compiled decode
+    replays its graphs through them). torch sets it up in the main thread and in autograd's own
+    threads only; in a worker thread (``run_compute``) the compiled decode step otherwise fails
+    at its first replay with an AssertionError in ``cudagraph_trees.get_obj``. Each thread that
+    decodes records its own graphs."""
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees._initialize_tls(cudagraph_trees.local)
+
+
 class HFEngine:
     """Holds the policy weights of one sampler and generates a batch per call."""
 
@@ -155,7 +191,8 @@ class HFEngine:
 
     def __init__(self, model_path: Path, dtype: str, seed: int,
                  device: torch.device | str = "cpu", profile: Sequence[int] = (),
-                 profiles: Path | None = None) -> None:
+                 profiles: Path | None = None, decode: str = "eager") -> None:
+        self.compiled = compile_config(decode)  # None: eager
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -197,6 +234,8 @@ class HFEngine:
                                      [r.images for r in requests], abort=self.abort)
 
     def _profiled(self, *args: Any) -> list[list[Generation]]:
+        if self.compiled is not None:
+            graph_trees_here()
         where = self.profiles if self.batches in self.profile else None
         with profiled(where, self.batches, self.device):
             return self._generate(*args)
@@ -209,20 +248,26 @@ class HFEngine:
         params, n, tok = like.params, like.n, self.tokenizer
         greedy = params.temperature == 0
         width = max(len(p) for p in prompts)
+        if self.compiled is not None:  # one static cache shape for many batches
+            width = -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
         pad = tok.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
         vision = self._pixels(ids, images or [], n)
-        shared = n > 1 and width > 1 and not vision  # (the cache would need the images' features)
+        # (the cache would need the images' features; a static cache is generate's own)
+        shared = n > 1 and width > 1 and not vision and self.compiled is None
         cache = self._shared_prompts(ids, attn, n) if shared else None
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
         if vision:
             vision["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
         record = _TokenLogprobs(1.0 if greedy else params.temperature)
+        config = sampling_config(params, pad, tok.eos_token_id)
+        if self.compiled is not None:
+            config.cache_implementation, config.compile_config = "static", self.compiled
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, past_key_values=cache, **vision,
-            generation_config=sampling_config(params, pad, tok.eos_token_id),
+            generation_config=config,
             tokenizer=tok if params.stop else None,
             logits_processor=LogitsProcessorList([record]),
             stopping_criteria=StoppingCriteriaList([_Abort(self.abort)]),
@@ -354,7 +399,9 @@ def adapter_parameter(saved: str) -> str:
 
 
 async def start(spec: EngineSpec) -> HFEngine:
-    """The engine of ``sampler.engine = "hf"`` (registry row ``hf``): no section of its own."""
+    """The engine of ``sampler.engine = "hf"`` (registry row ``hf``; its section
+    ``sampler.hf``)."""
     return await anyio.to_thread.run_sync(on_device(spec.device, HFEngine), spec.model,
                                           spec.dtype, spec.seed, spec.device,
-                                          spec.sampler.profile_batches, spec.profiles)
+                                          spec.sampler.profile_batches, spec.profiles,
+                                          spec.sampler.hf.decode)
