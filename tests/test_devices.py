@@ -152,3 +152,51 @@ def test_every_cuda_device_built_carries_an_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", seen.append)  # no GPU here: record the call
     devices.set_thread_device(torch.device("cuda"))
     assert seen == [torch.device("cuda", 0)]
+
+
+def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_do(tiny_model,
+                                                                                   tmp_path):
+    """On one rank computing in bf16 the learner's parameters are FSDP2 DTensors, whose
+    dispatch per tensor cost the GPU step more CPU time than its kernels (BENCHMARKS.md, the
+    job's profile). ``distributed.clip_grad_norm_`` and ``optimizer_step`` run on their local
+    tensors instead: the same norms and the same parameters as torch's own calls on the
+    DTensors, bit for bit, and the optimizer's state stays DTensors (checkpoints unchanged)."""
+    from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner import distributed
+    from actors.learner.policy import Policy
+
+    topo = decode_topology(apply_overrides({}, [
+        f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16"]))
+    policy = Policy(topo, tmp_path, None)
+    try:
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        assert distributed._lone_shards(params)
+        start = [p.detach().clone() for p in params]
+        ends, norms = [], []
+        for local in (False, True):
+            with torch.no_grad():
+                for p, s in zip(params, start, strict=True):
+                    p.copy_(s)
+            optimizer = torch.optim.AdamW(params, lr=1e-2)
+            seen = []
+            for seed in range(4):
+                torch.manual_seed(seed)
+                ids = torch.randint(0, policy.model.config.vocab_size, (2, 6))
+                policy.model(input_ids=ids).logits.float().pow(2).mean().backward()
+                if local:
+                    seen.append(float(distributed.clip_grad_norm_(params, 0.05)))
+                    distributed.optimizer_step(optimizer)
+                else:
+                    seen.append(float(torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()))
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            norms.append(seen)
+            ends.append([p.full_tensor().detach().clone() for p in params])
+            assert all(hasattr(v, "full_tensor") for s in optimizer.state.values()
+                       for k, v in s.items() if k != "step")
+        assert norms[0] == norms[1] and max(norms[0]) > 0.05  # clipping was exercised
+        assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
+        assert max(float((e - s.full_tensor()).abs().max())
+                   for e, s in zip(ends[1], start, strict=True)) > 1e-3  # the steps moved them
+    finally:
+        policy.group.close()

@@ -44,9 +44,12 @@ def test_offload_reaches_fully_shard(tiny_model, tmp_path):
     assert shard.device.type == "cpu"
 
 
-def test_checkpointing_is_on_by_default_on_a_gpu_only():
-    assert gradient_checkpointing("auto", torch.device("cuda", 0))
-    assert not gradient_checkpointing("auto", torch.device("cpu"))
+def test_checkpointing_is_on_by_default_on_a_gpu_only_where_memory_needs_it():
+    gpu, gb = torch.device("cuda", 0), 2**30
+    assert gradient_checkpointing("auto", gpu)  # nothing known of the need: on
+    assert not gradient_checkpointing("auto", gpu, lambda: 10 * gb, usable=80 * gb)
+    assert gradient_checkpointing("auto", gpu, lambda: 50 * gb, usable=80 * gb)
+    assert not gradient_checkpointing("auto", torch.device("cpu"), lambda: 50 * gb, usable=gb)
     assert gradient_checkpointing(True, torch.device("cpu"))
     assert not gradient_checkpointing(False, torch.device("cuda", 0))
 
@@ -87,3 +90,12 @@ def test_an_offloading_learner_on_gpus_has_gloo_beside_nccl():
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["[0.0,", "1.0,", "2.0,", "3.0]", "9.0"], \
         done.stdout + done.stderr
+
+
+def test_auto_checkpointing_needs_follow_the_model_and_the_token_budget(tiny_model, tmp_path):
+    """The need auto weighs: the estimate without checkpointing for the token budget's
+    micro-batch (grows with the budget; the default model at 32k tokens is about 27 GB)."""
+    small = make_trainer(tiny_model, tmp_path / "a", "learner.max_tokens_per_micro_batch=1000")
+    large = make_trainer(tiny_model, tmp_path / "b", "learner.max_tokens_per_micro_batch=64000")
+    a, b = small.policy._needs_without_checkpointing(), large.policy._needs_without_checkpointing()
+    assert 0 < a < b

@@ -375,3 +375,58 @@ def _single_process(group: Group) -> Iterator[None]:
         if not group.distributed:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
+
+
+def _lone_shards(params: list[nn.Parameter]) -> bool:
+    """FSDP2's DTensor parameters on a mesh of one rank, where each local tensor is the whole
+    parameter: the optimizer and the gradient norm can run on them as plain tensors."""
+    return bool(params) and all(hasattr(p, "to_local") and p.device_mesh.size() == 1
+                                for p in params)
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, the same arithmetic; on one rank's FSDP2 parameters
+    over their local tensors (the whole gradients), without DTensor's dispatch on every
+    gradient (on a GPU that dispatch costs far more CPU time than the norm's kernels)."""
+    if not _lone_shards(params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=params[0].device)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
+
+
+@torch.no_grad()
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``; on one rank's FSDP2 parameters the step runs on their local
+    tensors, with the state's local tensors: the same storage and the same update (AdamW is
+    elementwise), without DTensor's dispatch per tensor of the step. The optimizer keeps its
+    DTensor parameters and state (checkpoints see them as before); the first step, which
+    creates the state, runs on the DTensors."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not _lone_shards(params) or any(p.grad is not None and p not in optimizer.state
+                                       for p in params):
+        optimizer.step()
+        return
+    state, groups = optimizer.state, [g["params"] for g in optimizer.param_groups]
+    local: dict = {}
+    try:
+        for group in optimizer.param_groups:
+            views = []
+            for p in group["params"]:
+                view = p.to_local()
+                view.grad = None if p.grad is None else p.grad.to_local()
+                if p in state:
+                    local[view] = {k: v.to_local() if hasattr(v, "to_local") else v
+                                   for k, v in state[p].items()}
+                views.append(view)
+            group["params"] = views
+        optimizer.state = local  # type: ignore[assignment]
+        optimizer.step()
+    finally:
+        optimizer.state = state
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group["params"] = saved

@@ -233,7 +233,6 @@ def planned(topology, device: str) -> str:
     cuda = device == "cuda"
     params = model.dtype
     compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
-    checkpointing = cuda if L.gradient_checkpointing == "auto" else bool(L.gradient_checkpointing)
     rows, budget_tokens = micro_limits(L, cuda)
     rows = min(rows, L.groups_per_step * topology.algorithm.n)  # a micro-batch is in one batch
     longest, source = longest_sequence(topology)
@@ -246,6 +245,16 @@ def planned(topology, device: str) -> str:
                   if budget_tokens else
                   " (no token budget: micro_batch_size x 1024 assumed)")
     a = topology.algorithm
+    checkpointing = bool(L.gradient_checkpointing)
+    if L.gradient_checkpointing == "auto":  # the learner's rule (policy.gradient_checkpointing)
+        from actors.learner.policy import gradient_checkpointing
+
+        usable = (torch.cuda.get_device_properties(0).total_memory
+                  if cuda and torch.cuda.is_available() else None)
+        checkpointing = gradient_checkpointing("auto", torch.device(device), lambda: estimate(
+            config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
+            param_bytes=dtype_bytes(params), compute_bytes=dtype_bytes(compute)).device_total,
+            usable) if usable is not None or not cuda else True
     return table(config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
                  budget=f"{budget} on {device}", param_bytes=dtype_bytes(params),
                  compute_bytes=dtype_bytes(compute), checkpointing=checkpointing,

@@ -9,10 +9,12 @@ that ``from_pretrained`` and the samplers load. The training step is ``actors/le
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -103,10 +105,12 @@ class Policy:
         self.model = self._load(lambda: self._load_policy(base, ckpt), base,
                                 empty=lambda: self._with_adapter(PolicyModel.from_config(
                                     AutoConfig.from_pretrained(base), dtype=self.dtype)))
-        self.checkpointing = gradient_checkpointing(self.cfg.gradient_checkpointing, self.device)
-        if self.checkpointing:
-            self.model.gradient_checkpointing_enable()
-            self.model.config.use_cache = False
+        # auto on a GPU: decided again for each micro-batch by what it needs (fit_checkpointing)
+        self.auto_checkpointing = (self.cfg.gradient_checkpointing == "auto"
+                                   and self.device.type == "cuda")
+        self.checkpointing = False
+        self._set_checkpointing(gradient_checkpointing(
+            self.cfg.gradient_checkpointing, self.device, self._needs_without_checkpointing))
         if topology.model.freeze_vision:
             freeze_vision_tower(self.model)
         self.model.train()
@@ -148,6 +152,48 @@ class Policy:
         self.writer = int(self.group.sum_floats([os.getpid() if self.group.leader else 0])[0])
 
     # -- models ---------------------------------------------------------------------------------
+
+    def fit_checkpointing(self, tokens: int) -> None:
+        """``learner.gradient_checkpointing = auto`` on a GPU: recompute activations in the
+        backward of a micro-batch of ``tokens`` tokens only when, without, it would need more
+        than ``CHECKPOINT_ABOVE`` of this process's GPU memory (``gradient_checkpointing``)."""
+        if self.auto_checkpointing:
+            self._set_checkpointing(gradient_checkpointing(
+                "auto", self.device, lambda: self._needs_without_checkpointing(tokens),
+                self._usable))
+
+    def _set_checkpointing(self, on: bool) -> None:
+        if on == self.checkpointing:
+            return
+        if on:
+            self.model.gradient_checkpointing_enable()
+            self.model.config.use_cache = False
+        else:
+            self.model.gradient_checkpointing_disable()
+        self.checkpointing = on
+
+    @functools.cached_property
+    def _usable(self) -> float:
+        from actors.runtime.config.gpus import process_share
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return total * (process_share() or 1.0)
+
+    def _needs_without_checkpointing(self, tokens: int = 0) -> float:
+        """Device bytes a micro-batch of ``tokens`` tokens (default: the token budget) takes
+        without gradient checkpointing, the model's states included (``memory.estimate``;
+        images not counted)."""
+        from actors.learner.memory import estimate
+        from actors.learner.packing import GPU_TOKENS, micro_limits
+
+        tokens = tokens or micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS
+        core = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return estimate(core.config, tokens=tokens, world=self.group.world,
+                        param_bytes=self.dtype.itemsize, compute_bytes=self.compute_dtype.itemsize,
+                        keep_gathered=self.keep_gathered, offload=self.cfg.offload,
+                        reference=self.algo.use_kl_loss or self.algo.use_kl_in_reward,
+                        trainable=trainable).device_total
 
     def _load(self, full, source: Path, dtype: torch.dtype | None = None, empty=None):
         """A causal LM on this policy's device or shards (``distributed.load``), its parameters
@@ -379,9 +425,32 @@ def fused_adamw(device: torch.device) -> bool | None:
     return True if device.type == "cuda" else None
 
 
-def gradient_checkpointing(setting: bool | str, device: torch.device) -> bool:
-    """``learner.gradient_checkpointing``: auto is on on a GPU, off on a CPU."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+# auto checkpointing: on when a micro-batch without it would need more than this share of the
+# GPU memory this process may use (the rest: the CUDA context, allocator slack, the batch)
+CHECKPOINT_ABOVE = 0.5
+
+
+def gradient_checkpointing(setting: bool | str, device: torch.device,
+                           needs: Callable[[], float] | None = None,
+                           usable: float | None = None) -> bool:
+    """``learner.gradient_checkpointing``. auto: off on a CPU; on a GPU, on when ``needs()``
+    (the bytes a micro-batch of the token budget takes without checkpointing, with the model's
+    states: ``memory.estimate``) is above ``CHECKPOINT_ABOVE`` of this process's share of the
+    GPU (``usable`` bytes; default: the device's memory times the runner's share for this
+    process), so recomputing is paid only where memory needs it (a 135M model on an 80 GB GPU
+    does not recompute; a 1.5B one at 32k tokens a micro-batch does). On when ``needs`` is
+    None."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type != "cuda":
+        return False
+    if needs is None:
+        return True
+    if usable is None:
+        from actors.runtime.config.gpus import process_share
+
+        usable = torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
+    return needs() > CHECKPOINT_ABOVE * usable
 
 
 def compute_dtype(topology: Topology, device: torch.device) -> torch.dtype:

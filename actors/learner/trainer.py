@@ -51,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from actors.learner import distributed
 from actors.learner.batch import RolloutBatch, build_batch, reward_components
 from actors.learner.critic import critic_values
 from actors.learner.distributed import Group, sync_gradients
@@ -314,17 +315,17 @@ class Trainer:
                             sync_gradients(module, last=sl is micro[-1])
                     self._micro_batch(s, sl, epoch, token_count, hi - lo)
                 self._check_abort()
-                s.grad_norms.append(_full(torch.nn.utils.clip_grad_norm_(
+                s.grad_norms.append(_full(distributed.clip_grad_norm_(
                     [p for p in self.policy.model.parameters() if p.requires_grad],
                     cfg.max_grad_norm)))
-                self.policy.optimizer.step()
+                distributed.optimizer_step(self.policy.optimizer)
                 self._updated = True
                 self.policy.scheduler.step()
                 if self.policy.critic is not None:
                     with s.times("update_critic"):
-                        torch.nn.utils.clip_grad_norm_(self.policy.critic.parameters(),
-                                                       cfg.max_grad_norm)
-                        self.policy.critic_optimizer.step()
+                        distributed.clip_grad_norm_(list(self.policy.critic.parameters()),
+                                                    cfg.max_grad_norm)
+                        distributed.optimizer_step(self.policy.critic_optimizer)
                         self.policy.critic_optimizer.zero_grad(set_to_none=True)
         s.times.end("update_actor")
         s.times.seconds["update_actor"] -= s.times.seconds.get("update_critic", 0.0)
@@ -335,6 +336,7 @@ class Trainer:
         """One micro-batch's forward and backward (policy, then critic); its metrics are summed
         on the device, weighted by its kept tokens."""
         algo, temp = self.algo, s.sampling.temperature
+        self.policy.fit_checkpointing(sum(s.lengths[sl]))
         mb = s.batch.rows(sl)
         w = mb.response_mask.shape[1]
         lp, entropy = response_logprobs(self.policy.model, mb, temp, with_entropy=True)
