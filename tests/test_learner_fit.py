@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.learner.policy import gradient_checkpointing
+from actors.learner.memory import gradient_checkpointing
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
 from tests.test_packing import compare, gradients

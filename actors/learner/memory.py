@@ -39,6 +39,7 @@ critic (GAE), the batch's own tensors, and anything a longer sequence than the b
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -164,6 +165,34 @@ def saved_bytes(run, parameters) -> int:
     return sum(seen.values()) if out is not None else 0
 
 
+# auto checkpointing: on when a micro-batch without it would need more than this share of the
+# GPU memory this process may use (the rest: the CUDA context, allocator slack, the batch)
+CHECKPOINT_ABOVE = 0.5
+
+
+def gradient_checkpointing(setting: bool | str, device: torch.device,
+                           needs: Callable[[], float] | None = None,
+                           usable: float | None = None) -> bool:
+    """``learner.gradient_checkpointing``. auto: off on a CPU; on a GPU, on when ``needs()``
+    (the bytes a micro-batch of the token budget takes without checkpointing, with the model's
+    states: ``estimate``) is above ``CHECKPOINT_ABOVE`` of this process's share of the
+    GPU (``usable`` bytes; default: the device's memory times the runner's share for this
+    process), so recomputing is paid only where memory needs it (a 135M model on an 80 GB GPU
+    does not recompute; a 1.5B one at 32k tokens a micro-batch does). On when ``needs`` is
+    None."""
+    if setting != "auto":
+        return bool(setting)
+    if device.type != "cuda":
+        return False
+    if needs is None:
+        return True
+    if usable is None:
+        from actors.runtime.config.gpus import process_share
+
+        usable = torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
+    return needs() > CHECKPOINT_ABOVE * usable
+
+
 def dtype_bytes(name: str) -> int:
     return torch.finfo(getattr(torch, name)).bits // 8
 
@@ -247,8 +276,6 @@ def planned(topology, device: str) -> str:
     a = topology.algorithm
     checkpointing = bool(L.gradient_checkpointing)
     if L.gradient_checkpointing == "auto":  # the learner's rule (policy.gradient_checkpointing)
-        from actors.learner.policy import gradient_checkpointing
-
         usable = (torch.cuda.get_device_properties(0).total_memory
                   if cuda and torch.cuda.is_available() else None)
         checkpointing = gradient_checkpointing("auto", torch.device(device), lambda: estimate(

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +24,7 @@ from actors.data.vision import ImageProcessor, is_vision_model
 from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
+from actors.learner.memory import gradient_checkpointing
 from actors.learner.objective import attach_forward, response_logprobs
 from actors.learner.vision import freeze_vision_tower, lora_targets
 from actors.model_store import PolicyModel
@@ -423,34 +423,6 @@ def fused_adamw(device: torch.device) -> bool | None:
     FSDP2 included) instead of a dozen foreach ops, each with its own dispatch. On a CPU
     torch's default (one parameter at a time), which every CPU figure and test was taken with."""
     return True if device.type == "cuda" else None
-
-
-# auto checkpointing: on when a micro-batch without it would need more than this share of the
-# GPU memory this process may use (the rest: the CUDA context, allocator slack, the batch)
-CHECKPOINT_ABOVE = 0.5
-
-
-def gradient_checkpointing(setting: bool | str, device: torch.device,
-                           needs: Callable[[], float] | None = None,
-                           usable: float | None = None) -> bool:
-    """``learner.gradient_checkpointing``. auto: off on a CPU; on a GPU, on when ``needs()``
-    (the bytes a micro-batch of the token budget takes without checkpointing, with the model's
-    states: ``memory.estimate``) is above ``CHECKPOINT_ABOVE`` of this process's share of the
-    GPU (``usable`` bytes; default: the device's memory times the runner's share for this
-    process), so recomputing is paid only where memory needs it (a 135M model on an 80 GB GPU
-    does not recompute; a 1.5B one at 32k tokens a micro-batch does). On when ``needs`` is
-    None."""
-    if setting != "auto":
-        return bool(setting)
-    if device.type != "cuda":
-        return False
-    if needs is None:
-        return True
-    if usable is None:
-        from actors.runtime.config.gpus import process_share
-
-        usable = torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
-    return needs() > CHECKPOINT_ABOVE * usable
 
 
 def compute_dtype(topology: Topology, device: torch.device) -> torch.dtype:
