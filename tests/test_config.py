@@ -47,16 +47,22 @@ def test_dotted_overrides_are_typed():
     ("task.max_prompt_length=-5", "task.max_prompt_length: must be >= 0"),
     ("task.name=chess", "task.name: 'chess' is not one of"),
     # verl 0.9.1's further names: verl's validation, with the key path
-    ("algorithm.policy_loss=dro", "algorithm.dro_beta: dro needs dro_beta > 0"),
+    ("algorithm.policy_loss=dro", "algorithm.policy_loss.dro_beta: must be set"),
     ("algorithm.policy_loss=bypass_mode",
      "algorithm.policy_loss: bypass_mode takes the behaviour log-probs"),
     ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys: gdpo needs the reward components"),
-    (["algorithm.policy_loss=sapo", "algorithm.tau_neg=0"], "algorithm.tau_neg: must be > 0"),
-    (["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0"],
-     "algorithm.clip_cov_ratio: must be in (0, 1]"),
-    (["algorithm.policy_loss=kl_cov", "algorithm.ppo_kl_coef=-1"],
-     "algorithm.ppo_kl_coef: must be >= 0"),
-    ("algorithm.policy_loss=nosuch", "algorithm.policy_loss: Invalid enum value 'nosuch'"),
+    (["algorithm.policy_loss=sapo", "algorithm.policy_loss.tau_neg=0"],
+     "algorithm.policy_loss.tau_neg: must be > 0"),
+    (["algorithm.policy_loss=clip_cov", "algorithm.policy_loss.clip_cov_ratio=0"],
+     "algorithm.policy_loss.clip_cov_ratio: must be in (0, 1]"),
+    (["algorithm.policy_loss=clip_cov", "algorithm.policy_loss.clip_cov_lb=6"],
+     "algorithm.policy_loss: clip_cov_ub must be > clip_cov_lb = 6.0 (got 5.0)"),
+    (["algorithm.policy_loss=kl_cov", "algorithm.policy_loss.ppo_kl_coef=-1"],
+     "algorithm.policy_loss.ppo_kl_coef: must be >= 0"),
+    (["algorithm.policy_loss=vanilla", "algorithm.policy_loss.tau_pos=1.0"],
+     "algorithm.policy_loss.tau_pos: unknown key"),
+    ("algorithm.policy_loss=nosuch",
+     "algorithm.policy_loss.name: 'nosuch' is not one of vanilla, gspo, reinforce"),
     ("algorithm.loss_agg_mode=token-max", "algorithm.loss_agg_mode: Invalid enum value"),
     ("algorithm.kl_loss_type=k4+", "algorithm.kl_loss_type: Invalid enum value"),
     ("algorithm.clip_ratio_low=1.5", "algorithm.clip_ratio_low: must be < 1 with policy_loss"),
@@ -107,13 +113,13 @@ def test_every_further_verl_name_loads():
     t = decode_topology(apply_overrides({}, [
         "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
         "algorithm.gdpo_reward_weights=[0.5, 1.0]", "algorithm.policy_loss=dro",
-        "algorithm.dro_beta=0.1", "algorithm.kl_loss_type=low_var_kl+",
+        "algorithm.policy_loss.dro_beta=0.1", "algorithm.kl_loss_type=low_var_kl+",
         "algorithm.loss_agg_mode=token-sum", "algorithm.correction.is_low=0.5",
         "algorithm.correction.rollout_rs=seq_sum_k2,seq_max_k3,token_k1",
         "algorithm.correction.rollout_rs_threshold='2.0,1.0,0.5_2.0'",
         "algorithm.correction.rejection=[{statistic='k3', level='sequence', high=1.0, reduce='sum'}]"]))
     a = t.algorithm
-    assert a.gdpo_reward_keys == ["format", "acc"] and a.dro_beta == 0.1
+    assert a.gdpo_reward_keys == ["format", "acc"] and a.policy_loss.dro_beta == 0.1
     assert a.correction.rejection[0].reduce == "sum" and a.correction.is_low == 0.5
     for name in ("gpg", "optimal_token_baseline", "tir_optimal_token_baseline"):
         assert decode_topology(apply_overrides({}, [f"algorithm.adv_estimator={name}"]))

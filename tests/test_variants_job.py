@@ -13,7 +13,8 @@ import typing
 
 import pytest
 
-from actors.runtime.config.algorithm import AdvEstimator, PolicyLoss
+from actors.runtime.config.algorithm import AdvEstimator
+from actors.runtime.config.losses import ROWS as LOSSES
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.learner_cases import OPTIONS
 
@@ -35,7 +36,7 @@ def case(key: str, name: str) -> list[str]:
 
 
 VARIANTS = [("adv_estimator", n) for n in typing.get_args(AdvEstimator)] + \
-           [("policy_loss", n) for n in typing.get_args(PolicyLoss) if n != "vanilla"]
+           [("policy_loss", n) for n in LOSSES if n != "vanilla"]
 
 
 def test_every_variant_has_a_case():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from actors.data.vision_inputs import (
@@ -157,20 +158,12 @@ def correction(algo: AlgorithmConfig, old: torch.Tensor, behav: torch.Tensor,
 
 
 def loss_options(algo: AlgorithmConfig) -> dict:
-    """The options of ``algorithm.policy_loss`` that only it takes (verl's names)."""
-    match algo.policy_loss:
-        case "sapo":
-            return dict(tau_pos=algo.tau_pos, tau_neg=algo.tau_neg)
-        case "clip_cov":
-            return dict(clip_cov_ratio=algo.clip_cov_ratio, clip_cov_lb=algo.clip_cov_lb,
-                        clip_cov_ub=algo.clip_cov_ub)
-        case "kl_cov":
-            return dict(kl_cov_ratio=algo.kl_cov_ratio, ppo_kl_coef=algo.ppo_kl_coef)
-        case "dro":
-            return dict(dro_beta=algo.dro_beta)
-        case "bypass_mode":
-            return dict(loss_type=algo.correction.loss_type, **correction_options(algo))
-    return {}
+    """The options of ``algorithm.policy_loss`` that only it takes (verl's names): its row's
+    fields (``config/losses.py``); bypass_mode's are the correction's."""
+    options = msgspec.structs.asdict(algo.policy_loss)
+    if algo.policy_loss.name == "bypass_mode":
+        options.update(loss_type=algo.correction.loss_type, **correction_options(algo))
+    return options
 
 
 def micro_batch_loss(
@@ -191,7 +184,7 @@ def micro_batch_loss(
     counts = dict(token_count=token_count, seq_count=seq_count, norm_constant=norm_constant)
     mask = corr.keep
     loss, raw = policy_loss(
-        algo.policy_loss, lp, old, advantages, mask, clip_low=algo.clip_ratio_low,
+        algo.policy_loss.name, lp, old, advantages, mask, clip_low=algo.clip_ratio_low,
         clip_high=algo.clip_ratio_high, dual_clip=algo.clip_ratio_c or None, weights=corr.weights,
         loss_agg_mode=algo.loss_agg_mode, **counts, **loss_options(algo),
     )

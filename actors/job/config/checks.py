@@ -41,8 +41,8 @@ def check(topology: Topology) -> None:
     a = topology.algorithm
     _check_correction(a, need)
     _check_losses(a, need)
-    need(a.clip_ratio_low < 1 or a.policy_loss in ("geo_mean", "dppo_tv", "dppo_kl"),
-         "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss!r}")
+    need(a.clip_ratio_low < 1 or a.policy_loss.name in ("geo_mean", "dppo_tv", "dppo_kl"),
+         "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss.name!r}")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
     need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
          or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
@@ -181,19 +181,20 @@ def _check_correction(a: AlgorithmConfig, need: Any) -> None:
                  f"{rule.name} is already a rule of {names.get(rule.name)}")
             names[rule.name] = f"{key}.rollout_rs"
     if c.mode == "bypass":
-        need(a.policy_loss == "bypass_mode" or not names, f"{key}.rejection",
+        need(a.policy_loss.name == "bypass_mode" or not names, f"{key}.rejection",
              "in bypass mode there is no π_old to compare μ with: rejection acts only with "
              "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
         need(a.adv_estimator not in OPTIMAL_TOKEN_BASELINES, "algorithm.adv_estimator",
              f"{a.adv_estimator} needs π_old's forward pass (sum_pi_squared), which bypass mode "
              "skips (verl: the same); use correction.mode = \"decoupled\"")
-    need(a.policy_loss != "bypass_mode" or c.mode == "bypass", "algorithm.policy_loss",
+    need(a.policy_loss.name != "bypass_mode" or c.mode == "bypass", "algorithm.policy_loss",
          "bypass_mode takes the behaviour log-probs as the old log-probs: set "
          "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = true)")
 
 
 def _check_losses(a: AlgorithmConfig, need: Any) -> None:
-    """The options of the estimators and losses chosen (the others are not read)."""
+    """The options of the estimators chosen (the others are not read; a policy loss checks its
+    own, ``config/losses.py``)."""
     if a.adv_estimator == "gdpo":
         need(bool(a.gdpo_reward_keys), "algorithm.gdpo_reward_keys",
              "gdpo needs the reward components: keys of the scorer's result dict, e.g. "
@@ -203,13 +204,6 @@ def _check_losses(a: AlgorithmConfig, need: Any) -> None:
         need(not a.gdpo_reward_weights or len(a.gdpo_reward_weights) == len(a.gdpo_reward_keys),
              "algorithm.gdpo_reward_weights",
              f"needs one weight per key ({len(a.gdpo_reward_keys)}), or none (all 1.0)")
-    match a.policy_loss:
-        case "clip_cov":
-            need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_ub",
-                 f"must be > clip_cov_lb = {a.clip_cov_lb}")
-        case "dro":
-            need(a.dro_beta is not None, "algorithm.dro_beta",
-                 "dro needs dro_beta > 0 (verl has no default)")
 
 
 def _dataset_columns(path: Path) -> set[str]:

@@ -8,6 +8,7 @@ whichever way the value came in.
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from actors.job.launchers.base import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.config.losses import ROWS as LOSS_ROWS
 from actors.runtime.config.schema import ConfigError, LearnerConfig, SamplerConfig, Topology
 from actors.runtime.transports.base import resolve_transport
 from actors.sampler.engines.registry import ENGINES, auto_engine, engine_gpus
@@ -46,6 +48,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
+            tag = NAMED_TABLES.get(".".join(path[: i + 1]))
+            if isinstance(child, str) and tag:  # a name alone, then one of its options
+                child = node[part] = {tag: child}
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a table")
             node = child
@@ -70,8 +75,55 @@ def _key_path_message(msg: str, data: Any = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+# the policy losses' options before each loss owned its own: algorithm.K is now
+# algorithm.policy_loss.K (read so, with a notice, for one release)
+FLAT_LOSS_KEYS = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                  "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+_noticed: set[str] = set()
+# tables a name alone may stand for (``policy_loss = "sapo"`` is ``{name = "sapo"}``)
+NAMED_TABLES = {"algorithm.policy_loss": "name"}
+
+
+def _notice(line: str) -> None:
+    """A deprecation notice, once per process (the runner's load: actors read the new shape)."""
+    if line not in _noticed:
+        _noticed.add(line)
+        print(f"!!! deprecated: {line}", file=sys.stderr, flush=True)
+
+
+def _old_loss_shape(algorithm: dict[str, Any]) -> None:
+    """``policy_loss = "sapo"`` is ``{name = "sapo"}``; a flat option of a loss goes into the
+    chosen loss's table when it is that loss's (an option of another loss was never read, and
+    is still not: said so)."""
+    loss = algorithm.get("policy_loss")
+    if isinstance(loss, str):
+        loss = algorithm["policy_loss"] = {"name": loss}
+    if isinstance(loss, dict) and loss.get("name", "vanilla") not in LOSS_ROWS:
+        raise ConfigError(f"algorithm.policy_loss.name: {loss.get('name')!r} is not one of "
+                          f"{', '.join(LOSS_ROWS)}")
+    flat = {k: algorithm.pop(k) for k in FLAT_LOSS_KEYS if k in algorithm}
+    if not flat:
+        return
+    if not isinstance(loss, dict):
+        loss = algorithm["policy_loss"] = {"name": "vanilla"}
+    row = LOSS_ROWS.get(str(loss.get("name", "vanilla")))
+    for key, value in flat.items():
+        if row is not None and key in row.__struct_fields__:
+            loss.setdefault(key, value)
+            _notice(f"algorithm.{key} is now algorithm.policy_loss.{key} (read so until the "
+                    "next release)")
+        else:
+            owner = next(n for n, r in LOSS_ROWS.items() if key in r.__struct_fields__)
+            _notice(f"algorithm.{key} is an option of policy_loss {owner!r} "
+                    f"(algorithm.policy_loss.{key}), not of {loss.get('name', 'vanilla')!r}: "
+                    "not read")
+
+
 def _old_shape(data: dict[str, Any]) -> None:
-    """A key in the shape before reward sources owned their options names its new shape."""
+    """A key in an older shape names its new shape, or is read as it (a policy loss's
+    options)."""
+    if isinstance(data.get("algorithm"), dict):
+        _old_loss_shape(data["algorithm"])
     reward = data.get("reward")
     if not isinstance(reward, dict):
         return

@@ -52,6 +52,15 @@ def _walk(t: mi.StructType, prefix: str, out: list[Key]) -> None:
         inner = _unwrap(f.type)
         if isinstance(inner, mi.StructType):
             _walk(inner, f"{path}.", out)
+        elif isinstance(inner, mi.UnionType) and all(isinstance(_unwrap(m), mi.StructType)
+                                                     for m in inner.types):
+            members = [_unwrap(m) for m in inner.types]  # a tagged union: its tag, then each
+            tag = members[0].tag_field                   # member's own keys
+            default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            out.append(Key(f"{path}.{tag}", " | ".join(json.dumps(m.tag) for m in members),
+                           _toml(type(default).__struct_config__.tag), docs.get(f.name, "")))
+            for s in members:
+                _walk(s, f"{path}[{tag}={s.tag}].", out)
         elif isinstance(inner, mi.ListType) and isinstance(_unwrap(inner.item_type), mi.StructType):
             _walk(_unwrap(inner.item_type), f"{path}[].", out)
         elif isinstance(inner, mi.ListType) and isinstance(_unwrap(inner.item_type), mi.UnionType) \

@@ -18,16 +18,14 @@ from actors.runtime.config.constraints import (
     PositiveFinite,
     PositiveFloat,
     PositiveInt,
-    Share,
 )
+from actors.runtime.config.losses import PolicyLossChoice, Vanilla
 from actors.runtime.config.schema_base import _Section
 
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
                        "reinforce_plus_plus_baseline", "remax", "gae", "opo", "grpo_passk", "gpg",
                        "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"]
 OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
-PolicyLoss = Literal["vanilla", "gspo", "reinforce", "gpg", "cispo", "sapo", "geo_mean",
-                     "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro", "bypass_mode"]
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -122,10 +120,12 @@ class AlgorithmConfig(_Section, frozen=True):
     """GAE λ."""
     n: PositiveInt = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
-    policy_loss: PolicyLoss = "vanilla"
-    """vanilla (PPO clip), gspo (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean
-    (GMPO), clip_cov, kl_cov, dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs
-    correction.mode = "bypass")."""
+    policy_loss: PolicyLossChoice = Vanilla()
+    """The policy loss, by verl name, with its own options (``[algorithm.policy_loss]``,
+    ``name = "sapo"``, ``tau_pos = 1.0``; a name alone is enough): vanilla (PPO clip), gspo
+    (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov,
+    dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs correction.mode = "bypass").
+    Each loss's options: actors/runtime/config/losses.py."""
     clip_ratio_low: NonNegFloat = 0.2
     """PPO clip ε_low (geo_mean: a log-ratio range, GMPO uses 0.4; dppo_*: the divergence
     threshold for negative advantages)."""
@@ -134,23 +134,6 @@ class AlgorithmConfig(_Section, frozen=True):
     clip_ratio_c: NonNegFinite = 3.0
     """Dual-clip constant c > 1 for negative advantages (0 disables); dppo_*: the cap of the
     truncated ratio (0: verl's fallback 20)."""
-    tau_pos: PositiveFloat = 1.0
-    """sapo: temperature of the gate for positive advantages (verl ``actor.tau_pos``)."""
-    tau_neg: PositiveFloat = 1.05
-    """sapo: temperature of the gate for negative advantages (verl ``actor.tau_neg``)."""
-    clip_cov_ratio: Share = 0.0002
-    """clip_cov: share of tokens whose gradient is dropped (verl ``policy_loss.clip_cov_ratio``)."""
-    clip_cov_lb: Finite = 1.0
-    """clip_cov: lower bound of the covariance of the tokens that may be dropped."""
-    clip_cov_ub: Finite = 5.0
-    """clip_cov: upper bound of that covariance."""
-    kl_cov_ratio: Share = 0.0002
-    """kl_cov: share of tokens that get the KL penalty (verl ``policy_loss.kl_cov_ratio``)."""
-    ppo_kl_coef: NonNegFloat = 0.1
-    """kl_cov: coefficient of that penalty |lp − lp_old| (verl ``policy_loss.ppo_kl_coef``)."""
-    dro_beta: PositiveFloat | None = None
-    """dro: coefficient of the quadratic penalty on lp − lp_old (verl ``policy_loss.dro_beta``;
-    no default, required with dro)."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are reduced (verl names), over the whole mini-batch (token-sum: no
     normaliser, the loss grows with the token count)."""
