@@ -27,7 +27,7 @@ CASES = {
                              "algorithm.correction.rollout_rs_threshold=0.05"],
     "bypass_mode": ["algorithm.correction.mode=bypass", "algorithm.policy_loss=bypass_mode",
                     "algorithm.correction.loss_type=reinforce"],
-    "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.9"],
+    "gae": ["algorithm.adv_estimator=gae", "algorithm.adv_estimator.lam=0.9"],
     # a token budget that cuts rank 0's share into 3 micro-batches and rank 1's into 4: rank 0
     # splits one more (every rank runs as many forward passes); the padded path beside it
     "token_budget": ["learner.max_tokens_per_micro_batch=84"],

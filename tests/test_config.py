@@ -50,7 +50,7 @@ def test_dotted_overrides_are_typed():
     ("algorithm.policy_loss=dro", "algorithm.policy_loss.dro_beta: must be set"),
     ("algorithm.policy_loss=bypass_mode",
      "algorithm.policy_loss: bypass_mode takes the behaviour log-probs"),
-    ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys: gdpo needs the reward components"),
+    ("algorithm.adv_estimator=gdpo", "algorithm.adv_estimator: gdpo needs gdpo_reward_keys: the reward components"),
     (["algorithm.policy_loss=sapo", "algorithm.policy_loss.tau_neg=0"],
      "algorithm.policy_loss.tau_neg: must be > 0"),
     (["algorithm.policy_loss=clip_cov", "algorithm.policy_loss.clip_cov_ratio=0"],
@@ -93,9 +93,9 @@ def test_dotted_overrides_are_typed():
      "algorithm.correction.rejection: in bypass mode there is no π_old"),
     (["algorithm.correction.mode=bypass", "algorithm.adv_estimator=tir_optimal_token_baseline"],
      "algorithm.adv_estimator: tir_optimal_token_baseline needs π_old's forward pass"),
-    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['a', 'b']",
-      "algorithm.gdpo_reward_weights=[1.0]"],
-     "algorithm.gdpo_reward_weights: needs one weight per key (2)"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.adv_estimator.gdpo_reward_keys=['a', 'b']",
+      "algorithm.adv_estimator.gdpo_reward_weights=[1.0]"],
+     "algorithm.adv_estimator: gdpo_reward_weights needs one weight per key (2)"),
     ("sampler.engine=sglang", "sampler.engine: Invalid enum value 'sglang'"),
     ("sampler.max_concurrent_prompts=-1", "sampler.max_concurrent_prompts: must be >= 0"),
     ("sampler.vllm.gpu_memory_utilization=0",
@@ -111,15 +111,15 @@ def test_bad_values_name_the_key(override, message):
 def test_every_further_verl_name_loads():
     """Each further name verl 0.9.1 has, selected the way docs/algorithms.md shows."""
     t = decode_topology(apply_overrides({}, [
-        "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=['format', 'acc']",
-        "algorithm.gdpo_reward_weights=[0.5, 1.0]", "algorithm.policy_loss=dro",
+        "algorithm.adv_estimator=gdpo", "algorithm.adv_estimator.gdpo_reward_keys=['format', 'acc']",
+        "algorithm.adv_estimator.gdpo_reward_weights=[0.5, 1.0]", "algorithm.policy_loss=dro",
         "algorithm.policy_loss.dro_beta=0.1", "algorithm.kl_loss_type=low_var_kl+",
         "algorithm.loss_agg_mode=token-sum", "algorithm.correction.is_low=0.5",
         "algorithm.correction.rollout_rs=seq_sum_k2,seq_max_k3,token_k1",
         "algorithm.correction.rollout_rs_threshold='2.0,1.0,0.5_2.0'",
         "algorithm.correction.rejection=[{statistic='k3', level='sequence', high=1.0, reduce='sum'}]"]))
     a = t.algorithm
-    assert a.gdpo_reward_keys == ["format", "acc"] and a.policy_loss.dro_beta == 0.1
+    assert a.adv_estimator.gdpo_reward_keys == ["format", "acc"] and a.policy_loss.dro_beta == 0.1
     assert a.correction.rejection[0].reduce == "sum" and a.correction.is_low == 0.5
     for name in ("gpg", "optimal_token_baseline", "tir_optimal_token_baseline"):
         assert decode_topology(apply_overrides({}, [f"algorithm.adv_estimator={name}"]))

@@ -32,7 +32,7 @@ def test_flat_option_keys_are_read_as_the_chosen_losss_with_a_notice(capsys):
     assert a.algorithm.policy_loss.name == "sapo" and a.algorithm.policy_loss.tau_pos == 1.3
     err = capsys.readouterr().err
     assert "algorithm.tau_pos is now algorithm.policy_loss.tau_pos" in err
-    assert "algorithm.dro_beta is an option of policy_loss 'dro'" in err and "not read" in err
+    assert "algorithm.dro_beta is an option of policy_loss dro " in err and "not read" in err
     table = decode_topology({"algorithm": {"policy_loss": {"name": "clip_cov",
                                                            "clip_cov_ratio": 0.01}}})
     assert table.algorithm.policy_loss.clip_cov_ratio == 0.01

@@ -33,7 +33,7 @@ from tests.jobs import (
 ESTIMATORS = {
     "grpo": [],
     "rloo": ["algorithm.adv_estimator=rloo"],
-    "gae": ["algorithm.adv_estimator=gae", "learner.critic_lr=3e-3", "algorithm.lam=0.95"],
+    "gae": ["algorithm.adv_estimator=gae", "learner.critic_lr=3e-3", "algorithm.adv_estimator.lam=0.95"],
 }
 
 

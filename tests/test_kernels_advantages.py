@@ -58,7 +58,7 @@ def test_bad_shapes():
 def test_unequal_group_estimators_named_alike_in_the_config_and_the_kernels():
     """The config check (torch-free) and the kernels name the same estimators as taking groups
     of unequal size (``agent.rollout.branches = "train"``)."""
-    from actors.runtime.config.agent import UNEQUAL_GROUP_ESTIMATORS
+    from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
     from kernels.advantages import ADVANTAGE_ESTIMATORS
     from kernels.advantages.unequal import UNEQUAL_GROUPS
 

@@ -229,7 +229,7 @@ def test_gdpo_reads_its_components_from_the_scorers_extras(tiny_model, tmp_path)
     from actors.learner.batch import reward_components
 
     t = make_trainer(tiny_model, tmp_path, "algorithm.adv_estimator=gdpo",
-                     "algorithm.gdpo_reward_keys=['format', 'acc']")
+                     "algorithm.adv_estimator.gdpo_reward_keys=['format', 'acc']")
     groups = make_groups(t)
     groups[0].samples[0].reward_extra = {}
     groups[0].samples[0].reward_error = "timeout"

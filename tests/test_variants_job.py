@@ -9,11 +9,10 @@ The names come from the config's Literals, so a variant added there without a ca
 from __future__ import annotations
 
 import subprocess
-import typing
 
 import pytest
 
-from actors.runtime.config.algorithm import AdvEstimator
+from actors.runtime.config.estimators import ROWS as ESTIMATORS
 from actors.runtime.config.losses import ROWS as LOSSES
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.learner_cases import OPTIONS
@@ -35,7 +34,7 @@ def case(key: str, name: str) -> list[str]:
     return []
 
 
-VARIANTS = [("adv_estimator", n) for n in typing.get_args(AdvEstimator)] + \
+VARIANTS = [("adv_estimator", n) for n in ESTIMATORS] + \
            [("policy_loss", n) for n in LOSSES if n != "vanilla"]
 
 

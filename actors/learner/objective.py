@@ -214,7 +214,8 @@ def _kept(value: torch.Tensor | float) -> torch.Tensor | float:
 def critic_loss(algo: AlgorithmConfig, values: torch.Tensor, old_values: torch.Tensor,
                 returns: torch.Tensor, mask: torch.Tensor, *, token_count: float,
                 seq_count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    loss, raw = value_loss(values, old_values, returns, mask, cliprange_value=algo.cliprange_value,
+    clip = algo.adv_estimator.cliprange_value  # (a critic's estimator: gae)
+    loss, raw = value_loss(values, old_values, returns, mask, cliprange_value=clip,
                            loss_agg_mode=algo.loss_agg_mode, token_count=token_count,
                            seq_count=seq_count)
     return loss, {k: _kept(v) for k, v in raw.items()}

@@ -129,7 +129,7 @@ class Policy:
                 base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
             self.ref.requires_grad_(False)
         self.critic = self.critic_optimizer = None
-        if self.algo.adv_estimator == "gae":
+        if self.algo.adv_estimator.critic:
             from actors.learner.critic import ValueModel
             source = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else base
             self.critic = distributed.load(

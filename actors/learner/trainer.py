@@ -69,7 +69,6 @@ from actors.learner.perf import StepTimes, perf_metrics, vision_flops, vision_to
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
 from actors.runtime.config import Topology
-from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES
 from actors.runtime.versions import staleness
 from kernels.advantages import compute_advantages
 from kernels.distill import distill_advantages, reverse_kl_metrics
@@ -217,7 +216,7 @@ class Trainer:
                                 max(batch.vision.patches(s) for s in slices) if batch.vision else 0)
             self.on_first_batch = None
         c = algo.correction
-        otb = algo.adv_estimator in OPTIMAL_TOKEN_BASELINES  # needs π_old before advantages
+        otb = algo.adv_estimator.old_forward  # needs π_old before advantages
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
                       and not rejection_rules(algo) and not c.normalize_weights
                       and not algo.use_kl_in_reward and not otb)
@@ -274,19 +273,19 @@ class Trainer:
                               "actor/reward_kl_penalty_coeff": self.policy.kl_ctrl.value})
         s.batch_corr = (correction(algo, s.old, batch.behaviour_logprobs, mask) if s.need_old
                         else None)
-        inputs = {}  # what the chosen estimator needs beyond the rewards
+        est = algo.adv_estimator
+        inputs = est.kernel_options()  # its options, and what it needs beyond the rewards
         if s.otb:
-            inputs = dict(old_logprobs=s.old, sum_pi_squared=s.sum_pi_sq,
+            inputs.update(old_logprobs=s.old, sum_pi_squared=s.sum_pi_sq,
                           is_weights=s.batch_corr.weights if s.batch_corr is not None else None)
-        elif algo.adv_estimator == "gdpo":
-            components = reward_components(s.groups, algo.gdpo_reward_keys).to(mask.device)
-            inputs = dict(reward_components=components,
-                          reward_weights=algo.gdpo_reward_weights or None)
-            s.metrics.update(_gdpo_metrics(algo.gdpo_reward_keys, components))
+        if keys := getattr(est, "gdpo_reward_keys", None):  # reward components, one per key
+            components = reward_components(s.groups, keys).to(mask.device)
+            inputs.update(reward_components=components,
+                          reward_weights=getattr(est, "gdpo_reward_weights", None) or None)
+            s.metrics.update(_gdpo_metrics(keys, components))
         s.advantages, s.returns = compute_advantages(
-            algo.adv_estimator, rewards, mask, group_size=batch.group_size, values=s.values,
-            gamma=algo.gamma, lam=algo.lam, reward_baselines=batch.baseline_rewards,
-            norm_adv_by_std=algo.norm_adv_by_std_in_grpo, **inputs)
+            est.name, rewards, mask, group_size=batch.group_size, values=s.values,
+            reward_baselines=batch.baseline_rewards, **inputs)
         if self.topo.teacher.path:  # on-policy distillation (kernels/distill.py)
             s.advantages, distill_metrics = distill(self.topo.teacher, batch, s.advantages)
             s.metrics.update(distill_metrics)

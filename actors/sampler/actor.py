@@ -387,7 +387,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> str:
                             targets=score_targets(topo.reward))
     agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn
     rollout = Rollout(engine, tokenizer, scoring, params=sampling_params(ctx), n=topo.algorithm.n,
-                      greedy_baseline=topo.algorithm.adv_estimator == "remax", sampler=ctx.name,
+                      greedy_baseline=topo.algorithm.adv_estimator.greedy_baseline, sampler=ctx.name,
                       agent=agent, teacher=bool(topo.teacher.path))
     sampler = (ContinuousSampler if engine.continuous else Sampler)(
         ctx, engine, rollout, replay, weights, scoring)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actors.runtime.config.agent import UNEQUAL_GROUP_ESTIMATORS, AgentConfig
+from actors.runtime.config.agent import AgentConfig
+from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
 from actors.runtime.config.schema import Topology
 
 
@@ -39,8 +40,8 @@ def check_branches(topology: Topology, need: Any) -> None:
     R, a, L = topology.agent.rollout, topology.algorithm, topology.learner
     if R.path and R.branches == "train":  # groups of unequal size
         why = "train gives groups of unequal size, which "
-        need(a.adv_estimator in UNEQUAL_GROUP_ESTIMATORS, "agent.rollout.branches",
-             f"{why}{a.adv_estimator} cannot take (it normalises over the whole batch); set "
+        need(a.adv_estimator.unequal_groups, "agent.rollout.branches",
+             f"{why}{a.adv_estimator.name} cannot take (it normalises over the whole batch); set "
              f"branches = \"last\" or one of {', '.join(UNEQUAL_GROUP_ESTIMATORS)}")
         need(L.nproc_per_node * L.nnodes == 1, "agent.rollout.branches",
              f"{why}learner ranks cannot share out evenly; set branches = \"last\"")

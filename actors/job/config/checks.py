@@ -15,7 +15,7 @@ from actors.data.vision import is_vision_model
 from actors.job.config.agent_checks import check_agent, check_branches
 from actors.job.launchers.base import LAUNCHERS
 from actors.registry import KINDS
-from actors.runtime.config.algorithm import OPTIMAL_TOKEN_BASELINES, AlgorithmConfig
+from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_models
 from actors.runtime.config.schema import ConfigError, DatasetConfig, Topology
@@ -40,12 +40,11 @@ def check(topology: Topology) -> None:
                  f"must be >= {kind.min_count}")
     a = topology.algorithm
     _check_correction(a, need)
-    _check_losses(a, need)
     need(a.clip_ratio_low < 1 or a.policy_loss.name in ("geo_mean", "dppo_tv", "dppo_kl"),
          "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss.name!r}")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
-    need(a.adv_estimator not in ("grpo", "rloo", "opo", "grpo_passk", "dr_grpo") or a.n >= 2
-         or a.adv_estimator == "grpo", "algorithm.n", f"{a.adv_estimator} needs groups of >= 2")
+    need(a.n >= a.adv_estimator.min_group, "algorithm.n",
+         f"{a.adv_estimator.name} needs groups of >= {a.adv_estimator.min_group}")
     s = topology.sampler
     if s.engine != "auto":
         problem = ENGINES[s.engine].problem()
@@ -184,26 +183,12 @@ def _check_correction(a: AlgorithmConfig, need: Any) -> None:
         need(a.policy_loss.name == "bypass_mode" or not names, f"{key}.rejection",
              "in bypass mode there is no π_old to compare μ with: rejection acts only with "
              "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
-        need(a.adv_estimator not in OPTIMAL_TOKEN_BASELINES, "algorithm.adv_estimator",
-             f"{a.adv_estimator} needs π_old's forward pass (sum_pi_squared), which bypass mode "
+        need(not a.adv_estimator.old_forward, "algorithm.adv_estimator",
+             f"{a.adv_estimator.name} needs π_old's forward pass (sum_pi_squared), which bypass mode "
              "skips (verl: the same); use correction.mode = \"decoupled\"")
     need(a.policy_loss.name != "bypass_mode" or c.mode == "bypass", "algorithm.policy_loss",
          "bypass_mode takes the behaviour log-probs as the old log-probs: set "
          "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = true)")
-
-
-def _check_losses(a: AlgorithmConfig, need: Any) -> None:
-    """The options of the estimators chosen (the others are not read; a policy loss checks its
-    own, ``config/losses.py``)."""
-    if a.adv_estimator == "gdpo":
-        need(bool(a.gdpo_reward_keys), "algorithm.gdpo_reward_keys",
-             "gdpo needs the reward components: keys of the scorer's result dict, e.g. "
-             "[\"format_reward\", \"accuracy_reward\"]")
-        need(len(set(a.gdpo_reward_keys)) == len(a.gdpo_reward_keys),
-             "algorithm.gdpo_reward_keys", "has a key twice")
-        need(not a.gdpo_reward_weights or len(a.gdpo_reward_weights) == len(a.gdpo_reward_keys),
-             "algorithm.gdpo_reward_weights",
-             f"needs one weight per key ({len(a.gdpo_reward_keys)}), or none (all 1.0)")
 
 
 def _dataset_columns(path: Path) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from actors.job.config.checks import check
 from actors.job.launchers.base import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.constraints import refusal
+from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.losses import ROWS as LOSS_ROWS
 from actors.runtime.config.schema import ConfigError, LearnerConfig, SamplerConfig, Topology
@@ -75,13 +76,17 @@ def _key_path_message(msg: str, data: Any = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
-# the policy losses' options before each loss owned its own: algorithm.K is now
-# algorithm.policy_loss.K (read so, with a notice, for one release)
-FLAT_LOSS_KEYS = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                  "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
-_noticed: set[str] = set()
+# the estimators' and losses' options before each owned its own: algorithm.K is now
+# algorithm.adv_estimator.K or algorithm.policy_loss.K (read so, with a notice, for one release)
+FLAT_KEYS = {"adv_estimator": ("norm_adv_by_std_in_grpo", "gdpo_reward_keys",
+                               "gdpo_reward_weights", "gamma", "lam", "cliprange_value"),
+             "policy_loss": ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb",
+                             "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")}
+ROWS: dict[str, tuple[Mapping[str, type[msgspec.Struct]], str]] = {
+    "adv_estimator": (ESTIMATOR_ROWS, "grpo"), "policy_loss": (LOSS_ROWS, "vanilla")}
 # tables a name alone may stand for (``policy_loss = "sapo"`` is ``{name = "sapo"}``)
-NAMED_TABLES = {"algorithm.policy_loss": "name"}
+NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS}
+_noticed: set[str] = set()
 
 
 def _notice(line: str) -> None:
@@ -91,39 +96,41 @@ def _notice(line: str) -> None:
         print(f"!!! deprecated: {line}", file=sys.stderr, flush=True)
 
 
-def _old_loss_shape(algorithm: dict[str, Any]) -> None:
-    """``policy_loss = "sapo"`` is ``{name = "sapo"}``; a flat option of a loss goes into the
-    chosen loss's table when it is that loss's (an option of another loss was never read, and
-    is still not: said so)."""
-    loss = algorithm.get("policy_loss")
-    if isinstance(loss, str):
-        loss = algorithm["policy_loss"] = {"name": loss}
-    if isinstance(loss, dict) and loss.get("name", "vanilla") not in LOSS_ROWS:
-        raise ConfigError(f"algorithm.policy_loss.name: {loss.get('name')!r} is not one of "
-                          f"{', '.join(LOSS_ROWS)}")
-    flat = {k: algorithm.pop(k) for k in FLAT_LOSS_KEYS if k in algorithm}
+def _named_table(algorithm: dict[str, Any], key: str) -> None:
+    """``algorithm.KEY = "name"`` is ``{name = "name"}``; a flat option of the chosen row goes
+    into its table (an option of another row was never read, and is still not: said so)."""
+    rows, default = ROWS[key]
+    table = algorithm.get(key)
+    if isinstance(table, str):
+        table = algorithm[key] = {"name": table}
+    if isinstance(table, dict):  # a table without a name: the default's options
+        table.setdefault("name", default)
+    if isinstance(table, dict) and table.get("name", default) not in rows:
+        raise ConfigError(f"algorithm.{key}.name: {table.get('name')!r} is not one of "
+                          f"{', '.join(rows)}")
+    flat = {k: algorithm.pop(k) for k in FLAT_KEYS[key] if k in algorithm}
     if not flat:
         return
-    if not isinstance(loss, dict):
-        loss = algorithm["policy_loss"] = {"name": "vanilla"}
-    row = LOSS_ROWS.get(str(loss.get("name", "vanilla")))
-    for key, value in flat.items():
-        if row is not None and key in row.__struct_fields__:
-            loss.setdefault(key, value)
-            _notice(f"algorithm.{key} is now algorithm.policy_loss.{key} (read so until the "
+    if not isinstance(table, dict):
+        table = algorithm[key] = {"name": default}
+    name = str(table.get("name", default))
+    for option, value in flat.items():
+        if option in rows[name].__struct_fields__:
+            table.setdefault(option, value)
+            _notice(f"algorithm.{option} is now algorithm.{key}.{option} (read so until the "
                     "next release)")
         else:
-            owner = next(n for n, r in LOSS_ROWS.items() if key in r.__struct_fields__)
-            _notice(f"algorithm.{key} is an option of policy_loss {owner!r} "
-                    f"(algorithm.policy_loss.{key}), not of {loss.get('name', 'vanilla')!r}: "
-                    "not read")
+            owners = [n for n, r in rows.items() if option in r.__struct_fields__]
+            _notice(f"algorithm.{option} is an option of {key} {', '.join(owners)} "
+                    f"(algorithm.{key}.{option}), not of {name!r}: not read")
 
 
 def _old_shape(data: dict[str, Any]) -> None:
     """A key in an older shape names its new shape, or is read as it (a policy loss's
     options)."""
     if isinstance(data.get("algorithm"), dict):
-        _old_loss_shape(data["algorithm"])
+        for key in ROWS:
+            _named_table(data["algorithm"], key)
     reward = data.get("reward")
     if not isinstance(reward, dict):
         return

@@ -49,13 +49,6 @@ class AgentEnv(_Section, frozen=True):
     replace: that sum alone (no scoring request is sent)."""
 
 
-# the estimators that take groups of unequal size (kernels/advantages/unequal.py's
-# UNEQUAL_GROUPS, named here torch-free; a test holds the two equal)
-UNEQUAL_GROUP_ESTIMATORS = ("dr_grpo", "gae", "grpo", "grpo_passk", "opo",
-                            "optimal_token_baseline", "reinforce_plus_plus", "remax", "rloo",
-                            "tir_optimal_token_baseline")
-
-
 class AgentRollout(_Section, frozen=True):
     path: str = ""
     """A Python file holding ``async def rollout(client, row)``: the user's own agent, run in a

@@ -11,7 +11,6 @@ from typing import Literal
 
 from actors.runtime.config.constraints import (
     Finite,
-    Fraction,
     NonNegFinite,
     NonNegFloat,
     NonNegInt,
@@ -19,13 +18,10 @@ from actors.runtime.config.constraints import (
     PositiveFloat,
     PositiveInt,
 )
+from actors.runtime.config.estimators import EstimatorChoice, Grpo
 from actors.runtime.config.losses import PolicyLossChoice, Vanilla
 from actors.runtime.config.schema_base import _Section
 
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
-                       "reinforce_plus_plus_baseline", "remax", "gae", "opo", "grpo_passk", "gpg",
-                       "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"]
-OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -101,23 +97,14 @@ class FilterGroups(_Section, frozen=True):
 
 
 class AlgorithmConfig(_Section, frozen=True):
-    adv_estimator: AdvEstimator = "grpo"
-    """Advantage estimator (verl names): grpo, dr_grpo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax (adds a greedy sample per prompt), gae (trains a critic),
-    opo, grpo_passk, gpg, optimal_token_baseline, tir_optimal_token_baseline (need π_old's
-    forward: decoupled correction), gdpo (needs gdpo_reward_keys)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """grpo, grpo_passk, gdpo: divide by the group's std (False is Dr.GRPO)."""
-    gdpo_reward_keys: list[str] = []
-    """gdpo: the reward components, keys of the scorer's result dict (``compute_score``
-    returning ``{"score": ..., "format_reward": ...}``; with several ``[[reward.functions]]``,
-    each function's label holds its score), each normalised within its group on its own."""
-    gdpo_reward_weights: list[Finite] = []
-    """gdpo: one weight per key in gdpo_reward_keys (empty: all 1.0)."""
-    gamma: Fraction = 1.0
-    """Discount for reinforce_plus_plus, remax and gae."""
-    lam: Fraction = 1.0
-    """GAE λ."""
+    adv_estimator: EstimatorChoice = Grpo()
+    """The advantage estimator, by verl name, with its own options
+    (``[algorithm.adv_estimator]``, ``name = "gae"``, ``lam = 0.95``; a name alone is enough):
+    grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (adds a
+    greedy sample per prompt), gae (trains a critic), opo, grpo_passk, gpg,
+    optimal_token_baseline, tir_optimal_token_baseline (need π_old's forward: decoupled
+    correction), gdpo (needs gdpo_reward_keys). Each estimator's options:
+    actors/runtime/config/estimators.py."""
     n: PositiveInt = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
     policy_loss: PolicyLossChoice = Vanilla()
@@ -153,8 +140,6 @@ class AlgorithmConfig(_Section, frozen=True):
     """KL estimator of the in-reward penalty (a ``+`` kind is its base kind here: no gradient)."""
     kl_ctrl: KLControl = KLControl()
     """Controller of β for the in-reward penalty."""
-    cliprange_value: PositiveFinite = 0.5
-    """gae: value clipping range of the critic loss."""
     correction: CorrectionConfig = CorrectionConfig()
     """Off-policy correction between the sampler's policy μ and the learner's."""
     max_staleness: NonNegInt = 1
