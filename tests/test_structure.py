@@ -190,35 +190,48 @@ def test_each_module_says_its_one_concern_and_none_is_huge():
 
 
 def variant_homes() -> dict[str, tuple[Path, ...]]:
-    """Each engine and transport name -> where it may be spelled: its own file (or folder) and
-    its table, whose row says what differs between the variants."""
+    """Each engine, transport, advantage estimator and policy loss name -> where it may be
+    spelled: its own file (or folder) and its table, whose row says what differs between the
+    variants (an estimator's or a loss's own file is its kernel, outside ``actors/``; its row
+    is in the config)."""
+    from actors.runtime.config.estimators import ROWS as ESTIMATORS
+    from actors.runtime.config.losses import ROWS as LOSSES
     from actors.runtime.transports.base import TRANSPORTS
     from actors.sampler.engines.registry import ENGINES
 
     engines, transports = ROOT / "actors/sampler/engines", ROOT / "actors/runtime/transports"
     homes = {n: (engines / n, engines / f"{n}.py", engines / "registry.py") for n in ENGINES}
     homes.update({n: (transports / f"{n}.py", transports / "base.py") for n in TRANSPORTS})
+    config = ROOT / "actors/runtime/config"
+    for names, row in ((ESTIMATORS, config / "estimators.py"), (LOSSES, config / "losses.py")):
+        for n in names:
+            homes[n] = (*homes.get(n, ()), row)
     return homes
 
 
 def stray_names(source: str, path: Path, homes: dict[str, tuple[Path, ...]]) -> list[str]:
     """Variant names written as string literals in ``source`` (the file ``path``) outside their
-    homes; docstrings and comments may name them (an error message names the key instead)."""
+    homes; docstrings and comments may name them (an error message names the key instead), and
+    type annotations (``Literal["ratio", "geo_mean"]``: a value of another key that happens to
+    share a variant's name)."""
     tree = ast.parse(source)
     docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    docs |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+             for c in ast.walk(n.annotation)}
     return [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
             and n.value in homes and not any(path == h or h in path.parents
                                              for h in homes[n.value])]
 
 
-def test_an_engine_or_transport_is_named_only_in_its_own_file_and_its_row():
+def test_a_variant_is_named_only_in_its_own_file_and_its_row():
     """A choice made by a string in several files is what the tables replace: the rest of the
-    product reads a variant's row (``ENGINES[name].sleeps``, ``TRANSPORTS[name].gpu``)."""
+    product reads a variant's row (``ENGINES[name].sleeps``, ``TRANSPORTS[name].gpu``,
+    ``algorithm.adv_estimator.critic``, ``algorithm.policy_loss.takes_correction``)."""
     homes = variant_homes()
-    assert all(any(h.exists() for h in own[:-1]) for own in homes.values())
+    assert all(any(h.exists() for h in own) for own in homes.values())
     found = [s for p in product_files() for s in stray_names(p.read_text(), p, homes)]
-    assert not found, f"engine or transport names outside their files and rows: {found}"
+    assert not found, f"variant names outside their files and rows: {found}"
     # the check itself sees an offender, and lets a variant's own file and its row name it
     checks = ROOT / "actors/job/config/checks.py"
     assert stray_names('if engine == "vllm": pass', checks, homes) == [
@@ -226,6 +239,10 @@ def test_an_engine_or_transport_is_named_only_in_its_own_file_and_its_row():
     assert not stray_names('"""Docs may say vllm."""\nx = "vllm"',
                            ROOT / "actors/sampler/engines/vllm/engine.py", homes)
     assert not stray_names('x = "nccl"', ROOT / "actors/runtime/transports/base.py", homes)
+    trainer = ROOT / "actors/learner/trainer.py"
+    assert stray_names('if algo.adv_estimator.name == "remax": pass', trainer, homes) == [
+        "actors/learner/trainer.py:1: 'remax'"]
+    assert not stray_names('mode: Literal["a", "gae"] = "a"', trainer, homes)
 
 
 CODE_BY_NAME = re.compile(r"(actors|messages|kernels)(\.\w+)+:\w+")  # "module:function"

@@ -161,7 +161,7 @@ def loss_options(algo: AlgorithmConfig) -> dict:
     """The options of ``algorithm.policy_loss`` that only it takes (verl's names): its row's
     fields (``config/losses.py``); bypass_mode's are the correction's."""
     options = msgspec.structs.asdict(algo.policy_loss)
-    if algo.policy_loss.name == "bypass_mode":
+    if algo.policy_loss.takes_correction:
         options.update(loss_type=algo.correction.loss_type, **correction_options(algo))
     return options
 

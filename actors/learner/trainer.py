@@ -447,8 +447,7 @@ class Trainer:
         probe = current if bypass else old_seen
         out = rollout_correction(probe, batch.behaviour_logprobs, batch.response_mask,
                                  **correction_options(algo))
-        applied = not bypass or (algo.policy_loss.name == "bypass_mode"
-                                 and algo.correction.loss_type == "reinforce")
+        applied = not bypass or algo.policy_loss.weights_in_loss(algo.correction)
         return probe, out, out.weights if applied and out.weights is not None else out.keep
 
 

@@ -40,7 +40,7 @@ def check(topology: Topology) -> None:
                  f"must be >= {kind.min_count}")
     a = topology.algorithm
     _check_correction(a, need)
-    need(a.clip_ratio_low < 1 or a.policy_loss.name in ("geo_mean", "dppo_tv", "dppo_kl"),
+    need(a.clip_ratio_low < 1 or not a.policy_loss.clip_is_ratio,
          "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss.name!r}")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
     need(a.n >= a.adv_estimator.min_group, "algorithm.n",
@@ -180,13 +180,13 @@ def _check_correction(a: AlgorithmConfig, need: Any) -> None:
                  f"{rule.name} is already a rule of {names.get(rule.name)}")
             names[rule.name] = f"{key}.rollout_rs"
     if c.mode == "bypass":
-        need(a.policy_loss.name == "bypass_mode" or not names, f"{key}.rejection",
+        need(a.policy_loss.takes_correction or not names, f"{key}.rejection",
              "in bypass mode there is no π_old to compare μ with: rejection acts only with "
              "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
         need(not a.adv_estimator.old_forward, "algorithm.adv_estimator",
              f"{a.adv_estimator.name} needs π_old's forward pass (sum_pi_squared), which bypass mode "
              "skips (verl: the same); use correction.mode = \"decoupled\"")
-    need(a.policy_loss.name != "bypass_mode" or c.mode == "bypass", "algorithm.policy_loss",
+    need(not a.policy_loss.takes_correction or c.mode == "bypass", "algorithm.policy_loss",
          "bypass_mode takes the behaviour log-probs as the old log-probs: set "
          "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = true)")
 

@@ -19,6 +19,7 @@ import msgspec
 from actors.job.config.checks import check
 from actors.job.launchers.base import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
+from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
 from actors.runtime.config.gpus import visible_gpus
@@ -83,7 +84,8 @@ FLAT_KEYS = {"adv_estimator": ("norm_adv_by_std_in_grpo", "gdpo_reward_keys",
              "policy_loss": ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb",
                              "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")}
 ROWS: dict[str, tuple[Mapping[str, type[msgspec.Struct]], str]] = {
-    "adv_estimator": (ESTIMATOR_ROWS, "grpo"), "policy_loss": (LOSS_ROWS, "vanilla")}
+    "adv_estimator": (ESTIMATOR_ROWS, AlgorithmConfig().adv_estimator.name),
+    "policy_loss": (LOSS_ROWS, AlgorithmConfig().policy_loss.name)}
 # tables a name alone may stand for (``policy_loss = "sapo"`` is ``{name = "sapo"}``)
 NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS}
 _noticed: set[str] = set()

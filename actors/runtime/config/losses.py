@@ -12,12 +12,26 @@ options' old flat keys (``algorithm.tau_pos``, ...) as that table's, with a one-
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 from actors.runtime.config.constraints import Finite, NonNegFloat, PositiveFloat, Share
 from actors.runtime.config.schema_base import _Section
 
+if TYPE_CHECKING:
+    from actors.runtime.config.algorithm import CorrectionConfig
+
 
 class PolicyLossRow(_Section, frozen=True, tag_field="name"):
-    """What every loss's row is: its ``name`` picks the Struct."""
+    """What every loss's row is: its ``name`` picks the Struct. Its class attributes say how
+    the rest of the job treats it (read there instead of its name)."""
+
+    clip_is_ratio: ClassVar[bool] = True  # clip_ratio_low/high bound a ratio (so low < 1)
+    takes_correction: ClassVar[bool] = False  # corrects π_θ against μ itself (bypass mode)
+
+    def weights_in_loss(self, correction: CorrectionConfig) -> bool:
+        """Whether the loss multiplies by the correction's IS weights of π_θ/μ (else they
+        are only logged, the rejection's mask applied)."""
+        return False
 
     @property
     def name(self) -> str:
@@ -56,6 +70,8 @@ class Sapo(PolicyLossRow, frozen=True, tag="sapo"):
 class GeoMean(PolicyLossRow, frozen=True, tag="geo_mean"):
     """GMPO: the geometric mean of the token ratios, clipped in log space."""
 
+    clip_is_ratio: ClassVar[bool] = False  # a log-ratio range (GMPO uses 0.4)
+
 
 class ClipCov(PolicyLossRow, frozen=True, tag="clip_cov"):
     """Clip-Cov: the gradient of a budget of high-covariance tokens dropped."""
@@ -85,9 +101,13 @@ class KlCov(PolicyLossRow, frozen=True, tag="kl_cov"):
 class DppoTv(PolicyLossRow, frozen=True, tag="dppo_tv"):
     """DPPO with the total-variation divergence."""
 
+    clip_is_ratio: ClassVar[bool] = False  # a divergence threshold
+
 
 class DppoKl(PolicyLossRow, frozen=True, tag="dppo_kl"):
     """DPPO with the KL divergence."""
+
+    clip_is_ratio: ClassVar[bool] = False  # a divergence threshold
 
 
 class Dro(PolicyLossRow, frozen=True, tag="dro"):
@@ -100,6 +120,11 @@ class Dro(PolicyLossRow, frozen=True, tag="dro"):
 class BypassMode(PolicyLossRow, frozen=True, tag="bypass_mode"):
     """PPO clip or REINFORCE on π_θ/μ with the correction's IS and rejection options
     (``algorithm.correction``, whose mode must be bypass)."""
+
+    takes_correction: ClassVar[bool] = True
+
+    def weights_in_loss(self, correction: CorrectionConfig) -> bool:
+        return correction.loss_type == "reinforce"  # ppo_clip: the clipped ratio corrects
 
 
 PolicyLossChoice = (Vanilla | Gspo | Reinforce | Gpg | Cispo | Sapo | GeoMean | ClipCov | KlCov
