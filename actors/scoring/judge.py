@@ -33,6 +33,7 @@ import msgspec
 
 from actors.runtime.config.constraints import FilePath, Finite, NonNegFloat, PositiveInt, PythonName
 from actors.runtime.config.pools import ServedModel
+from actors.runtime.config.schema_base import need
 from actors.sampler.engines.registry import ENGINES, FALLBACK, EngineName
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
@@ -81,7 +82,7 @@ class JudgeConfig(ServedModel, frozen=True, tag="judge"):
     temperature: NonNegFloat = 0.0
     """Sampling temperature of its answers (0: greedy)."""
 
-    def check(self, key: str, need: Any) -> None:
+    def check(self, key: str) -> None:
         problem = template_problem(self.template)
         need(problem is None, f"{key}.template", str(problem))
         if self.parser == "function":

@@ -24,6 +24,7 @@ import anyio
 
 from actors.runtime.config.constraints import Finite, PositiveFinite, PositiveInt
 from actors.runtime.config.pools import ServedModel
+from actors.runtime.config.schema_base import need
 from actors.sandbox.protocol import Outcome
 from actors.scoring.items import ScoreItem
 from messages.rollout import ChatMessage
@@ -39,7 +40,7 @@ class RewardModelConfig(ServedModel, frozen=True, tag="reward_model"):
     reward_std: PositiveFinite = 1.0
     """See reward_mean."""
 
-    def check(self, key: str, need: Any) -> None:
+    def check(self, key: str) -> None:
         problem = checkpoint_problem(Path(self.path))
         need(problem is None, f"{key}.path", str(problem))
 

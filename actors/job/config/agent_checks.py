@@ -5,14 +5,14 @@ key (``checks.py`` calls them)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
 from actors.runtime.config.schema import Topology
+from actors.runtime.config.schema_base import need
 
 
-def check_agent(A: AgentConfig, need: Any) -> None:
+def check_agent(A: AgentConfig) -> None:
     need(A.memory_mb == 0 or A.memory_mb >= 128, "agent.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     need(not (A.tools and A.env.path), "agent.env.path",
@@ -33,10 +33,10 @@ def check_agent(A: AgentConfig, need: Any) -> None:
         need(bool(A.env.name), "agent.env.name", "must name the environment's class in path")
     else:
         need(not A.env.name, "agent.env.name", "needs agent.env.path")
-    check_rollout(A, need)
+    check_rollout(A)
 
 
-def check_branches(topology: Topology, need: Any) -> None:
+def check_branches(topology: Topology) -> None:
     R, a, L = topology.agent.rollout, topology.algorithm, topology.learner
     if R.path and R.branches == "train":  # groups of unequal size
         why = "train gives groups of unequal size, which "
@@ -50,7 +50,7 @@ def check_branches(topology: Topology, need: Any) -> None:
              "prompt per group) cannot carry yet; with [teacher] set branches = \"last\"")
 
 
-def check_rollout(A: AgentConfig, need: Any) -> None:
+def check_rollout(A: AgentConfig) -> None:
     R = A.rollout
     if not R.path:
         return

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from actors.data.vision import in_vision_tower
 from actors.runtime.config.placement import samplers_dtype
-from actors.runtime.config.schema import ConfigError
+from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.base import TRANSPORTS
 
 SHM_DIR = Path("/dev/shm")

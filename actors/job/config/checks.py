@@ -18,8 +18,8 @@ from actors.registry import KINDS
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_models
-from actors.runtime.config.schema import ConfigError, DatasetConfig, Topology
-from actors.runtime.config.schema_base import ActorCommon
+from actors.runtime.config.schema import DatasetConfig, Topology
+from actors.runtime.config.schema_base import ActorCommon, ConfigError, need
 from actors.runtime.config.teacher import check_teacher
 from actors.sampler.engines.registry import ENGINES, EngineRow, auto_engine
 from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
@@ -27,10 +27,6 @@ from kernels import rollout_options  # torch-free: the rules the learner's kerne
 
 def check(topology: Topology) -> None:
     """Raise ``ConfigError`` (naming the key path) for what the types alone do not rule out."""
-    def need(ok: bool, key: str, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {why}")
-
     for kind in KINDS:
         section: ActorCommon = getattr(topology, kind.name)
         if kind.max_count == 1:
@@ -39,7 +35,7 @@ def check(topology: Topology) -> None:
             need(section.count >= kind.min_count, f"{kind.name}.count",
                  f"must be >= {kind.min_count}")
     a = topology.algorithm
-    _check_correction(a, need)
+    _check_correction(a)
     need(a.clip_ratio_low < 1 or not a.policy_loss.clip_is_ratio,
          "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss.name!r}")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
@@ -59,14 +55,14 @@ def check(topology: Topology) -> None:
              f"the {engine} engine's batches are not profiled here (engines that are: "
              f"{_engines(lambda r: r.profiled, ', ')}); vLLM has its own profiler "
              "(VLLM_TORCH_PROFILER_DIR)")
-    _check_sleep(s, need)
+    _check_sleep(s)
     L = topology.learner
     need(L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
          f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
     need(not (L.offload and L.lora.rank > 0), "learner.offload",
          "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
     if L.lora.rank > 0:
-        _check_adapters(topology, need)
+        _check_adapters(topology)
     if L.weights_transport != "auto":
         from actors.runtime.transports.base import transport_problem
 
@@ -75,8 +71,8 @@ def check(topology: Topology) -> None:
                                     weights_address=L.weights_address, learner_device=L.device,
                                     sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
-    check_placement(topology, need)
-    check_teacher(topology, need)
+    check_placement(topology)
+    check_teacher(topology)
     # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
     # of the learner's checkpoint, which only holds when both start from it
     for name in ("replay", "learner"):
@@ -91,14 +87,14 @@ def check(topology: Topology) -> None:
         need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
         need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
         need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
-    check_models(topology, need)
+    check_models(topology)
     need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
     max_length = R.max_response_length or s.max_tokens
     need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
          f"must be <= the response length limit ({max_length})")
-    _check_datasets(topology.task.datasets, need)
-    _check_datasets(topology.validation.datasets, need, "validation.datasets")
+    _check_datasets(topology.task.datasets)
+    _check_datasets(topology.validation.datasets, "validation.datasets")
     loggers = topology.run.loggers
     need(len(set(loggers)) == len(loggers), "run.loggers", "names a logger twice")
     F = a.filter_groups
@@ -108,17 +104,17 @@ def check(topology: Topology) -> None:
     need(reuse <= a.max_staleness + 1, "replay.reuse",
          f"a group can be served at most once per policy version while it is fresh, so at most "
          f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
-    check_agent(topology.agent, need)
-    check_branches(topology, need)
+    check_agent(topology.agent)
+    check_branches(topology)
     sec = topology.security
     need(not sec.curve or zmq.has("curve"), "security.curve",
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
     need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
          "needs security.curve = true")
-    LAUNCHERS[topology.run.launcher].check(topology, need)  # [hosts], or [ray]
+    LAUNCHERS[topology.run.launcher].check(topology)  # [hosts], or [ray]
 
 
-def _check_adapters(topology: Topology, need: Any) -> None:
+def _check_adapters(topology: Topology) -> None:
     """LoRA publishes the adapters alone: every sampler must apply them to its base, or it
     would sample from the base while the learner trains (a config error, never a quiet run)."""
     from actors.job.config.capacity import linear_modules
@@ -150,7 +146,7 @@ def _check_adapters(topology: Topology, need: Any) -> None:
              f"{', '.join(sorted(served))})")
 
 
-def _check_correction(a: AlgorithmConfig, need: Any) -> None:
+def _check_correction(a: AlgorithmConfig) -> None:
     c = a.correction
     key = "algorithm.correction"
     need(c.is_low is None or 0 < c.is_low <= c.is_cap, f"{key}.is_low",
@@ -209,7 +205,7 @@ def _dataset_columns(path: Path) -> set[str]:
         raise ConfigError(f"cannot read {path} as jsonl text ({exc})") from None
 
 
-def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
+def _check_datasets(datasets: Sequence[DatasetConfig],
                     where: str = "task.datasets") -> None:
     names: dict[str, int] = {}
     for i, d in enumerate(datasets):
@@ -237,7 +233,7 @@ def _check_datasets(datasets: Sequence[DatasetConfig], need: Any,
              f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
 
 
-def _check_sleep(s: Any, need: Any) -> None:
+def _check_sleep(s: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
     if s.sleep_idle_s > 0:
         need(s.engine in ENGINES and ENGINES[s.engine].sleeps, "sampler.sleep_idle_s",

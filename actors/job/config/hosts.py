@@ -25,12 +25,12 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from typing import Any
 
 import msgspec
 
 from actors.registry import NAMES
-from actors.runtime.config.schema import ConfigError, Topology
+from actors.runtime.config.schema import Topology
+from actors.runtime.config.schema_base import ConfigError, need
 
 PORTS = {"replay.address": 0, "router.address": 1, "router.worker_address": 2,
          "learner.weights_address": 3}
@@ -94,7 +94,7 @@ def control_address(topology: Topology, host: str) -> str:
     return f"tcp://{host_ip(topology.hosts[host])}:{topology.run.base_port + CONTROL_PORT + index}"
 
 
-def check_hosts(topology: Topology, need: Any) -> None:
+def check_hosts(topology: Topology) -> None:
     """The placement keys; ``need(ok, key, why)`` raises a ``ConfigError`` naming the key."""
     hosts, run = topology.hosts, topology.run
     for kind in NAMES:

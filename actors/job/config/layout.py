@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
 from actors.runtime.config.pools import served_devices
-from actors.runtime.config.schema import ConfigError
+from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.base import placement_problem
 from actors.sampler.engines.registry import ENGINES, engine_gpus
 

@@ -24,7 +24,8 @@ from actors.runtime.config.constraints import refusal
 from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.losses import ROWS as LOSS_ROWS
-from actors.runtime.config.schema import ConfigError, LearnerConfig, SamplerConfig, Topology
+from actors.runtime.config.schema import LearnerConfig, SamplerConfig, Topology
+from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.base import resolve_transport
 from actors.sampler.engines.registry import ENGINES, auto_engine, engine_gpus
 

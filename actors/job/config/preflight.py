@@ -38,7 +38,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors.runtime.config.schema import ConfigError, Topology
+from actors.runtime.config.schema import Topology
+from actors.runtime.config.schema_base import ConfigError
 
 PREFLIGHT_TIMEOUT_S = 120.0  # per child call: importing torch-heavy user code, loading a tokenizer
 _MODULE = "actors.sandbox.preflight"

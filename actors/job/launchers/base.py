@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from actors.runtime.config import Topology
@@ -88,7 +88,7 @@ class LauncherRow:
 
     name: str  # run.launcher
     build: Callable[[Topology], Launcher]  # the launcher for a job (its file imported then)
-    check: Callable[[Topology, Any], None]  # its keys; need(ok, key, why) names a bad one
+    check: Callable[[Topology], None]  # its keys (schema_base.need names a bad one)
     problem: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
     # its one runner places processes on other machines: weights go by zmq, and it starts
     # every node of a learner over several (a local runner starts only its own node's ranks)
@@ -101,10 +101,10 @@ def _local(topology: Topology) -> Launcher:
     return LocalLauncher(topology)
 
 
-def _check_local(topology: Topology, need: Any) -> None:
+def _check_local(topology: Topology) -> None:
     from actors.job.config.hosts import check_hosts
 
-    check_hosts(topology, need)
+    check_hosts(topology)
 
 
 def _ray(topology: Topology) -> Launcher:
@@ -113,10 +113,10 @@ def _ray(topology: Topology) -> Launcher:
     return RayLauncher(topology)
 
 
-def _check_ray(topology: Topology, need: Any) -> None:
+def _check_ray(topology: Topology) -> None:
     from actors.job.launchers.ray_checks import check_ray
 
-    check_ray(topology, need)
+    check_ray(topology)
 
 
 def _ray_problem() -> str | None:

@@ -5,14 +5,13 @@ job's topology as it is (whether Ray is installed is the runner's question: ``la
 
 from __future__ import annotations
 
-from typing import Any
-
 from actors.job.config.hosts import NAME, PORTS, _get
 from actors.registry import NAMES
 from actors.runtime.config import Topology
+from actors.runtime.config.schema_base import need
 
 
-def check_ray(topology: Topology, need: Any) -> None:
+def check_ray(topology: Topology) -> None:
     """``need(ok, key, why)`` raises a ``ConfigError`` naming the key (a bad key first: it is
     bad with Ray or without)."""
     need(not topology.hosts, "hosts",

@@ -23,7 +23,6 @@ from actors.runtime.config.algorithm import (
 from actors.runtime.config.schema import (
     BUILTIN_SCORERS,
     BUILTIN_TASKS,
-    ConfigError,
     DatasetConfig,
     LearnerConfig,
     LoraConfig,
@@ -40,7 +39,7 @@ from actors.runtime.config.schema import (
     ValidationConfig,
     ValidationDataset,
 )
-from actors.runtime.config.schema_base import ActorCommon
+from actors.runtime.config.schema_base import ActorCommon, ConfigError
 
 __all__ = [
     "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ActorCommon", "AgentConfig", "AgentEnv", "AgentRollout",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from actors.runtime.config.constraints import Device, NonNegInt, Port, PositiveFloat, PositiveInt
-from actors.runtime.config.schema_base import ActorCommon
+from actors.runtime.config.schema_base import ActorCommon, need
 
 
 class LearnerPlacement(ActorCommon, frozen=True):
@@ -66,7 +66,7 @@ def samplers_dtype(topology: Any, gpu_visible: bool) -> str:
     return "bfloat16" if on_gpu else topology.model.dtype
 
 
-def check_placement(topology: Any, need: Any) -> None:
+def check_placement(topology: Any) -> None:
     """The placement keys of ``topology``; ``need(ok, key, why)`` raises naming the key."""
     L, S = topology.learner, topology.sampler
     for key, device in (("learner.device", L.device), ("sampler.device", S.device)):

@@ -26,7 +26,7 @@ from actors.runtime.config.constraints import (
     PositiveInt,
     matching,
 )
-from actors.runtime.config.schema_base import _Section
+from actors.runtime.config.schema_base import _Section, need
 
 RULES_POOL = "reward"  # the rule workers' pool
 
@@ -64,7 +64,7 @@ class ServedModel(_Section, frozen=True, tag_field="kind"):
         """The entry's kind (its tag): what a replica's status names its model."""
         return str(self.__struct_config__.tag)
 
-    def check(self, key: str, need: Any) -> None:
+    def check(self, key: str) -> None:
         """The kind's own checks across its keys or of the world (``key``: the entry's path)."""
 
     def scorer(self, topology: Any, label: str) -> Any:
@@ -106,7 +106,7 @@ def score_targets(reward: Any) -> tuple[tuple[str, float], ...]:
     return rules + tuple((m.name, m.weight) for m in reward.models)
 
 
-def check_models(topology: Any, need: Any) -> None:
+def check_models(topology: Any) -> None:
     """``reward.models`` and ``reward.rules``; ``need(ok, key, why)`` raises naming the key."""
     R = topology.reward
     names: set[str] = set()
@@ -117,6 +117,6 @@ def check_models(topology: Any, need: Any) -> None:
         names.add(m.name)
         need(bool(m.path) and Path(m.path).is_dir(), f"{key}.path",
              f"{m.path!r} is not a model directory")
-        m.check(key, need)
+        m.check(key)
     need(R.rules or bool(R.models), "reward.rules",
          "false needs at least one [[reward.models]] to score with")

@@ -455,5 +455,3 @@ class Topology(_Section, frozen=True):
     of each process it starts; written to topology.json, not set by hand."""
 
 
-class ConfigError(ValueError):
-    """A topology that cannot be used; the message names the offending key path."""

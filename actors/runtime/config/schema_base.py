@@ -28,3 +28,14 @@ class ActorCommon(_Section, frozen=True):
     ``count`` names); empty: the replay buffer's host (the replay buffer's: the first host).
     Under Ray (``run.launcher = "ray"``): a custom resource of the Ray nodes that may run them
     (each process asks for a sliver of it); empty: any node with room."""
+
+
+class ConfigError(ValueError):
+    """A topology that cannot be used; the message names the offending key path."""
+
+
+def need(ok: bool, key: str, why: str) -> None:
+    """The one form of a check the types alone cannot make: raise ``ConfigError("key: why")``
+    unless ``ok`` (``key`` the full key path of the value at fault)."""
+    if not ok:
+        raise ConfigError(f"{key}: {why}")

@@ -20,7 +20,7 @@ from actors.runtime.config.constraints import (
     NonNegInt,
     PositiveInt,
 )
-from actors.runtime.config.schema_base import _Section
+from actors.runtime.config.schema_base import _Section, need
 
 
 class TeacherConfig(_Section, frozen=True):
@@ -71,7 +71,7 @@ class TeacherConfig(_Section, frozen=True):
         return self.replicas if self.path else 0
 
 
-def check_teacher(topology: Any, need: Any) -> None:
+def check_teacher(topology: Any) -> None:
     """The ``teacher`` keys; ``need(ok, key, why)`` raises a ``ConfigError`` naming the key."""
     from actors.runtime.config.placement import _cuda_problem
 
