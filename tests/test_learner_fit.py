@@ -92,10 +92,11 @@ def test_an_offloading_learner_on_gpus_has_gloo_beside_nccl():
         done.stdout + done.stderr
 
 
-def test_auto_checkpointing_needs_follow_the_model_and_the_token_budget(tiny_model, tmp_path):
-    """The need auto weighs: the estimate without checkpointing for the token budget's
-    micro-batch (grows with the budget; the default model at 32k tokens is about 27 GB)."""
-    small = make_trainer(tiny_model, tmp_path / "a", "learner.max_tokens_per_micro_batch=1000")
-    large = make_trainer(tiny_model, tmp_path / "b", "learner.max_tokens_per_micro_batch=64000")
-    a, b = small.policy._needs_without_checkpointing(), large.policy._needs_without_checkpointing()
+def test_auto_checkpointing_needs_follow_the_model_and_the_micro_batch(tiny_model, tmp_path):
+    """The need auto weighs: the policy's estimate without checkpointing for a micro-batch of
+    so many tokens (grows with them; the default model at 32k tokens is about 25 GiB)."""
+    from actors.learner.memory import needs_without_checkpointing
+
+    policy = make_trainer(tiny_model, tmp_path / "a").policy
+    a, b = needs_without_checkpointing(policy, 1000), needs_without_checkpointing(policy, 64000)
     assert 0 < a < b

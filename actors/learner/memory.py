@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -186,31 +187,47 @@ def gradient_checkpointing(setting: bool | str, device: torch.device,
         return False
     if needs is None:
         return True
-    if usable is None:
-        from actors.runtime.config.gpus import process_share
+    return needs() > CHECKPOINT_ABOVE * (gpu_share(device) if usable is None else usable)
 
-        usable = torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
-    return needs() > CHECKPOINT_ABOVE * usable
+
+def gpu_share(device: torch.device) -> float:
+    """Bytes of ``device`` this process may use: its memory times the runner's share for the
+    process (the whole GPU when it has it alone)."""
+    from actors.runtime.config.gpus import process_share
+
+    return torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
 
 
 def dtype_bytes(name: str) -> int:
     return torch.finfo(getattr(torch, name)).bits // 8
 
 
+def _policy_shape(policy) -> tuple[Any, dict[str, Any]]:
+    """A learner ``Policy``'s model config and the ``estimate`` arguments it fixes (ranks,
+    dtypes, FSDP's gathering, reference, trainable parameters, offload, vision tower)."""
+    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    return core.config, dict(
+        world=policy.group.world, param_bytes=torch.finfo(policy.dtype).bits // 8,
+        compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
+        keep_gathered=policy.keep_gathered, reference=policy.keeps_reference,
+        trainable=trainable, offload=policy.cfg.offload, tower=vision_tower(policy.model))
+
+
+def needs_without_checkpointing(policy, tokens: int) -> float:
+    """Device bytes a micro-batch of ``tokens`` tokens takes without gradient checkpointing,
+    the policy's states included (images not counted): what ``gradient_checkpointing`` weighs."""
+    config, shape = _policy_shape(policy)
+    return estimate(config, tokens=tokens, **shape).device_total
+
+
 def describe(policy, tokens: int, budget: str = "", patches: int = 0) -> str:
     """The estimate for a learner's ``Policy`` as it was built and micro-batches of ``tokens``
     tokens (and ``patches`` image patches), with offload off and on (``budget`` says where
     ``tokens`` came from)."""
-
-    cfg = policy.cfg
-    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
-    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-    return table(core.config, tokens=tokens, world=policy.group.world,
-                 param_bytes=torch.finfo(policy.dtype).bits // 8,
-                 compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
-                 checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
-                 reference=policy.ref is not None, trainable=trainable, offload=cfg.offload,
-                 budget=budget, patches=patches, tower=vision_tower(policy.model))
+    config, shape = _policy_shape(policy)
+    return table(config, tokens=tokens, checkpointing=policy.checkpointing, budget=budget,
+                 patches=patches, **shape)
 
 
 def table(config, *, tokens: int, world: int, offload: bool, budget: str = "",
@@ -235,14 +252,9 @@ def announce(policy, tokens: int, patches: int = 0) -> str | None:
     CPU only when the estimate nears the machine's memory (half of it), else nothing."""
     if policy.device.type == "cuda":
         return describe(policy, tokens, " (the largest of the first batch)", patches)
-    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
-    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-    e = estimate(core.config, tokens=tokens, world=policy.group.world,
-                 param_bytes=torch.finfo(policy.dtype).bits // 8,
-                 compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
-                 checkpointing=policy.checkpointing, keep_gathered=policy.keep_gathered,
-                 reference=policy.ref is not None, trainable=trainable, offload=policy.cfg.offload,
-                 patches=patches, tower=vision_tower(policy.model))
+    config, shape = _policy_shape(policy)
+    e = estimate(config, tokens=tokens, checkpointing=policy.checkpointing, patches=patches,
+                 **shape)
     total, machine = e.device_total + e.host, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if total < machine / 2:
         return None
@@ -274,21 +286,19 @@ def planned(topology, device: str) -> str:
                   if budget_tokens else
                   " (no token budget: micro_batch_size x 1024 assumed)")
     a = topology.algorithm
-    checkpointing = bool(L.gradient_checkpointing)
-    if L.gradient_checkpointing == "auto":  # the learner's rule (policy.gradient_checkpointing)
-        usable = (torch.cuda.get_device_properties(0).total_memory
-                  if cuda and torch.cuda.is_available() else None)
-        checkpointing = gradient_checkpointing("auto", torch.device(device), lambda: estimate(
-            config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
-            param_bytes=dtype_bytes(params), compute_bytes=dtype_bytes(compute)).device_total,
-            usable) if usable is not None or not cuda else True
-    return table(config, tokens=tokens, world=L.nproc_per_node * L.nnodes, offload=L.offload,
-                 budget=f"{budget} on {device}", param_bytes=dtype_bytes(params),
-                 compute_bytes=dtype_bytes(compute), checkpointing=checkpointing,
+    shape = dict(world=L.nproc_per_node * L.nnodes, offload=L.offload,
+                 param_bytes=dtype_bytes(params), compute_bytes=dtype_bytes(compute),
                  keep_gathered=(not cuda) if L.reshard_after_forward is None
                  else not L.reshard_after_forward,
                  reference=a.use_kl_loss or a.use_kl_in_reward,
                  trainable=None if L.lora.rank == 0 else 0)
+    here = cuda and torch.cuda.is_available()  # a GPU to weigh auto against (else it is on)
+    checkpointing = gradient_checkpointing(
+        L.gradient_checkpointing, torch.device(device),
+        (lambda: estimate(config, tokens=tokens, **shape).device_total) if here else None,
+        torch.cuda.get_device_properties(0).total_memory if here else None)
+    return table(config, tokens=tokens, budget=f"{budget} on {device}",
+                 checkpointing=checkpointing, **shape)
 
 
 PROMPTS_SAMPLED = 256  # prompts of the task whose longest sets ``planned``'s sequence length

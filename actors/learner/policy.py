@@ -24,8 +24,9 @@ from actors.data.vision import ImageProcessor, is_vision_model
 from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
-from actors.learner.memory import gradient_checkpointing
+from actors.learner.memory import gpu_share, gradient_checkpointing, needs_without_checkpointing
 from actors.learner.objective import attach_forward, response_logprobs
+from actors.learner.packing import GPU_TOKENS, micro_limits
 from actors.learner.vision import freeze_vision_tower, lora_targets
 from actors.model_store import PolicyModel
 from actors.runtime.config import Topology
@@ -110,7 +111,8 @@ class Policy:
                                    and self.device.type == "cuda")
         self.checkpointing = False
         self._set_checkpointing(gradient_checkpointing(
-            self.cfg.gradient_checkpointing, self.device, self._needs_without_checkpointing))
+            self.cfg.gradient_checkpointing, self.device, lambda: needs_without_checkpointing(
+                self, micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS)))
         if topology.model.freeze_vision:
             freeze_vision_tower(self.model)
         self.model.train()
@@ -124,7 +126,7 @@ class Policy:
         # the reference policy is the initial model; with LoRA it is the base without adapters.
         # It is never trained: held in the compute dtype (bf16 on a GPU), not model.dtype's fp32
         self.ref = None
-        if (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0:
+        if self.keeps_reference:
             self.ref = self._load(lambda: PolicyModel.from_pretrained(
                 base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
             self.ref.requires_grad_(False)
@@ -159,7 +161,7 @@ class Policy:
         than ``CHECKPOINT_ABOVE`` of this process's GPU memory (``gradient_checkpointing``)."""
         if self.auto_checkpointing:
             self._set_checkpointing(gradient_checkpointing(
-                "auto", self.device, lambda: self._needs_without_checkpointing(tokens),
+                "auto", self.device, lambda: needs_without_checkpointing(self, tokens),
                 self._usable))
 
     def _set_checkpointing(self, on: bool) -> None:
@@ -174,26 +176,13 @@ class Policy:
 
     @functools.cached_property
     def _usable(self) -> float:
-        from actors.runtime.config.gpus import process_share
+        return gpu_share(self.device)
 
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return total * (process_share() or 1.0)
-
-    def _needs_without_checkpointing(self, tokens: int = 0) -> float:
-        """Device bytes a micro-batch of ``tokens`` tokens (default: the token budget) takes
-        without gradient checkpointing, the model's states included (``memory.estimate``;
-        images not counted)."""
-        from actors.learner.memory import estimate
-        from actors.learner.packing import GPU_TOKENS, micro_limits
-
-        tokens = tokens or micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS
-        core = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return estimate(core.config, tokens=tokens, world=self.group.world,
-                        param_bytes=self.dtype.itemsize, compute_bytes=self.compute_dtype.itemsize,
-                        keep_gathered=self.keep_gathered, offload=self.cfg.offload,
-                        reference=self.algo.use_kl_loss or self.algo.use_kl_in_reward,
-                        trainable=trainable).device_total
+    @property
+    def keeps_reference(self) -> bool:
+        """A frozen reference model is held: a KL term of full fine-tuning (with LoRA the
+        reference is the base without its adapters, no second model)."""
+        return (self.algo.use_kl_loss or self.algo.use_kl_in_reward) and self.cfg.lora.rank == 0
 
     def _load(self, full, source: Path, dtype: torch.dtype | None = None, empty=None):
         """A causal LM on this policy's device or shards (``distributed.load``), its parameters
