@@ -104,19 +104,14 @@ def _named_table(algorithm: dict[str, Any], key: str) -> None:
     into its table (an option of another row was never read, and is still not: said so)."""
     rows, default = ROWS[key]
     table = algorithm.get(key)
-    if isinstance(table, str):
-        table = algorithm[key] = {"name": table}
-    if isinstance(table, dict):  # a table without a name: the default's options
-        table.setdefault("name", default)
-    if isinstance(table, dict) and table.get("name", default) not in rows:
-        raise ConfigError(f"algorithm.{key}.name: {table.get('name')!r} is not one of "
-                          f"{', '.join(rows)}")
     flat = {k: algorithm.pop(k) for k in FLAT_KEYS[key] if k in algorithm}
-    if not flat:
+    if isinstance(table, str) or (table is None and flat):
+        table = algorithm[key] = {"name": default if table is None else table}
+    if not isinstance(table, dict):  # absent, or not a table (msgspec names that)
         return
-    if not isinstance(table, dict):
-        table = algorithm[key] = {"name": default}
-    name = str(table.get("name", default))
+    name = table.setdefault("name", default)  # a table without a name: the default's options
+    if name not in rows:
+        raise ConfigError(f"algorithm.{key}.name: {name!r} is not one of {', '.join(rows)}")
     for option, value in flat.items():
         if option in rows[name].__struct_fields__:
             table.setdefault(option, value)
@@ -129,8 +124,8 @@ def _named_table(algorithm: dict[str, Any], key: str) -> None:
 
 
 def _old_shape(data: dict[str, Any]) -> None:
-    """A key in an older shape names its new shape, or is read as it (a policy loss's
-    options)."""
+    """A key in an older shape names its new shape, or is read as it (the estimators' and the
+    policy losses' flat options)."""
     if isinstance(data.get("algorithm"), dict):
         for key in ROWS:
             _named_table(data["algorithm"], key)

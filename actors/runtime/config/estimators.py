@@ -30,7 +30,7 @@ class EstimatorRow(_Section, frozen=True, tag_field="name"):
     critic: ClassVar[bool] = False  # the learner trains a value model
     old_forward: ClassVar[bool] = False  # needs π_old (and Σπ²) before the advantages
     min_group: ClassVar[int] = 1  # samples per prompt it needs (algorithm.n)
-    unequal_groups: ClassVar[bool] = False  # takes groups of unequal size (agent branches)
+    unequal_groups: ClassVar[bool] = True  # takes groups of unequal size (agent branches)
 
     @property
     def name(self) -> str:
@@ -57,45 +57,39 @@ class _Discounted(EstimatorRow, frozen=True):
 class Grpo(_NormByStd, frozen=True, tag="grpo"):
     """GRPO: each sample's reward against its group's mean (and std)."""
 
-    unequal_groups: ClassVar[bool] = True
-
 
 class DrGrpo(EstimatorRow, frozen=True, tag="dr_grpo"):
     """Dr.GRPO: against the group's mean, no std."""
 
     min_group: ClassVar[int] = 2
-    unequal_groups: ClassVar[bool] = True
 
 
 class Rloo(EstimatorRow, frozen=True, tag="rloo"):
     """RLOO: against the mean of the group's other samples."""
 
     min_group: ClassVar[int] = 2
-    unequal_groups: ClassVar[bool] = True
 
 
 class ReinforcePlusPlus(_Discounted, frozen=True, tag="reinforce_plus_plus"):
     """REINFORCE++: discounted returns, whitened over the batch."""
 
-    unequal_groups: ClassVar[bool] = True
-
 
 class ReinforcePlusPlusBaseline(EstimatorRow, frozen=True, tag="reinforce_plus_plus_baseline"):
     """REINFORCE++ with the group mean as baseline, whitened over the batch."""
+
+    unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
 
 
 class Remax(_Discounted, frozen=True, tag="remax"):
     """ReMax: against the reward of a greedy sample of the same prompt."""
 
     greedy_baseline: ClassVar[bool] = True
-    unequal_groups: ClassVar[bool] = True
 
 
 class Gae(_Discounted, frozen=True, tag="gae"):
     """GAE with a critic (a value model the learner trains beside the policy)."""
 
     critic: ClassVar[bool] = True
-    unequal_groups: ClassVar[bool] = True
     lam: Fraction = 1.0
     """GAE λ (verl's ``algorithm`` key ``lam``)."""
     cliprange_value: PositiveFinite = 0.5
@@ -109,37 +103,36 @@ class Opo(EstimatorRow, frozen=True, tag="opo"):
     """OPO: against the group's length-weighted mean reward."""
 
     min_group: ClassVar[int] = 2
-    unequal_groups: ClassVar[bool] = True
 
 
 class GrpoPassk(_NormByStd, frozen=True, tag="grpo_passk"):
     """GRPO pass@k: only the group's best sample gets an advantage."""
 
     min_group: ClassVar[int] = 2
-    unequal_groups: ClassVar[bool] = True
 
 
 class Gpg(EstimatorRow, frozen=True, tag="gpg"):
     """GPG: the group-mean baseline, rescaled by the share of samples with a signal."""
+
+    unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
 
 
 class OptimalTokenBaseline(EstimatorRow, frozen=True, tag="optimal_token_baseline"):
     """The optimal token baseline (needs π_old's forward: decoupled correction)."""
 
     old_forward: ClassVar[bool] = True
-    unequal_groups: ClassVar[bool] = True
 
 
 class TirOptimalTokenBaseline(EstimatorRow, frozen=True, tag="tir_optimal_token_baseline"):
     """The optimal token baseline of tool-integrated rollouts (needs π_old's forward)."""
 
     old_forward: ClassVar[bool] = True
-    unequal_groups: ClassVar[bool] = True
 
 
 class Gdpo(_NormByStd, frozen=True, tag="gdpo"):
     """GDPO: each reward component normalised within its group on its own, then summed."""
 
+    unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
     gdpo_reward_keys: list[str] = []
     """The reward components, keys of the scorer's result dict (``compute_score`` returning
     ``{"score": ..., "format_reward": ...}``; with several ``[[reward.functions]]``, each
