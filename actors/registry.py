@@ -5,8 +5,8 @@ the others connect to; the learner publishes the first weights the samplers wait
 config check enforces the counts, ``python -m actors.main`` calls ``body`` for the actor's body
 (imported then, so the router and the replay buffer never import torch) and ``runner.py attach``
 accepts the attachable kinds; the runner (``actors/job/processes.py``) applies each row's lifecycle
-(restart, gang, ends the job, attached). Adding an actor kind is one row here plus its config
-section.
+(gang, ends the job, attached; the restart policy is the kind's config section's). Adding an
+actor kind is one row here plus its config section.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from actors.runtime.actor import Body
-
-Restart = Literal["never", "on-failure"]
 
 
 def _replay() -> Body:  # each imports its actor's module, in the actor's own process only
@@ -67,8 +65,6 @@ class ActorKind:
     """Fewest processes a job may start (0: the job runs without one, e.g. rewards attached)."""
     max_count: int | None
     """Most processes (1: the kind owns state no second process may share)."""
-    restart: Restart
-    """The default of ``KIND.restart``: stateless kinds restart after a failure."""
     attachable: bool = False
     """``runner.py attach KIND`` can add one to a running job."""
     by_address: Literal["router", "runner"] = "router"
@@ -83,12 +79,12 @@ class ActorKind:
 
 
 KINDS: tuple[ActorKind, ...] = (
-    ActorKind("replay", _replay, 1, 1, "never"),
-    ActorKind("router", _router, 1, 1, "never"),
-    ActorKind("learner", _learner, 1, 1, "never", gang=True, ends_job=True),
-    ActorKind("reward", _reward, 0, None, "on-failure", attachable=True),
-    ActorKind("teacher", _teacher, 0, None, "on-failure", attachable=True),
-    ActorKind("sampler", _sampler, 1, None, "on-failure", attachable=True, by_address="runner"),
+    ActorKind("replay", _replay, 1, 1),
+    ActorKind("router", _router, 1, 1),
+    ActorKind("learner", _learner, 1, 1, gang=True, ends_job=True),
+    ActorKind("reward", _reward, 0, None, attachable=True),
+    ActorKind("teacher", _teacher, 0, None, attachable=True),
+    ActorKind("sampler", _sampler, 1, None, attachable=True, by_address="runner"),
 )
 BY_NAME: dict[str, ActorKind] = {k.name: k for k in KINDS}
 NAMES: tuple[str, ...] = tuple(k.name for k in KINDS)

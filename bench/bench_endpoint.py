@@ -47,8 +47,8 @@ async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     model = resolve_model_path(args.model)
     if args.engine == "vllm":
+        from actors.runtime.config.engines import VLLMOptions
         from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
-        from actors.sampler.engines.vllm.options import VLLMOptions
 
         engine = await VLLMEngine.start(model, "float32", 0, VLLMSettings(VLLMOptions(
             max_model_len=1024, kv_cache_memory_bytes=512 << 20).engine_args(gpu=False)))

@@ -57,7 +57,7 @@ async def main_async(args) -> None:
     from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner.policy import Policy
     from actors.model_store import resolve_model_path
-    from actors.runtime.transports.base import TRANSPORTS
+    from actors.runtime.transports.table import TRANSPORTS
     from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
     from actors.runtime.zmq_bridge import make_socket
     from actors.sampler.engines.hf import HFEngine

@@ -257,8 +257,8 @@ async def main_async(args) -> None:
     import torch
 
     from actors.model_store import resolve_model_path
+    from actors.runtime.config.engines import VLLMOptions
     from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
-    from actors.sampler.engines.vllm.options import VLLMOptions
 
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")

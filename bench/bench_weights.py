@@ -79,7 +79,7 @@ async def main_async(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from actors.model_store import resolve_model_path
-    from actors.runtime.transports.base import TRANSPORTS
+    from actors.runtime.transports.table import TRANSPORTS
     from actors.runtime.weights import WeightsPublisher
     from actors.runtime.zmq_bridge import make_socket
 

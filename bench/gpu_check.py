@@ -302,7 +302,7 @@ class Check:
                                           or out.stderr.strip()[-300:])
 
     def sleep_lending(self) -> tuple[str, str]:
-        from actors.sampler.engines.vllm.options import vllm_problem
+        from actors.runtime.config.engines import vllm_problem
 
         if (problem := vllm_problem()) is not None:
             return "skip", f"needs vLLM ({problem.split(';')[0]})"
@@ -315,6 +315,7 @@ class Check:
         import trio
 
         from actors.model_store import resolve_model_path
+        from actors.runtime.config.engines import VLLMOptions
         from actors.runtime.cores import CoreTable
         from actors.runtime.devices import CudaMemory
         from actors.runtime.memory_lending import (
@@ -325,7 +326,6 @@ class Check:
         )
         from actors.sampler.engines.base import GenerateRequest
         from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
-        from actors.sampler.engines.vllm.options import VLLMOptions
         from messages.rollout import SamplingParams
 
         gc.collect()

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from actors.job.config.capacity import check_shm, parameter_count, sent_dtype
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config import ConfigError
-from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import SHM_KEEP
+from actors.runtime.transports.table import TRANSPORTS
 
 VERSIONS_AT_ONCE = TRANSPORTS["shm"].shm_versions  # what the check counts
 

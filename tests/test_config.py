@@ -160,7 +160,7 @@ def test_in_flight_updates_need_a_continuous_engine():
 def test_profiled_batches_need_an_engine_torch_profiles(monkeypatch):
     import dataclasses
 
-    from actors.sampler.engines.registry import ENGINES
+    from actors.runtime.config.engines import ENGINES
 
     # (vLLM installed or not: its own availability check is another test's)
     monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))

@@ -29,6 +29,7 @@ ALIASES = {
                      "teacher.sleep_idle_s: must be >= 0 and finite (got -1.0)"),
     "Fraction": ("learner.lora.dropout=1.5", "learner.lora.dropout: must be in [0, 1] (got 1.5)"),
     "Share": ("validation.top_p=0", "validation.top_p: must be in (0, 1] (got 0)"),
+    "Decay": ("learner.betas=[0.9, 1.0]", "learner.betas[1]: must be in [0, 1) (got 1.0)"),
     "Port": ("learner.master_port=65536", "learner.master_port: must be in [0, 65535] (got 65536)"),
     "Device": ("teacher.device=tpu", "teacher.device: 'tpu' is not auto, cpu, cuda or cuda:N"),
     "PythonName": ("agent.rollout.name=1st", "agent.rollout.name: '1st' is not a Python name"),
@@ -98,7 +99,8 @@ def test_the_default_topology_holds_every_constraint():
 CHECK_FILES = ["actors/job/config/checks.py", "actors/job/config/agent_checks.py",
                "actors/job/config/hosts.py", "actors/runtime/config/placement.py",
                "actors/runtime/config/pools.py", "actors/runtime/config/teacher.py",
-               "actors/scoring/reward_model.py", "actors/scoring/judge.py"]
+               "actors/runtime/config/schema.py", "actors/runtime/config/algorithm.py",
+               "actors/runtime/config/agent.py"]
 # keys whose one-key need stays, and why
 KEPT = {"'learner.node_rank'": "with [hosts] --host sets it: 0 is the only value to write"}
 
@@ -193,13 +195,12 @@ def test_the_path_fields_are_the_ones_made_absolute():
                 "reward": {"functions": [{"path": "f.py"}],
                            "models": [{"kind": "judge", "name": "p", "path": "rm",
                                        "function_path": "j.py"}]},
-                "agent": {"tools": [{"path": "t.py"}], "env": {"path": "e.py"},
-                          "rollout": {"path": "r.py"}},
-                "security": {"keys_dir": "keys", "authorized_keys": "a.key"},
+                "security": {"curve": True, "keys_dir": "keys", "authorized_keys": "a.key"},
                 "model": {"path": "m"}, "teacher": {"path": "m"},
                 "run": {"dir": "runs/x", "socket_dir": "s"}}
-    before = msgspec.convert(relative, Topology)
-    after = _absolute_paths(before)
+    # tools, an environment and a rollout function exclude each other: one topology each
+    agents = [{"tools": [{"path": "t.py", "name": "t"}]}, {"env": {"path": "e.py", "name": "E"}},
+              {"rollout": {"path": "r.py", "branches": "last"}}]
 
     def leaves(value, prefix=""):
         if isinstance(value, dict):
@@ -209,9 +210,14 @@ def test_the_path_fields_are_the_ones_made_absolute():
             return {k: v for item in value for k, v in leaves(item, prefix + "[]").items()}
         return {prefix: value}
 
-    old, new = leaves(msgspec.to_builtins(before)), leaves(msgspec.to_builtins(after))
-    assert {k for k in old if old[k] != new[k]} == PATH_KEYS
-    assert all(new[k].startswith("/") and new[k].endswith(old[k]) for k in PATH_KEYS)
+    changed = {}  # key -> (as given, made absolute), over the three topologies
+    for agent in agents:
+        before = msgspec.convert({**relative, "agent": agent}, Topology)
+        old = leaves(msgspec.to_builtins(before))
+        new = leaves(msgspec.to_builtins(_absolute_paths(before)))
+        changed |= {k: (old[k], new[k]) for k in old if old[k] != new[k]}
+    assert set(changed) == PATH_KEYS
+    assert all(b.startswith("/") and b.endswith(a) for a, b in changed.values())
 
 
 def _unbounded(t, path: str, out: list[str]) -> None:

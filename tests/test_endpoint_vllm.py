@@ -13,9 +13,9 @@ import trio
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.config import AgentConfig, AgentRollout
+from actors.runtime.config.engines import VLLMOptions, vllm_problem
 from actors.sampler.endpoint.strategy import EndpointRollout
 from actors.sampler.engines.vllm.engine import VLLMSettings
-from actors.sampler.engines.vllm.options import VLLMOptions, vllm_problem
 from messages.rollout import ChatMessage, Prompt, SamplingParams
 
 pytestmark = [pytest.mark.vllm,

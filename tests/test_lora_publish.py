@@ -19,8 +19,8 @@ from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.runtime.config import ConfigError
 from actors.runtime.tensors import to_wire
-from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.sources import AdapterWeights
+from actors.runtime.transports.table import TRANSPORTS
 from actors.runtime.weights import WeightsPublisher, WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
 from actors.sampler.engines.base import GenerateRequest
@@ -37,7 +37,7 @@ def topology(*overrides: str):
 
 
 def test_a_sampler_that_cannot_apply_the_adapters_is_a_config_error(tiny_model, monkeypatch):
-    from actors.sampler.engines import registry
+    from actors.runtime.config import engines as registry
 
     lora = [f"model.path={tiny_model}", "learner.lora.rank=8"]
     monkeypatch.setitem(registry.ENGINES, "hf",
@@ -165,7 +165,7 @@ def test_the_shm_check_counts_the_adapters_a_lora_version_holds(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from actors.job.config.capacity import adapter_count, check_shm, parameter_count
-    from actors.runtime.transports.base import TRANSPORTS
+    from actors.runtime.transports.table import TRANSPORTS
 
     VERSIONS_AT_ONCE = TRANSPORTS["shm"].shm_versions
 

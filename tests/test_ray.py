@@ -28,7 +28,7 @@ from typing import get_args, get_type_hints
 import pytest
 
 from actors.job.config.load import load_topology
-from actors.job.launchers.base import LAUNCHERS
+from actors.job.launchers.table import LAUNCHERS
 from actors.runtime.config import ConfigError
 from actors.runtime.config.schema import RunConfig
 from runner import main

@@ -3,9 +3,10 @@ parses, each variant named only in its own file and its table's row, rows that n
 no forwarding modules, and "pool" and "replay" each naming one thing.
 
 The import graph is read from the source (``ast``), with function-level imports counted (they
-run too) and ``if TYPE_CHECKING:`` blocks left out (they never run). The variant tables are the
-one exception for circles: a row loads its variant's code inside a function when the variant is
-chosen (the config reads the table; the variant's code reads the config).
+run too: a table's row loads its variant's code inside a function) and ``if TYPE_CHECKING:``
+blocks left out (they never run). The config is the lowest floor: its modules import no actor
+package, so the tables the config reads hold no code, and the tables that hold code (an
+engine's ``start``, an actor kind's body) import the config, never the other way.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("actors", "messages", "kernels")
 SIZE_ALARM = 600  # actors/ and runner.py: a file past this likely holds a second concern
-TABLES = ("actors.registry", "actors.sampler.engines.registry",  # rows that load their variant's
-          "actors.runtime.transports.base", "actors.job.launchers.base")  # code when it is used
+CONFIG = "actors.runtime.config"
+# what the config may import besides itself: libraries of its own floor (the weights transports'
+# table: names and rows, torch-free, its rows loading a transport's file only when called)
+CONFIG_MAY_IMPORT = ("actors.runtime.transports.table",)
 
 
 def sources() -> dict[str, Path]:
@@ -40,7 +43,7 @@ def sources() -> dict[str, Path]:
 
 def _runtime_imports(tree: ast.AST, deferred: bool = False) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement that can run: those under ``if TYPE_CHECKING:`` are skipped, and
-    with ``deferred`` those inside functions (a table's rows loading their variants)."""
+    with ``deferred`` those inside functions."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
@@ -60,7 +63,8 @@ def _runtime_imports(tree: ast.AST, deferred: bool = False) -> list[ast.Import |
 
 
 def import_graph(deferred: tuple[str, ...] = ()) -> dict[str, set[str]]:
-    """Module -> the modules it imports (not counting function-level imports of ``deferred``)."""
+    """Module -> the modules it imports (not counting the function-level imports of the modules
+    ``deferred``: only the circle finder's own test leaves some out)."""
     modules = sources()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
@@ -128,8 +132,36 @@ def test_the_graph_sees_real_imports():
 
 
 def test_no_import_circles():
-    found = cycles(import_graph(deferred=TABLES))
+    """Deferred imports included: a variant's code loaded when its row is called counts."""
+    found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+    # the graph counts a row's import of its variant's code, made inside a function
+    registry = "actors.sampler.engines.registry"
+    assert "actors.sampler.engines.hf" in import_graph()[registry]
+    assert "actors.sampler.engines.hf" not in import_graph(deferred=(registry,))[registry]
+
+
+def config_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules of the config and what they import above its floor."""
+    out = {}
+    for module, targets in graph.items():
+        if module == CONFIG or module.startswith(CONFIG + "."):
+            above = sorted(t for t in targets if t.startswith("actors.")
+                           and not (t == CONFIG or t.startswith(CONFIG + "."))
+                           and t not in CONFIG_MAY_IMPORT)
+            if above:
+                out[module] = above
+    return out
+
+
+def test_the_config_imports_no_actor_package():
+    """Configuration is the lowest floor: a section's options, a variant's row and a check live
+    in ``actors/runtime/config`` (or a torch-free table of its floor), never in an actor's
+    package, whose code reads the config."""
+    assert not config_imports(import_graph()), config_imports(import_graph())
+    assert config_imports({f"{CONFIG}.schema": {"actors.sampler.engines.registry", "kernels.x",
+                                                f"{CONFIG}.agent"}}) == {
+        f"{CONFIG}.schema": ["actors.sampler.engines.registry"]}
 
 
 RUNNER = "actors.job"  # the job's runner: config loading and checks, launch, supervision, ...
@@ -192,17 +224,23 @@ def test_each_module_says_its_one_concern_and_none_is_huge():
 def variant_homes() -> dict[str, tuple[Path, ...]]:
     """Each engine, transport, advantage estimator and policy loss name -> where it may be
     spelled: its own file (or folder) and its table, whose row says what differs between the
-    variants (an estimator's or a loss's own file is its kernel, outside ``actors/``; its row
-    is in the config)."""
+    variants (an engine's row and options are in the config, its ``start`` in the sampler's
+    registry; a transport's receiving half may be in an engine whose workers receive it; an
+    estimator's or a loss's own file is its kernel, outside ``actors/``, its row
+    in the config)."""
+    from actors.runtime.config.engines import ENGINES
     from actors.runtime.config.estimators import ROWS as ESTIMATORS
     from actors.runtime.config.losses import ROWS as LOSSES
-    from actors.runtime.transports.base import TRANSPORTS
-    from actors.sampler.engines.registry import ENGINES
+    from actors.runtime.transports.table import TRANSPORTS
 
     engines, transports = ROOT / "actors/sampler/engines", ROOT / "actors/runtime/transports"
-    homes = {n: (engines / n, engines / f"{n}.py", engines / "registry.py") for n in ENGINES}
-    homes.update({n: (transports / f"{n}.py", transports / "base.py") for n in TRANSPORTS})
     config = ROOT / "actors/runtime/config"
+    homes = {n: (engines / n, engines / f"{n}.py", engines / "registry.py", config / "engines.py")
+             for n in ENGINES}
+    # a transport's receiving half in an engine's workers: that engine's ``receive.py``
+    receiving = tuple(engines.glob("*/receive.py"))
+    homes.update({n: (transports / f"{n}.py", transports / "table.py", *receiving)
+                  for n in TRANSPORTS})
     for names, row in ((ESTIMATORS, config / "estimators.py"), (LOSSES, config / "losses.py")):
         for n in names:
             homes[n] = (*homes.get(n, ()), row)
@@ -238,7 +276,7 @@ def test_a_variant_is_named_only_in_its_own_file_and_its_row():
         "actors/job/config/checks.py:1: 'vllm'"]
     assert not stray_names('"""Docs may say vllm."""\nx = "vllm"',
                            ROOT / "actors/sampler/engines/vllm/engine.py", homes)
-    assert not stray_names('x = "nccl"', ROOT / "actors/runtime/transports/base.py", homes)
+    assert not stray_names('x = "nccl"', ROOT / "actors/runtime/transports/table.py", homes)
     trainer = ROOT / "actors/learner/trainer.py"
     assert stray_names('if algo.adv_estimator.name == "remax": pass', trainer, homes) == [
         "actors/learner/trainer.py:1: 'remax'"]
@@ -252,8 +290,9 @@ def test_rows_name_code_as_code():
     """A table's row holds a function (importing its variant when called, where a light actor
     must not import torch), which mypy and go-to-definition follow; never ``module:function``."""
     from actors.registry import KINDS
-    from actors.runtime.transports.base import TRANSPORTS
-    from actors.sampler.engines.registry import ENGINES
+    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.transports.table import TRANSPORTS
+    from actors.sampler.engines.registry import STARTS
 
     found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for p in product_files()
              for n in ast.walk(ast.parse(p.read_text()))
@@ -261,7 +300,8 @@ def test_rows_name_code_as_code():
              and CODE_BY_NAME.fullmatch(n.value)]
     assert not found, f"code named by a string: {found}"
     assert CODE_BY_NAME.fullmatch("actors.replay.actor:replay_actor")
-    assert all(callable(r.start) and callable(r.problem) for r in ENGINES.values())
+    assert all(callable(r.problem) for r in ENGINES.values())
+    assert list(STARTS) == list(ENGINES) and all(callable(f) for f in STARTS.values())
     assert all(t.halves().sender.name == t.halves().receiver.name == n
                for n, t in TRANSPORTS.items())
     assert all(k.body().__name__ == f"{k.name}_actor" for k in KINDS)

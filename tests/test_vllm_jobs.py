@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.sampler.engines.vllm.options import vllm_problem
+from actors.runtime.config.engines import vllm_problem
 from tests.jobs import (
     ROOT,
     actor_pids,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from actors.runtime.transports.base import TRANSPORTS
+from actors.runtime.transports.table import TRANSPORTS
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import make_socket
 from tests.jobs import ROOT

@@ -19,7 +19,7 @@ import zmq
 
 from actors.runtime.transports.base import ReceiveInto
 from actors.runtime.transports.nccl import BroadcastReceiver, BroadcastSender
-from actors.runtime.transports.sources import WorkerTransfer
+from actors.runtime.transports.sources import GroupBroadcast, WorkerTransfer
 from actors.runtime.weights import TransfersFailing, WeightsPublisher, WeightsSubscriber
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, encode
@@ -45,16 +45,12 @@ class Worker:
         self.loaded = anyio.Event()  # set and replaced at every load
 
     def receive(self, version: int, t: WorkerTransfer) -> dict[str, torch.Tensor]:
-        if t.init is not None:  # a new group: join it at its rank
-            i = t.init
-            self.group = TransferGroup(address=i["master_address"], port=i["master_port"],
-                                       world=i["world_size"], rank=i["rank_offset"],
-                                       bucket_bytes=i["bucket_bytes"])
+        assert isinstance(t.via, GroupBroadcast) and not t.via.packed  # gloo: torch's protocol
+        if t.via.joins:  # a new group: join it at its rank
+            self.group = t.via.group
         assert self.group is not None
-        u = t.update
-        header = WeightsHeader(version=version, transport=BroadcastReceiver.name, tensors=[
-            TensorMeta(n, d, tuple(s)) for n, d, s in
-            zip(u["names"], u["dtype_names"], u["shapes"], strict=True)])
+        header = WeightsHeader(version=version, transport=BroadcastReceiver.name,
+                               tensors=t.tensors)
         return self.receiver._receive(header, self.group)
 
     async def run(self) -> None:

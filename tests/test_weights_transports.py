@@ -15,9 +15,9 @@ import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology, shares_learners_gpu
 from actors.runtime.config import ConfigError
+from actors.runtime.config.engines import ENGINES, auto_engine
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig
-from actors.runtime.transports.base import TRANSPORTS, resolve_transport
-from actors.sampler.engines.registry import ENGINES, auto_engine
+from actors.runtime.transports.table import TRANSPORTS, resolve_transport
 from tests.jobs import ROOT, command, metrics, status_lines
 
 
@@ -64,10 +64,11 @@ async def test_an_engine_starts_from_its_row(tiny_model):
 
     from actors.sampler.engines.base import EngineSpec
     from actors.sampler.engines.hf import HFEngine
+    from actors.sampler.engines.registry import start
 
     topo = decode_topology(apply_overrides({}, ["sampler.engine=hf"]))
-    engine = await ENGINES["hf"].start(EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
-                                                 topo.sampler))
+    engine = await start("hf", EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
+                                          topo.sampler))
     assert isinstance(engine, HFEngine) and engine.version == -1 and not engine.continuous
 
 

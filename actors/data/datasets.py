@@ -66,7 +66,7 @@ class FileDataset(Task):
         self.cfg = config
         self.seed = seed
         self.key = key  # the config key path, for errors
-        self.name = config.name or Path(config.path).stem
+        self.name = config.label
         self.data_source = config.data_source
         self.system_prompt = config.system_prompt
         path = Path(config.path)
@@ -252,7 +252,7 @@ def make_mixture(config: TaskConfig, seed: int) -> Mixture:
         source: Task
         if d.builtin:
             source = TASKS[d.builtin](config, seed)
-            source.name = d.name or d.builtin
+            source.name = d.label
         else:
             source = FileDataset(d, seed, f"task.datasets[{i}]")
         sources.append(source)

@@ -29,8 +29,9 @@ from actors.job.config.capacity import check_shm
 from actors.job.config.hosts import local_actors, owner
 from actors.job.config.layout import place, start_after
 from actors.job.config.preflight import preflight
-from actors.job.launchers.base import Launcher, launcher_for
+from actors.job.launchers.base import Launcher
 from actors.job.launchers.local import LocalLauncher
+from actors.job.launchers.table import launcher_for
 from actors.job.liveview import LiveView
 from actors.job.loggers import open_metrics
 from actors.job.processes import job_procs, learner_ranks

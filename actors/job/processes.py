@@ -25,11 +25,11 @@ from actors.job.launchers.base import (
     ACTOR_ENV,
     ENTRY,
     FAILED,
-    LAUNCHERS,
     NO_ROOM,
     NODE_LOST,
     exit_cause,
 )
+from actors.job.launchers.table import LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology

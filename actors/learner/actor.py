@@ -42,8 +42,8 @@ from actors.runtime.profiling import profile_dir, profiled
 from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
-from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import remove_orphaned_shm
+from actors.runtime.transports.table import TRANSPORTS
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode

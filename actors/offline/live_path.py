@@ -1,5 +1,5 @@
 """The live job's rollout path in one process, for the offline tools: the engine
-``sampler.engine`` names (``actors/sampler/engines/registry.py``), the rollout strategy
+``sampler.engine`` names (``actors/runtime/config/engines.py``), the rollout strategy
 ``[agent]`` names (``actors/sampler/strategies.py``: single-turn, tools or environment, or
 the endpoint with the user's rollout function) and ``Rollout`` (templating, generation,
 scoring one request per group), with the reward workers' own scorers (the rules' ``Scoring``
@@ -74,7 +74,7 @@ async def live_rollout(topo: Topology, model: Path, params: SamplingParams,
     cfg = topo.sampler
     device = resolve_device(cfg.device, 0)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
-    engine = await registry.ENGINES[cfg.engine].start(EngineSpec(
+    engine = await registry.start(cfg.engine, EngineSpec(
         model, dtype, topo.run.seed * 1009 + 7919, device, cfg, label=f"offline {model}"))
     scoring = LocalScoring(topo)
     strategy = None

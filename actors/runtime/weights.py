@@ -24,14 +24,9 @@ import zmq
 from safetensors import SafetensorError
 
 from actors.runtime.tensors import from_buffer
-from actors.runtime.transports.base import (
-    TRANSPORTS,
-    ReceiveInto,
-    Receiver,
-    Sender,
-    arrived_by,
-)
+from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
+from actors.runtime.transports.table import TRANSPORTS, arrived_by
 from actors.runtime.zmq_bridge import AsyncSocket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
@@ -51,7 +46,7 @@ class WeightsPublisher:
         self.sock = sock  # a ROUTER the samplers connect to
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
         sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sender = sender  # of a transport of transports.base.TRANSPORTS
+        self.sender = sender  # of a transport of transports.table.TRANSPORTS
         self.version = -1  # the version of ``messages``; -1 until the first publish
         self.messages: list[list] = []  # per message: [header, tensor bytes...] of ``version``
         self.waiting: dict[bytes, int] = {}  # poller identity -> version it has

@@ -25,7 +25,7 @@ async def start_engine(ctx: ActorContext) -> Engine:
     device = placement(cfg.device, ctx.index)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
     ctx.status.update(device=str(device), dtype=dtype)
-    return await registry.ENGINES[cfg.engine].start(EngineSpec(
+    return await registry.start(cfg.engine, EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
         label=f"{ctx.name} {ctx.run_dir}", transport=topo.learner.weights_transport,
         adapters=adapter_limits(topo), memory=lend_memory(ctx, device),

@@ -24,93 +24,17 @@ it counts the items it judged without their images (``judge_images_unseen``).
 from __future__ import annotations
 
 import re
-import string
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from actors.runtime.config.constraints import FilePath, Finite, NonNegFloat, PositiveInt, PythonName
-from actors.runtime.config.pools import ServedModel
-from actors.runtime.config.schema_base import need
-from actors.sampler.engines.registry import ENGINES, FALLBACK, EngineName
+from actors.runtime.config.engines import ENGINES
+from actors.runtime.config.pools import JudgeConfig
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem
-
-TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "problem", "solution")
-DEFAULT_TEMPLATE = """You are given a problem and a proposed solution.
-
-Problem:
-{prompt}
-
-Solution:
-{response}
-
-Please evaluate how well the solution addresses the problem. Give a score from 1 to 10, where
-1 means the solution is completely irrelevant or incorrect, 5 means it is partially correct
-and 10 means it is fully correct and well reasoned.
-
-Only output the score as a single number (integer)."""
-
-
-class JudgeConfig(ServedModel, frozen=True, tag="judge"):
-    """A causal LM that reads ``template`` and writes an answer ``parser`` reads."""
-
-    engine: EngineName = FALLBACK
-    """The generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s engine
-    arguments)."""
-    template: str = DEFAULT_TEMPLATE
-    """The user message it reads, with {prompt}, {response}, {ground_truth} and {data_source}
-    filled in (verl's {problem} and {solution} work too); literal braces doubled."""
-    parser: Literal["number", "score_tag", "boxed", "yes_no", "function"] = "number"
-    """How its answer becomes a score: number (the last number in it), score_tag (the last
-    ``[[x]]``), boxed (the last ``\\boxed{x}``), yes_no (the last yes/no word: 1 or 0), or
-    function (``function_path``'s function, run in a sandboxed child). An answer it cannot read
-    is a recorded score error, never a silent 0."""
-    function_path: FilePath = ""
-    """parser = function: a Python file whose ``function_name`` takes
-    ``(judge_answer, data_source, solution_str, ground_truth, extra_info)`` and returns a score
-    (float or dict(score=...)); raising is an unreadable answer."""
-    function_name: PythonName = "parse_score"
-    """parser = function: the function's name in function_path."""
-    scale: Finite = 1.0
-    """The score is the parsed value times this (0.1 turns a 1-10 rating into 0.1-1)."""
-    max_tokens: PositiveInt = 64
-    """The most tokens of one answer."""
-    temperature: NonNegFloat = 0.0
-    """Sampling temperature of its answers (0: greedy)."""
-
-    def check(self, key: str) -> None:
-        problem = template_problem(self.template)
-        need(problem is None, f"{key}.template", str(problem))
-        if self.parser == "function":
-            need(Path(self.function_path).is_file(), f"{key}.function_path",
-                 f"no file {self.function_path!r} (parser = function needs one)")
-        else:
-            need(not self.function_path, f"{key}.function_path", "only with parser = function")
-        if ENGINES[self.engine].sleeps and self.sleep_idle_s > 0:
-            need(self.device != "cpu", f"{key}.sleep_idle_s",
-                 f"{self.engine} has no sleep mode on a CPU (device = cpu)")
-
-    def scorer(self, topology: Any, label: str) -> Judge:
-        return Judge(self, topology, label)
-
-
-def template_problem(template: str) -> str | None:
-    """Why ``template`` cannot be filled in (an unknown field, a stray brace), or None."""
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as exc:
-        return f"{exc} (literal braces are written {{{{ and }}}})"
-    unknown = [f for f in fields if f not in TEMPLATE_FIELDS]
-    if unknown:
-        return f"unknown field {{{unknown[0]}}}: the fields are {', '.join(TEMPLATE_FIELDS)}"
-    if not fields:
-        return "names no field: the judge would not see the response ({response})"
-    return None
-
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 NUMBER = re.compile(_NUMBER)
@@ -193,12 +117,13 @@ class Judge:
         """Start the judge's engine on ``device`` (a broken one fails the replica at start)."""
         from actors.runtime.devices import resolve_dtype
         from actors.sampler.engines.base import EngineSpec
+        from actors.sampler.engines.registry import start
 
         dtype = str(resolve_dtype("auto", device, self.topology.model.dtype))
         sampler = msgspec.structs.replace(
             self.topology.sampler, engine=self.cfg.engine, threads=self.cfg.threads,
             sleep_idle_s=self.cfg.sleep_idle_s if ENGINES[self.cfg.engine].sleeps else 0.0)
-        self.engine = await ENGINES[self.cfg.engine].start(EngineSpec(
+        self.engine = await start(self.cfg.engine, EngineSpec(
             Path(self.cfg.path), dtype.removeprefix("torch."), self.topology.run.seed,
             device, sampler, label=self.label))
         from actors.data.vision import ImageProcessor, is_vision_model

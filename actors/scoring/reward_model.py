@@ -16,56 +16,15 @@ loads it, so the config imports without them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from actors.runtime.config.constraints import Finite, PositiveFinite, PositiveInt
-from actors.runtime.config.pools import ServedModel
-from actors.runtime.config.schema_base import need
+from actors.runtime.config.pools import RewardModelConfig
 from actors.sandbox.protocol import Outcome
 from actors.scoring.items import ScoreItem
 from messages.rollout import ChatMessage
-
-
-class RewardModelConfig(ServedModel, frozen=True, tag="reward_model"):
-    """A one-label ...ForSequenceClassification checkpoint: its logit is the score."""
-
-    max_length: PositiveInt = 1024
-    """Tokens kept per sequence (the start is cut, so the response's end stays)."""
-    reward_mean: Finite = 0.0
-    """The score is (logit - reward_mean) / reward_std."""
-    reward_std: PositiveFinite = 1.0
-    """See reward_mean."""
-
-    def check(self, key: str) -> None:
-        problem = checkpoint_problem(Path(self.path))
-        need(problem is None, f"{key}.path", str(problem))
-
-    def scorer(self, topology: Any, label: str) -> RewardModel:
-        return RewardModel(self)
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
-    its config.json, so the check needs no torch), or None."""
-    config = path / "config.json"
-    if not config.is_file():
-        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return f"{config} is not readable JSON: {exc}"
-    architectures = data.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
-                "not a ...ForSequenceClassification reward model")
-    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
-    if labels != 1:
-        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
-    return None
 
 
 class RewardModel:

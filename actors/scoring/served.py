@@ -1,11 +1,12 @@
 """``ServedScoring``: what a served model's replica scores with (the rule workers' is ``Scoring``).
 
-It holds the model its ``[[reward.models]]`` entry names (``entry.scorer``: a reward model, or a
+It holds the model its ``[[reward.models]]`` entry names (``scorer_of``: a reward model, or a
 judge with its engine and tokenizer) on the device the runner gave the replica, batches
 concurrent requests into shared forwards (``Batcher``), and, with ``sleep_idle_s``, puts the
 model to sleep while no request comes and wakes it for the next (``actors/scoring/sleep.py``; a
 vllm judge sleeps by its engine's own policy). A model that fails on a batch gives every item of
-it a recorded error, and the replica goes on serving. Nothing here depends on the kind.
+it a recorded error, and the replica goes on serving. Nothing here but ``scorer_of`` depends on
+the kind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import anyio
 
 from actors.runtime.config import Topology
-from actors.runtime.config.pools import ServedModel
+from actors.runtime.config.pools import JudgeConfig, RewardModelConfig, ServedModel
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher
@@ -28,7 +29,7 @@ from messages.reward import ScoreResult
 
 
 class ServedModelScorer(Protocol):
-    """What a kind's ``scorer`` returns (``RewardModel``, ``Judge``)."""
+    """What scores with a kind's model (``RewardModel``, ``Judge``)."""
 
     children: Children | None  # where user code of the kind runs (a judge's parser), if any
 
@@ -44,12 +45,26 @@ class ServedModelScorer(Protocol):
     async def aclose(self) -> None: ...
 
 
+def scorer_of(entry: ServedModel, topology: Topology, label: str) -> ServedModelScorer:
+    """What a replica of ``entry`` scores with: the kind's module, imported for its kind only."""
+    match entry:
+        case RewardModelConfig():
+            from actors.scoring.reward_model import RewardModel
+
+            return RewardModel(entry)
+        case JudgeConfig():
+            from actors.scoring.judge import Judge
+
+            return Judge(entry, topology, label)
+    raise TypeError(f"no scorer for served model kind {entry.kind!r}")
+
+
 class ServedScoring:
     """Scores items with ``entry``'s model."""
 
     def __init__(self, entry: ServedModel, topology: Topology, label: str = "") -> None:
         self.entry = entry
-        self.model: ServedModelScorer = entry.scorer(topology, label)
+        self.model = scorer_of(entry, topology, label)
         self.batcher: Batcher[ScoreItem] = Batcher(self._run, entry.batch_size)
         self.sleeper: TorchSleep | None = None  # a torch model's sleep (set by load)
         self.last_request = time.monotonic()

@@ -30,7 +30,7 @@ def validation_prompts(topology: Topology) -> list[Prompt]:
             size = d.size or BUILTIN_SIZE
             config = msgspec.structs.replace(topology.task, size=size)
             task = TASKS[d.builtin](config, seed + 1)
-            task.name = d.name or d.builtin
+            task.name = d.label
         else:
             task = FileDataset(d, seed, f"validation.datasets[{i}]")
             size = min(d.size, task.size) if d.size else task.size

@@ -19,7 +19,7 @@ from pathlib import Path
 from actors.data.vision import in_vision_tower
 from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.config.schema_base import ConfigError
-from actors.runtime.transports.base import TRANSPORTS
+from actors.runtime.transports.table import TRANSPORTS
 
 SHM_DIR = Path("/dev/shm")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,6 +1,8 @@
-"""Checks of a decoded topology that its fields' types cannot express (combinations of keys,
-files that must exist; a key's own range is declared on its field). Each failure is a
-``ConfigError`` that names the full key path."""
+"""Checks of a decoded topology that look at the world or at the tables above the config:
+files that must exist, datasets' columns, what is installed, the actor kinds' counts, the
+engines and transports a combination of keys needs. A key's own range is declared on its field,
+and a check across keys lives with its section (``__post_init__``, run as msgspec decodes it).
+Each failure is a ``ConfigError`` that names the full key path."""
 
 from __future__ import annotations
 
@@ -12,17 +14,16 @@ import zmq
 
 from actors.data.files import DataFileError, jsonl_rows
 from actors.data.vision import is_vision_model
-from actors.job.config.agent_checks import check_agent, check_branches
-from actors.job.launchers.base import LAUNCHERS
+from actors.job.config.agent_checks import check_agent
+from actors.job.launchers.table import LAUNCHERS
 from actors.registry import KINDS
-from actors.runtime.config.algorithm import AlgorithmConfig
+from actors.runtime.config.engines import ENGINES, EngineRow, auto_engine
 from actors.runtime.config.placement import check_placement
-from actors.runtime.config.pools import check_models
+from actors.runtime.config.pools import check_served
 from actors.runtime.config.schema import DatasetConfig, Topology
 from actors.runtime.config.schema_base import ActorCommon, ConfigError, need
 from actors.runtime.config.teacher import check_teacher
-from actors.sampler.engines.registry import ENGINES, EngineRow, auto_engine
-from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
+from actors.runtime.transports.table import transport_problem
 
 
 def check(topology: Topology) -> None:
@@ -34,13 +35,6 @@ def check(topology: Topology) -> None:
         else:
             need(section.count >= kind.min_count, f"{kind.name}.count",
                  f"must be >= {kind.min_count}")
-    a = topology.algorithm
-    _check_correction(a)
-    need(a.clip_ratio_low < 1 or not a.policy_loss.clip_is_ratio,
-         "algorithm.clip_ratio_low", f"must be < 1 with policy_loss = {a.policy_loss.name!r}")
-    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", "must be > 1 (or 0: off)")
-    need(a.n >= a.adv_estimator.min_group, "algorithm.n",
-         f"{a.adv_estimator.name} needs groups of >= {a.adv_estimator.min_group}")
     s = topology.sampler
     if s.engine != "auto":
         problem = ENGINES[s.engine].problem()
@@ -57,15 +51,9 @@ def check(topology: Topology) -> None:
              "(VLLM_TORCH_PROFILER_DIR)")
     _check_sleep(s)
     L = topology.learner
-    need(L.ppo_mini_batches <= L.groups_per_step, "learner.ppo_mini_batches",
-         f"must be in [1, groups_per_step = {L.groups_per_step}] (mini-batches hold whole groups)")
-    need(not (L.offload and L.lora.rank > 0), "learner.offload",
-         "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or offload = false)")
     if L.lora.rank > 0:
         _check_adapters(topology)
     if L.weights_transport != "auto":
-        from actors.runtime.transports.base import transport_problem
-
         engine = s.engine if s.engine != "auto" else auto_engine(s.device)
         problem = transport_problem(L.weights_transport, engine=engine,
                                     weights_address=L.weights_address, learner_device=L.device,
@@ -73,44 +61,15 @@ def check(topology: Topology) -> None:
         need(problem is None, "learner.weights_transport", str(problem))
     check_placement(topology)
     check_teacher(topology)
-    # the two stateful actors resume together or not at all: the replay buffer rebuilds itself as
-    # of the learner's checkpoint, which only holds when both start from it
-    for name in ("replay", "learner"):
-        need(getattr(topology, name).restart == "never", f"{name}.restart",
-             "must be \"never\": restarted alone it would not match the other's state; when it "
-             "dies the job stops, and starting it again with the same run.dir resumes exactly")
-    need(topology.replay.capacity >= L.groups_per_step, "replay.capacity",
-         f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
-    R = topology.reward
-    for i, fn in enumerate(R.functions):
-        key = f"reward.functions[{i}]"
-        need(bool(fn.builtin) != bool(fn.path), key, "set either builtin or path (one of them)")
-        need(not (fn.builtin and fn.batch), f"{key}.batch", "built-ins score one item per call")
-        need(not fn.path or Path(fn.path).is_file(), f"{key}.path", f"no file {fn.path!r}")
-    check_models(topology)
-    need(R.memory_mb == 0 or R.memory_mb >= 128, "reward.memory_mb",
-         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
-    max_length = R.max_response_length or s.max_tokens
-    need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
-         f"must be <= the response length limit ({max_length})")
+    for i, fn in enumerate(topology.reward.functions):
+        need(not fn.path or Path(fn.path).is_file(), f"reward.functions[{i}].path",
+             f"no file {fn.path!r}")
+    check_served(topology)
     _check_datasets(topology.task.datasets)
     _check_datasets(topology.validation.datasets, "validation.datasets")
-    loggers = topology.run.loggers
-    need(len(set(loggers)) == len(loggers), "run.loggers", "names a logger twice")
-    F = a.filter_groups
-    need(not F.enable or a.n >= 2, "algorithm.filter_groups.enable",
-         "needs algorithm.n >= 2 (a group of one always has equal rewards)")
-    reuse = topology.replay.reuse
-    need(reuse <= a.max_staleness + 1, "replay.reuse",
-         f"a group can be served at most once per policy version while it is fresh, so at most "
-         f"algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise max_staleness")
     check_agent(topology.agent)
-    check_branches(topology)
-    sec = topology.security
-    need(not sec.curve or zmq.has("curve"), "security.curve",
+    need(not topology.security.curve or zmq.has("curve"), "security.curve",
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
-    need(sec.curve or not sec.authorized_keys, "security.authorized_keys",
-         "needs security.curve = true")
     LAUNCHERS[topology.run.launcher].check(topology)  # [hosts], or [ray]
 
 
@@ -127,64 +86,14 @@ def _check_adapters(topology: Topology) -> None:
     row = ENGINES[engine]
     need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
          f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
-    need(bool(L.lora.target_modules), "learner.lora.target_modules", "must name a module")
-    # the learner's log-probs take the LM head's weight itself (kernels.lm_head_logprobs): an
-    # adapter there would never train; embedding adapters have no publish path (nor vLLM's)
-    cannot = sorted(set(L.lora.target_modules) & {"lm_head", "embed_tokens"})
-    need(not cannot, "learner.lora.target_modules",
-         f"{cannot}: adapters on the LM head and embeddings are not supported (the learner's "
-         "log-probs read the LM head's weight directly)")
     need(not L.lora.vision or is_vision_model(topology.model.path), "learner.lora.vision",
          f"{topology.model.path} has no vision tower to put adapters on")
-    need(not (L.lora.vision and topology.model.freeze_vision), "learner.lora.vision",
-         "adapters on the vision tower would not train with model.freeze_vision = true")
     served = linear_modules(Path(topology.model.path))
     if served is not None:
         missing = [m for m in L.lora.target_modules if m not in served]
         need(not missing, "learner.lora.target_modules",
              f"{missing} are no linear module of {topology.model.path} (it has: "
              f"{', '.join(sorted(served))})")
-
-
-def _check_correction(a: AlgorithmConfig) -> None:
-    c = a.correction
-    key = "algorithm.correction"
-    need(c.is_low is None or 0 < c.is_low <= c.is_cap, f"{key}.is_low",
-         f"must be in (0, is_cap = {c.is_cap}]")
-    need(c.is_low is None or c.is_level != "none", f"{key}.is_low",
-         "an IcePop band needs IS weights: set is_level to token or sequence")
-    names: dict[str, str] = {}
-    for i, r in enumerate(c.rejection):
-        try:
-            rule = rollout_options.RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce)
-        except ValueError as exc:
-            raise ConfigError(f"{key}.rejection[{i}]: {exc}") from None
-        need(rule.name not in names, f"{key}.rejection[{i}]",
-             f"a second rule for {rule.name} (after {names.get(rule.name)}); merge their bounds")
-        names[rule.name] = f"{key}.rejection[{i}]"
-    need(bool(c.rollout_rs) or c.rollout_rs_threshold == "", f"{key}.rollout_rs_threshold",
-         "is set but rollout_rs is empty")
-    if c.rollout_rs:
-        need(c.rollout_rs_threshold != "", f"{key}.rollout_rs_threshold",
-             "rollout_rs needs its thresholds (verl has no default)")
-        try:
-            presets = rollout_options.parse_rs_preset(c.rollout_rs, c.rollout_rs_threshold)
-        except ValueError as exc:
-            raise ConfigError(f"{key}.rollout_rs: {exc}") from None
-        for rule in presets:
-            need(rule.name not in names, f"{key}.rollout_rs",
-                 f"{rule.name} is already a rule of {names.get(rule.name)}")
-            names[rule.name] = f"{key}.rollout_rs"
-    if c.mode == "bypass":
-        need(a.policy_loss.takes_correction or not names, f"{key}.rejection",
-             "in bypass mode there is no π_old to compare μ with: rejection acts only with "
-             "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
-        need(not a.adv_estimator.old_forward, "algorithm.adv_estimator",
-             f"{a.adv_estimator.name} needs π_old's forward pass (sum_pi_squared), which bypass mode "
-             "skips (verl: the same); use correction.mode = \"decoupled\"")
-    need(not a.policy_loss.takes_correction or c.mode == "bypass", "algorithm.policy_loss",
-         "bypass_mode takes the behaviour log-probs as the old log-probs: set "
-         "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = true)")
 
 
 def _dataset_columns(path: Path) -> set[str]:
@@ -207,14 +116,8 @@ def _dataset_columns(path: Path) -> set[str]:
 
 def _check_datasets(datasets: Sequence[DatasetConfig],
                     where: str = "task.datasets") -> None:
-    names: dict[str, int] = {}
     for i, d in enumerate(datasets):
         key = f"{where}[{i}]"
-        need(bool(d.path) != bool(d.builtin), key, "set either path or builtin (one of them)")
-        name = d.name or d.builtin or Path(d.path).stem
-        need(name not in names, f"{key}.name",
-             f"{name!r} is already the name of {where}[{names.get(name)}]; name one")
-        names[name] = i
         if d.builtin:
             continue
         path = Path(d.path)

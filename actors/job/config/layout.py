@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from actors.runtime.config.engines import ENGINES, engine_gpus
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
 from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema_base import ConfigError
-from actors.runtime.transports.base import placement_problem
-from actors.sampler.engines.registry import ENGINES, engine_gpus
+from actors.runtime.transports.table import placement_problem
 
 
 def _wants_gpu(setting: str, gpus: Sequence[str]) -> bool:

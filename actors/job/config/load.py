@@ -17,17 +17,17 @@ from typing import Any
 import msgspec
 
 from actors.job.config.checks import check
-from actors.job.launchers.base import LAUNCHERS
+from actors.job.launchers.table import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import refusal
+from actors.runtime.config.engines import ENGINES, auto_engine, engine_gpus
 from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.losses import ROWS as LOSS_ROWS
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig, Topology
 from actors.runtime.config.schema_base import ConfigError
-from actors.runtime.transports.base import resolve_transport
-from actors.sampler.engines.registry import ENGINES, auto_engine, engine_gpus
+from actors.runtime.transports.table import resolve_transport
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -64,7 +64,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def _key_path_message(msg: str, data: Any = None) -> str:
     """Restate msgspec's "what - at `$.a.b`" as "a.b: what" (unknown and missing keys get their
-    own name; a value its field's constraint refuses reads as the checks do: "must be >= 1")."""
+    own name; a value its field's constraint refuses reads as the checks do: "must be >= 1"; a
+    section's ``__post_init__`` saying "key: why" of its key reads "a.b.key: why")."""
     where = ""
     if " - at `$." in msg:
         msg, where = msg.rsplit(" - at `$.", 1)
@@ -75,6 +76,11 @@ def _key_path_message(msg: str, data: Any = None) -> str:
         return f"{key}: {'unknown key' if named.group(1) == 'contains unknown' else 'must be set'}"
     if where and re.match(r"Expected `\w+` (>|<|matching|of length)", msg):
         msg = refusal(where, data, Topology) or msg
+    # a section's own check (``__post_init__``) names its key within the section
+    within = re.fullmatch(r"([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*): (.*)", msg,
+                          re.DOTALL)
+    if where and within:
+        return f"{where}.{within.group(1)}: {within.group(2)}"
     return f"{where}: {msg}" if where else msg
 
 

@@ -63,7 +63,7 @@ def preload(topology: Topology) -> tuple[list[str], str, list[str]]:
     """What the fork server imports for ``topology``'s actors: the body of each kind the job has,
     the model's architecture, and the sampler's engine's modules (its row's ``preload``)."""
     from actors.registry import NAMES
-    from actors.sampler.engines.registry import ENGINES
+    from actors.runtime.config.engines import ENGINES
 
     kinds = [k for k in NAMES if k == "learner" or getattr(topology, k).count]
     row = ENGINES.get(topology.sampler.engine) if topology.sampler.count else None

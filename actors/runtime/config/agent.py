@@ -18,7 +18,7 @@ from actors.runtime.config.constraints import (
     PythonNameOrUnset,
     one_of,
 )
-from actors.runtime.config.schema_base import _Section
+from actors.runtime.config.schema_base import ConfigError, _Section, need
 
 BUILTIN_TOOLS = ("calculator", "python")
 
@@ -35,6 +35,11 @@ class AgentTool(_Section, frozen=True):
     kwargs: dict[str, str | int | float | bool] = {}
     """Keyword arguments added to every call (not shown to the model)."""
 
+    def __post_init__(self) -> None:
+        if bool(self.builtin) == bool(self.path):
+            raise ConfigError("set either builtin or path (one of them)")
+        need(bool(self.builtin or self.name), "name", "must name the tool's function in path")
+
 
 class AgentEnv(_Section, frozen=True):
     path: FilePath = ""
@@ -47,6 +52,10 @@ class AgentEnv(_Section, frozen=True):
     reward: Literal["add", "replace"] = "add"
     """add: a sample's reward is the scorer's plus the sum of the environment's step rewards;
     replace: that sum alone (no scoring request is sent)."""
+
+    def __post_init__(self) -> None:
+        need(bool(self.name) or not self.path, "name", "must name the environment's class in path")
+        need(not self.name or bool(self.path), "name", "needs agent.env.path")
 
 
 class AgentRollout(_Section, frozen=True):
@@ -111,6 +120,21 @@ class AgentConfig(_Section, frozen=True):
     """A tool that fails (raises, times out or crashes its child; not the model's bad calls)
     this many calls in a row is broken: the job stops (0: never). Below it every failure is an
     error the model reads, counted in the sampler's ``tool_errors``."""
+
+    def __post_init__(self) -> None:
+        need(self.memory_mb == 0 or self.memory_mb >= 128, "memory_mb",
+             "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+        need(not (self.tools and self.env.path), "env.path",
+             "an environment replaces tools: set agent.tools or agent.env, not both")
+        names: dict[str, int] = {}
+        for i, tool in enumerate(self.tools):
+            name = tool.name or tool.builtin
+            need(name not in names, f"tools[{i}].name",
+                 f"{name!r} is already the name of agent.tools[{names.get(name)}]")
+            names[name] = i
+        need(not self.rollout.path or not (self.tools or self.env.path), "rollout.path",
+             "a rollout function replaces tools and environments: set one of agent.tools, "
+             "agent.env, agent.rollout")
 
     @property
     def enabled(self) -> bool:

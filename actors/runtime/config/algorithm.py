@@ -20,7 +20,8 @@ from actors.runtime.config.constraints import (
 )
 from actors.runtime.config.estimators import EstimatorChoice, Grpo
 from actors.runtime.config.losses import PolicyLossChoice, Vanilla
-from actors.runtime.config.schema_base import _Section
+from actors.runtime.config.schema_base import ConfigError, _Section, need
+from kernels import rollout_options  # torch-free: the rules the learner's kernels apply
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
@@ -40,6 +41,9 @@ class RejectionRule(_Section, frozen=True):
     reduce: Literal["mean", "sum", "max"] = "mean"
     """Sequence level, k1/k2/k3: how the token statistics of a sequence become its statistic
     (verl ``seq_mean_k*``, ``seq_sum_k*``, ``seq_max_k*``)."""
+
+
+HERE = "algorithm.correction"  # where the section is, for an error naming another of its keys
 
 
 class CorrectionConfig(_Section, frozen=True):
@@ -72,6 +76,42 @@ class CorrectionConfig(_Section, frozen=True):
     """``policy_loss = "bypass_mode"``: PPO clip on π_θ/μ (the clipped ratio is the correction;
     IS weights only logged) or REINFORCE weighted by the IS weights of π_θ/μ (verl
     ``rollout_correction.loss_type``)."""
+
+    def __post_init__(self) -> None:
+        need(self.is_low is None or 0 < self.is_low <= self.is_cap, "is_low",
+             f"must be in (0, is_cap = {self.is_cap}]")
+        need(self.is_low is None or self.is_level != "none", "is_low",
+             "an IcePop band needs IS weights: set is_level to token or sequence")
+        self.rules()
+        need(bool(self.rollout_rs) or self.rollout_rs_threshold == "", "rollout_rs_threshold",
+             "is set but rollout_rs is empty")
+
+    def rules(self) -> dict[str, str]:
+        """The rejection rules by the statistic they bound -> the key path that set it
+        (``rejection`` and ``rollout_rs``'s presets, each statistic once)."""
+        names: dict[str, str] = {}
+        for i, r in enumerate(self.rejection):
+            try:
+                rule = rollout_options.RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce)
+            except ValueError as exc:
+                raise ConfigError(f"rejection[{i}]: {exc}") from None
+            need(rule.name not in names, f"rejection[{i}]",
+                 f"a second rule for {rule.name} (after {names.get(rule.name)}); merge their "
+                 "bounds")
+            names[rule.name] = f"{HERE}.rejection[{i}]"
+        if self.rollout_rs:
+            need(self.rollout_rs_threshold != "", "rollout_rs_threshold",
+                 "rollout_rs needs its thresholds (verl has no default)")
+            try:
+                presets = rollout_options.parse_rs_preset(self.rollout_rs,
+                                                          self.rollout_rs_threshold)
+            except ValueError as exc:
+                raise ConfigError(f"rollout_rs: {exc}") from None
+            for rule in presets:
+                need(rule.name not in names, "rollout_rs",
+                     f"{rule.name} is already a rule of {names.get(rule.name)}")
+                names[rule.name] = f"{HERE}.rollout_rs"
+        return names
 
 
 class KLControl(_Section, frozen=True):
@@ -147,3 +187,26 @@ class AlgorithmConfig(_Section, frozen=True):
     filter_groups: FilterGroups = FilterGroups()
     """DAPO dynamic sampling: drop groups whose rewards are all equal (verl
     ``algorithm.filter_groups``)."""
+
+    def __post_init__(self) -> None:
+        loss, estimator = self.policy_loss, self.adv_estimator
+        need(self.clip_ratio_low < 1 or not loss.clip_is_ratio, "clip_ratio_low",
+             f"must be < 1 with policy_loss = {loss.name!r}")
+        need(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "clip_ratio_c",
+             "must be > 1 (or 0: off)")
+        need(self.n >= estimator.min_group, "n",
+             f"{estimator.name} needs groups of >= {estimator.min_group}")
+        need(not self.filter_groups.enable or self.n >= 2, "filter_groups.enable",
+             "needs algorithm.n >= 2 (a group of one always has equal rewards)")
+        c = self.correction
+        if c.mode == "bypass":
+            need(loss.takes_correction or not c.rules(), "correction.rejection",
+                 "in bypass mode there is no π_old to compare μ with: rejection acts only with "
+                 "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
+            need(not estimator.old_forward, "adv_estimator",
+                 f"{estimator.name} needs π_old's forward pass (sum_pi_squared), which bypass "
+                 "mode skips (verl: the same); use correction.mode = \"decoupled\"")
+        need(not loss.takes_correction or c.mode == "bypass", "policy_loss",
+             "bypass_mode takes the behaviour log-probs as the old log-probs: set "
+             "algorithm.correction.mode = \"bypass\" (verl: rollout_correction.bypass_mode = "
+             "true)")

@@ -26,6 +26,7 @@ PositiveFinite = Annotated[float, Meta(gt=0, le=BIG)]
 NonNegFinite = Annotated[float, Meta(ge=0, le=BIG)]
 Fraction = Annotated[float, Meta(ge=0, le=1)]  # [0, 1]
 Share = Annotated[float, Meta(gt=0, le=1)]  # (0, 1]
+Decay = Annotated[float, Meta(ge=0, lt=1)]  # [0, 1): a moving average's factor
 Port = Annotated[int, Meta(ge=0, le=65535)]
 FilePath = Annotated[str, Meta(extra={"path": True})]
 # a model directory, named as a FilePath, or "default": the embedded model (kept as it is)
@@ -56,7 +57,7 @@ def refusal(where: str, data: Any, root: type) -> str | None:
     t: Any = msgspec.inspect.type_info(root)
     value = data
     for name, index in re.findall(r"([^.[\]]+)|\[([^\]]*)\]", where):
-        t = _step(t, name)
+        t = _step(t, name, index)
         try:  # the value as given (a table's key is not in the path: [...])
             value = value[name] if name else value[int(index)]
         except (LookupError, TypeError, ValueError):
@@ -92,9 +93,10 @@ def _members(t: Any) -> tuple[Any, ...]:
     return t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
 
 
-def _step(t: Any, name: str) -> Any:
+def _step(t: Any, name: str, index: str = "") -> Any:
     """The type one step into ``t``: its field ``name`` (in the first member of a union of
-    Structs that has one), or (no name) its items or values."""
+    Structs that has one), or (no name) its items or values (of a fixed tuple, item
+    ``index``)."""
     for member in _members(t):
         member = member.type if isinstance(member, msgspec.inspect.Metadata) else member
         field = name and isinstance(member, msgspec.inspect.StructType) and next(
@@ -105,4 +107,7 @@ def _step(t: Any, name: str) -> Any:
             return member.value_type
         if not name and hasattr(member, "item_type"):
             return member.item_type
+        if not name and isinstance(member, msgspec.inspect.TupleType) and index.isdigit() \
+                and int(index) < len(member.item_types):
+            return member.item_types[int(index)]
     return None

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from actors.runtime.config.constraints import Fraction
+
 SHARED_BUDGET = 0.9  # of a shared GPU's memory handed out; the rest is CUDA contexts and slack
 MIN_SHARE = 0.1  # below this a model and its cache or activations do not fit in practice
 DEVICE_ENV = "FLOWRL_DEVICE"  # the process's device as it sees it: cpu or cuda:N
@@ -43,7 +45,7 @@ class PlacedProcess(msgspec.Struct, frozen=True, omit_defaults=True):
     """The actor's name (``learner-0``, ``learner-0.rank1``, ``sampler-2``, ``reward-0``...)."""
     gpus: list[str] = []
     """The GPUs it sees (entries of the runner's CUDA_VISIBLE_DEVICES, or indices); none: CPU."""
-    memory_share: float = 0.0
+    memory_share: Fraction = 0.0
     """Share of each of its GPUs' memory it may use when it shares one (0: the GPU is its own)."""
     shared_with: list[str] = []
     """The other processes on its GPUs."""

@@ -3,9 +3,10 @@
 The rule workers (``[reward]`` itself: built-ins and users' functions) are the pool ``reward``.
 Each ``[[reward.models]]`` entry is a served model, a pool of its own under its ``name``:
 ``replicas`` worker processes, each holding the model. ``ServedModel`` holds what every kind of
-served model has; each kind's own options are its Struct beside its code (a one-label reward
-model: ``actors/scoring/reward_model.py``; an LLM judge: ``actors/scoring/judge.py``), the kinds
-a tagged union on ``kind`` (``RewardConfig.models``). ``score_targets`` is the one place that
+served model has; each kind's own options and checks are its Struct here (``RewardModelConfig``,
+``JudgeConfig``), the kinds a tagged union on ``kind`` (``RewardConfig.models``); what scores with
+each is its module in ``actors/scoring`` (``reward_model.py``, ``judge.py``), chosen by
+``actors/scoring/served.py``. ``score_targets`` is the one place that
 decides which pools score a group and with what weight; the sampler sends each group to every
 one of them and adds the scores.
 
@@ -16,16 +17,21 @@ Torch-free: the runner and the config checks import it.
 
 from __future__ import annotations
 
+import json
+import string
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from actors.runtime.config.constraints import (
     FilePath,
     Finite,
     NonNegFloat,
+    PositiveFinite,
     PositiveInt,
+    PythonName,
     matching,
 )
+from actors.runtime.config.engines import ENGINES, FALLBACK, EngineName
 from actors.runtime.config.schema_base import _Section, need
 
 RULES_POOL = "reward"  # the rule workers' pool
@@ -67,9 +73,114 @@ class ServedModel(_Section, frozen=True, tag_field="kind"):
     def check(self, key: str) -> None:
         """The kind's own checks across its keys or of the world (``key``: the entry's path)."""
 
-    def scorer(self, topology: Any, label: str) -> Any:
-        """What a replica scores with (``actors/scoring/served.py`` loads and batches it)."""
-        raise NotImplementedError
+
+# kind = "reward_model"
+
+class RewardModelConfig(ServedModel, frozen=True, tag="reward_model"):
+    """A one-label ...ForSequenceClassification checkpoint: its logit is the score."""
+
+    max_length: PositiveInt = 1024
+    """Tokens kept per sequence (the start is cut, so the response's end stays)."""
+    reward_mean: Finite = 0.0
+    """The score is (logit - reward_mean) / reward_std."""
+    reward_std: PositiveFinite = 1.0
+    """See reward_mean."""
+
+    def check(self, key: str) -> None:
+        problem = checkpoint_problem(Path(self.path))
+        need(problem is None, f"{key}.path", str(problem))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What keeps ``path`` from being a one-label sequence-classification checkpoint (read from
+    its config.json, so the check needs no torch), or None."""
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{str(path)!r} is not a Hugging Face model directory (no config.json)"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{config} is not readable JSON: {exc}"
+    architectures = data.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return (f"{str(path)!r} holds {', '.join(map(str, architectures)) or 'no architecture'}, "
+                "not a ...ForSequenceClassification reward model")
+    labels = len(data.get("id2label") or {}) or data.get("num_labels", 2)
+    if labels != 1:
+        return f"{str(path)!r} has {labels} labels; a reward model has one (its logit is the score)"
+    return None
+
+
+# kind = "judge"
+
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "problem", "solution")
+DEFAULT_TEMPLATE = """You are given a problem and a proposed solution.
+
+Problem:
+{prompt}
+
+Solution:
+{response}
+
+Please evaluate how well the solution addresses the problem. Give a score from 1 to 10, where
+1 means the solution is completely irrelevant or incorrect, 5 means it is partially correct
+and 10 means it is fully correct and well reasoned.
+
+Only output the score as a single number (integer)."""
+
+
+class JudgeConfig(ServedModel, frozen=True, tag="judge"):
+    """A causal LM that reads ``template`` and writes an answer ``parser`` reads."""
+
+    engine: EngineName = FALLBACK
+    """The generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s engine
+    arguments)."""
+    template: str = DEFAULT_TEMPLATE
+    """The user message it reads, with {prompt}, {response}, {ground_truth} and {data_source}
+    filled in (verl's {problem} and {solution} work too); literal braces doubled."""
+    parser: Literal["number", "score_tag", "boxed", "yes_no", "function"] = "number"
+    """How its answer becomes a score: number (the last number in it), score_tag (the last
+    ``[[x]]``), boxed (the last ``\\boxed{x}``), yes_no (the last yes/no word: 1 or 0), or
+    function (``function_path``'s function, run in a sandboxed child). An answer it cannot read
+    is a recorded score error, never a silent 0."""
+    function_path: FilePath = ""
+    """parser = function: a Python file whose ``function_name`` takes
+    ``(judge_answer, data_source, solution_str, ground_truth, extra_info)`` and returns a score
+    (float or dict(score=...)); raising is an unreadable answer."""
+    function_name: PythonName = "parse_score"
+    """parser = function: the function's name in function_path."""
+    scale: Finite = 1.0
+    """The score is the parsed value times this (0.1 turns a 1-10 rating into 0.1-1)."""
+    max_tokens: PositiveInt = 64
+    """The most tokens of one answer."""
+    temperature: NonNegFloat = 0.0
+    """Sampling temperature of its answers (0: greedy)."""
+
+    def check(self, key: str) -> None:
+        problem = template_problem(self.template)
+        need(problem is None, f"{key}.template", str(problem))
+        if self.parser == "function":
+            need(Path(self.function_path).is_file(), f"{key}.function_path",
+                 f"no file {self.function_path!r} (parser = function needs one)")
+        else:
+            need(not self.function_path, f"{key}.function_path", "only with parser = function")
+        if ENGINES[self.engine].sleeps and self.sleep_idle_s > 0:
+            need(self.device != "cpu", f"{key}.sleep_idle_s",
+                 f"{self.engine} has no sleep mode on a CPU (device = cpu)")
+
+
+def template_problem(template: str) -> str | None:
+    """Why ``template`` cannot be filled in (an unknown field, a stray brace), or None."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        return f"{exc} (literal braces are written {{{{ and }}}})"
+    unknown = [f for f in fields if f not in TEMPLATE_FIELDS]
+    if unknown:
+        return f"unknown field {{{unknown[0]}}}: the fields are {', '.join(TEMPLATE_FIELDS)}"
+    if not fields:
+        return "names no field: the judge would not see the response ({response})"
+    return None
 
 
 def model_replica(reward: Any, index: int) -> tuple[ServedModel, int] | None:
@@ -106,17 +217,21 @@ def score_targets(reward: Any) -> tuple[tuple[str, float], ...]:
     return rules + tuple((m.name, m.weight) for m in reward.models)
 
 
-def check_models(topology: Any) -> None:
-    """``reward.models`` and ``reward.rules``; ``need(ok, key, why)`` raises naming the key."""
-    R = topology.reward
+def check_models(models: list[ServedModel]) -> None:
+    """The pools' names of ``reward.models`` (``RewardConfig`` checks them as it is decoded);
+    ``need(ok, key, why)`` raises naming the key within the section."""
     names: set[str] = set()
-    for i, m in enumerate(R.models):
-        key = f"reward.models[{i}]"
-        need(m.name != RULES_POOL, f"{key}.name", f"{RULES_POOL!r} is the rule workers' pool")
-        need(m.name not in names, f"{key}.name", f"{m.name!r} names two pools")
+    for i, m in enumerate(models):
+        need(m.name != RULES_POOL, f"models[{i}].name", f"{RULES_POOL!r} is the rule workers' pool")
+        need(m.name not in names, f"models[{i}].name", f"{m.name!r} names two pools")
         names.add(m.name)
+
+
+def check_served(topology: Any) -> None:
+    """What ``reward.models`` name in the world: each model's directory, and its kind's own
+    checks (a judge's template and parser file, a reward model's checkpoint)."""
+    for i, m in enumerate(topology.reward.models):
+        key = f"reward.models[{i}]"
         need(bool(m.path) and Path(m.path).is_dir(), f"{key}.path",
              f"{m.path!r} is not a model directory")
         m.check(key)
-    need(R.rules or bool(R.models), "reward.rules",
-         "false needs at least one [[reward.models]] to score with")

@@ -7,12 +7,14 @@ field has a one-line docstring below it. The checks that need more than one fiel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Literal
 
-from actors.registry import BY_NAME, Restart
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import (
+    Decay,
     FilePath,
     Finite,
     Fraction,
@@ -28,18 +30,15 @@ from actors.runtime.config.constraints import (
     matching,
     one_of,
 )
+from actors.runtime.config.engines import EngineChoice, HFOptions, VLLMOptions
+from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
+from actors.runtime.config.pools import JudgeConfig, RewardModelConfig, check_models
 from actors.runtime.config.ray import RayOptions
-from actors.runtime.config.schema_base import ActorCommon, _Section
+from actors.runtime.config.schema_base import ActorCommon, ConfigError, Restart, _Section, need
 from actors.runtime.config.teacher import TeacherConfig
-from actors.runtime.transports.base import TransportChoice
-from actors.sampler.engines.hf_options import HFOptions
-from actors.sampler.engines.registry import EngineChoice
-from actors.sampler.engines.vllm.options import VLLMOptions
-from actors.scoring.judge import JudgeConfig
-from actors.scoring.reward_model import RewardModelConfig
-from actors.scoring.rules import BUILTINS
+from actors.runtime.transports.table import TransportChoice
 
 
 class RunConfig(_Section, frozen=True):
@@ -84,10 +83,13 @@ class RunConfig(_Section, frozen=True):
     experiment_name: str = ""
     """The tracker run's name (verl ``trainer.experiment_name``; default: the run directory's)."""
     launcher: Literal["local", "ray"] = "local"
-    """What starts the actor processes (a row of ``actors/job/launchers/base.py``): this runner
+    """What starts the actor processes (a row of ``actors/job/launchers/table.py``): this runner
     (``local``: on this machine, or on this host of ``[hosts]``), or Ray (``ray``: the runner
     is a Ray driver that reserves the job's resources and starts each process on its node;
     ``[ray]`` says which cluster; ``runner.py topology.toml --ray [ADDRESS]`` sets both)."""
+
+    def __post_init__(self) -> None:
+        need(len(set(self.loggers)) == len(self.loggers), "loggers", "names a logger twice")
 
 
 class ModelConfig(_Section, frozen=True):
@@ -139,6 +141,24 @@ class DatasetConfig(_Section, frozen=True):
     ``image``, when the file has such a column; ``<image>`` in the prompt's text marks where
     each goes (none: all before the first user message's text, as TRL puts them)."""
 
+    def __post_init__(self) -> None:
+        if bool(self.path) == bool(self.builtin):
+            raise ConfigError("set either path or builtin (one of them)")
+
+    @property
+    def label(self) -> str:
+        """Its name in the recording: ``name``, else the built-in's or the file's stem."""
+        return self.name or self.builtin or Path(self.path).stem
+
+
+def _unique_names(datasets: Sequence[DatasetConfig], where: str) -> None:
+    """Each dataset of a list has its own name (``where``: the list's key path)."""
+    names: dict[str, int] = {}
+    for i, d in enumerate(datasets):
+        need(d.label not in names, f"datasets[{i}].name",
+             f"{d.label!r} is already the name of {where}[{names.get(d.label)}]; name one")
+        names[d.label] = i
+
 
 class TaskConfig(_Section, frozen=True):
     name: Annotated[str, one_of(BUILTIN_TASKS)] = "arithmetic"
@@ -156,6 +176,9 @@ class TaskConfig(_Section, frozen=True):
     """arithmetic: operands are drawn from 1..max_operand."""
     system_prompt: str = ""
     """Override the task's system prompt (empty: the task's own)."""
+
+    def __post_init__(self) -> None:
+        _unique_names(self.datasets, "task.datasets")
 
 
 class LoraConfig(_Section, frozen=True):
@@ -175,10 +198,21 @@ class LoraConfig(_Section, frozen=True):
     model alone, what vLLM serves without its tower LoRA (``enable_tower_connector_lora``, which
     the vllm engine turns on with this)."""
 
+    def __post_init__(self) -> None:
+        if self.rank == 0:
+            return
+        need(bool(self.target_modules), "target_modules", "must name a module")
+        # the learner's log-probs take the LM head's weight itself (kernels.lm_head_logprobs): an
+        # adapter there would never train; embedding adapters have no publish path (nor vLLM's)
+        cannot = sorted(set(self.target_modules) & {"lm_head", "embed_tokens"})
+        need(not cannot, "target_modules",
+             f"{cannot}: adapters on the LM head and embeddings are not supported (the learner's "
+             "log-probs read the LM head's weight directly)")
+
 
 class SamplerConfig(SamplerPlacement, frozen=True):
     engine: EngineChoice = "auto"
-    """What generates (a row of ``actors/sampler/engines/registry.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
+    """What generates (a row of ``actors/runtime/config/engines.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
     hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
     and vLLM is installed, hf otherwise (hf is the faster on a CPU: BENCHMARKS.md)."""
     vllm: VLLMOptions = VLLMOptions()
@@ -224,7 +258,7 @@ class SamplerConfig(SamplerPlacement, frozen=True):
     score_attempts: PositiveInt = 3
     """Sends of a scoring request before its group is given up: recorded and dropped as
     ``score_failed``, never waited on forever."""
-    restart: Restart = BY_NAME["sampler"].restart
+    restart: Restart = "on-failure"
     """Samplers hold no state worth keeping, so they restart by default."""
     drain_grace_s: NonNegFloat = 20.0
     """On SIGTERM or Ctrl-C (a detach, or a spot machine's notice) a sampler takes no more
@@ -241,7 +275,8 @@ class RouterConfig(ActorCommon, frozen=True):
     """Seconds before a request in flight at a worker is re-sent elsewhere."""
 
 
-BUILTIN_SCORERS = tuple(BUILTINS)  # the rules of actors/scoring/rules.py
+BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
+                   "calculator")  # the rules of actors/scoring/rules.py (BUILTINS), by name
 
 
 class RewardFunction(_Section, frozen=True):
@@ -263,11 +298,16 @@ class RewardFunction(_Section, frozen=True):
     """Extra keyword arguments for every call (gsm8k: method, format_score; answer_tag:
     format_score)."""
 
+    def __post_init__(self) -> None:
+        if bool(self.builtin) == bool(self.path):
+            raise ConfigError("set either builtin or path (one of them)")
+        need(not (self.builtin and self.batch), "batch", "built-ins score one item per call")
+
 
 class RewardConfig(ActorCommon, frozen=True):
     capacity: PositiveInt = 4
     """Requests one reward worker takes at once."""
-    restart: Restart = BY_NAME["reward"].restart
+    restart: Restart = "on-failure"
     """Reward workers are stateless, so they restart by default."""
     functions: list[RewardFunction] = []
     """Scoring functions, combined by weight (``[[reward.functions]]``). None: each item is
@@ -299,6 +339,13 @@ class RewardConfig(ActorCommon, frozen=True):
     """Score with the rule workers (``functions``, or the data source's built-in) too; false:
     only the served models score (then no overlong penalty, which the rule workers add)."""
 
+    def __post_init__(self) -> None:
+        need(self.memory_mb == 0 or self.memory_mb >= 128, "memory_mb",
+             "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+        check_models(self.models)
+        need(self.rules or bool(self.models), "rules",
+             "false needs at least one [[reward.models]] to score with")
+
 
 class ReplayConfig(ActorCommon, frozen=True):
     address: str = "auto"
@@ -312,12 +359,19 @@ class ReplayConfig(ActorCommon, frozen=True):
     """A sampler silent this long (no request, group or keep-alive: its process hangs or its
     host is cut off) loses its prompts in flight: they are issued again (0: only on restart)."""
 
+    def __post_init__(self) -> None:
+        # the two stateful actors resume together or not at all: the replay buffer rebuilds
+        # itself as of the learner's checkpoint, which only holds when both start from it
+        need(self.restart == "never", "restart",
+             "must be \"never\": restarted alone it would not match the other's state; when it "
+             "dies the job stops, and starting it again with the same run.dir resumes exactly")
+
 
 class LearnerConfig(LearnerPlacement, frozen=True):
     weights_address: str = "auto"
     """Where samplers poll for new weights (ZeroMQ endpoint, or ``auto``)."""
     weights_transport: TransportChoice = "auto"
-    """How weights travel (a row of ``actors/runtime/transports/base.py``): zmq (the tensors in
+    """How weights travel (a row of ``actors/runtime/transports/table.py``): zmq (the tensors in
     the message), shm (a safetensors file in /dev/shm, only its path in the message: samplers on
     the same host), nccl (GPU to GPU, a broadcast group per sampler), ipc (CUDA IPC on one
     host), or auto (shm when weights_address is ipc://, or auto without [hosts]; zmq else;
@@ -368,7 +422,7 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """Low-rank adapters instead of full fine-tuning."""
     weight_decay: NonNegFinite = 0.0
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Decay, Decay] = (0.9, 0.999)
     """AdamW betas."""
     max_grad_norm: PositiveFinite = 1.0
     """Gradient clipping norm."""
@@ -383,6 +437,19 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     """Steps to run under torch.profiler (1: the first step trained), rank 0's: each writes
     RUN_DIR/profiles/learner-0/step_N.txt (ops by CPU and CUDA time) and step_N.trace.json
     (Perfetto, chrome://tracing); docs/debugging.md reads one."""
+
+    def __post_init__(self) -> None:
+        # the two stateful actors resume together or not at all: the replay buffer rebuilds
+        # itself as of the learner's checkpoint, which only holds when both start from it
+        need(self.ppo_mini_batches <= self.groups_per_step, "ppo_mini_batches",
+             f"must be in [1, groups_per_step = {self.groups_per_step}] (mini-batches hold "
+             "whole groups)")
+        need(not (self.offload and self.lora.rank > 0), "offload",
+             "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or "
+             "offload = false)")
+        need(self.restart == "never", "restart",
+             "must be \"never\": restarted alone it would not match the other's state; when it "
+             "dies the job stops, and starting it again with the same run.dir resumes exactly")
 
 
 class ValidationDataset(DatasetConfig, frozen=True):
@@ -412,6 +479,9 @@ class ValidationConfig(_Section, frozen=True):
     in verl's layout or built-in tasks. Each prompt's ``data_source`` names its metrics:
     ``val-core/{data_source}/reward/mean@N``. Empty: no validation."""
 
+    def __post_init__(self) -> None:
+        _unique_names(self.datasets, "validation.datasets")
+
 
 class SecurityConfig(_Section, frozen=True):
     curve: bool = False
@@ -427,6 +497,10 @@ class SecurityConfig(_Section, frozen=True):
     allow_insecure: bool = False
     """Run a job whose ``[hosts]`` are not all private addresses without CURVE (refused unless
     this is true: anyone who reaches the ports could feed it data)."""
+
+    def __post_init__(self) -> None:
+        need(self.curve or not self.authorized_keys, "authorized_keys",
+             "needs security.curve = true")
 
 
 class Topology(_Section, frozen=True):
@@ -453,5 +527,32 @@ class Topology(_Section, frozen=True):
     placement: list[PlacedProcess] = []
     """Filled in by the runner (``actors/runtime/config/gpus.py``): the GPUs and memory share
     of each process it starts; written to topology.json, not set by hand."""
+
+    def __post_init__(self) -> None:
+        """What spans sections (a check that looks at the world, files or the machine, is the
+        runner's: ``actors/job/config/checks.py``)."""
+        L, R, a = self.learner, self.reward, self.algorithm
+        need(self.replay.capacity >= L.groups_per_step, "replay.capacity",
+             f"must hold at least one batch (learner.groups_per_step = {L.groups_per_step})")
+        need(self.replay.reuse <= a.max_staleness + 1, "replay.reuse",
+             f"a group can be served at most once per policy version while it is fresh, so at "
+             f"most algorithm.max_staleness + 1 = {a.max_staleness + 1} times; raise "
+             "max_staleness")
+        max_length = R.max_response_length or self.sampler.max_tokens
+        need(R.overlong_buffer_len <= max_length, "reward.overlong_buffer_len",
+             f"must be <= the response length limit ({max_length})")
+        need(not (L.lora.rank > 0 and L.lora.vision and self.model.freeze_vision),
+             "learner.lora.vision",
+             "adapters on the vision tower would not train with model.freeze_vision = true")
+        if self.agent.rollout.path and self.agent.rollout.branches == "train":
+            why = "train gives groups of unequal size, which "  # (samples on prompts of their own)
+            need(a.adv_estimator.unequal_groups, "agent.rollout.branches",
+                 f"{why}{a.adv_estimator.name} cannot take (it normalises over the whole "
+                 f"batch); set branches = \"last\" or one of {', '.join(UNEQUAL_GROUP_ESTIMATORS)}")
+            need(L.nproc_per_node * L.nnodes == 1, "agent.rollout.branches",
+                 f"{why}learner ranks cannot share out evenly; set branches = \"last\"")
+            need(not self.teacher.path, "agent.rollout.branches",
+                 "train gives samples on prompts of their own, which the teacher's request (one "
+                 "prompt per group) cannot carry yet; with [teacher] set branches = \"last\"")
 
 

@@ -3,10 +3,13 @@ and the keys every actor kind's section has."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
-from actors.registry import Restart
 from actors.runtime.config.constraints import NonNegInt, PositiveInt
+
+Restart = Literal["never", "on-failure"]  # what the runner does when a process of a kind dies
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -20,7 +23,7 @@ class ActorCommon(_Section, frozen=True):
     """torch intra-op threads for this actor's compute (its share of the cores)."""
     restart: Restart = "never"
     """What the runner does when one of these processes dies: stop the job, or restart it
-    (each kind's default is its row in ``actors/registry.py``)."""
+    (the stateless kinds' sections default to on-failure)."""
     max_restarts: NonNegInt = 3
     """Restarts allowed per process before the job is stopped."""
     host: str | list[str] = ""

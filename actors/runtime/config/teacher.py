@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from actors.registry import BY_NAME, Restart
 from actors.runtime.config.constraints import (
     Device,
     ModelPath,
@@ -20,7 +19,7 @@ from actors.runtime.config.constraints import (
     NonNegInt,
     PositiveInt,
 )
-from actors.runtime.config.schema_base import _Section, need
+from actors.runtime.config.schema_base import Restart, _Section, need
 
 
 class TeacherConfig(_Section, frozen=True):
@@ -32,7 +31,7 @@ class TeacherConfig(_Section, frozen=True):
     """Teacher worker processes (the router balances requests over them by load)."""
     threads: PositiveInt = 1
     """torch intra-op threads of each teacher worker."""
-    restart: Restart = BY_NAME["teacher"].restart
+    restart: Restart = "on-failure"
     """A teacher holds no state but its weights, so a failed worker restarts by default (the
     router re-sends what it held)."""
     max_restarts: NonNegInt = 3

@@ -27,7 +27,7 @@ import torch
 from actors.runtime.devices import indexed
 from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
-from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
+from actors.runtime.transports.sources import IpcHandles, WeightsSource, WorkerTransfer
 from messages.codec import encode
 from messages.weights import AdapterSpec, CudaIpcHandle, WeightsHeader
 
@@ -85,8 +85,7 @@ class IpcSender(Sender):
 
 class IpcReceiver(Receiver):
     name = "ipc"
-    # vLLM's RPC to its engine process pickles torch's handle types (allowed there only)
-    worker_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    worker_via = IpcHandles
 
     def __init__(self, device: torch.device | str = "cuda", in_worker: bool = False) -> None:
         self.device = indexed(device)  # where the hf engine's model is
@@ -96,10 +95,6 @@ class IpcReceiver(Receiver):
     @classmethod
     def build(cls, into: ReceiveInto) -> IpcReceiver:
         return cls(into.device, into.in_worker)
-
-    @classmethod
-    def worker_backend(cls, cuda: bool) -> str:
-        return "ipc"  # vLLM's IPCWeightTransferEngine
 
     async def receive(self, header: WeightsHeader, parts: dict[str, torch.Tensor]
                       ) -> WeightsSource:
@@ -114,17 +109,11 @@ class IpcReceiver(Receiver):
                 for m, h in zip(header.tensors, header.handles, strict=True)}
 
     def _worker_transfer(self, header: WeightsHeader) -> WorkerTransfer:
-        handles = [{header.gpu: rebuild_args(h, h.device)} for h in header.handles]
-        init = None if self.initialised else {"packed": False}
+        first = not self.initialised
         self.initialised = True
 
         def done(exc: BaseException | None) -> None:  # (in the sampler's event loop)
             if exc is not None:
                 self.initialised = False  # the next transfer initialises again
 
-        return WorkerTransfer("ipc", init, {
-            "names": [m.name for m in header.tensors],
-            "dtype_names": [m.dtype for m in header.tensors],
-            "shapes": [list(m.shape) for m in header.tensors],
-            "ipc_handles": handles}, done)
-
+        return WorkerTransfer(header.tensors, IpcHandles(header.gpu, header.handles, first), done)

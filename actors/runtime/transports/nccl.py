@@ -42,8 +42,9 @@ buffers), straight into the running model through its layerwise reload; the lear
 with vLLM's own trainer side (``nccl_common.trainer_init``, ``packed_nccl_broadcast_producer``),
 since vLLM's PyNccl communicator and a torch process group cannot share a group. vLLM's NCCL
 engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here. On a CPU the
-engine's workers receive with ``GLOO_BACKEND`` (``engines/vllm/transfer.py``), which speaks this
-module's torch protocol.
+engine's workers receive with flowrl's own weight-transfer engine (``engines/vllm/transfer.py``),
+which speaks this module's torch protocol. How an engine's workers take the transfer is the
+engine's (``engines/vllm/receive.py``): this receiver hands it the group (``GroupBroadcast``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from actors.runtime.devices import indexed, on_device
 from actors.runtime.ranks import free_port
 from actors.runtime.tensors import _TORCH, meta
 from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
-from actors.runtime.transports.sources import WeightsSource, WorkerTransfer
+from actors.runtime.transports.sources import GroupBroadcast, WeightsSource, WorkerTransfer
 from messages.codec import encode
 from messages.tensor import TensorMeta
 from messages.weights import AdapterSpec, TransferGroup, WeightsHeader, WeightsPoll
@@ -74,7 +75,6 @@ if TYPE_CHECKING:
     from actors.runtime.config import LearnerConfig
 
 PYNCCL = "pynccl"  # WeightsPoll.receiver: vLLM's NCCL engine in the engine's workers (packed)
-GLOO_BACKEND = "flowrl_gloo"  # vLLM's weight-transfer backend of this protocol on a CPU
 PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed broadcast: bytes per buffer (its default)
 PACKED_BUFFERS = 2  # vLLM's packed broadcast: buffers in flight (its default)
 POLL_S = 0.001  # how often a CUDA collective's completion is checked while waiting for it
@@ -339,6 +339,7 @@ def _drained(stream: Any, deadline: float) -> None:
 
 class BroadcastReceiver(Receiver):
     name = "nccl"
+    worker_via = GroupBroadcast
 
     def __init__(self, device: torch.device | str = "cpu", in_worker: bool = False,
                  ranks: int = 1, timeout_s: float = 600.0) -> None:
@@ -352,10 +353,6 @@ class BroadcastReceiver(Receiver):
     @classmethod
     def build(cls, into: ReceiveInto) -> BroadcastReceiver:
         return cls(into.device, into.in_worker, into.ranks, into.timeout_s)
-
-    @classmethod
-    def worker_backend(cls, cuda: bool) -> str:
-        return "nccl" if cuda else GLOO_BACKEND  # vLLM's NCCLWeightTransferEngine, or ours
 
     @property
     def pynccl(self) -> bool:
@@ -401,25 +398,15 @@ class BroadcastReceiver(Receiver):
         return out
 
     def _worker_transfer(self, header: WeightsHeader, g: TransferGroup) -> WorkerTransfer:
-        init: dict[str, Any] | None = None
-        if self.group != g:  # a new group: the worker joins it at rank_offset 1
-            init = {"master_address": g.address, "master_port": g.port, "rank_offset": g.rank,
-                    "world_size": g.world}
-            if self.pynccl:
-                init.update(packed=True, packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
-                            packed_num_buffers=PACKED_BUFFERS)
-            else:
-                init.update(bucket_bytes=g.bucket_bytes, timeout_s=self.timeout_s)
-            self.group = g
+        joins = self.group != g  # a new group: the workers join it at rank_offset g.rank
+        self.group = g
 
         def done(exc: BaseException | None) -> None:  # (in the sampler's event loop)
             if exc is not None:
                 self.group = None  # the next header brings a new group
 
-        return WorkerTransfer(self.worker_backend(self.pynccl), init, {
-            "names": [m.name for m in header.tensors],
-            "dtype_names": [m.dtype for m in header.tensors],
-            "shapes": [list(m.shape) for m in header.tensors]}, done)
+        return WorkerTransfer(header.tensors, GroupBroadcast(g, joins, self.pynccl,
+                                                             self.timeout_s), done)
 
     def drop(self) -> None:
         if self.joined is not None:

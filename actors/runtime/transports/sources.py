@@ -4,9 +4,10 @@
   hf engine, tensors already on the sampler's device).
 - ``SharedWeights``: a safetensors file in shared memory (shm); an engine that reads files
   itself (vLLM's worker) loads it from its ``path``, the hf engine reads its tensors.
-- ``WorkerTransfer``: a GPU transfer that the engine's own worker takes part in (vLLM's
-  weight-transfer engines, NCCL or CUDA IPC): the engine passes ``init`` (once per transfer
-  group) and ``update`` to vLLM's ``init_weight_transfer_engine`` / ``update_weights``.
+- ``WorkerTransfer``: a GPU transfer that the engine's own workers receive (an engine whose row
+  says ``in_worker``): the tensors it carries and how they come (``via``: a broadcast in a
+  transfer group, ``GroupBroadcast``, or CUDA IPC handles, ``IpcHandles``), in the transport's
+  terms; the engine makes its own calls of it (vLLM: ``engines/vllm/receive.py``).
 - ``AdapterWeights``: LoRA adapters only (any transport above carries them), with their
   ``AdapterSpec``; the base model the engine started with stays as it is.
 
@@ -19,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from messages.weights import AdapterSpec
+    from messages.tensor import TensorMeta
+    from messages.weights import AdapterSpec, CudaIpcHandle, TransferGroup
 
 
 class SharedWeights(Mapping):
@@ -60,14 +62,36 @@ class SharedWeights(Mapping):
                 yield name, f.get_tensor(name)
 
 
+@dataclass(frozen=True)
+class GroupBroadcast:
+    """The learner broadcasts the tensors in ``group`` (the nccl transport), in buckets of
+    ``group.bucket_bytes``, closed by an all-reduce; the workers join the group first when
+    ``joins`` (a new group), at ranks from ``group.rank``."""
+
+    group: TransferGroup
+    joins: bool
+    packed: bool  # the sender speaks vLLM's packed PyNccl protocol (receivers on CUDA)
+    timeout_s: float  # a receive waiting longer fails
+
+
+@dataclass(frozen=True)
+class IpcHandles:
+    """The learner's tensors on its GPU (``gpu``: its UUID), opened from their CUDA IPC
+    ``handles`` (the ipc transport); ``first``: the workers' first transfer of this kind (or
+    the first after one failed)."""
+
+    gpu: str
+    handles: list[CudaIpcHandle]
+    first: bool
+
+
 @dataclass
 class WorkerTransfer:
-    """A GPU transfer into a vLLM engine's worker, through vLLM's weight-transfer API: the
-    sender moves the bytes while the worker receives them straight into the model."""
+    """A GPU transfer into an engine's own workers: the sender moves the bytes while the
+    workers receive them straight into the model."""
 
-    backend: str  # vLLM's weight-transfer backend: "nccl" or "ipc"
-    init: dict[str, Any] | None  # init_weight_transfer_engine's init_info (a new group), or None
-    update: dict[str, Any]  # update_weights' update_info (names, dtype_names, shapes, ...)
+    tensors: list[TensorMeta]  # what the version holds, in order
+    via: GroupBroadcast | IpcHandles
     done: Callable[[BaseException | None], None] = field(default=lambda exc: None)
     """Tell the receiving side how the engine's part ended (None: loaded), in the sampler's
     event loop; the engine calls it once, either way (the subscriber waits for it)."""

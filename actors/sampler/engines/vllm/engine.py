@@ -64,7 +64,6 @@ import trio
 
 from actors.data.vision import decode
 from actors.runtime.config.gpus import process_share
-from actors.runtime.transports.base import TRANSPORTS
 from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
@@ -72,6 +71,7 @@ from actors.runtime.transports.sources import (
     WeightsSource,
     WorkerTransfer,
 )
+from actors.runtime.transports.table import TRANSPORTS
 from actors.sampler.engines.base import (
     AdapterLimits,
     EngineSpec,
@@ -81,6 +81,7 @@ from actors.sampler.engines.base import (
 )
 from actors.sampler.engines.vllm.images import check_expanded, image_token_id, tokens_prompt
 from actors.sampler.engines.vllm.lora import AdapterSlots, lora_options, save_tensors, write_adapter
+from actors.sampler.engines.vllm.receive import backend, calls, worker_env
 from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
 
@@ -337,8 +338,8 @@ class VLLMEngine:
         return load
 
     def _receive(self, transfer: WorkerTransfer) -> Callable[[], Awaitable[float]]:
-        """vLLM's own weight-transfer round, while the learner sends (``transports/nccl.py``,
-        ``ipc.py``): joining a new group first when the transfer brings one."""
+        """vLLM's own weight-transfer round, while the learner sends (``receive.calls``):
+        joining a new group first when the transfer brings one."""
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
             WeightTransferUpdateRequest,
@@ -346,11 +347,12 @@ class VLLMEngine:
 
         async def receive() -> float:
             started = time.perf_counter()
-            if transfer.init is not None:
+            init, update = calls(transfer)
+            if init is not None:
                 await self.llm.init_weight_transfer_engine(
-                    WeightTransferInitRequest(init_info=transfer.init))
+                    WeightTransferInitRequest(init_info=init))
             await self.llm.start_weight_update()
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=transfer.update))
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update))
             await self.llm.finish_weight_update()
             await self.llm.collective_rpc("flowrl_redispatch_head")
             return time.perf_counter() - started
@@ -426,20 +428,19 @@ class VLLMEngine:
 
 async def start(spec: EngineSpec) -> VLLMEngine:
     """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
-    ``sampler.vllm`` and the sampler's keys; a weights transport whose receiver has a backend
-    for vLLM's weight-transfer API (nccl, ipc) makes the worker build that backend's engine."""
+    ``sampler.vllm`` and the sampler's keys; a weights transport whose transfers the workers
+    receive (``receive.backend``) makes the worker build vLLM's engine for them."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
-    receiver = TRANSPORTS[spec.transport].halves().receiver if spec.transport else None
-    for key, value in receiver.worker_env.items() if receiver else ():
+    via = TRANSPORTS[spec.transport].halves().receiver.worker_via if spec.transport else None
+    for key, value in worker_env(via).items():
         os.environ.setdefault(key, value)  # read by the engine process vLLM starts
     settings = VLLMSettings(cfg.vllm.engine_args(gpu=gpu, share=process_share()),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
                             sleep_idle_s=cfg.sleep_idle_s, adapters=spec.adapters,
                             memory=spec.memory,
-                            weight_transfer=receiver.worker_backend(torch.cuda.is_available())
-                            if receiver else "")
+                            weight_transfer=backend(via, torch.cuda.is_available()))
     return await VLLMEngine.start(spec.model, spec.dtype, spec.seed, settings)
 
 

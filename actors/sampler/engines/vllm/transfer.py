@@ -25,7 +25,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from actors.runtime.tensors import _TORCH
-from actors.runtime.transports.nccl import GLOO_BACKEND, TorchGroup, buckets_of, nbytes
+from actors.runtime.transports.nccl import TorchGroup, buckets_of, nbytes
+from actors.sampler.engines.vllm.receive import GLOO_BACKEND
 from actors.sampler.engines.vllm.worker import FlowrlWorkerExtension
 from messages.tensor import TensorMeta
 from messages.weights import TransferGroup
