@@ -1,7 +1,8 @@
 """A served generative judge: an LLM reads a prompt template filled with the prompt, the
 response and the ground truth, and a parser turns its answer into a score.
 
-``[[reward.models]] kind = "judge"``: its options (``JudgeConfig``) and its scorer (``Judge``).
+``[[reward.models]] kind = "judge"``: its scorer (``Judge``; its options, ``JudgeConfig``, with
+the template's check, are the config's: ``actors/runtime/config/pools.py``).
 The template follows verl's GenRM examples (``{problem}``/``{solution}`` are accepted beside
 ``{prompt}``/``{response}``); the built-in parsers read the conventions judges are prompted
 with: a bare number (verl's GenRM rates 1-10 and reads the last line's integer), MT-Bench's

@@ -1,7 +1,7 @@
 """A served reward model: a Hugging Face sequence-classification checkpoint with one label.
 
-``[[reward.models]] kind = "reward_model"``: its options (``RewardModelConfig``) and its scorer
-(``RewardModel``). The text scored is the prompt's messages plus the response, through the
+``[[reward.models]] kind = "reward_model"``: its scorer (``RewardModel``; its options,
+``RewardModelConfig``, are the config's: ``actors/runtime/config/pools.py``). The text scored is the prompt's messages plus the response, through the
 tokenizer's chat template when it has one (the response as the assistant's turn), else the
 messages' contents and the response joined by newlines. The score is the label's logit at the
 last token (as TRL and OpenRLHF reward models are trained), shifted and scaled by
@@ -11,7 +11,7 @@ A replica loads the model once and runs it on a worker thread, ``batch_size`` se
 forward (the items of concurrent requests together: ``actors/scoring/served.py``): it is the
 job's own trusted checkpoint, not user code, and reloading it in a fresh child after every
 timeout would cost more than the call. torch and transformers are imported only when a replica
-loads it, so the config imports without them.
+loads it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -217,7 +218,7 @@ def score_targets(reward: Any) -> tuple[tuple[str, float], ...]:
     return rules + tuple((m.name, m.weight) for m in reward.models)
 
 
-def check_models(models: list[ServedModel]) -> None:
+def check_models(models: Sequence[ServedModel]) -> None:
     """The pools' names of ``reward.models`` (``RewardConfig`` checks them as it is decoded);
     ``need(ok, key, why)`` raises naming the key within the section."""
     names: set[str] = set()
