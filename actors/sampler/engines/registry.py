@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from actors.runtime.config.engines import ENGINES, FALLBACK, engine_gpus
+from actors.runtime.config.engines import ENGINES, engine_gpus
 from actors.runtime.transports.base import ReceiveInto
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ async def _start_vllm(spec: EngineSpec) -> Engine:
 
 
 STARTS: dict[str, Callable[[EngineSpec], Awaitable[Engine]]] = {
-    FALLBACK: _start_hf, "vllm": _start_vllm}  # one per row of ENGINES
+    "hf": _start_hf, "vllm": _start_vllm}  # one per row of ENGINES
 
 
 async def start(name: str, spec: EngineSpec) -> Engine:
