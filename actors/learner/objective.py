@@ -27,7 +27,6 @@ from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs
 from kernels.policy_losses import policy_loss
 from kernels.rollout_corr import rollout_correction
-from kernels.rollout_options import RejectionRule, parse_rs_preset
 from kernels.value_loss import value_loss
 from kernels.varlen_attention import packed_call
 
@@ -120,16 +119,6 @@ class Correction:
     metrics: dict[str, float]
 
 
-def rejection_rules(algo: AlgorithmConfig) -> list[RejectionRule]:
-    """Every rejection rule of ``algorithm.correction``: ``rejection``, then ``rollout_rs``'s
-    (validated when the topology was loaded)."""
-    c = algo.correction
-    rules = [RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce) for r in c.rejection]
-    if c.rollout_rs:
-        rules += parse_rs_preset(c.rollout_rs, c.rollout_rs_threshold)
-    return rules
-
-
 def correction_options(algo: AlgorithmConfig) -> dict:
     """``algorithm.correction`` as the options of ``kernels.rollout_corr.rollout_correction``
     (and of the ``bypass_mode`` loss), verl's ``algorithm.rollout_correction`` names."""
@@ -137,7 +126,7 @@ def correction_options(algo: AlgorithmConfig) -> dict:
     return dict(rollout_is=None if c.is_level == "none" else c.is_level,
                 rollout_is_threshold=c.is_cap if c.is_low is None else (c.is_low, c.is_cap),
                 rollout_is_batch_normalize=c.normalize_weights,
-                rollout_rs=rejection_rules(algo) or None)
+                rollout_rs=c.rejection_rules() or None)
 
 
 def correction(algo: AlgorithmConfig, old: torch.Tensor, behav: torch.Tensor,

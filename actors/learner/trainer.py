@@ -61,7 +61,6 @@ from actors.learner.objective import (
     correction_options,
     critic_loss,
     micro_batch_loss,
-    rejection_rules,
     response_logprobs,
 )
 from actors.learner.packing import micro_batches, micro_limits, refine
@@ -218,7 +217,7 @@ class Trainer:
         c = algo.correction
         otb = algo.adv_estimator.old_forward  # needs π_old before advantages
         inline_old = (c.mode == "decoupled" and cfg.ppo_epochs == 1 and cfg.ppo_mini_batches == 1
-                      and not rejection_rules(algo) and not c.normalize_weights
+                      and not c.rejection_rules() and not c.normalize_weights
                       and not algo.use_kl_in_reward and not otb)
         mask = batch.response_mask
         times.end("prepare")
@@ -278,10 +277,9 @@ class Trainer:
         if s.otb:
             inputs.update(old_logprobs=s.old, sum_pi_squared=s.sum_pi_sq,
                           is_weights=s.batch_corr.weights if s.batch_corr is not None else None)
-        if keys := getattr(est, "gdpo_reward_keys", None):  # reward components, one per key
+        if keys := est.reward_keys():  # reward components, one per key
             components = reward_components(s.groups, keys).to(mask.device)
-            inputs.update(reward_components=components,
-                          reward_weights=getattr(est, "gdpo_reward_weights", None) or None)
+            inputs.update(reward_components=components)
             s.metrics.update(_gdpo_metrics(keys, components))
         s.advantages, s.returns = compute_advantages(
             est.name, rewards, mask, group_size=batch.group_size, values=s.values,

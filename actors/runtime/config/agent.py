@@ -18,7 +18,7 @@ from actors.runtime.config.constraints import (
     PythonNameOrUnset,
     one_of,
 )
-from actors.runtime.config.schema_base import ConfigError, _Section, need
+from actors.runtime.config.schema_base import ConfigError, _Section, need, need_child_memory
 
 BUILTIN_TOOLS = ("calculator", "python")
 
@@ -122,8 +122,7 @@ class AgentConfig(_Section, frozen=True):
     error the model reads, counted in the sampler's ``tool_errors``."""
 
     def __post_init__(self) -> None:
-        need(self.memory_mb == 0 or self.memory_mb >= 128, "memory_mb",
-             "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+        need_child_memory(self.memory_mb)
         need(not (self.tools and self.env.path), "env.path",
              "an environment replaces tools: set agent.tools or agent.env, not both")
         names: dict[str, int] = {}

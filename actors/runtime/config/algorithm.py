@@ -82,14 +82,16 @@ class CorrectionConfig(_Section, frozen=True):
              f"must be in (0, is_cap = {self.is_cap}]")
         need(self.is_low is None or self.is_level != "none", "is_low",
              "an IcePop band needs IS weights: set is_level to token or sequence")
-        self.rules()
+        self.rejection_rules()
         need(bool(self.rollout_rs) or self.rollout_rs_threshold == "", "rollout_rs_threshold",
              "is set but rollout_rs is empty")
 
-    def rules(self) -> dict[str, str]:
-        """The rejection rules by the statistic they bound -> the key path that set it
-        (``rejection`` and ``rollout_rs``'s presets, each statistic once)."""
-        names: dict[str, str] = {}
+    def rejection_rules(self) -> list[rollout_options.RejectionRule]:
+        """Every rejection rule, as the learner's kernels apply them: ``rejection``, then
+        ``rollout_rs``'s presets, each statistic bounded once (a ``ConfigError`` naming the key
+        within the section otherwise)."""
+        rules: list[rollout_options.RejectionRule] = []
+        names: dict[str, str] = {}  # statistic -> the key path that bounds it
         for i, r in enumerate(self.rejection):
             try:
                 rule = rollout_options.RejectionRule(r.statistic, r.level, r.low, r.high, r.reduce)
@@ -99,6 +101,7 @@ class CorrectionConfig(_Section, frozen=True):
                  f"a second rule for {rule.name} (after {names.get(rule.name)}); merge their "
                  "bounds")
             names[rule.name] = f"{HERE}.rejection[{i}]"
+            rules.append(rule)
         if self.rollout_rs:
             need(self.rollout_rs_threshold != "", "rollout_rs_threshold",
                  "rollout_rs needs its thresholds (verl has no default)")
@@ -111,7 +114,8 @@ class CorrectionConfig(_Section, frozen=True):
                 need(rule.name not in names, "rollout_rs",
                      f"{rule.name} is already a rule of {names.get(rule.name)}")
                 names[rule.name] = f"{HERE}.rollout_rs"
-        return names
+                rules.append(rule)
+        return rules
 
 
 class KLControl(_Section, frozen=True):
@@ -200,7 +204,7 @@ class AlgorithmConfig(_Section, frozen=True):
              "needs algorithm.n >= 2 (a group of one always has equal rewards)")
         c = self.correction
         if c.mode == "bypass":
-            need(loss.takes_correction or not c.rules(), "correction.rejection",
+            need(loss.takes_correction or not c.rejection_rules(), "correction.rejection",
                  "in bypass mode there is no π_old to compare μ with: rejection acts only with "
                  "algorithm.policy_loss = \"bypass_mode\" (on π_θ/μ)")
             need(not estimator.old_forward, "adv_estimator",

@@ -40,6 +40,11 @@ class EstimatorRow(_Section, frozen=True, tag_field="name"):
         """``compute_advantages``' keyword arguments from this row's options."""
         return msgspec.structs.asdict(self)
 
+    def reward_keys(self) -> list[str]:
+        """The reward components it takes beside the reward, keys of the scorer's result dict
+        (the learner hands them as ``reward_components``); none for most."""
+        return []
+
 
 class _NormByStd(EstimatorRow, frozen=True):
     norm_adv_by_std_in_grpo: bool = True
@@ -139,6 +144,12 @@ class Gdpo(_NormByStd, frozen=True, tag="gdpo"):
     function's label holds its score), each normalised within its group on its own."""
     gdpo_reward_weights: list[Finite] = []
     """One weight per key in gdpo_reward_keys (empty: all 1.0)."""
+
+    def kernel_options(self) -> dict:
+        return {**super().kernel_options(), "reward_weights": self.gdpo_reward_weights or None}
+
+    def reward_keys(self) -> list[str]:
+        return self.gdpo_reward_keys
 
     def __post_init__(self) -> None:
         keys = self.gdpo_reward_keys

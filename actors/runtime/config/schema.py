@@ -36,7 +36,14 @@ from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.pools import JudgeConfig, RewardModelConfig, check_models
 from actors.runtime.config.ray import RayOptions
-from actors.runtime.config.schema_base import ActorCommon, ConfigError, Restart, _Section, need
+from actors.runtime.config.schema_base import (
+    ActorCommon,
+    ConfigError,
+    Restart,
+    _Section,
+    need,
+    need_child_memory,
+)
 from actors.runtime.config.teacher import TeacherConfig
 from actors.runtime.transports.table import TransportChoice
 
@@ -340,11 +347,19 @@ class RewardConfig(ActorCommon, frozen=True):
     only the served models score (then no overlong penalty, which the rule workers add)."""
 
     def __post_init__(self) -> None:
-        need(self.memory_mb == 0 or self.memory_mb >= 128, "memory_mb",
-             "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+        need_child_memory(self.memory_mb)
         check_models(self.models)
         need(self.rules or bool(self.models), "rules",
              "false needs at least one [[reward.models]] to score with")
+
+
+def _never_restarted(restart: str) -> None:
+    """The replay buffer's and the learner's ``restart``: the two stateful actors resume
+    together or not at all (the replay buffer rebuilds itself as of the learner's checkpoint,
+    which only holds when both start from it)."""
+    need(restart == "never", "restart",
+         "must be \"never\": restarted alone it would not match the other's state; when it "
+         "dies the job stops, and starting it again with the same run.dir resumes exactly")
 
 
 class ReplayConfig(ActorCommon, frozen=True):
@@ -360,11 +375,7 @@ class ReplayConfig(ActorCommon, frozen=True):
     host is cut off) loses its prompts in flight: they are issued again (0: only on restart)."""
 
     def __post_init__(self) -> None:
-        # the two stateful actors resume together or not at all: the replay buffer rebuilds
-        # itself as of the learner's checkpoint, which only holds when both start from it
-        need(self.restart == "never", "restart",
-             "must be \"never\": restarted alone it would not match the other's state; when it "
-             "dies the job stops, and starting it again with the same run.dir resumes exactly")
+        _never_restarted(self.restart)
 
 
 class LearnerConfig(LearnerPlacement, frozen=True):
@@ -439,17 +450,13 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     (Perfetto, chrome://tracing); docs/debugging.md reads one."""
 
     def __post_init__(self) -> None:
-        # the two stateful actors resume together or not at all: the replay buffer rebuilds
-        # itself as of the learner's checkpoint, which only holds when both start from it
         need(self.ppo_mini_batches <= self.groups_per_step, "ppo_mini_batches",
              f"must be in [1, groups_per_step = {self.groups_per_step}] (mini-batches hold "
              "whole groups)")
         need(not (self.offload and self.lora.rank > 0), "offload",
              "needs full fine-tuning: LoRA trains unsharded (set learner.lora.rank = 0 or "
              "offload = false)")
-        need(self.restart == "never", "restart",
-             "must be \"never\": restarted alone it would not match the other's state; when it "
-             "dies the job stops, and starting it again with the same run.dir resumes exactly")
+        _never_restarted(self.restart)
 
 
 class ValidationDataset(DatasetConfig, frozen=True):

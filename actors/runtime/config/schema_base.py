@@ -39,6 +39,13 @@ class ConfigError(ValueError):
 
 def need(ok: bool, key: str, why: str) -> None:
     """The one form of a check the types alone cannot make: raise ``ConfigError("key: why")``
-    unless ``ok`` (``key`` the full key path of the value at fault)."""
+    unless ``ok``. ``key``: the full key path of the value at fault, or, in a section's
+    ``__post_init__``, its key within the section (decoding puts the section's path before it)."""
     if not ok:
         raise ConfigError(f"{key}: {why}")
+
+
+def need_child_memory(memory_mb: int) -> None:
+    """A sandboxed child's ``memory_mb`` (reward functions', tools'): 0 or enough for Python."""
+    need(memory_mb == 0 or memory_mb >= 128, "memory_mb",
+         "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")

@@ -356,8 +356,8 @@ class BroadcastReceiver(Receiver):
 
     @property
     def pynccl(self) -> bool:
-        """The engine's workers receive with vLLM's NCCL engine (on CUDA); on a CPU with
-        ``GLOO_BACKEND``."""
+        """The engine's workers receive with vLLM's NCCL engine (on CUDA: the packed protocol);
+        on a CPU with this module's torch protocol (``engines/vllm/transfer.py``)."""
         return self.in_worker and self.device.type == "cuda"
 
     def poll_fields(self) -> dict[str, Any]:
