@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from actors.job.config.load import load_topology
 from actors.registry import ATTACHABLE
@@ -41,7 +42,12 @@ from actors.runtime.security import keygen
 NO_ADDRESS = "\0"  # --ray given without an address: the topology's ray.address stands
 
 
-def attach_main(argv: list[str]) -> int:
+def attach_main(argv: list[str]) -> NoReturn:
+    # a SIGTERM or Ctrl-C from now on is a detach: the worker stops (before it attached, at
+    # once), and the process ends through exit_process, with no moment when a signal kills it
+    from actors.runtime.actor import exit_process, hold_stop_signals
+
+    hold_stop_signals()
     parser = argparse.ArgumentParser(
         prog="runner.py attach", description="Attach one worker to a running job (Ctrl-C detaches it).",
         epilog="example: python runner.py attach reward --to runs/20260101-120000 reward.capacity=8",
@@ -65,9 +71,10 @@ def attach_main(argv: list[str]) -> int:
                         help="CURVE key (NAME.key_secret from runner.py keygen) for a job with "
                              "[security]; default: the job's own client key in its keys_dir")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the worker's section")
+    args = parser.parse_intermixed_args(argv)
     from actors.job.attach import attach_command
 
-    return attach_command(parser.parse_intermixed_args(argv))
+    exit_process(attach_command(args))
 
 
 def rerun_main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from actors.registry import BY_NAME
-from actors.runtime.actor import exit_process, run_actor
+from actors.runtime.actor import exit_process, hold_stop_signals, run_actor
 from actors.runtime.config import Topology
 from actors.runtime.ranks import Rank, rank_label
 from actors.runtime.rundir import TOPOLOGY
@@ -22,6 +22,7 @@ from actors.runtime.security import job_keys
 
 
 def main(argv: list[str]) -> int:
+    hold_stop_signals()  # the runner's SIGTERM while the body's imports load stops it, not kills it
     if len(argv) != 3 or argv[1] not in BY_NAME:
         sys.stderr.write(f"usage: python -m actors.main RUN_DIR {{{','.join(BY_NAME)}}} INDEX\n")
         return 2

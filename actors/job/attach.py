@@ -25,11 +25,17 @@ from zmq.utils.monitor import parse_monitor_message
 
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.registry import BY_NAME
+from actors.runtime.actor import run_actor, stop_signalled
 from actors.runtime.config import ConfigError
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import FAILURES, HandshakeRefused, attach_keys
 from messages.codec import Codec, DecodeError, encode
 from messages.control import AskTopology, JobTopology, ToAttacher
+
+
+class StoppedBeforeAttaching(Exception):
+    """A stop signal came before the worker joined the job: it leaves with nothing to hand back."""
+
 
 ASK_TIMEOUT_S = 15.0  # how long the runner's answer is waited for
 ASK_AGAIN_S = 1.0  # the question is repeated this often (a CURVE handshake may come late)
@@ -54,6 +60,8 @@ def ask_topology(address: str, server_key: str, key: str | None) -> dict:
                 poller.register(s, zmq.POLLIN)
         codec: Codec[ToAttacher] = Codec(ToAttacher)
         for _ in range(int(ASK_TIMEOUT_S / ASK_AGAIN_S)):
+            if stop_signalled():  # Ctrl-C or SIGTERM while waiting: nothing to attach
+                raise StoppedBeforeAttaching(f"stopped while asking {address} for the job")
             sock.send(encode(AskTopology()))
             ready = dict(poller.poll(int(ASK_AGAIN_S * 1000)))
             if monitor is not None and monitor in ready:
@@ -124,10 +132,11 @@ def attached_index(topology, kind: str, pool: str) -> int:
 
 def attach_command(args: argparse.Namespace) -> int:
     """Start one worker of ``args.kind`` in this process, joined to the running job."""
-    from actors.runtime.actor import run_actor
-
     try:
         data, report_to = job_topology(args)
+    except StoppedBeforeAttaching as exc:
+        print(f"=== {exc}", flush=True)
+        return 0
     except HandshakeRefused as exc:  # as a refused worker says it (status 1)
         print(f"error: [{args.kind} attach] {exc}", file=sys.stderr)
         return 1

@@ -124,10 +124,28 @@ def _note_signal(signum: int, frame: object) -> None:
     _stop_signalled.set()
 
 
+def hold_stop_signals() -> None:
+    """From here until the process ends, SIGTERM and SIGINT are noted, never fatal: an actor
+    stops on them (at once if one came before it started), and one that comes while the process
+    exits changes nothing. Called first thing by an actor's process (``actors/main.py``,
+    ``runner.py attach``), which then ends through ``exit_process``: the interpreter's own
+    teardown puts the default handlers back before it frees the process's objects, so a signal
+    during those seconds would kill a process that had already finished its work (status -15
+    after a clean drain)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _note_signal)
+
+
+def stop_signalled() -> bool:
+    """Whether SIGTERM or SIGINT came since ``hold_stop_signals`` (before the actor ran: it
+    stops before serving)."""
+    return _stop_signalled.is_set()
+
+
 async def _signals(ctx: ActorContext, scope: anyio.CancelScope) -> None:
     # Ctrl-C in a terminal reaches every actor and the runner (whose Stop follows): the first
     # of the two cancels; signals still queued when the receiver closes are re-delivered by
-    # trio to the process handler, which ``run_actor`` set to ``_note_signal``: no
+    # trio to the process handler, ``_note_signal`` (``hold_stop_signals``): no
     # KeyboardInterrupt in the middle of shutdown. A body that drains (``drain_grace_s``) is
     # asked to first; a second signal, or the grace running out, cancels.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -227,8 +245,7 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
         control = report_to or None
         ctx.status["attached"] = kind  # the runner adds a row for it when it reports Ready
     parent = os.getppid() if supervised else None
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _note_signal)
+    hold_stop_signals()
     try:
         anyio.run(serve_actor, ctx, body, control, parent, backend="trio")
         return 0
