@@ -1,8 +1,8 @@
 """A worker attached by hand (``runner.py attach``) leaves with status 0 whenever its stop signal
 comes: before it serves, while it drains, and while its process exits. Each case keeps sending
-SIGTERM, a thousand a second, from its moment until the process is gone, so any instant at
-which a signal could still kill the process (the interpreter's teardown restores the default
-handlers) is hit. A real router runs in this process; the worker is a real ``runner.py attach
+SIGTERM, a hundred a second, from its moment until the process is gone, so an instant at which a
+signal could still kill the process (the interpreter's teardown, seconds long, restores the
+default handlers) is hit. A real router runs in this process; the worker is a real ``runner.py attach
 reward`` process with a scoring function slow enough to hold a request through the drain, and
 the request it holds is answered."""
 
@@ -26,13 +26,13 @@ from tests.test_reward_worker import SLOW_FUNCTION, reply_to, worker_entry
 
 
 async def signal_until_gone(worker: anyio.abc.Process) -> int:
-    """SIGTERM every millisecond until ``worker`` has exited; its exit status."""
+    """SIGTERM every 10 ms until ``worker`` has exited; its exit status."""
     while worker.returncode is None:
         try:
             os.kill(worker.pid, signal.SIGTERM)
         except ProcessLookupError:
             break
-        await anyio.sleep(0.001)
+        await anyio.sleep(0.01)
     return await worker.wait()
 
 

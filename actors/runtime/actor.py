@@ -115,13 +115,16 @@ async def _control_listener(ctx: ActorContext, scope: anyio.CancelScope) -> None
             return
 
 
-_stop_signalled = threading.Event()  # a stop signal arrived outside the receiver below
+_stop_signalled = False  # a stop signal arrived outside the receiver below
 CONTROL_LINGER_MS = 1000  # the last reports (Finished) get this long to leave at exit
 DRAIN_MARGIN_S = 5.0  # past a body's drain grace: time to say goodbye before cancellation
 
 
 def _note_signal(signum: int, frame: object) -> None:
-    _stop_signalled.set()
+    # one store, no lock: signals that keep coming may nest this handler at its entry, and a
+    # handler that took locks or called functions would nest deeper under a burst
+    global _stop_signalled
+    _stop_signalled = True
 
 
 def hold_stop_signals() -> None:
@@ -139,7 +142,7 @@ def hold_stop_signals() -> None:
 def stop_signalled() -> bool:
     """Whether SIGTERM or SIGINT came since ``hold_stop_signals`` (before the actor ran: it
     stops before serving)."""
-    return _stop_signalled.is_set()
+    return _stop_signalled
 
 
 async def _signals(ctx: ActorContext, scope: anyio.CancelScope) -> None:
@@ -149,7 +152,7 @@ async def _signals(ctx: ActorContext, scope: anyio.CancelScope) -> None:
     # KeyboardInterrupt in the middle of shutdown. A body that drains (``drain_grace_s``) is
     # asked to first; a second signal, or the grace running out, cancels.
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        if not _stop_signalled.is_set():
+        if not _stop_signalled:
             async for _ in signals:
                 break
         if ctx.drain_grace_s is not None and ctx.draining is not None:
