@@ -264,14 +264,15 @@ def test_kill_9_everything_and_resume_from_the_recording(tiny_model, tmp_path, k
     assert c["issued"] == c["trained"] + c["dropped"] + c["in_flight"] >= rows[-1]["replay/issued"]
 
 
-def test_a_second_runner_on_the_same_run_dir_is_refused(tmp_path):
+def test_a_second_runner_on_the_same_run_dir_is_refused(tiny_model, tmp_path):
+    """(On the tiny model: the embedded one's first use converts it, half a minute on its own.)"""
     import fcntl
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with open(run_dir / ".runner.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live runner holds it
-        res = subprocess.run([sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(command(tiny_model, run_dir), cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
     assert res.returncode == 2 and "another runner is using" in res.stderr
     assert not (run_dir / "topology.json").exists()
 
