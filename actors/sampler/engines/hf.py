@@ -19,6 +19,7 @@ and matching stop strings); prompts arrive as token ids and completions leave as
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import typing
@@ -177,11 +178,19 @@ def graph_trees_here() -> None:
     replays its graphs through them). torch sets it up in the main thread and in autograd's own
     threads only; in a worker thread (``run_compute``) the compiled decode step otherwise fails
     at its first replay with an AssertionError in ``cudagraph_trees.get_obj``. Each thread that
-    decodes records its own graphs."""
-    if not torch._C._is_key_in_tls("tree_manager_containers"):
-        from torch._inductor import cudagraph_trees
+    decodes records its own graphs. What torch's module does for its own thread at import, in
+    the same words on every torch from 2.6 on (the helper that later releases have for it, and
+    their ``get_obj`` that calls it, are not in the older ones)."""
+    if torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    from torch._inductor import cudagraph_trees
 
-        cudagraph_trees._initialize_tls(cudagraph_trees.local)
+    local = cudagraph_trees.local  # a threading.local: these attributes are this thread's
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    # (autograd's threads copy what is stashed in the thread-local state)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 class HFEngine:
