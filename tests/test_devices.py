@@ -160,7 +160,8 @@ def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_d
     dispatch per tensor cost the GPU step more CPU time than its kernels (BENCHMARKS.md, the
     job's profile). ``distributed.clip_grad_norm_`` and ``optimizer_step`` run on their local
     tensors instead: the same norms and the same parameters as torch's own calls on the
-    DTensors, bit for bit, and the optimizer's state stays DTensors (checkpoints unchanged)."""
+    DTensors, bit for bit, and the optimizer's state stays DTensors (checkpoints unchanged);
+    ``zero_grad`` frees every gradient (none is left on a local tensor through the next step)."""
     from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner import distributed
     from actors.learner.policy import Policy
@@ -190,6 +191,8 @@ def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_d
                     seen.append(float(torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()))
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():  # no gradient left behind on a parameter's local tensor
+                    assert all(p.grad is None and p.to_local().grad is None for p in params)
             norms.append(seen)
             ends.append([p.full_tensor().detach().clone() for p in params])
             assert all(hasattr(v, "full_tensor") for s in optimizer.state.values()

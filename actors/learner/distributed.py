@@ -384,6 +384,7 @@ def _lone_shards(params: list[nn.Parameter]) -> bool:
                                 for p in params)
 
 
+@torch.no_grad()  # (as torch's own: no autograd node per gradient's to_local)
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``, the same arithmetic; on one rank's FSDP2 parameters
     over their local tensors (the whole gradients), without DTensor's dispatch on every
@@ -413,20 +414,24 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         return
     state, groups = optimizer.state, [g["params"] for g in optimizer.param_groups]
     local: dict = {}
+    views: list[torch.Tensor] = []
     try:
         for group in optimizer.param_groups:
-            views = []
+            group_views = []
             for p in group["params"]:
-                view = p.to_local()
+                view = p.to_local()  # (under no_grad: the parameter's own local tensor)
                 view.grad = None if p.grad is None else p.grad.to_local()
                 if p in state:
                     local[view] = {k: v.to_local() if hasattr(v, "to_local") else v
                                    for k, v in state[p].items()}
-                views.append(view)
-            group["params"] = views
+                group_views.append(view)
+            views += group_views
+            group["params"] = group_views
         optimizer.state = local  # type: ignore[assignment]
         optimizer.step()
     finally:
         optimizer.state = state
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group["params"] = saved
+        for view in views:  # the local tensors persist with their parameters: a gradient left
+            view.grad = None  # on one would outlive zero_grad and the next forward and backward
