@@ -98,5 +98,6 @@ def test_auto_checkpointing_needs_follow_the_model_and_the_micro_batch(tiny_mode
     from actors.learner.memory import needs_without_checkpointing
 
     policy = make_trainer(tiny_model, tmp_path / "a").policy
-    a, b = needs_without_checkpointing(policy, 1000), needs_without_checkpointing(policy, 64000)
+    needs = needs_without_checkpointing(policy)
+    a, b = needs(1000), needs(64000)
     assert 0 < a < b

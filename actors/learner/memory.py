@@ -214,11 +214,14 @@ def _policy_shape(policy) -> tuple[Any, dict[str, Any]]:
         trainable=trainable, offload=policy.cfg.offload, tower=vision_tower(policy.model))
 
 
-def needs_without_checkpointing(policy, tokens: int) -> float:
-    """Device bytes a micro-batch of ``tokens`` tokens takes without gradient checkpointing,
-    the policy's states included (images not counted): what ``gradient_checkpointing`` weighs."""
+def needs_without_checkpointing(policy) -> Callable[[int], float]:
+    """Device bytes a micro-batch of so many tokens takes without gradient checkpointing, the
+    policy's states included (images not counted): what ``gradient_checkpointing`` weighs, for
+    each micro-batch. The policy's shape and parameter counts are taken once, here (counting
+    builds the model on the meta device)."""
     config, shape = _policy_shape(policy)
-    return estimate(config, tokens=tokens, **shape).device_total
+    counts = count_parameters(config)
+    return lambda tokens: estimate(config, tokens=tokens, counts=counts, **shape).device_total
 
 
 def describe(policy, tokens: int, budget: str = "", patches: int = 0) -> str:

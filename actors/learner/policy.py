@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -111,8 +112,8 @@ class Policy:
                                    and self.device.type == "cuda")
         self.checkpointing = False
         self._set_checkpointing(gradient_checkpointing(
-            self.cfg.gradient_checkpointing, self.device, lambda: needs_without_checkpointing(
-                self, micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS)))
+            self.cfg.gradient_checkpointing, self.device, lambda: self._checkpointing_need(
+                micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS)))
         if topology.model.freeze_vision:
             freeze_vision_tower(self.model)
         self.model.train()
@@ -161,8 +162,7 @@ class Policy:
         than ``CHECKPOINT_ABOVE`` of this process's GPU memory (``gradient_checkpointing``)."""
         if self.auto_checkpointing:
             self._set_checkpointing(gradient_checkpointing(
-                "auto", self.device, lambda: needs_without_checkpointing(self, tokens),
-                self._usable))
+                "auto", self.device, lambda: self._checkpointing_need(tokens), self._usable))
 
     def _set_checkpointing(self, on: bool) -> None:
         if on == self.checkpointing:
@@ -177,6 +177,10 @@ class Policy:
     @functools.cached_property
     def _usable(self) -> float:
         return gpu_share(self.device)
+
+    @functools.cached_property
+    def _checkpointing_need(self) -> Callable[[int], float]:
+        return needs_without_checkpointing(self)
 
     @property
     def keeps_reference(self) -> bool:

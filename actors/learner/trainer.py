@@ -297,12 +297,13 @@ class Trainer:
         starts = [0, *itertools.accumulate(s.batch.group_sizes)]  # each group's first row
         bounds = [(starts[g], starts[min(len(groups), g + groups_per_mb)])
                   for g in range(0, len(groups), groups_per_mb)]
+        keep = s.batch_corr.keep if s.batch_corr is not None else s.batch.response_mask
+        # each mini-batch's kept tokens (its loss's denominator), read from the device at once
+        token_counts = [float(c) for c in
+                        torch.stack([keep[lo:hi].sum() for lo, hi in bounds]).tolist()]
         s.times.begin("update_actor")  # the critic's share is moved to update_critic below
         for epoch in range(cfg.ppo_epochs):
-            for lo, hi in bounds:
-                keep_mb = s.batch_corr.keep[lo:hi] if s.batch_corr is not None \
-                    else s.batch.response_mask[lo:hi]
-                token_count = float(keep_mb.sum())
+            for (lo, hi), token_count in zip(bounds, token_counts, strict=True):
                 self.policy.optimizer.zero_grad(set_to_none=True)
                 micro = self._micro_slices(s.lengths, lo, hi)
                 for sl in micro:
