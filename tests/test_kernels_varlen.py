@@ -65,3 +65,35 @@ def test_fused_varlen_matches_each_sequence_alone(dtype):
     print(errors)
     for fused, loop in zip(errors["fused"], errors["loop"], strict=True):
         assert fused <= 2 * loop + 1e-2, errors  # as close to float32 as the loop in half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_varlen_matches_each_sequence_alone(dtype):
+    """One SDPA call over the sequences side by side, each padded to the longest: the outputs
+    and the gradients of q, k and v equal the loop's (float32: to rounding; the padding takes no
+    gradient), with grouped-query heads."""
+    q, k, v = inputs("cpu", dtype)
+    grad = torch.randn(1, BOUNDS[-1], HQ, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for fn in (per_sequence, lambda a, b, c: varlen_attention.padded_varlen(
+            a, b, c, BOUNDS, None, gqa=True)):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        out.backward(grad)
+        results.append([out.detach().float()] + [t.grad.float() for t in ins])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        err = float((a - b).abs().max())
+        print(f"{dtype} {name}: max |diff| {err:.2e}")
+        assert err <= tol * max(1.0, float(b.abs().max())), name
+
+
+def test_the_padded_path_is_taken_where_padding_costs_little():
+    """Lengths of one task's samples (close together): padded; one long sequence among short
+    ones (the padding would be most of the arithmetic), or a single sequence: the loop."""
+    assert varlen_attention.padding_pays((0, 40, 85, 131, 170))  # 40, 45, 46, 39
+    assert not varlen_attention.padding_pays(BOUNDS)  # 7, 33, 1, 59, 128
+    assert not varlen_attention.padding_pays((0, 50))
+    gather, real, longest = varlen_attention.padded_layout((0, 2, 5), torch.device("cpu"))
+    assert longest == 3 and gather.tolist() == [0, 1, 1, 2, 3, 4]  # past the end: the last token
+    assert real.tolist() == [0, 1, 3, 4, 5]
