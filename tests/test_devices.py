@@ -87,14 +87,13 @@ def test_the_reference_model_is_held_in_the_compute_dtype(tiny_model, tmp_path):
 
 def test_fused_adamw_steps_the_learners_sharded_parameters_as_the_default_does(tiny_model,
                                                                                tmp_path):
-    """On a GPU the learner's AdamW is the fused kernel (``policy.fused_adamw``), over FSDP2's
-    DTensor parameters where it computes in bf16 on one rank. The same kernel runs on a CPU:
-    here, on the same sharded parameters, it lands where torch's default AdamW does."""
+    """The learner's AdamW is the fused kernel (``policy.fused_adamw``) on a GPU and on a CPU,
+    over FSDP2's DTensor parameters where it computes in bf16 on one rank: here, on the same
+    sharded parameters, it lands where torch's default AdamW does (to rounding)."""
     from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner.policy import Policy, fused_adamw
 
-    assert fused_adamw(torch.device("cuda", 0)) is True
-    assert fused_adamw(torch.device("cpu")) is None  # the CPU figures' optimizer, unchanged
+    assert fused_adamw(torch.device("cuda", 0)) and fused_adamw(torch.device("cpu"))
     topo = decode_topology(apply_overrides({}, [
         f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16"]))
     policy = Policy(topo, tmp_path, None)

@@ -411,11 +411,12 @@ def learner_group(topology: Topology, rank: Rank | None = None) -> Group:
                       offload=topology.learner.offload)
 
 
-def fused_adamw(device: torch.device) -> bool | None:
-    """AdamW's fused kernel on a GPU: one launch per step for every parameter (DTensor ones of
-    FSDP2 included) instead of a dozen foreach ops, each with its own dispatch. On a CPU
-    torch's default (one parameter at a time), which every CPU figure and test was taken with."""
-    return True if device.type == "cuda" else None
+def fused_adamw(device: torch.device) -> bool:
+    """AdamW's fused kernel: one call per step for every parameter (DTensor ones of FSDP2
+    included) instead of a dozen ops per parameter (torch's default on a CPU) or a dozen
+    foreach ops (on a GPU), each with its own dispatch; on a CPU it is also the fastest (one
+    pass over each parameter's memory: BENCHMARKS.md, the learner)."""
+    return device.type in ("cuda", "cpu")
 
 
 def compute_dtype(topology: Topology, device: torch.device) -> torch.dtype:
