@@ -99,14 +99,19 @@ def test_job_learns_and_counters_balance(tiny_model, tmp_path, estimator):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_40")
     assert model.config.vocab_size > 0
 
-    # the profiles: an op table and a trace a browser opens, for each profiled step
-    for name, step in (("learner-0", 2), ("sampler-0", 3)):
+    # the profiles: an op table, the ops dispatched and a trace a browser opens, for each
+    # profiled step
+    for name, step, fact in (("learner-0", 2, "samples"), ("sampler-0", 3, "decode_steps")):
         where = run_dir / "profiles" / name
-        assert sorted(p.name for p in where.iterdir()) == [f"step_{step}.trace.json", f"step_{step}.txt"]
+        assert sorted(p.name for p in where.iterdir()) == \
+            [f"step_{step}.json", f"step_{step}.trace.json", f"step_{step}.txt"]
         table = (where / f"step_{step}.txt").read_text()
         assert table.startswith(f"step {step}: torch.profiler") and "aten::mm" in table
         events = json.loads((where / f"step_{step}.trace.json").read_text())["traceEvents"]
         assert any(e.get("name") == "aten::mm" for e in events)
+        counts = json.loads((where / f"step_{step}.json").read_text())
+        assert counts[fact] > 0 and counts["ops"] == sum(counts["ops_by_name"].values()) > 100
+        assert counts["ops_by_name"]["aten::linear"] > 0  # the model's projections, from Python
 
 
 def test_ctrl_c_checkpoints_stops_everything_and_resumes(tiny_model, tmp_path):

@@ -138,8 +138,10 @@ class Learner:
         step = policy.step + 1
         profile = profile_dir(self.ctx.run_dir, self.ctx.name) \
             if step in self.cfg.profile_steps else None
-        with borrowing(self.memory) as lent_mib, profiled(profile, step, self.group.device):
+        with borrowing(self.memory) as lent_mib, \
+                profiled(profile, step, self.group.device) as facts:
             metrics = {**self.trainer.train_step(groups), **extra}
+            facts.update(samples=sum(len(g.samples) for g in groups))
         if self.memory is not None:
             metrics["perf/gpu_memory_borrowed_mib"] = float(lent_mib)
         threads = None
