@@ -1,23 +1,28 @@
 """The transformers engine's decoding modes side by side (``sampler.hf.decode``): eager, and a
-static KV cache compiled by torch.compile (inductor, or the cudagraphs backend), on the same
-batch, through the engine's own ``generate``.
+static KV cache compiled by torch.compile (inductor), on the same batch, through the engine's
+own ``generate``.
 
     python bench/bench_decode.py                          # the default job's batch, on CUDA
     python bench/bench_decode.py --shape 1.5b             # gpu_check's hf tokens batch
-    python bench/bench_decode.py --device cpu --modes eager,inductor
+    python bench/bench_decode.py --device cpu --shape thin
 
 Shapes: ``default`` is the embedded SmolLM2-135M with the default job's batch (4 arithmetic
-prompts x 8 samples, its sampler.max_tokens, temperature 1.0); ``1.5b`` a Qwen2 of 1.5B shape
-with random weights (bf16), 32 random 64-token prompts x 8 samples x 256 new tokens, as
-gpu_check's ``hf tokens`` row. Each mode gets a fresh engine and compile state; its first call
-(the compile and the graphs' capture included) is reported apart from the median of the timed
-calls after it. Printed: tokens/s per mode and its ratio to eager, and the load before and after.
+prompts x 8 samples, its sampler.max_tokens, temperature 1.0); ``thin`` the same batch on the
+thin model (``bench/shaped_model.py``: the default's 30 layers and vocabulary, hidden 64);
+``1.5b`` a Qwen2 of 1.5B shape with random weights (bf16), 32 random 64-token prompts x 8
+samples x 256 new tokens, as gpu_check's ``hf tokens`` row. Each mode gets a fresh engine and
+compile state; its first call (the compile and the graphs' capture included) is reported apart
+from the median of the timed calls after it, and one more call runs under torch.profiler for the
+ops each decoding step dispatches (each step decodes one token of every sequence of the batch;
+``actors/runtime/profiling.py``'s count). Printed: tokens/s per mode and its ratio to eager, the
+ops per decoding step and their ratio, and the load before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -31,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def default_batch() -> tuple[Path, list[list[int]], int, int]:
+def default_batch(where: Path | None = None) -> tuple[Path, list[list[int]], int, int]:
     from actors.data.chat import ChatTokenizer
     from actors.data.sources import make_task
     from actors.job.config.load import load_topology
@@ -63,6 +68,13 @@ def wide_batch(where: Path) -> tuple[Path, list[list[int]], int, int]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 150, (64,), generator=gen).tolist() for _ in range(32)]
     return where, prompts, 8, 256
+
+
+def thin_batch(where: Path) -> tuple[Path, list[list[int]], int, int]:
+    from shaped_model import THIN, shaped_model
+
+    _, prompts, n, max_tokens = default_batch()
+    return shaped_model(where, hidden=THIN), prompts, n, max_tokens
 
 
 def measure(model: Path, prompts: list[list[int]], n: int, max_tokens: int, device: str,
@@ -99,14 +111,20 @@ def measure(model: Path, prompts: list[list[int]], n: int, max_tokens: int, devi
     seconds = statistics.median(t for t, _ in timed)
     tokens = statistics.median(k for _, k in timed)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    with tempfile.TemporaryDirectory(prefix="bench-decode-profile-") as where:
+        engine.profile, engine.profiles = {engine.batches + 1}, Path(where)
+        call()
+        (counted,) = Path(where).glob("step_*[0-9].json")
+        ops = json.loads(counted.read_text())
     return {"mode": mode, "first_s": first, "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds, "peak_gib": peak}
+            "tokens_per_s": tokens / seconds, "peak_gib": peak,
+            "ops_per_step": ops["ops"] / max(ops["decode_steps"], 1)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=["default", "1.5b"], default="default")
-    p.add_argument("--modes", default="eager,cudagraphs,inductor")
+    p.add_argument("--shape", choices=["default", "thin", "1.5b"], default="default")
+    p.add_argument("--modes", default="eager,inductor")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
@@ -114,8 +132,8 @@ def main() -> None:
 
     print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
-        model, prompts, n, max_tokens = (default_batch() if args.shape == "default"
-                                         else wide_batch(Path(tmp) / "model"))
+        model, prompts, n, max_tokens = {"default": default_batch, "thin": thin_batch,
+                                          "1.5b": wide_batch}[args.shape](Path(tmp) / "model")
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         rows = []
         for mode in args.modes.split(","):
@@ -135,16 +153,20 @@ def main() -> None:
             r = rows[-1]
             print(f"{mode}: first call {r['first_s']:.2f} s; then {r['tokens']:.0f} tokens in "
                   f"{r['seconds']:.3f} s, {r['tokens_per_s']:,.0f} tokens/s, peak "
-                  f"{r['peak_gib']:.1f} GiB", flush=True)
+                  f"{r['peak_gib']:.1f} GiB, {r['ops_per_step']:,.0f} ops per decoding step",
+                  flush=True)
     base = next((r for r in rows if r["mode"] == "eager"), None)
     print(f"\n{args.shape} shape, {len(prompts)} prompts x {n} samples x <= {max_tokens} tokens, "
           f"{args.device}, {dtype}:")
-    print("| decode | first call s | s/batch | tokens/s | vs eager | peak GiB |")
-    print("|---|---|---|---|---|---|")
+    print("| decode | first call s | s/batch | tokens/s | vs eager | ops per decoding step "
+          "| vs eager | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        ops = f"{r['ops_per_step'] / base['ops_per_step']:.2f}x" if base else "-"
         print(f"| {r['mode']} | {r['first_s']:.2f} | {r['seconds']:.3f} | "
-              f"{r['tokens_per_s']:,.0f} | {ratio} | {r['peak_gib']:.1f} |")
+              f"{r['tokens_per_s']:,.0f} | {ratio} | {r['ops_per_step']:,.0f} | {ops} | "
+              f"{r['peak_gib']:.1f} |")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

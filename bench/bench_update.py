@@ -31,23 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from shaped_model import shaped_model  # noqa: E402 - bench/ is put on the path above
 
 KEY = "timing_s/update_actor"
-
-
-def small_model(where: Path, layers: int) -> Path:
-    """``layers`` decoder layers of the embedded model's shape (SmolLM2-135M), random weights,
-    with its tokenizer and chat template: the same per-layer work, less arithmetic per step."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from actors.model_store import resolve_model_path
-
-    default = resolve_model_path("default")
-    config = AutoConfig.from_pretrained(default)
-    config.num_hidden_layers = layers
-    AutoModelForCausalLM.from_config(config).save_pretrained(where)
-    AutoTokenizer.from_pretrained(default).save_pretrained(where)
-    return where
 
 
 def run_job(run_dir: Path, steps: int, overrides: list[str]) -> list[float]:
@@ -93,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         overrides = list(args.overrides)
         if args.layers:
-            overrides.append(f"model.path={small_model(Path(tmp) / 'model', args.layers)}")
+            overrides.append(f"model.path={shaped_model(Path(tmp) / 'model', layers=args.layers)}")
         run_dir = Path(tmp) / "run"
         job = run_job(run_dir, args.steps, overrides)
         if args.profiles and (run_dir / "profiles").is_dir():

@@ -181,3 +181,40 @@ def test_a_worker_thread_gets_the_graph_trees_state_compiled_decode_replays_thro
     thread.start()
     thread.join()
     assert seen == {"before": False, "after": True, "container": "TreeManagerContainer"}
+
+
+@pytest.mark.anyio
+async def test_compiled_decoding_keeps_one_static_cache_per_shape_and_compiles_once(tiny_model):
+    """transformers makes a new static cache at every ``generate``: new tensors, and CUDA graph
+    trees record their graphs again whenever a static input's address changes, so every batch
+    would capture anew. The engine keeps one cache per batch shape: batches of one shape reuse
+    its tensors (same addresses), and nothing compiles after the first batch. (On a CPU the
+    decode step compiles too, into inductor's C++ kernels.)"""
+    from torch._dynamo.utils import counters
+
+    engine = HFEngine(tiny_model, "float32", seed=0, decode="inductor")
+    await engine.load_weights(0, {})
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    seen = []
+    for prompts in ([[5, 6, 7], [9, 10]], [[5, 6], [9, 10, 11]], [[7], [8, 9]]):
+        await engine.generate([GenerateRequest(p, params, 2) for p in prompts])
+        (cache,) = engine.static_caches.caches.values()  # 4 rows, 64 + 6 long
+        seen.append((engine.static_caches.made, cache.layers[0].keys.data_ptr(),
+                     counters["stats"]["unique_graphs"]))
+    assert [made for made, _, _ in seen] == [1, 1, 1]
+    assert len({at for _, at, _ in seen}) == 1
+    assert seen[0][2] >= 1 and seen[1][2] == seen[2][2] == seen[0][2]  # compiled once
+
+
+def test_static_caches_one_per_shape_the_latest_kept(tiny_model):
+    from transformers import AutoConfig
+
+    from actors.sampler.engines.hf import StaticCaches
+
+    caches = StaticCaches(AutoConfig.from_pretrained(tiny_model))
+    a = caches.get(4, 70)
+    assert caches.get(4, 70) is a and caches.get(2, 70) is not a and caches.made == 2
+    for rows in range(5, 5 + StaticCaches.KEEP):  # more shapes than it keeps: the oldest goes
+        caches.get(rows, 70)
+    assert (4, 70) not in caches.caches and len(caches.caches) == StaticCaches.KEEP
+    assert caches.get(4, 70) is not a

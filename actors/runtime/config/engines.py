@@ -25,18 +25,17 @@ if TYPE_CHECKING:
 
 # [sampler.hf]
 
-Decode = Literal["eager", "inductor", "cudagraphs"]
+Decode = Literal["eager", "inductor"]
 
 
 class HFOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     decode: Decode = "eager"
     """How generate decodes (sampler.engine = hf): eager (a growing KV cache, each prompt's
-    cache computed once for its n samples), or a static KV cache whose decode step is compiled
-    by torch.compile once per batch shape and replayed as CUDA graphs: inductor (fused kernels,
-    the longer compile) or cudagraphs (the eager kernels captured, a shorter compile). The
-    compiled modes pad prompts to a multiple of 64 tokens so a job's batches share a few shapes;
-    transformers compiles on a GPU only, so on a CPU they decode eagerly over the static
-    cache."""
+    cache computed once for its n samples), or inductor: a static KV cache, one per batch
+    shape, whose decode step torch.compile compiles once per shape into fused kernels (on a GPU
+    replayed as CUDA graphs). Compiled decoding pads prompts to a multiple of 64 tokens so a
+    job's batches share a few shapes; its first batches of each shape pay the compile (tens of
+    seconds)."""
 
 
 # [sampler.vllm]

@@ -35,6 +35,7 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -153,24 +154,52 @@ def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | Non
 
 
 # How ``generate`` decodes: ``eager`` (a growing cache, the prompts' cache shared by their
-# samples) or a static cache whose decode step is compiled once per batch shape by torch.compile,
-# with ``inductor`` (fused kernels, replayed as CUDA graphs: mode reduce-overhead) or with the
-# ``cudagraphs`` backend (the eager kernels captured as CUDA graphs, no code generation: a
-# shorter compile). Compiled modes pad the prompts to a multiple of ``WIDTH_BUCKET`` so a job's
-# batches share a few shapes; transformers compiles only on a GPU, so on a CPU they decode
-# eagerly over the static cache.
+# samples) or ``inductor``: a static KV cache whose decode step torch.compile compiles once per
+# batch shape (fused kernels; on a GPU replayed as CUDA graphs, mode reduce-overhead; on a CPU
+# compiled too). Compiled decoding pads the prompts to a multiple of ``WIDTH_BUCKET`` and keeps
+# one static cache per batch shape (``StaticCaches``) so a job's batches share a few shapes and
+# the graphs' inputs keep their addresses.
 DECODES = typing.get_args(Decode)
 WIDTH_BUCKET = 64
 
 
-def compile_config(decode: str) -> CompileConfig | None:
+def compile_config(decode: str, device: torch.device) -> CompileConfig | None:
     if decode == "eager":
         return None
     if decode == "inductor":
-        return CompileConfig(backend="inductor", mode="reduce-overhead")
-    if decode == "cudagraphs":
-        return CompileConfig(backend="cudagraphs", mode=None)  # type: ignore[arg-type]
+        config = CompileConfig(backend="inductor",
+                               mode="reduce-overhead" if device.type == "cuda" else "default")
+        # generate compiles on accelerators only unless told (a documented CompileConfig field)
+        config._compile_all_devices = True
+        return config
     raise ValueError(f"decode must be one of {', '.join(DECODES)} (got {decode!r})")
+
+
+class StaticCaches:
+    """One static KV cache per batch shape (rows, length), reset before each ``generate`` that
+    takes it, the few most recent shapes kept. transformers builds a new cache at every call,
+    and a new cache is new tensors: CUDA graph trees record their graphs again whenever a static
+    input's address changes (no limit), so every batch would capture its graphs anew."""
+
+    KEEP = 4  # shapes held (each holds rows x length x layers x KV width of the model's dtype)
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.caches: collections.OrderedDict[tuple[int, int], StaticCache] = \
+            collections.OrderedDict()
+        self.made = 0  # caches built (not reused)
+
+    def get(self, rows: int, length: int) -> StaticCache:
+        cache = self.caches.pop((rows, length), None)
+        if cache is None:
+            cache = StaticCache(config=self.config, max_cache_len=length)
+            self.made += 1
+            while len(self.caches) >= self.KEEP:
+                self.caches.popitem(last=False)
+        else:
+            cache.reset()  # in place: the tensors keep their addresses
+        self.caches[(rows, length)] = cache
+        return cache
 
 
 def graph_trees_here() -> None:
@@ -201,11 +230,11 @@ class HFEngine:
     def __init__(self, model_path: Path, dtype: str, seed: int,
                  device: torch.device | str = "cpu", profile: Sequence[int] = (),
                  profiles: Path | None = None, decode: str = "eager") -> None:
-        self.compiled = compile_config(decode)  # None: eager
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = indexed(device)  # the model, the prompts and the logits live here
+        self.compiled = compile_config(decode, self.device)  # None: eager
         cap_memory(self.device)  # a GPU shared with the learner: the runner's split
         self.model: Any = PolicyModel.from_pretrained(model_path, dtype=getattr(torch, dtype))
         # a vision-language model: prompts' images become pixel tensors as the learner makes them
@@ -218,6 +247,7 @@ class HFEngine:
             eos_token_id=self.model.generation_config.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id)
         self.params = dict(self.model.named_parameters())
+        self.static_caches = StaticCaches(self.model.config)  # compiled decoding's caches
         self.adapter: AdapterSpec | None = None  # the LoRA adapters' spec once some arrived
         self.version = -1
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
@@ -246,8 +276,12 @@ class HFEngine:
         if self.compiled is not None:
             graph_trees_here()
         where = self.profiles if self.batches in self.profile else None
-        with profiled(where, self.batches, self.device):
-            return self._generate(*args)
+        with profiled(where, self.batches, self.device) as facts:
+            groups = self._generate(*args)
+            lengths = [len(g.token_ids) for group in groups for g in group]
+            # each decoding step takes one token of every sequence: the steps are the longest
+            facts.update(tokens=sum(lengths), decode_steps=max(lengths, default=0))
+            return groups
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], like: GenerateRequest,
@@ -264,7 +298,7 @@ class HFEngine:
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
         vision = self._pixels(ids, images or [], n)
-        # (the cache would need the images' features; a static cache is generate's own)
+        # (the cache would need the images' features)
         shared = n > 1 and width > 1 and not vision and self.compiled is None
         cache = self._shared_prompts(ids, attn, n) if shared else None
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
@@ -273,7 +307,8 @@ class HFEngine:
         record = _TokenLogprobs(1.0 if greedy else params.temperature)
         config = sampling_config(params, pad, tok.eos_token_id)
         if self.compiled is not None:
-            config.cache_implementation, config.compile_config = "static", self.compiled
+            config.compile_config = self.compiled
+            cache = self.static_caches.get(ids.shape[0], width + params.max_tokens)
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, past_key_values=cache, **vision,
             generation_config=config,
