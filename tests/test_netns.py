@@ -90,10 +90,16 @@ class Job:
     def wait_steps(self, steps: int, timeout: float = 120) -> None:
         self.wait_until(lambda: len(metrics(self.run_dir)) >= steps, f"{steps} steps", timeout)
 
-    def wait_count(self, actor: str, key: str, at_least: int, timeout: float = 60) -> None:
-        """Until ``actor``'s last reported status has ``key`` >= ``at_least``."""
-        self.wait_until(lambda: last_status(self.run_dir, actor).get(key, 0) >= at_least,
-                        f"{actor}: {key} >= {at_least}", timeout)
+    def wait_count(self, actor: str, key: str, at_least: int, timeout: float = 60,
+                   key_in: str = "") -> None:
+        """Until ``actor``'s last reported status has ``key`` >= ``at_least`` (``key_in``: the
+        entry ``key_in`` of the table ``key``)."""
+        def count() -> int:
+            value = last_status(self.run_dir, actor).get(key, {} if key_in else 0)
+            return value.get(key_in, 0) if key_in else value
+
+        self.wait_until(lambda: count() >= at_least,
+                        f"{actor}: {key}{'.' + key_in if key_in else ''} >= {at_least}", timeout)
 
     def wait(self, host: str, timeout: float = 180) -> int:
         try:
@@ -138,6 +144,8 @@ def test_reward_host_cut_off_its_work_goes_to_the_live_worker(net, tiny_model, t
     job.start("a", "c")
     try:
         job.wait_steps(3)
+        # reward-1 serves before its host is cut off (its runner may start after the job does)
+        job.wait_count("router-0", "worker/reward-1", 1, key_in="done")
         net.cut("c")
         cut_at = len(metrics(job.run_dir))
         job.wait_steps(cut_at + 3)  # the job goes on with the worker of host a alone

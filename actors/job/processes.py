@@ -77,7 +77,10 @@ class Proc:
     finished: bool = False
     last_seen: float = 0.0
     status: dict = dataclasses.field(default_factory=dict)
-    state: tuple[str, float] = ("starting", 0.0)  # its reported state and since when (monotonic)
+    # its reported state and since when (monotonic; from when this runner follows it: another
+    # host's actor is never spawned here to set it)
+    state: tuple[str, float] = dataclasses.field(
+        default_factory=lambda: ("starting", time.monotonic()))
     shown: str = ""  # the last long-lasting state printed for it (off a terminal)
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # a learner rank's torchrun vars
     rank: int = 0  # the learner's rank (0 speaks for its group; other kinds are all rank 0)
