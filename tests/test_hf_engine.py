@@ -111,12 +111,42 @@ def test_sampling_parameters_the_log_probs_cannot_stand_for_are_refused(key, par
 
 
 def test_the_generation_config_is_the_jobs_parameters_only():
-    cfg = sampling_config(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=9), 0, 2)
-    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens) == (0.7, 0.9, 5, 9)
-    assert cfg.do_sample and cfg.repetition_penalty == 1.0 and cfg.no_repeat_ngram_size == 0
-    greedy = sampling_config(SamplingParams(temperature=0), 0, 2)
-    assert not greedy.do_sample
-    greedy.validate(strict=True)  # nothing set that greedy decoding would ignore
+    """generate picks greedily what the engine's processors drew: transformers' own warpers
+    for the job's temperature, top-k and top-p, in its order, then ``_Draw``."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from actors.sampler.engines.hf import _Draw, sampling_processors
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=9)
+    cfg = sampling_config(params, 0, 2)
+    assert not cfg.do_sample and cfg.max_new_tokens == 9
+    assert cfg.repetition_penalty == 1.0 and cfg.no_repeat_ngram_size == 0
+    cfg.validate(strict=True)  # nothing set that greedy decoding would ignore
+    warpers = sampling_processors(params)
+    assert [type(w) for w in warpers] == [TemperatureLogitsWarper, TopKLogitsWarper,
+                                          TopPLogitsWarper, _Draw]
+    assert (warpers[0].temperature, warpers[1].top_k, warpers[2].top_p) == (0.7, 5, 0.9)
+    assert [type(w) for w in sampling_processors(SamplingParams())] == [_Draw]  # T 1, no cuts
+    assert sampling_processors(SamplingParams(temperature=0)) == []  # generate's own argmax
+
+
+def test_the_draw_samples_softmax_of_the_scores():
+    """``_Draw``'s tokens follow ``softmax(scores)`` (a chi-square test over 40,000 draws of a
+    row; -inf scores, as top-k leaves them, are never drawn), and generate's argmax of what it
+    returns is the drawn token."""
+    from actors.sampler.engines.hf import _Draw
+
+    torch.manual_seed(0)
+    scores = torch.tensor([[1.0, 0.0, -1.0, 2.0, float("-inf"), 0.5]]).repeat(40_000, 1)
+    out = _Draw()(None, scores)
+    drawn = out.argmax(-1)
+    assert bool((out.max(-1).values == 0).all()) and int((out == 0).sum()) == 40_000
+    counts = torch.bincount(drawn, minlength=6).double()
+    expected = torch.softmax(scores[0].double(), -1) * 40_000
+    assert counts[4] == 0
+    live = expected > 0
+    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+    assert chi2 < 20.5, (counts.tolist(), expected.tolist())  # p = 0.001 at 4 degrees of freedom
 
 
 def test_a_bf16_engine_computes_its_logits_in_float32(tiny_model):

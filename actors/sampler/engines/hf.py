@@ -8,10 +8,11 @@ only between calls, so every token of a completion carries the same version.
 The log-prob of each sampled token is taken as it is generated (``_TokenLogprobs``, one
 ``(B, V)`` row of log-probs held at a time), never the whole ``(B, R, V)`` logits of a
 completion (40 GB for 32 sequences x 1k tokens at V = 152k). ``generate`` runs with the job's
-sampling parameters only (``sampling_config``): the model's own ``generation_config`` (e.g.
-``repetition_penalty = 1.05`` in Qwen2.5-Instruct's) is replaced at load, since the behaviour
-log-probs and the learner's recomputation account for temperature alone. Every tensor made
-during ``generate`` (stopping criteria, the log-prob recorder) is on the input's device.
+sampling parameters only (``sampling_config``, ``sampling_processors``): the model's own
+``generation_config`` (e.g. ``repetition_penalty = 1.05`` in Qwen2.5-Instruct's) is replaced at
+load, since the behaviour log-probs and the learner's recomputation account for temperature
+alone. Every tensor made during ``generate`` (stopping criteria, the log-prob recorder) is on
+the input's device.
 
 The tokenizer is loaded only for what ``generate`` itself needs of it (the EOS and padding ids,
 and matching stop strings); prompts arrive as token ids and completions leave as token ids.
@@ -38,6 +39,9 @@ from transformers import (
     StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from actors.data.vision import ImageProcessor, is_vision_model
@@ -68,8 +72,8 @@ class _Abort(StoppingCriteria):
 class _TokenLogprobs(LogitsProcessor):
     """Records the behaviour log-prob of each sampled token as ``generate`` runs.
 
-    Called once per step with the raw logits of the next token (before temperature and
-    top-k/top-p, which transformers applies after every custom processor), it keeps that step's
+    Called once per step with the raw logits of the next token (first of the processors: before
+    temperature and top-k/top-p, ``sampling_processors``), it keeps that step's
     ``(B, V)`` logits and, at the next step, takes ``log_softmax(logits / temperature)`` at the
     token just chosen (the last column of ``input_ids``: ``kernels.logprobs.token_logprobs``,
     the learner's formula); ``finish`` takes the last step's. The scores pass through unchanged."""
@@ -133,24 +137,53 @@ NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_rep
 
 def sampling_config(params: SamplingParams, pad: int, eos: int | list[int] | None
                     ) -> GenerationConfig:
-    """The one GenerationConfig ``generate`` runs with: the job's sampling parameters, every
-    other logit-changing field neutral. Raises ValueError naming the ``sampler`` key of a value
-    the behaviour log-probs (untruncated ``log_softmax(logits / T)``) cannot stand for."""
+    """The one GenerationConfig ``generate`` runs with: every logit-changing field neutral, and
+    greedy, for the sampling is the engine's own processors' (``sampling_processors``: the
+    job's temperature, top-k and top-p, then ``_Draw``). Raises ValueError naming the
+    ``sampler`` key of a value the behaviour log-probs (untruncated ``log_softmax(logits / T)``)
+    cannot stand for."""
     for ok, key, why in ((params.temperature >= 0, "temperature", "must be >= 0"),
                          (0 < params.top_p <= 1, "top_p", "must be in (0, 1]"),
                          (params.top_k >= 0, "top_k", "must be >= 0 (0: off)"),
                          (params.max_tokens >= 1, "max_tokens", "must be >= 1")):
         if not ok:
             raise ValueError(f"sampler.{key}: {why} (got {getattr(params, key)!r})")
-    greedy = params.temperature == 0
-    # greedy: no warper runs (do_sample false), and setting one is flagged as invalid
-    warpers = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                 "top_k": params.top_k}
     return GenerationConfig(
-        **NEUTRAL, **warpers, max_new_tokens=params.max_tokens, do_sample=not greedy,
+        **NEUTRAL, max_new_tokens=params.max_tokens, do_sample=False,
         pad_token_id=pad, eos_token_id=eos,
         output_logits=False, output_scores=False, return_dict_in_generate=True,
         stop_strings=list(params.stop) or None)
+
+
+def sampling_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """How the next token is drawn: transformers' own warpers for the job's temperature, top-k
+    and top-p, in the order its sampling applies them, then ``_Draw``; none for greedy decoding
+    (temperature 0), whose pick is generate's own argmax."""
+    if params.temperature == 0:
+        return []
+    warpers: list[LogitsProcessor] = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return [*warpers, _Draw()]
+
+
+class _Draw(LogitsProcessor):
+    """Draws the next token of each row from ``softmax(scores)`` by inverting its cumulative
+    distribution (one uniform number per row, one search in the row's cumulative probabilities,
+    summed in float64), and returns scores that are -inf everywhere but there, so generate's
+    greedy pick takes it. The distribution is torch.multinomial's, which on a CPU draws an
+    exponential for every entry of the vocabulary at every step: half of a small model's
+    decoding step (BENCHMARKS.md, the sampler's engines)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = torch.softmax(scores.float(), dim=-1).double().cumsum(-1)  # (B, V)
+        u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        chosen = torch.searchsorted(cdf, u, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 # How ``generate`` decodes: ``eager`` (a growing cache, the prompts' cache shared by their
@@ -306,6 +339,7 @@ class HFEngine:
             vision["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
         record = _TokenLogprobs(1.0 if greedy else params.temperature)
         config = sampling_config(params, pad, tok.eos_token_id)
+        processors = LogitsProcessorList([record, *sampling_processors(params)])
         if self.compiled is not None:
             config.compile_config = self.compiled
             cache = self.static_caches.get(ids.shape[0], width + params.max_tokens)
@@ -313,7 +347,7 @@ class HFEngine:
             input_ids=ids, attention_mask=attn, past_key_values=cache, **vision,
             generation_config=config,
             tokenizer=tok if params.stop else None,
-            logits_processor=LogitsProcessorList([record]),
+            logits_processor=processors,
             stopping_criteria=StoppingCriteriaList([_Abort(self.abort)]),
         )
         seqs = out.sequences[:, width:]  # (B·n, R)
