@@ -26,8 +26,9 @@ def test_states_are_the_real_tensors_bytes(tiny_model, tmp_path):
     # prompt and response tokens, micro_batch_size of them at most)
     lengths = sorted((len(g.prompt_ids.data) + len(s.response_ids.data)) // 4
                      for g in groups for s in g.samples)
-    rows, _ = micro_limits(t.cfg, cuda=False)
-    assert rows == 8 and len(seen) == 1 and max(lengths) <= seen[0] <= sum(lengths[-rows:])
+    rows, budget = micro_limits(t.cfg, cuda=False, token_bytes=t.policy.token_activation_bytes)
+    assert rows > 10**6 and budget == 8192  # auto: a tiny model's tokens all fit the CPU's budget
+    assert len(seen) == 1 and seen[0] == sum(lengths)  # the batch in one micro-batch
     # on a CPU the learner says nothing of a model far from the machine's memory
     assert announce(t.policy, seen[0]) is None
     real = measured(t.policy.model, t.policy.optimizer)
@@ -67,7 +68,7 @@ def test_activations_are_what_autograd_saves(checkpointing):
 
 
 def test_the_planned_table_counts_rows_of_the_longest_prompt_and_response(tiny_model):
-    """``runner.py check``'s table: a micro-batch of ``micro_batch_size`` rows, each the longest
+    """``runner.py check``'s table: a micro-batch of at most ``micro_batch_size`` rows, each the longest
     prompt the task issues plus sampler.max_tokens, when that is under the token budget (the
     budget alone put the default job's activations at 12 GB, four times its learner's peak);
     with no token budget and the GPU's auto (no row cap), the whole batch (4 groups x 8) at
@@ -91,11 +92,13 @@ def test_the_planned_table_counts_rows_of_the_longest_prompt_and_response(tiny_m
     longest = max(count(task.prompt(i, prompt_id=i)) for i in range(PROMPTS_SAMPLED))
     assert f"{8 * (longest + 8)} tokens per micro-batch (8 rows of at most {longest + 8} " \
            f"tokens: the longest of the first {PROMPTS_SAMPLED} prompts, {longest}, + " \
-           "sampler.max_tokens 8) on cpu" in table()
+           "sampler.max_tokens 8) on cpu" in table("learner.micro_batch_size=8")
+    # auto on a CPU: a tiny model's activations are far from the budget: the whole batch
+    assert f"{32 * (longest + 8)} tokens per micro-batch (32 rows" in table()
     assert f"{32 * (longest + 8)} tokens per micro-batch (32 rows" in \
         table("learner.max_tokens_per_micro_batch=0", device="cuda")
     assert "8 rows of at most 108 tokens: task.max_prompt_length" in \
-        table("task.max_prompt_length=100")
+        table("task.max_prompt_length=100", "learner.micro_batch_size=8")
     assert re.search(r" 8192 tokens per micro-batch \(learner.max_tokens_per_micro_batch",
                      table("agent.tools=[{builtin='calculator'}]"))
 

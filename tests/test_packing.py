@@ -161,14 +161,27 @@ def test_micro_batches_follow_the_budget_and_ranks_get_as_many():
 
 
 def test_auto_micro_batches_follow_the_device():
-    """auto: 8 rows and 8192 tokens on a CPU (the default job's micro-batches, unchanged); on a
-    GPU a packed micro-batch has no row cap and 32768 tokens, a padded one keeps 8 rows."""
+    """auto: on a GPU a packed micro-batch has no row cap and 32768 tokens, a padded one keeps 8
+    rows; on a CPU a packed one holds the tokens whose activations take 1 GiB (the default
+    model's: about 700 tokens; a thin model's: the 8192 cap), a padded one 8 rows."""
+    from transformers import AutoConfig
+
     from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner.memory import token_activation_bytes
 
-    def limits(*extra, cuda):
-        return micro_limits(decode_topology(apply_overrides({}, list(extra))).learner, cuda)
+    def limits(*extra, cuda, token_bytes=0):
+        return micro_limits(decode_topology(apply_overrides({}, list(extra))).learner, cuda,
+                            token_bytes)
 
-    assert limits(cuda=False) == (8, 8192)
+    smollm = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536,
+                                  num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, vocab_size=49152)
+    per_token = token_activation_bytes(smollm, 4)  # float32
+    rows, tokens = limits(cuda=False, token_bytes=per_token)
+    assert rows > 10**6 and tokens == (1 << 30) // per_token and 600 < tokens < 800
+    assert limits(cuda=False, token_bytes=per_token // 20) == (rows, 8192)
+    assert limits("learner.packing=false", cuda=False, token_bytes=per_token) == (8, 8192)
+    assert limits(cuda=False) == (8, 8192)  # no model to measure: 8 rows
     rows, tokens = limits(cuda=True)
     assert tokens == 32768 and rows > 10**6
     assert limits("learner.packing=false", cuda=True) == (8, 32768)

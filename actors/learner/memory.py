@@ -104,6 +104,13 @@ def layer_activation_bytes(config, compute_bytes: int) -> int:
     return (10 * h + 2 * kv + 4 * i) * compute_bytes
 
 
+def token_activation_bytes(config, compute_bytes: int) -> int:
+    """What one token of a micro-batch saves for backward through every layer and the final
+    norm, without checkpointing (``estimate``'s activations per token, images aside)."""
+    h, _, _, layers, _, _ = shape(config)
+    return layers * layer_activation_bytes(config, compute_bytes) + 3 * h * compute_bytes
+
+
 def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
              offload: bool = False, checkpointing: bool = False, keep_gathered: bool = False,
              reference: bool = False, reference_bytes: int | None = None,
@@ -202,12 +209,16 @@ def dtype_bytes(name: str) -> int:
     return torch.finfo(getattr(torch, name)).bits // 8
 
 
+def base_config(model) -> Any:
+    """The config of ``model``'s own architecture (with LoRA: the base model's)."""
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+
+
 def _policy_shape(policy) -> tuple[Any, dict[str, Any]]:
     """A learner ``Policy``'s model config and the ``estimate`` arguments it fixes (ranks,
     dtypes, FSDP's gathering, reference, trainable parameters, offload, vision tower)."""
-    core = policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-    return core.config, dict(
+    return base_config(policy.model), dict(
         world=policy.group.world, param_bytes=torch.finfo(policy.dtype).bits // 8,
         compute_bytes=torch.finfo(policy.compute_dtype).bits // 8,
         keep_gathered=policy.keep_gathered, reference=policy.keeps_reference,
@@ -277,7 +288,8 @@ def planned(topology, device: str) -> str:
     cuda = device == "cuda"
     params = model.dtype
     compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
-    rows, budget_tokens = micro_limits(L, cuda)
+    rows, budget_tokens = micro_limits(
+        L, cuda, token_activation_bytes(config, dtype_bytes(compute)))
     rows = min(rows, L.groups_per_step * topology.algorithm.n)  # a micro-batch is in one batch
     longest, source = longest_sequence(topology)
     if longest is not None and (not budget_tokens or rows * longest < budget_tokens):

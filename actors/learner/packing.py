@@ -12,7 +12,7 @@ Packed (``learner.packing``, the default), a micro-batch's sequences are concate
 row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence, and the model
 attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
 kernel on CUDA where it is installed, else ``flowrl_varlen``: torch's ``varlen_attn`` on CUDA in
-half precision, SDPA once per sequence elsewhere (the
+half precision, elsewhere SDPA over the sequences side by side or once per sequence (the
 reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
 the position ids, and each sequence run alone). Only the model's forward changes: its outputs
 are read back into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss,
@@ -27,19 +27,26 @@ from dataclasses import dataclass
 import torch
 
 CPU_ROWS, CPU_TOKENS, GPU_TOKENS = 8, 8192, 32768  # the "auto" limits of a micro-batch
+CPU_ACTIVATIONS = 1 << 30  # bytes of saved activations a packed micro-batch holds on a CPU (auto)
 
 
-def micro_limits(learner, cuda: bool) -> tuple[int, int]:
+def micro_limits(learner, cuda: bool, token_bytes: int = 0) -> tuple[int, int]:
     """``(max_rows, max_tokens)`` of a micro-batch from ``learner.micro_batch_size`` and
     ``learner.max_tokens_per_micro_batch``, their ``auto`` resolved for the device: a GPU is
-    kept busy by few large micro-batches (a packed one has no row cap there), a CPU computes
-    the same either way and keeps the smaller ones."""
+    kept busy by few large micro-batches (a packed one has no row cap there, the token budget
+    decides); on a CPU a packed micro-batch holds the tokens whose saved activations fit
+    ``CPU_ACTIVATIONS`` (``token_bytes``: one token's, ``memory.token_activation_bytes``): about
+    14 sequences of the default job, the whole batch of a thin model, whose every micro-batch
+    costs the same ops' dispatch for little arithmetic. Without ``token_bytes``, or padded, a
+    CPU takes 8 rows."""
+    packed_cpu = not cuda and learner.packing and token_bytes > 0
     rows = learner.micro_batch_size
     if rows == "auto":
-        rows = 1 << 30 if cuda and learner.packing else CPU_ROWS
+        rows = 1 << 30 if learner.packing and (cuda or packed_cpu) else CPU_ROWS
     tokens = learner.max_tokens_per_micro_batch
     if tokens == "auto":
-        tokens = GPU_TOKENS if cuda else CPU_TOKENS
+        tokens = GPU_TOKENS if cuda else \
+            min(CPU_TOKENS, max(1, CPU_ACTIVATIONS // token_bytes)) if packed_cpu else CPU_TOKENS
     return rows, tokens
 
 

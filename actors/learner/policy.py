@@ -25,7 +25,13 @@ from actors.data.vision import ImageProcessor, is_vision_model
 from actors.learner import distributed
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import Group
-from actors.learner.memory import gpu_share, gradient_checkpointing, needs_without_checkpointing
+from actors.learner.memory import (
+    base_config,
+    gpu_share,
+    gradient_checkpointing,
+    needs_without_checkpointing,
+    token_activation_bytes,
+)
 from actors.learner.objective import attach_forward, response_logprobs
 from actors.learner.packing import GPU_TOKENS, micro_limits
 from actors.learner.vision import freeze_vision_tower, lora_targets
@@ -181,6 +187,12 @@ class Policy:
     @functools.cached_property
     def _checkpointing_need(self) -> Callable[[int], float]:
         return needs_without_checkpointing(self)
+
+    @functools.cached_property
+    def token_activation_bytes(self) -> int:
+        """What one token of a micro-batch saves for backward (the auto micro-batch's measure)."""
+        return token_activation_bytes(base_config(self.model),
+                                      torch.finfo(self.compute_dtype).bits // 8)
 
     @property
     def keeps_reference(self) -> bool:

@@ -155,7 +155,8 @@ class Trainer:
         the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
         share needs, so that every rank runs as many forward passes."""
         part = (hi - lo) // self.group.world
-        rows, tokens = micro_limits(self.cfg, self.policy.device.type == "cuda")
+        rows, tokens = micro_limits(self.cfg, self.policy.device.type == "cuda",
+                                    self.policy.token_activation_bytes)
         splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens)
                   for r in range(self.group.world)]
         return refine(splits[self.group.rank], lengths, max(map(len, splits)))

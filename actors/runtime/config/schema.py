@@ -401,13 +401,15 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     ppo_epochs: PositiveInt = 1
     """Passes over the batch per step."""
     micro_batch_size: PositiveInt | Literal["auto"] = "auto"
-    """Most sequences per forward/backward; gradients accumulate over a mini-batch. auto: 8 on
-    a CPU and in the padded layout; on a GPU with packing no cap, the token budget alone decides
-    (verl's dynamic batch size): few large launches keep a GPU busy (BENCHMARKS.md)."""
+    """Most sequences per forward/backward; gradients accumulate over a mini-batch. auto: with
+    packing no cap, the token budget alone decides (verl's dynamic batch size): few large
+    launches keep a GPU busy, and few micro-batches dispatch few ops (BENCHMARKS.md); 8 in the
+    padded layout."""
     max_tokens_per_micro_batch: NonNegInt | Literal["auto"] = "auto"
     """Most tokens (prompt + response, padding not counted) per forward/backward, besides
     micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own. auto:
-    8192 on a CPU, 32768 on a GPU."""
+    32768 on a GPU; on a CPU as many as save 1 GiB of activations for backward (the default
+    job's model: about 700), at most 8192."""
     packing: bool = True
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart
     per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
