@@ -1,6 +1,7 @@
 """The default job against TRL's GRPOTrainer on the same task, model and batch, side by side.
 
     python bench/bench_trl.py                                   # flowrl and TRL, 30 steps each
+    python bench/bench_trl.py --model thin --steps 15 --ops     # the overhead: the thin model
     python bench/bench_trl.py --steps 10 --rounds 2 \\
         --run "flowrl" --run "flowrl learner.dtype=bfloat16 sampler.dtype=bfloat16" \\
         --run "trl" --run "trl bf16"
@@ -18,6 +19,14 @@ and then training, in turns; flowrl runs its actors as ``topology.toml`` places 
 overrides say), without the default job's validation rounds (TRL runs none here;
 ``validation.every=10 validation.before_training=true`` as overrides put them back; both are
 turned off, since ``validation.every=0`` alone leaves the step-0 round on).
+
+``--model thin``: both sides train the thin model instead (``bench/shaped_model.py``: the
+default's 30 layers, vocabulary, tokenizer and chat template, hidden 64, random weights), so a
+step's arithmetic is a few percent of the default's and each side's step time is its own
+overhead: the Python, the ops' dispatch, the messages and the weights' work that bound the
+default job on a GPU. ``--ops`` adds a flowrl run of a few steps with one learner step and one
+sampler batch under torch.profiler (not timed), and prints the torch ops dispatched per learner
+step and per decoding step (``actors/runtime/profiling.py``'s count).
 
 Time is the training loop's: from the moment flowrl's actors are all ready, or TRL's ``train()``
 starts, to its last step (model loading and flowrl's final checkpoint are left out). Printed per
@@ -44,6 +53,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SAMPLES_PER_STEP = 32
+
+
+OPS_STEP = 4  # the step (and sampler batch) profiled by --ops: past the first ones' warm-up
+
+
+def flowrl_ops(model: str) -> dict:
+    """Torch ops dispatched by one learner step and per decoding step of one sampler batch, in a
+    short flowrl run with those under the profiler (``learner.profile_steps``)."""
+    with tempfile.TemporaryDirectory(prefix="bench-flowrl-ops-") as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "runner.py", "topology.toml", f"run.dir={run_dir}",
+               f"model.path={model}", f"learner.total_steps={OPS_STEP + 1}",
+               f"learner.save_every={OPS_STEP + 1}", "validation.every=0",
+               "validation.before_training=false", "run.status_interval=0",
+               f"learner.profile_steps=[{OPS_STEP}]", f"sampler.profile_batches=[{OPS_STEP}]"]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"flowrl --ops run failed ({res.returncode}):\n{res.stdout[-3000:]}")
+        learner, sampler = (json.loads((run_dir / "profiles" / name / f"step_{OPS_STEP}.json")
+                                       .read_text()) for name in ("learner-0", "sampler-0"))
+        return {"learner_ops": learner["ops"], "learner_top": learner["ops_by_name"],
+                "decode_ops": sampler["ops"] / max(sampler["decode_steps"], 1),
+                "decode_top": sampler["ops_by_name"], "decode_steps": sampler["decode_steps"]}
 
 
 def run_flowrl(overrides: list[str], steps: int) -> dict:
@@ -114,12 +146,13 @@ def tree_cpu_seconds(root: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def run_trl(bf16: bool, threads: int, steps: int, cuda: bool = False) -> dict:
+def run_trl(bf16: bool, threads: int, steps: int, cuda: bool = False, model: str = "default"
+            ) -> dict:
     """TRL's GRPOTrainer in a child process (a fresh interpreter, like flowrl's actors)."""
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--trl-child", str(out), "--steps", str(steps),
-               "--threads", str(threads)]
+               "--threads", str(threads), "--model", model]
         if bf16:
             cmd.append("--bf16")
         if cuda:
@@ -130,7 +163,8 @@ def run_trl(bf16: bool, threads: int, steps: int, cuda: bool = False) -> dict:
         return json.loads(out.read_text())
 
 
-def trl_child(out: Path, steps: int, bf16: bool, threads: int, cuda: bool = False) -> None:
+def trl_child(out: Path, steps: int, bf16: bool, threads: int, cuda: bool = False,
+              model_path: str = "default") -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -142,7 +176,7 @@ def trl_child(out: Path, steps: int, bf16: bool, threads: int, cuda: bool = Fals
     from actors.scoring.rules import arithmetic_score
 
     torch.set_num_threads(threads)
-    model = str(resolve_model_path("default"))
+    model = str(resolve_model_path(model_path))
     task = make_task(TaskConfig(name="arithmetic"), seed=0)
     rows = []
     for i in range(steps * 4 + 8):
@@ -177,25 +211,42 @@ def main() -> None:
     p.add_argument("--run", action="append", help="flowrl [overrides...] | trl [bf16] [cuda]")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--model", default="default",
+                   help="default (the embedded model), thin (its shape, hidden 64), or a path")
+    p.add_argument("--ops", action="store_true",
+                   help="also count flowrl's ops per learner step and per decoding step")
     p.add_argument("--trl-child", help=argparse.SUPPRESS)
     p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
-        trl_child(Path(args.trl_child), args.steps, args.bf16, args.threads, args.cuda)
+        trl_child(Path(args.trl_child), args.steps, args.bf16, args.threads, args.cuda,
+                  args.model)
         return
+    with tempfile.TemporaryDirectory(prefix="bench-trl-model-") as tmp:
+        model = args.model
+        if model == "thin":
+            sys.path.insert(0, str(ROOT / "bench"))
+            from shaped_model import THIN, shaped_model
+
+            model = str(shaped_model(Path(tmp) / "thin", hidden=THIN))
+        compare(args, model)
+
+
+def compare(args: argparse.Namespace, model: str) -> None:
     runs = args.run or ["flowrl", "trl"]
-    print(f"{args.steps} steps × {SAMPLES_PER_STEP} samples per run; {os.cpu_count()} cores; "
-          f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{args.steps} steps × {SAMPLES_PER_STEP} samples per run; model {args.model}; "
+          f"{os.cpu_count()} cores; load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    own = [] if model == "default" else [f"model.path={model}"]
     for rnd in range(args.rounds):
         for spec in runs:
             kind, *rest = spec.split()
             load = os.getloadavg()[0]
             threads = next((int(w.split("=")[1]) for w in rest if w.startswith("threads=")),
                            os.cpu_count() or 1)
-            r = (run_trl("bf16" in rest, threads, args.steps, "cuda" in rest) if kind == "trl"
-                 else run_flowrl(rest, args.steps))
+            r = (run_trl("bf16" in rest, threads, args.steps, "cuda" in rest, model)
+                 if kind == "trl" else run_flowrl([*own, *rest], args.steps))
             rewards = r["rewards"]
             first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
             print(f"round {rnd + 1} | {spec:<40} | {r['seconds']:7.1f} s | "
@@ -206,6 +257,15 @@ def main() -> None:
             if "breakdown" in r:  # flowrl: its step's parts, medians of steps 3 on
                 print("        per step (s): " + ", ".join(
                     f"{k} {v:.3f}" for k, v in r["breakdown"].items()), flush=True)
+
+    if args.ops:
+        ops = flowrl_ops(model)
+        print(f"flowrl ops (profiled step {OPS_STEP}): {ops['learner_ops']:,} per learner step; "
+              f"{ops['decode_ops']:,.0f} per decoding step ({ops['decode_steps']} steps in the "
+              "batch)", flush=True)
+        for what in ("learner", "decode"):
+            top = sorted(ops[f"{what}_top"].items(), key=lambda kv: -kv[1])[:8]
+            print(f"        {what} top: " + ", ".join(f"{k[6:]} {v}" for k, v in top), flush=True)
 
 
 if __name__ == "__main__":
