@@ -12,7 +12,9 @@ buffers double or triple it. ``lm_head_logprobs`` has three paths that compute t
   chunk's logits, turns them into the gradient with respect to the logits and multiplies that
   into ``grad_hidden`` and ``grad_weight``. Peak extra memory is a few ``(chunk_size, V)``
   float32 blocks. Logits are computed in the inputs' dtype, as on the naive path, and the
-  softmax math in float32.
+  softmax math in float32. A small head (``N x V`` probabilities within ``KEEP_BYTES``) keeps
+  its probabilities from the forward pass instead, and a backward pass for the log-probs alone
+  uses them: no logits to recompute, a quarter of the head's products.
 - ``"triton"``: the same autograd function with Triton kernels (``kernels/triton_logprobs.py``):
   the forward pass is one fused online-softmax kernel over hidden and weight tiles that writes
   no ``(N, V)`` tensor at all; the backward pass writes one ``(chunk_size, V)`` gradient block
@@ -47,6 +49,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 IMPLS = ("naive", "chunked", "triton")
+KEEP_BYTES = 512 << 20  # the chunked path keeps the probabilities when they take at most this
 IMPL_ENV = "FLOWRL_LOGPROB_IMPL"
 
 
@@ -85,9 +88,14 @@ def lm_head_logprobs(
         sum_pi_squared = logp.detach().exp().square().sum(-1) if with_sum_pi_squared else None
     else:
         backend = _triton_backend() if path == "triton" else _CHUNKED
+        # a small head's probabilities are kept for the backward pass (the chunked path, when
+        # a gradient will come): recomputing the logits is a quarter of its products
+        keep = (path == "chunked" and torch.is_grad_enabled()
+                and (hidden.requires_grad or weight.requires_grad)
+                and hidden.shape[0] * weight.shape[0] * 4 <= KEEP_BYTES)
         logprobs, entropy, sum_pi_squared = _LMHeadLogprobs.apply(
             hidden, weight, targets, float(temperature), int(chunk_size), with_entropy,
-            with_sum_pi_squared, backend
+            with_sum_pi_squared, backend, keep
         )
     extras = [t for t, wanted in ((entropy, with_entropy), (sum_pi_squared, with_sum_pi_squared))
               if wanted]
@@ -159,38 +167,57 @@ class _ChunkedBackend:
 
     @staticmethod
     def lm_head_rows(hidden, weight, targets, temperature, with_entropy, chunk_size,
-                     with_sum_pi_squared=False):
-        # hidden (N, H), weight (V, H), targets (N,)
+                     with_sum_pi_squared=False, kept: list | None = None):
+        # hidden (N, H), weight (V, H), targets (N,); ``kept``: a list to hold each chunk's
+        # unnormalised probabilities and their row sums for the backward pass
         n = hidden.shape[0]
         logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         sum_pi_sq = torch.empty(n if with_sum_pi_squared else 0, dtype=torch.float32,
                                 device=hidden.device)
+        # each pass over a (k, V) block reads and writes V floats per row, and the passes, not
+        # the products, bound a small model's head on a CPU: five of them, the row sums of
+        # products as batched dot products (one read of both)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = (hidden[start:end] @ weight.T).float()  # (k, V), a fresh tensor we may overwrite
-            z.div_(temperature)
-            row_lse = torch.logsumexp(z, dim=-1)  # (k,)
-            lse[start:end] = row_lse
+            if temperature != 1.0:
+                z.div_(temperature)
+            top = z.amax(-1, keepdim=True)  # (k, 1)
+            z.sub_(top)  # shifted: each row's largest is 0
+            e = torch.exp(z)  # (k, V) unnormalised probabilities
+            total = e.sum(-1)  # (k,)
+            log_total = total.log()
+            lse[start:end] = log_total + top.squeeze(-1)
             picked = z.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)  # (k,)
-            logprob[start:end] = picked - row_lse
-            if not (with_entropy or with_sum_pi_squared):
-                continue
-            logp = z.sub_(row_lse.unsqueeze(-1))  # (k, V)
-            p = torch.exp(logp)  # (k, V)
-            if with_sum_pi_squared:
-                sum_pi_sq[start:end] = p.square().sum(-1)
-            if with_entropy:
-                entropy[start:end] = -(p.mul_(logp)).sum(-1)
+            logprob[start:end] = picked - log_total
+            if with_sum_pi_squared:  # Σ p² = Σ e² / total²
+                sum_pi_sq[start:end] = _row_dot(e, e) / total.square()
+            if with_entropy:  # H = -Σ p log p = log total - Σ e z / total
+                entropy[start:end] = log_total - _row_dot(e, z) / total
+            if kept is not None:
+                kept.append((e, total))
         return logprob, lse, entropy, sum_pi_sq
+
+    @staticmethod
+    def kept_dlogits(e, total, targets, grad_logprob, temperature):
+        """``dlogits`` of one chunk from the forward pass's ``e`` (its unnormalised
+        probabilities, consumed) and row sums ``total``, for a gradient of the log-probs alone:
+        ``g * (onehot - e / total) / T``, with no product to recompute the logits."""
+        g = grad_logprob.float()  # (k,)
+        dz = e.mul_((-g / total).unsqueeze(-1))  # (k, V)
+        dz.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
+        return dz.div_(temperature) if temperature != 1.0 else dz
 
     @staticmethod
     def dlogits(hidden, weight, targets, lse, entropy, grad_logprob, grad_entropy, temperature):
         # hidden (k, H) one chunk; targets, lse, entropy, grads (k,); returns (k, V) in
         # hidden's dtype: (g_lp * (onehot - p) - g_ent * p * (log p + H)) / T
         logp = (hidden @ weight.T).float()  # (k, V)
-        logp.div_(temperature).sub_(lse.unsqueeze(-1))
+        if temperature != 1.0:
+            logp.div_(temperature)
+        logp.sub_(lse.unsqueeze(-1))
         if grad_entropy is None:
             dz = logp.exp_().mul_(-grad_logprob.float().unsqueeze(-1))
         else:
@@ -201,7 +228,14 @@ class _ChunkedBackend:
             dz = p.mul_(coef).neg_()  # -p * (g_lp + g_ent * (log p + H))
         if grad_logprob is not None:
             dz.scatter_add_(-1, targets.unsqueeze(-1), grad_logprob.float().unsqueeze(-1))
-        return dz.div_(temperature).to(hidden.dtype)
+        if temperature != 1.0:
+            dz.div_(temperature)
+        return dz.to(hidden.dtype)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` of two ``(k, V)`` blocks in one pass: a batch of dot products."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)  # (k,)
 
 
 _CHUNKED = _ChunkedBackend()
@@ -239,9 +273,11 @@ class _LMHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy,
-                with_sum_pi_squared, backend):
+                with_sum_pi_squared, backend, keep):
+        ctx.kept = [] if keep else None
         logprob, lse, entropy, sum_pi_sq = backend.lm_head_rows(
-            hidden, weight, targets, temperature, with_entropy, chunk_size, with_sum_pi_squared
+            hidden, weight, targets, temperature, with_entropy, chunk_size, with_sum_pi_squared,
+            **({"kept": ctx.kept} if keep else {})
         )  # (N,) each; entropy and sum_pi_sq are empty unless asked for
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature = temperature
@@ -260,7 +296,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_logprob is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         n = hidden.shape[0]
         grad_hidden = grad_weight = None
         if need_hidden:
@@ -268,19 +304,27 @@ class _LMHeadLogprobs(torch.autograd.Function):
         if need_weight:
             # Summed over chunks in float32, rounded to the weight's dtype once at the end.
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, n, ctx.chunk_size):
+        kept = ctx.kept if grad_entropy is None and grad_logprob is not None else None
+        ctx.kept = None  # (what it held is consumed below)
+        for i, start in enumerate(range(0, n, ctx.chunk_size)):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]  # (k, H)
-            dz = ctx.backend.dlogits(
-                h,
-                weight,
-                targets[start:end],
-                lse[start:end],
-                entropy[start:end],
-                None if grad_logprob is None else grad_logprob[start:end],
-                None if grad_entropy is None else grad_entropy[start:end],
-                ctx.temperature,
-            )  # (k, V) in hidden's dtype
+            if kept is not None:
+                e, total = kept[i]
+                dz = _ChunkedBackend.kept_dlogits(e, total, targets[start:end],
+                                                  grad_logprob[start:end], ctx.temperature)
+            else:
+                dz = ctx.backend.dlogits(
+                    h,
+                    weight,
+                    targets[start:end],
+                    lse[start:end],
+                    entropy[start:end],
+                    None if grad_logprob is None else grad_logprob[start:end],
+                    None if grad_entropy is None else grad_entropy[start:end],
+                    ctx.temperature,
+                )  # (k, V) in hidden's dtype
+            dz = dz.to(hidden.dtype)
             if need_hidden:
                 torch.mm(dz, weight, out=grad_hidden[start:end])
             if need_weight:
@@ -291,6 +335,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if need_weight else None,
+            None,
             None,
             None,
             None,

@@ -194,8 +194,12 @@ def test_frozen_weight_and_unused_entropy(request, impl):
 
 
 @pytest.mark.parametrize("impl", ["chunked", "triton"])
-def test_saves_no_vocab_sized_tensor(request, impl):
-    """Autograd keeps the inputs and per-row scalars only; the naive path keeps (N, V) tensors."""
+def test_saves_no_vocab_sized_tensor(request, impl, monkeypatch):
+    """Autograd keeps the inputs and per-row scalars only; the naive path keeps (N, V) tensors.
+    (The chunked path keeps a small head's probabilities, up to ``KEEP_BYTES``: off here.)"""
+    import kernels.lm_head_logprobs as module
+
+    monkeypatch.setattr(module, "KEEP_BYTES", 0)
     device = request.getfixturevalue("triton_device") if impl == "triton" else "cpu"
     n, h, v = 64, 8, 512  # N * V = 32768 is 8x the weight, so an (N, V) tensor stands out
     gen = torch.Generator().manual_seed(1)
@@ -369,3 +373,27 @@ def test_triton_on_gpu_at_model_size():
         assert worst <= 0.1 + 0.02 * scale and mean <= 0.02 + 0.002 * scale, name
     print(f"peak bytes: naive {peaks['naive']:,}, triton {peaks['triton']:,}")
     assert peaks["triton"] <= peaks["naive"] / 4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_probabilities_give_the_recomputed_gradients(temperature, monkeypatch):
+    """A small head's probabilities kept from the forward pass (``KEEP_BYTES``) give the
+    gradients that recomputing the logits gives; with an entropy gradient it recomputes."""
+    import kernels.lm_head_logprobs as module
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(N, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.3
+    targets = torch.randint(0, V, (N,), generator=gen)
+    weights = torch.randn(N, generator=gen)
+    grads = {}
+    for keep in (0, module.KEEP_BYTES):
+        monkeypatch.setattr(module, "KEEP_BYTES", keep)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = lm_head_logprobs(h, w, targets, temperature=temperature, with_entropy=True,
+                                   chunk_size=CHUNK, impl="chunked")
+        (lp * weights).sum().backward()
+        grads[keep] = (h.grad, w.grad, lp.detach(), ent.detach())
+    (kept, recomputed) = grads[module.KEEP_BYTES], grads[0]
+    for a, b in zip(kept, recomputed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -29,7 +29,8 @@ forward and backward in the compute dtype (``c`` bytes):
   A frozen tower saves nothing (nothing in it needs a gradient). ``runner.py check`` knows no
   images (``patches = 0``); the learner's own estimate at its first step counts them.
 - logits: the chunked LM head (``kernels/lm_head_logprobs.py``) holds at most a few
-  ``(chunk, V)`` blocks: three float32 ones and one in the compute dtype.
+  ``(chunk, V)`` blocks: three float32 ones and one in the compute dtype; a small head (its
+  ``(tokens, V)`` float32 probabilities within ``KEEP_BYTES``) also keeps those for backward.
 
 Not counted: the CUDA context and allocator slack (a few GB on a GPU), the samplers, the
 critic (GAE), the batch's own tensors, and anything a longer sequence than the budget adds
@@ -47,6 +48,7 @@ import torch
 
 from actors.learner.packing import micro_limits
 from actors.learner.perf import VisionTower, head_dim_of, vision_tower
+from kernels.lm_head_logprobs import KEEP_BYTES
 
 GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
 
@@ -104,6 +106,13 @@ def layer_activation_bytes(config, compute_bytes: int) -> int:
     return (10 * h + 2 * kv + 4 * i) * compute_bytes
 
 
+def kept_probabilities(tokens: int, vocab: int) -> int:
+    """Bytes the LM head keeps from its forward pass for the backward one (a small head's
+    float32 probabilities, ``kernels/lm_head_logprobs.py``)."""
+    held = tokens * vocab * 4
+    return held if held <= KEEP_BYTES else 0
+
+
 def token_activation_bytes(config, compute_bytes: int) -> int:
     """What one token of a micro-batch saves for backward through every layer and the final
     norm, without checkpointing (``estimate``'s activations per token, images aside)."""
@@ -152,7 +161,8 @@ def estimate(config, *, tokens: int, world: int = 1, param_bytes: int = 4, compu
         optimizer=0.0 if offload else 2 * trainable * param_bytes / world,
         gathered=gathered,
         reference=total * (reference_bytes or param_bytes) / world if reference else 0.0,
-        activations=float(acts), logits=float(min(chunk, tokens) * vocab * (3 * 4 + compute_bytes)),
+        activations=float(acts), logits=float(min(chunk, tokens) * vocab * (3 * 4 + compute_bytes)
+                                              + kept_probabilities(tokens, vocab)),
         host=states if offload else 0.0)
 
 
