@@ -1,8 +1,9 @@
 """One command that checks flowrl's GPU paths on one GPU (more where a row needs them) and
 prints one table (no network; vLLM only for the row that needs it; every row together is
-about 10 minutes on an H100/H200, the rows' times in BENCHMARKS.md).
+about 15 minutes on an H100/H200, the rows' times in BENCHMARKS.md).
 
-    python bench/gpu_check.py                 # on a machine with a CUDA GPU
+    python bench/gpu_check.py --only speed    # what decides the job's speed: at most 9 minutes
+    python bench/gpu_check.py                 # every row, on a machine with a CUDA GPU
     python bench/gpu_check.py --dry-run       # the same checks on the CPU with tiny shapes
     python bench/gpu_check.py --only kernels,job --json out.json
 
@@ -18,11 +19,17 @@ the reason: a second GPU or vLLM that this machine lacks):
   ``liger_kernel`` is installed; median step seconds and peak MiB per path.
 - ``hf tokens``: the transformers engine's generation speed at the 1.5B shape (random weights,
   bf16): 32 prompts x 8 samples x 256 new tokens in one batch, tokens/s and peak memory.
-- ``hf parity``: the transformers engine's behaviour log-probs against the learner's
+- ``hf parity`` (once per ``--decode`` mode, eager and inductor by default): the transformers
+  engine's behaviour log-probs against the learner's
   recomputation on CUDA in bf16, on the embedded SmolLM2-135M (real logits: on a random model's
   nearly uniform ones any engine agrees), temperature 1.0 and 0.7: max and mean |delta log p| and
   the share of tokens whose ratio leaves [0.9, 1.1] (at most ``PARITY_SHARE``), beside a control
   that must break that bound (the T=0.7 tokens recomputed at T=1.0).
+- ``decode graphs``: compiled decoding (inductor) over four batches of one shape: the CUDA
+  graphs recorded after each, flat after the second (one static KV cache per shape, reset
+  between batches), the graphs compiled, flat after the first.
+- ``local step``: one rank's FSDP2 step on local tensors against torch's own on the DTensors:
+  bit for bit, every gradient freed by ``zero_grad`` (``tests/test_devices.py``'s check).
 - ``ipc colocated``: ``bench/bench_weights.py --device cuda`` at the 1.5B shape (bf16): the hf
   engine in a sampler process on the learner's GPU receiving every version over ipc, beside
   shm: seconds per version (publish to loaded) of each, and every load checked to hold the
@@ -44,10 +51,23 @@ the reason: a second GPU or vLLM that this machine lacks):
   with a checkpoint, then resumed from it to 4 steps: exit statuses, the steps recorded, and
   the checkpoint each run ended with.
 
-Dry run (``--dry-run``, in the default test suite: ``tests/test_gpu_check.py``): every row on
-the CPU with tiny shapes (the tiny test model, V = 512), so the script cannot rot.
+- ``learner mfu``: the learner step's with default settings (auto micro-batches), and its
+  MFU against the GPU's bf16 peak.
+- ``bench_decode``: ``bench/bench_decode.py`` on the default job's batch and the 1.5B batch:
+  compiled decoding's tokens/s and ops per decoding step against eager's.
+- ``trl``: ``bench/bench_trl.py``, the default job with compiled decoding against TRL's
+  GRPOTrainer on the same GPU, 30 steps each.
+- ``update``: ``bench/bench_update.py``, the learner's update in the job against alone.
 
-Bringing what a bare GPU machine lacks. Such a machine often has torch, triton,
+``--only speed`` runs the rows that decide the default job's speed on a GPU: hf parity, decode
+graphs, local step, learner mfu, bench_decode, trl, update.
+
+Dry run (``--dry-run``, in the slow test tier: ``tests/test_gpu_check.py``): every row on the
+CPU with tiny shapes (the tiny test model, V = 512; the thin model for bench_decode and trl),
+so the script cannot rot.
+
+Bringing what a bare GPU machine lacks: ``bash bench/gpu_wheels.sh DIR`` (docs/development.md,
+"Measuring a GPU machine"), or by hand. Such a machine often has torch, triton,
 transformers, accelerate, peft, pyarrow, pytest, rich and tensorboard, but not flowrl's other
 dependencies, and no network. On a machine with network and the same Python version and
 platform (``python -c "import sys, platform; print(sys.version, platform.machine())"``):
@@ -93,8 +113,13 @@ QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
 # the parity row's bound on the share of tokens whose behaviour/learner ratio leaves [0.9, 1.1]
 PARITY_SHARE = 0.05
-ROWS = ("kernels", "logprobs", "hf parity", "hf tokens", "ipc colocated", "nccl 2 GPUs", "sleep lending",
-        "learner step", "offload", "job")
+ROWS = ("kernels", "logprobs", "hf parity", "hf tokens", "decode graphs", "local step",
+        "ipc colocated", "nccl 2 GPUs", "sleep lending", "learner step", "offload", "job",
+        "bench_decode", "trl", "update", "learner mfu")
+# ``--only speed``: what decides the default job's speed on a GPU, in at most 9 minutes
+SPEED = ("hf parity", "decode graphs", "local step", "bench_decode", "trl", "update",
+         "learner mfu")
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the MFU's denominator (bench/learner_mfu.py's)
 SLEEP_SHARE = 0.4  # the sleep lending row: the vLLM engine's share of the GPU, and this process's
 
 
@@ -274,6 +299,116 @@ class Check:
         return "ok", (f"{prompts_n} prompts x {n} samples x {new} new tokens: {tokens:,} tokens "
                       f"in {seconds:.2f} s, {tokens / seconds:,.0f} tokens/s, peak {peak:.1f} GiB")
 
+    def decode_graphs(self) -> tuple[str, str]:
+        """Compiled decoding (``sampler.hf.decode = inductor``) over four batches of one shape:
+        the CUDA graphs recorded after each (flat after the second: the static cache keeps its
+        addresses), the static caches made (one) and the graphs compiled (flat after the
+        first). Dry run: inductor's C++ kernels on the CPU, no CUDA graphs to count."""
+        import torch
+        import trio
+        from torch._dynamo.utils import counters
+
+        from actors.sampler.engines.base import GenerateRequest
+        from actors.sampler.engines.hf import HFEngine
+        from messages.rollout import SamplingParams
+
+        recorded: list[int] = []
+        manager = None
+        if not self.dry:  # count each graph the trees record (instrumentation, not a change)
+            from torch._inductor.cudagraph_trees import CUDAGraphTreeManager as manager
+
+            original = manager.record_function
+
+            def counting(tree, *args, **kwargs):
+                recorded.append(1)
+                return original(tree, *args, **kwargs)
+
+            manager.record_function = counting  # type: ignore[method-assign]
+        try:
+            engine = HFEngine(self.model(), "float32" if self.dry else "bfloat16", seed=0,
+                              device=self.device, decode="inductor")
+            gen = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(100, 150, (40,), generator=gen).tolist() for _ in range(4)]
+            params = SamplingParams(temperature=1.0, max_tokens=8 if self.dry else 64)
+            after = []
+            for _ in range(4):
+                trio.run(engine.generate, [GenerateRequest(p, params, 4) for p in prompts])
+                after.append((len(recorded), counters["stats"]["unique_graphs"],
+                              engine.static_caches.made))
+        finally:
+            if manager is not None:
+                manager.record_function = original  # type: ignore[method-assign]
+        graphs = [a[0] for a in after]
+        compiled = [a[1] for a in after]
+        ok = graphs[1:] == [graphs[1]] * 3 and compiled[1:] == [compiled[0]] * 3 \
+            and after[-1][2] == 1 and (self.dry or graphs[0] > 0)
+        return ("ok" if ok else "FAIL"), (f"CUDA graphs recorded after each batch {graphs}, "
+                                          f"graphs compiled {compiled}, static caches made "
+                                          f"{after[-1][2]}")
+
+    def local_step(self) -> tuple[str, str]:
+        """One rank's FSDP2 step on local tensors against torch's own on the DTensors, on the
+        device: bit for bit, and every gradient freed by zero_grad (tests/test_devices.py's)."""
+        from tests.test_devices import local_step_against_torchs
+
+        facts = local_step_against_torchs(self.model(), self.workdir / "local", self.device)
+        return ("ok" if all(facts.values()) else "FAIL"), \
+            ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in facts.items())
+
+    def bench(self, script: str, *args: str, timeout: float = 600) -> str:
+        """``bench/SCRIPT args`` in a process of its own; its output (raises on failure)."""
+        env = dict(os.environ)
+        if self.dry:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
+            raise RuntimeError(f"bench/{script} exited {out.returncode}")
+        return out.stdout
+
+    def bench_decode(self) -> tuple[str, str]:
+        """bench/bench_decode.py's table rows: compiled against eager decoding, tokens/s and ops
+        per decoding step, on the default job's batch and gpu_check's 1.5B batch (dry run: the
+        thin model on the CPU)."""
+        shapes = ("thin",) if self.dry else ("default", "1.5b")
+        parts = []
+        for shape in shapes:
+            args = ["--shape", shape, "--repeats", "1" if self.dry else "2"]
+            if self.dry:
+                args += ["--device", "cpu"]
+            text = self.bench("bench_decode.py", *args)
+            for row in re.findall(r"^\| inductor \|[^\n]*", text, re.M):
+                cells = [c.strip() for c in row.split("|")]
+                parts.append(f"{shape}: inductor {cells[4]} tokens/s, {cells[5]} eager's, "
+                             f"{cells[6]} ops per step ({cells[7]})")
+        return ("ok" if len(parts) == len(shapes) else "FAIL"), "; ".join(parts)
+
+    def trl(self) -> tuple[str, str]:
+        """bench/bench_trl.py: the default job with compiled decoding against TRL's
+        GRPOTrainer on the same GPU, 30 steps each (dry run: the thin model, 3 steps, CPU)."""
+        runs = (["--model", "thin", "--steps", "3", "--run", "flowrl", "--run", "trl"]
+                if self.dry else ["--steps", "30", "--run", "flowrl sampler.hf.decode=inductor",
+                                  "--run", "trl cuda"])
+        text = self.bench("bench_trl.py", *runs, timeout=900)
+        rates = [float(x) for x in re.findall(r"([\d.]+) samples/s", text)]
+        parts = re.findall(r"per step \(s\): ([^\n]*)", text)
+        if len(rates) != 2:
+            return "FAIL", text[-300:]
+        return "ok", (f"flowrl {rates[0]:.2f} samples/s, TRL {rates[1]:.2f}: "
+                      f"{rates[0] / rates[1]:.2f}x; flowrl per step: {parts[0] if parts else '?'}")
+
+    def update(self) -> tuple[str, str]:
+        """bench/bench_update.py: the learner's update inside the job against the same batches
+        trained alone (dry run: 2 layers of the default model, 3 steps, CPU)."""
+        args = ["--layers", "2", "--steps", "3"] if self.dry else ["--steps", "8"]
+        text = self.bench("bench_update.py", *args, timeout=900)
+        ratio = re.search(r"job / standalone: ([\d.]+)x", text)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("in the job",
+                                                                                   "standalone"))]
+        return ("ok" if ratio else "FAIL"), (f"job / alone {ratio[1]}x" if ratio else "?") \
+            + ("; " + "; ".join(line.split("(")[0].strip() for line in lines) if lines else "")
+
     def weights(self, transports: str, gpus: int = 1) -> tuple[str, str]:
         """``bench/bench_weights.py`` over ``transports`` (dry run: those a CPU runs)."""
         import torch
@@ -388,16 +523,21 @@ class Check:
             f"request during the step {'waited for it' if got['waited'] else 'did NOT wait'}, "
             f"then woke the engine in {got['wake_ms']:.0f} ms")
 
-    def learner_step(self, *extra: str) -> tuple[str, str]:
+    def learner_step(self, *extra: str, auto: bool = False) -> tuple[str, str]:
+        """One 1.5B-shape learner step (dry run: the tiny model): 8-row micro-batches, or
+        ``auto``: the default settings, with its MFU (6 x parameters x tokens/s against the
+        GPU's bf16 peak)."""
         import torch
         from bench_learner import batches
 
         from actors.learner.trainer import Trainer
 
         groups, n, response = (2, 4, 8) if self.dry else (4, 8, 512)
+        rows = [] if auto else ["learner.micro_batch_size=8"]
         trainer = Trainer(self.topology(f"algorithm.n={n}", f"learner.groups_per_step={groups}",
-                                        "learner.micro_batch_size=8", *extra),
-                          self.workdir / ("step" + "-".join(extra).replace("=", "_")))
+                                        *rows, *extra),
+                          self.workdir / ("step" + "-".join(extra).replace("=", "_")
+                                          + ("-auto" if auto else "")))
         warm, timed = batches(trainer, 2, groups, n, response, seed=0)
         trainer.train_step(warm)
         if not self.dry:
@@ -414,8 +554,9 @@ class Check:
         peak = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if not self.dry
                 else "peak: n/a on CPU")
         trainer.group.close()
+        mfu = "" if self.dry else f", MFU {6 * params * tokens / seconds / PEAK_FLOPS:.1%}"
         return "ok", (f"{params / 1e6:,.1f}M params, {tokens} tokens: {seconds:.2f} s/step, "
-                      f"{tokens / seconds:,.0f} tokens/s, {peak}")
+                      f"{tokens / seconds:,.0f} tokens/s{mfu}, {peak}")
 
     def job(self) -> tuple[str, str]:
         from tests.jobs import TINY
@@ -476,13 +617,16 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="every row on the CPU, tiny shapes")
-    p.add_argument("--only", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--only", default=",".join(ROWS),
+                   help=f"comma list of {', '.join(ROWS)}; speed: {', '.join(SPEED)}")
     p.add_argument("--json", default="", help="also write the rows here")
-    p.add_argument("--decode", default="eager",
+    p.add_argument("--decode", default="eager,inductor",
                    help="comma list of sampler.hf.decode modes the hf parity row runs with")
     p.add_argument("--workdir", default="", help="where models and runs go (default: a temp dir)")
     args = p.parse_args(argv)
     only = {r.strip() for r in args.only.split(",") if r.strip()}
+    if "speed" in only:
+        only = (only - {"speed"}) | set(SPEED)
     if unknown := only - set(ROWS):
         p.error(f"--only: unknown rows {sorted(unknown)}")
     if args.dry_run:
@@ -510,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
                       lambda d=decode: check.hf_parity(d))
     if "hf tokens" in only:
         check.run("hf tokens", check.hf_tokens)
+    if "decode graphs" in only:
+        check.run("decode graphs", check.decode_graphs)
+    if "local step" in only:
+        check.run("local step", check.local_step)
     if "ipc colocated" in only:  # the learner's GPU to a sampler on it, beside shm
         check.run("ipc colocated", lambda: check.weights("shm,ipc"))
     if "nccl 2 GPUs" in only:
@@ -522,6 +670,14 @@ def main(argv: list[str] | None = None) -> int:
         check.run("offload", lambda: check.learner_step("learner.offload=true"))
     if "job" in only:
         check.run("job", check.job)
+    if "learner mfu" in only:
+        check.run("learner mfu", lambda: check.learner_step(auto=True))
+    if "bench_decode" in only:
+        check.run("bench_decode", check.bench_decode)
+    if "trl" in only:
+        check.run("trl", check.trl)
+    if "update" in only:
+        check.run("update", check.update)
     print(f"\n=== gpu_check on {where}: {time.monotonic() - started:.0f} s")
     print(table(check.rows))
     if args.json:

@@ -153,26 +153,27 @@ def test_every_cuda_device_built_carries_an_index(monkeypatch):
     assert seen == [torch.device("cuda", 0)]
 
 
-def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_do(tiny_model,
-                                                                                   tmp_path):
-    """On one rank computing in bf16 the learner's parameters are FSDP2 DTensors, whose
-    dispatch per tensor cost the GPU step more CPU time than its kernels (BENCHMARKS.md, the
-    job's profile). ``distributed.clip_grad_norm_`` and ``optimizer_step`` run on their local
-    tensors instead: the same norms and the same parameters as torch's own calls on the
-    DTensors, bit for bit, and the optimizer's state stays DTensors (checkpoints unchanged);
-    ``zero_grad`` frees every gradient (none is left on a local tensor through the next step)."""
+def local_step_against_torchs(model, workdir, device: str = "cpu") -> dict:
+    """Four optimizer steps of one rank's FSDP2 learner (bf16 compute) twice from the same
+    weights: with ``distributed.clip_grad_norm_`` and ``optimizer_step`` on local tensors, and
+    with torch's own calls on the DTensors. What a check asserts: the norms (``norms``, clipping
+    exercised: ``clipped``) and the parameters after (``same``) equal bit for bit, the steps
+    moved them (``moved``), the optimizer's state stayed DTensors (``state_dtensors``), and no
+    gradient outlived ``zero_grad`` on a parameter or its local tensor (``freed``). Shared with
+    bench/gpu_check.py, which runs it on a GPU."""
     from actors.job.config.load import apply_overrides, decode_topology
     from actors.learner import distributed
     from actors.learner.policy import Policy
 
     topo = decode_topology(apply_overrides({}, [
-        f"model.path={tiny_model}", "model.dtype=float32", "learner.dtype=bfloat16"]))
-    policy = Policy(topo, tmp_path, None)
+        f"model.path={model}", "model.dtype=float32", "learner.dtype=bfloat16",
+        f"learner.device={device}"]))
+    policy = Policy(topo, workdir, None)
     try:
         params = [p for p in policy.model.parameters() if p.requires_grad]
         assert distributed._lone_shards(params)
         start = [p.detach().clone() for p in params]
-        ends, norms = [], []
+        ends, norms, freed, dtensors = [], [], True, True
         for local in (False, True):
             with torch.no_grad():
                 for p, s in zip(params, start, strict=True):
@@ -181,7 +182,7 @@ def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_d
             seen = []
             for seed in range(4):
                 torch.manual_seed(seed)
-                ids = torch.randint(0, policy.model.config.vocab_size, (2, 6))
+                ids = torch.randint(0, policy.model.config.vocab_size, (2, 6)).to(device)
                 policy.model(input_ids=ids).logits.float().pow(2).mean().backward()
                 if local:
                     seen.append(float(distributed.clip_grad_norm_(params, 0.05)))
@@ -190,15 +191,29 @@ def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_d
                     seen.append(float(torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()))
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                with torch.no_grad():  # no gradient left behind on a parameter's local tensor
-                    assert all(p.grad is None and p.to_local().grad is None for p in params)
+                with torch.no_grad():
+                    freed &= all(p.grad is None and p.to_local().grad is None for p in params)
             norms.append(seen)
             ends.append([p.full_tensor().detach().clone() for p in params])
-            assert all(hasattr(v, "full_tensor") for s in optimizer.state.values()
-                       for k, v in s.items() if k != "step")
-        assert norms[0] == norms[1] and max(norms[0]) > 0.05  # clipping was exercised
-        assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))
-        assert max(float((e - s.full_tensor()).abs().max())
-                   for e, s in zip(ends[1], start, strict=True)) > 1e-3  # the steps moved them
+            dtensors &= all(hasattr(v, "full_tensor") for s in optimizer.state.values()
+                            for k, v in s.items() if k != "step")
+        moved = max(float((e - s.full_tensor()).abs().max())
+                    for e, s in zip(ends[1], start, strict=True))
+        return {"norms": norms[0] == norms[1], "clipped": max(norms[0]) > 0.05,
+                "same": all(torch.equal(a, b) for a, b in zip(*ends, strict=True)),
+                "moved": moved > 1e-3, "state_dtensors": dtensors, "freed": freed}
     finally:
         policy.group.close()
+
+
+def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_do(tiny_model,
+                                                                                   tmp_path):
+    """On one rank computing in bf16 the learner's parameters are FSDP2 DTensors, whose
+    dispatch per tensor cost the GPU step more CPU time than its kernels (BENCHMARKS.md, the
+    job's profile). ``distributed.clip_grad_norm_`` and ``optimizer_step`` run on their local
+    tensors instead: the same norms and the same parameters as torch's own calls on the
+    DTensors, bit for bit, and the optimizer's state stays DTensors (checkpoints unchanged);
+    ``zero_grad`` frees every gradient (none is left on a local tensor through the next step)."""
+    facts = local_step_against_torchs(tiny_model, tmp_path)
+    assert facts == {"norms": True, "clipped": True, "same": True, "moved": True,
+                     "state_dtensors": True, "freed": True}

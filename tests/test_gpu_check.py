@@ -1,10 +1,11 @@
 """``bench/gpu_check.py --dry-run``: the GPU check's every row on the CPU with tiny shapes, so the
-script a GPU machine runs cannot rot (about 45-100 s on the 2-core machine, most of it the job
-row's two runner starts)."""
+script a GPU machine runs cannot rot (about 4 minutes on 2 cores: the job row's two runner
+starts, and the benches the speed rows run, each on the thin or a small model)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,16 +14,18 @@ import pytest
 from tests.jobs import ROOT
 
 
-@pytest.mark.slow  # 45-100 s: behind -m slow to keep the fast suite near 15 minutes
+@pytest.mark.slow  # minutes: behind -m slow to keep the fast suite near 12 minutes
 def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--json", str(out),
                            "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "hf tokens", "ipc colocated", "nccl 2 GPUs",
-                          "sleep lending", "learner step", "offload", "job"]
+    assert list(rows) == ["kernels", "logprobs H=32", "hf parity", "hf parity (inductor)",
+                          "hf tokens", "decode graphs", "local step", "ipc colocated",
+                          "nccl 2 GPUs", "sleep lending", "learner step", "offload", "job",
+                          "learner mfu", "bench_decode", "trl", "update"]
     # sleep lending needs vLLM's sleep mode, which its CPU build lacks: skipped, saying why
     assert rows.pop("sleep lending")["status"] == "skip"
     assert all(r["status"] == "ok" for r in rows.values()), rows
@@ -31,6 +34,11 @@ def test_the_gpu_check_runs_every_row_on_the_cpu(tmp_path):
     assert "max" in rows["hf parity"]["detail"] and "tokens/s" in rows["learner step"]["detail"]
     assert "steps recorded [1, 2]" in rows["job"]["detail"]
     assert "tokens/s" in rows["hf tokens"]["detail"]
+    assert "static caches made 1" in rows["decode graphs"]["detail"]
+    assert "same yes" in rows["local step"]["detail"] and "freed yes" in rows["local step"]["detail"]
+    assert "ops per step" in rows["bench_decode"]["detail"]
+    assert re.search(r"flowrl [\d.]+ samples/s, TRL [\d.]+", rows["trl"]["detail"])
+    assert "job / alone" in rows["update"]["detail"]
     assert "check" in done.stdout and "status" in done.stdout  # the one table, printed
 
 
