@@ -115,7 +115,7 @@ QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
 PARITY_SHARE = 0.05
 ROWS = ("kernels", "logprobs", "hf parity", "hf tokens", "decode graphs", "local step",
         "ipc colocated", "nccl 2 GPUs", "sleep lending", "learner step", "offload", "job",
-        "bench_decode", "trl", "update", "learner mfu")
+        "learner mfu", "bench_decode", "trl", "update")
 # ``--only speed``: what decides the default job's speed on a GPU, in at most 9 minutes
 SPEED = ("hf parity", "decode graphs", "local step", "bench_decode", "trl", "update",
          "learner mfu")
@@ -643,41 +643,33 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     print(f"=== flowrl gpu_check on {where}, torch {torch.__version__}, work dir {workdir}")
-    if "kernels" in only:
-        check.run("kernels", check.kernels)
-    if "logprobs" in only:
-        for hidden in ((32,) if args.dry_run else (1536, 3584)):
-            check.run(f"logprobs H={hidden}", lambda h=hidden: check.logprobs(h))
-    if "hf parity" in only:
-        for decode in args.decode.split(","):
-            check.run("hf parity" + ("" if decode == "eager" else f" ({decode})"),
-                      lambda d=decode: check.hf_parity(d))
-    if "hf tokens" in only:
-        check.run("hf tokens", check.hf_tokens)
-    if "decode graphs" in only:
-        check.run("decode graphs", check.decode_graphs)
-    if "local step" in only:
-        check.run("local step", check.local_step)
-    if "ipc colocated" in only:  # the learner's GPU to a sampler on it, beside shm
-        check.run("ipc colocated", lambda: check.weights("shm,ipc"))
-    if "nccl 2 GPUs" in only:
-        check.run("nccl 2 GPUs", lambda: check.weights("nccl", gpus=2))
-    if "sleep lending" in only:
-        check.run("sleep lending", check.sleep_lending)
-    if "learner step" in only:
-        check.run("learner step", check.learner_step)
-    if "offload" in only:  # FSDP2's CPU offload: collectives on CPU shards beside NCCL
-        check.run("offload", lambda: check.learner_step("learner.offload=true"))
-    if "job" in only:
-        check.run("job", check.job)
-    if "learner mfu" in only:
-        check.run("learner mfu", lambda: check.learner_step(auto=True))
-    if "bench_decode" in only:
-        check.run("bench_decode", check.bench_decode)
-    if "trl" in only:
-        check.run("trl", check.trl)
-    if "update" in only:
-        check.run("update", check.update)
+    hiddens = (32,) if args.dry_run else (1536, 3584)
+    runs: dict[str, list[tuple[str, Callable[[], tuple[str, str]]]]] = {  # each row's checks
+        "kernels": [("kernels", check.kernels)],
+        "logprobs": [(f"logprobs H={h}", lambda h=h: check.logprobs(h)) for h in hiddens],
+        "hf parity": [("hf parity" + ("" if d == "eager" else f" ({d})"),
+                       lambda d=d: check.hf_parity(d)) for d in args.decode.split(",")],
+        "hf tokens": [("hf tokens", check.hf_tokens)],
+        "decode graphs": [("decode graphs", check.decode_graphs)],
+        "local step": [("local step", check.local_step)],
+        # the learner's GPU to a sampler on it, beside shm
+        "ipc colocated": [("ipc colocated", lambda: check.weights("shm,ipc"))],
+        "nccl 2 GPUs": [("nccl 2 GPUs", lambda: check.weights("nccl", gpus=2))],
+        "sleep lending": [("sleep lending", check.sleep_lending)],
+        "learner step": [("learner step", check.learner_step)],
+        # FSDP2's CPU offload: collectives on CPU shards beside NCCL
+        "offload": [("offload", lambda: check.learner_step("learner.offload=true"))],
+        "job": [("job", check.job)],
+        "learner mfu": [("learner mfu", lambda: check.learner_step(auto=True))],
+        "bench_decode": [("bench_decode", check.bench_decode)],
+        "trl": [("trl", check.trl)],
+        "update": [("update", check.update)],
+    }
+    assert list(runs) == list(ROWS)
+    for row in ROWS:
+        if row in only:
+            for name, fn in runs[row]:
+                check.run(name, fn)
     print(f"\n=== gpu_check on {where}: {time.monotonic() - started:.0f} s")
     print(table(check.rows))
     if args.json:
