@@ -124,3 +124,71 @@ async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path, socke
             assert "waiting" not in router_ctx.status
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_a_worker_stopped_with_the_router_gone_leaves_once_it_has_answered(tmp_path, sockets):
+    """A job's stop reaches the router and its workers at once: the router never acks the bye of
+    a worker with a request in flight, which leaves once it has answered, not after drain_s (35 s
+    here: reward.timeout_s + 5)."""
+    topo, zctx, reward_ctx, router_ctx = router_and_worker(
+        tmp_path, sockets, SLOW_FUNCTION, "reward.timeout_s=30.0", "reward.processes=1")
+    with anyio.fail_after(25):
+        async with anyio.create_task_group() as worker:
+            async with anyio.create_task_group() as router:
+                await router.start(serve_actor, router_ctx, router_actor, None)
+                await worker.start(serve_actor, reward_ctx, reward_actor, None)
+                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+                    await client.send_multipart(routed(5, score_request(
+                        "1.5", data_source="mine", ground_truth="x")))
+                    await wait_for("in flight at the worker",
+                                   lambda: worker_entry(router_ctx).get("in_flight") == 1)
+                router.cancel_scope.cancel()  # the router is gone before the worker stops
+            with anyio.fail_after(12):  # answered in 1.5 s, then one BYE_ACK_WAIT_S
+                worker.cancel_scope.cancel()
+                await anyio.sleep_forever()
+    assert reward_ctx.status["requests_done"] == 1
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_a_drain_ends_when_requests_that_overlap_it_are_answered(tmp_path, sockets):
+    """A request taken while the drain waits for an earlier one (sent before the router's ack)
+    ends the same busy spell: the drain returns when both are answered."""
+    from actors.router.worker import PoolWorker
+
+    class Held(PoolWorker):  # answers request k when go[k] is set
+        go = {b"1": anyio.Event(), b"2": anyio.Event()}
+
+        async def reply(self, body: bytes) -> bytes:
+            await self.go[body].wait()
+            return body
+
+    topo = live_topology(sockets)
+    zctx = zmq.Context()
+    ctx = actor_context("reward", topo, zctx, tmp_path)
+    with make_socket(zctx, zmq.ROUTER, bind=f"ipc://{sockets}/w") as router, \
+            make_socket(zctx, zmq.DEALER, identity=b"reward-0", connect=f"ipc://{sockets}/w") as sock:
+        held = Held(ctx, sock, "reward", capacity=2, drain_s=60.0)
+        held.acked.set()  # the router's ack came: only what is in flight is left
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(held.handle, Envelope(1), b"1")
+                await wait_for("one in flight", lambda: held.in_flight == 1)
+                drained = anyio.Event()
+
+                async def drain() -> None:
+                    await held.drain()
+                    drained.set()
+
+                tg.start_soon(drain)
+                await wait_for("the bye sent", lambda: ctx.status.get("state") == "leaving")
+                tg.start_soon(held.handle, Envelope(2), b"2")
+                await wait_for("two in flight", lambda: held.in_flight == 2)
+                Held.go[b"1"].set()
+                await wait_for("one answered", lambda: held.in_flight == 1)
+                assert not drained.is_set()
+                Held.go[b"2"].set()
+                await drained.wait()
+        assert held.in_flight == 0 and len([await router.recv_multipart() for _ in range(3)]) == 3
+    zctx.destroy(linger=0)

@@ -60,8 +60,9 @@ class PoolWorker:
         """Release what the worker holds (child processes), whatever ended it."""
 
     async def handle(self, envelope: Envelope, body: bytes) -> None:
+        if self.in_flight == 0:  # one event per busy spell: a drain waiting on it sees its end
+            self.idle = anyio.Event()
         self.in_flight += 1
-        self.idle = anyio.Event()
         try:
             answer = await self.reply(body)
             self.publish()
@@ -102,10 +103,16 @@ class PoolWorker:
         await self.sock.send_multipart([encode(WorkerBye(name=self.ctx.name))])
         self.ctx.status["state"] = "leaving"
         with anyio.move_on_after(self.drain_s):
-            with anyio.move_on_after(BYE_ACK_WAIT_S if self.in_flight == 0 else self.drain_s):
-                await self.acked.wait()  # no ack (router gone): what is in flight still answers
-            while self.in_flight:
-                await self.idle.wait()
+            while True:
+                while self.in_flight:
+                    await self.idle.wait()
+                # the router acks after all it sent before our bye: an ack with nothing in
+                # flight means nothing more comes; no ack within BYE_ACK_WAIT_S of the last
+                # answer means a router that is gone (it stops with the job), not one to wait for
+                with anyio.move_on_after(BYE_ACK_WAIT_S):
+                    await self.acked.wait()
+                if not self.in_flight:
+                    return
 
 
 def worker_socket(ctx: ActorContext) -> tuple[AsyncSocket, AsyncSocket | None]:
