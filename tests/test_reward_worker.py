@@ -5,6 +5,9 @@ answers what it has and leaves the router's status."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 import zmq
@@ -98,6 +101,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+@contextlib.asynccontextmanager
+async def request_at_the_worker(zctx, topo, router_ctx) -> AsyncIterator[AsyncSocket]:
+    """A client whose request 5 (1.5 s of SLOW_FUNCTION's scoring) the router says is at the
+    worker."""
+    with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
+        await client.send_multipart(routed(5, score_request(
+            "1.5", data_source="mine", ground_truth="x")))
+        await wait_for("in flight at the worker",
+                       lambda: worker_entry(router_ctx).get("in_flight") == 1)
+        yield client
+
+
 @pytest.mark.anyio
 async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path, sockets):
     topo, zctx, reward_ctx, router_ctx = router_and_worker(
@@ -107,12 +122,7 @@ async def test_a_stopped_worker_says_bye_and_answers_what_it_has(tmp_path, socke
             await tg.start(serve_actor, router_ctx, router_actor, None)
             async with anyio.create_task_group() as worker:
                 await worker.start(serve_actor, reward_ctx, reward_actor, None)
-                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                    await client.send_multipart(routed(5, score_request(
-                        "1.5", data_source="mine", ground_truth="x")))
-                    # the request is at the worker (the router says so) before it is stopped
-                    await wait_for("in flight at the worker",
-                                   lambda: worker_entry(router_ctx).get("in_flight") == 1)
+                async with request_at_the_worker(zctx, topo, router_ctx) as client:
                     worker.cancel_scope.cancel()  # as SIGTERM: bye, then the reply, then gone
                     reply = await reply_to(client, 5)
                     assert [r.score for r in reply.results] == [1.0]
@@ -138,11 +148,8 @@ async def test_a_worker_stopped_with_the_router_gone_leaves_once_it_has_answered
             async with anyio.create_task_group() as router:
                 await router.start(serve_actor, router_ctx, router_actor, None)
                 await worker.start(serve_actor, reward_ctx, reward_actor, None)
-                with make_socket(zctx, zmq.DEALER, connect=topo.router.address) as client:
-                    await client.send_multipart(routed(5, score_request(
-                        "1.5", data_source="mine", ground_truth="x")))
-                    await wait_for("in flight at the worker",
-                                   lambda: worker_entry(router_ctx).get("in_flight") == 1)
+                async with request_at_the_worker(zctx, topo, router_ctx):
+                    pass
                 router.cancel_scope.cancel()  # the router is gone before the worker stops
             with anyio.fail_after(12):  # answered in 1.5 s, then one BYE_ACK_WAIT_S
                 worker.cancel_scope.cancel()
