@@ -6,7 +6,8 @@ pool and how many requests it takes at once), heartbeats, and answers each route
 requests are handled at once, each in a task of its own, so heartbeats keep flowing while they
 compute. Stopping (Stop, SIGTERM, SIGINT, Ctrl-C of an attached worker) is a drain: the worker
 says bye, answers what the router sent it before the router's acknowledgement (bounded by
-``drain_s``), then exits.
+``drain_s``), then exits; with no acknowledgement within ``BYE_ACK_WAIT_S`` of its last answer
+(a router that stopped with the job) it exits then.
 
 A pool kind is a subclass that says what a request body is worth (``reply``), what it shows in
 its status (``publish``) and what it runs beside the protocol (``background``): the reward
