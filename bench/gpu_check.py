@@ -54,7 +54,8 @@ the reason: a second GPU or vLLM that this machine lacks):
 - ``learner mfu``: the learner step's with default settings (auto micro-batches), and its
   MFU against the GPU's bf16 peak.
 - ``bench_decode``: ``bench/bench_decode.py`` on the default job's batch (the 1.5B batch,
-  ``--shape 1.5b``, by hand): compiled decoding's tokens/s and ops per decoding step against eager's.
+  ``--shape 1.5b``, by hand): compiled decoding's tokens/s and ops per decoding step against
+  eager's.
 - ``trl``: ``bench/bench_trl.py``, the default job with compiled decoding against TRL's
   GRPOTrainer on the same GPU, 30 steps each.
 - ``update``: ``bench/bench_update.py``, the learner's update in the job against alone.
@@ -91,6 +92,7 @@ Hugging Face directory) copied from a machine that has run the default job works
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -388,8 +390,6 @@ class Check:
     def trl(self) -> tuple[str, str]:
         """bench/bench_trl.py: the default job with compiled decoding against TRL's
         GRPOTrainer on the same GPU, 30 steps each (dry run: the thin model, 3 steps, CPU)."""
-        import importlib.util
-
         have_trl = all(importlib.util.find_spec(m) for m in ("trl", "datasets"))
         runs = (["--model", "thin", "--steps", "3", "--run", "flowrl"]
                 if self.dry else ["--steps", "30", "--run", "flowrl sampler.hf.decode=inductor"])
