@@ -87,6 +87,7 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
                "validation.before_training=false", *overrides]
         started = last = None
         cpu_start = cpu_end = 0.0
+        ends: list[float] = []  # when each step's line came, seconds after the job started
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         tail = []
@@ -95,14 +96,18 @@ def run_flowrl(overrides: list[str], steps: int) -> dict:
             tail = (tail + [line])[-40:]
             if line.startswith("=== job started"):
                 started, cpu_start = time.monotonic(), tree_cpu_seconds(proc.pid)
-            elif line.startswith(f"step {steps:>4}/{steps}"):
+            elif started is not None and line.startswith("step ") and f"/{steps}" in line:
+                ends.append(time.monotonic() - started)
+            if line.startswith(f"step {steps:>4}/{steps}"):
                 last, cpu_end = time.monotonic(), tree_cpu_seconds(proc.pid)
         if proc.wait() != 0 or started is None or last is None:
             raise SystemExit(f"flowrl {' '.join(overrides)} failed ({proc.returncode}):\n"
                              + "".join(tail))
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {"seconds": last - started, "rewards": [r["critic/score/mean"] for r in rows],
-                "cpu_seconds": cpu_end - cpu_start, "breakdown": breakdown(rows)}
+                "cpu_seconds": cpu_end - cpu_start, "breakdown": breakdown(rows),
+                "ends": ends, "steps_s": [r.get("timing_s/step", 0.0) for r in rows],
+                "waits_s": [r.get("timing_s/wait_batch", 0.0) for r in rows]}
 
 
 STEP_PARTS = ("update_actor", "gen", "wait_batch", "weight_publish", "weight_sync",
@@ -257,6 +262,11 @@ def compare(args: argparse.Namespace, model: str) -> None:
             if "breakdown" in r:  # flowrl: its step's parts, medians of steps 3 on
                 print("        per step (s): " + ", ".join(
                     f"{k} {v:.3f}" for k, v in r["breakdown"].items()), flush=True)
+                # where the wall goes when it exceeds the medians: each step's own numbers
+                print("        step ends (s after start): " + " ".join(
+                    f"{t:.1f}" for t in r["ends"]), flush=True)
+                print("        step s: " + " ".join(f"{t:.2f}" for t in r["steps_s"])
+                      + " | wait s: " + " ".join(f"{t:.2f}" for t in r["waits_s"]), flush=True)
 
     if args.ops:
         ops = flowrl_ops(model)

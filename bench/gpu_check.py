@@ -395,6 +395,7 @@ class Check:
                 if self.dry else ["--steps", "30", "--run", "flowrl sampler.hf.decode=inductor"])
         runs += (["--run", "trl" if self.dry else "trl cuda"] if have_trl else [])
         text = self.bench("bench_trl.py", *runs, timeout=900)
+        print(text[-6000:])  # each run's per-step lines: where the wall goes beyond the medians
         rates = [float(x) for x in re.findall(r"([\d.]+) samples/s", text)]
         parts = re.findall(r"per step \(s\): ([^\n]*)", text)
         if len(rates) != (2 if have_trl else 1):
