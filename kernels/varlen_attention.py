@@ -42,11 +42,15 @@ NAME = "flowrl_varlen"
 def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                 scaling: float | None = None, flowrl_bounds: tuple[int, ...] | None = None,
+                flowrl_tree: tuple[tuple[int, ...], ...] | None = None,
                 **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (1, Hq, T, D), k and v (1, Hkv, T, D);
     returns (1, T, Hq, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if flowrl_tree is not None:
+        return tree_attention(query, key, value, flowrl_tree, scaling, query.shape[1] !=
+                              key.shape[1], dropout), None
     if flowrl_bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -110,6 +114,59 @@ def padded_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
                                          dropout_p=dropout, scale=scaling, is_causal=True,
                                          enable_gqa=gqa)  # (B, Hq, L, D)
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, real).unsqueeze(0)  # (1, T, Hq, D)
+
+
+def shares(tree: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether some group of ``tree`` has a prefix its rows share (else plain sequences)."""
+    return any(g[1] > g[0] for g in tree)
+
+
+@functools.lru_cache(maxsize=64)
+def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For ``tree`` (groups as ``(start, prefix end, end of each rest...)``): the packed-row
+    position of each (group, offset) cell of the groups side by side, each padded to the
+    longest (a padding cell takes the group's last token); the cells of the real tokens in
+    packed order; the mask (G, 1, L, L), true where a query may attend a key: a key at or
+    before it, in its own segment or in its group's prefix (a padding query attends the
+    padding before it and itself, so no row of the mask is empty); the longest group."""
+    longest = max(g[-1] - g[0] for g in tree)
+    gather, real, segments = [], [], []
+    for n, group in enumerate(tree):
+        size = group[-1] - group[0]
+        gather.extend(range(group[0], group[-1]))
+        gather.extend([group[-1] - 1] * (longest - size))
+        real.extend(range(n * longest, n * longest + size))
+        seg = [0] * (group[1] - group[0])  # the prefix
+        for k, (a, b) in enumerate(itertools.pairwise(group[1:])):
+            seg.extend([k + 1] * (b - a))
+        segments.append(seg + [-1] * (longest - size))
+    seg = torch.tensor(segments)  # (G, L)
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    same = seg.unsqueeze(2) == seg.unsqueeze(1)  # (G, L, L) query, key
+    prefix = (seg == 0).unsqueeze(1)  # (G, 1, L): keys in the prefix
+    mask = causal & (same | prefix)
+    return (torch.tensor(gather).to(device), torch.tensor(real).to(device),
+            mask.unsqueeze(1).to(device), longest)
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   tree: tuple[tuple[int, ...], ...], scaling: float | None, gqa: bool,
+                   dropout: float = 0.0) -> torch.Tensor:
+    """Attention over groups whose rows share a prefix, as one masked SDPA call over the groups
+    side by side: q (1, Hq, T, D), k and v (1, Hkv, T, D) in; (1, T, Hq, D) out. Each prefix
+    token attends the prefix before it, each row's own token its group's prefix and its own
+    tokens before it: the attention each row gets alone, prefix included."""
+    gather, real, mask, longest = tree_layout(tuple(tree), query.device)
+    groups = len(tree)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (1, H, T, D) -> (G, H, L, D)
+        return t[0].index_select(1, gather).unflatten(1, (groups, longest)).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
+                                         attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=gqa)  # (G, Hq, L, D)
     return out.transpose(1, 2).flatten(0, 1).index_select(0, real).unsqueeze(0)  # (1, T, Hq, D)
 
 
@@ -182,10 +239,18 @@ def choose(model: torch.nn.Module, device: torch.device) -> str:
     return name
 
 
-def packed_call(config, input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+def packed_call(config, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                tree: tuple[tuple[int, ...], ...] = ()) -> dict:
     """The keyword arguments of a transformers forward over one packed row (1, T).
     ``position_ids`` is (1, T), or (4, 1, T) for M-RoPE models (text positions first, then
-    the three rotary rows: transformers' packed form for them)."""
+    the three rotary rows: transformers' packed form for them). ``tree``: the row's groups
+    with shared prefixes (``PackedRows.tree``), which only ``flowrl_varlen`` attends by."""
+    if tree and shares(tree):
+        if config._attn_implementation != NAME:
+            raise ValueError(f"shared prefixes need the {NAME} attention, not "
+                             f"{config._attn_implementation} (learner.share_prefixes = false)")
+        return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                    attention_mask=torch.ones_like(input_ids), flowrl_tree=tree)
     if config._attn_implementation != NAME:
         return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     text = position_ids[0] if position_ids.dim() == 3 else position_ids  # (1, T)

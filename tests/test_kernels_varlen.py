@@ -97,3 +97,66 @@ def test_the_padded_path_is_taken_where_padding_costs_little():
     gather, real, longest = varlen_attention.padded_layout((0, 2, 5), torch.device("cpu"))
     assert longest == 3 and gather.tolist() == [0, 1, 1, 2, 3, 4]  # past the end: the last token
     assert real.tolist() == [0, 1, 3, 4, 5]
+
+
+# groups whose rows share a prefix: (start, prefix end, end of each row's rest...)
+TREE = ((0, 20, 25, 26, 40), (40, 40, 50), (50, 60, 61, 63))
+ROWS = ((0, 20, 20, 25), (0, 20, 25, 26), (0, 20, 26, 40), (40, 40, 40, 50),
+        (50, 60, 60, 61), (50, 60, 61, 63))  # each row: its prefix's bounds, then its rest's
+
+
+def tree_inputs(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    T = TREE[-1][-1]
+    shapes = [(1, HQ, T, D), (1, HKV, T, D), (1, HKV, T, D)]
+    return [torch.randn(s, generator=g).to(device, dtype).requires_grad_() for s in shapes]
+
+
+def rows_alone(q, k, v) -> torch.Tensor:
+    """Each row (its prefix, then its rest) attended alone in float32; the prefix's output
+    from the first row that has it, each rest's from its own row: (1, T, Hq, D)."""
+    out = torch.zeros(1, q.shape[2], HQ, D, dtype=torch.float32, device=q.device)
+    done = set()
+    for a, b, c, d in ROWS:
+        idx = torch.tensor([*range(a, b), *range(c, d)], device=q.device)
+        one = F.scaled_dot_product_attention(
+            q.float()[:, :, idx], k.float()[:, :, idx], v.float()[:, :, idx], is_causal=True,
+            enable_gqa=True).transpose(1, 2)  # (1, L, Hq, D)
+        keep = [i for i, pos in enumerate(idx.tolist()) if pos not in done]
+        out = out.index_put((torch.zeros(len(keep), dtype=torch.long, device=q.device),
+                             idx[keep]), one[0, keep])
+        done.update(idx.tolist())
+    return out
+
+
+def check_tree(device: str, dtype: torch.dtype, tol: float) -> None:
+    q, k, v = tree_inputs(device, dtype)
+    grad = torch.randn(1, TREE[-1][-1], HQ, D, generator=torch.Generator().manual_seed(5))
+    results = []
+    for fn in (rows_alone, lambda a, b, c: varlen_attention.tree_attention(
+            a, b, c, TREE, None, gqa=True)):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        out.backward(grad.to(device, out.dtype))
+        results.append([out.detach().float()] + [t.grad.float() for t in ins])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        err = float((a - b).abs().max())
+        print(f"{device} {dtype} {name}: max |diff| {err:.2e}")
+        assert err <= tol * max(1.0, float(a.abs().max())), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_matches_each_row_alone(dtype):
+    """Shared prefixes (``learner.share_prefixes``): one masked SDPA call over the groups side
+    by side gives each prefix token, and each row's rest, the attention of its row alone, and
+    the same gradients (a prefix token's summed over the rows that read it), with grouped-query
+    heads: a group of three rows, a row without a prefix, a group of two."""
+    check_tree("cpu", dtype, 1e-5 if dtype == torch.float32 else 3e-2)
+    gather, real, mask, longest = varlen_attention.tree_layout(TREE, torch.device("cpu"))
+    assert longest == 40 and mask.shape == (3, 1, 40, 40) and real.shape == (63,)
+    assert mask[0, 0, 25, :20].all() and not mask[0, 0, 25, 20:25].any()  # row 2: prefix only
+
+
+@pytest.mark.gpu
+def test_tree_attention_matches_each_row_alone_on_cuda():
+    check_tree("cuda", torch.bfloat16, 3e-2)

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from actors.learner.memory import announce, describe, estimate, measured, saved_bytes
 from actors.learner.objective import _forward
-from actors.learner.packing import micro_limits
+from actors.learner.batch import build_batch
+from actors.learner.packing import micro_limits, own_tokens
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
 from tests.test_packing import gradients
@@ -26,9 +27,13 @@ def test_states_are_the_real_tensors_bytes(tiny_model, tmp_path):
     # prompt and response tokens, micro_batch_size of them at most)
     lengths = sorted((len(g.prompt_ids.data) + len(s.response_ids.data)) // 4
                      for g in groups for s in g.samples)
+    # each group's prompt counted once (learner.share_prefixes)
+    batch = build_batch(groups, t.policy.pad_id)
+    assert sum(own_tokens(list(batch.lengths), batch.shared)) <= sum(lengths) - sum(
+        (len(g.samples) - 1) * len(g.prompt_ids.data) // 4 for g in groups)
     rows, budget = micro_limits(t.cfg, cuda=False, token_bytes=t.policy.token_activation_bytes)
     assert rows > 10**6 and budget == 8192  # auto: a tiny model's tokens all fit the CPU's budget
-    assert len(seen) == 1 and seen[0] == sum(lengths)  # the batch in one micro-batch
+    assert len(seen) == 1 and seen[0] == sum(own_tokens(list(batch.lengths), batch.shared))
     # on a CPU the learner says nothing of a model far from the machine's memory
     assert announce(t.policy, seen[0]) is None
     real = measured(t.policy.model, t.policy.optimizer)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from actors.learner.packing import micro_batches, micro_limits, pack, refine
+from actors.learner.batch import common_prefixes
+from actors.learner.packing import micro_batches, micro_limits, own_tokens, pack, refine
 from kernels import varlen_attention
 from tests.learner_cases import OPTIONS, make_trainer, with_behaviour
 from tests.test_learner import make_groups
@@ -77,6 +78,7 @@ def test_packed_step_equals_padded_step(tiny_model, tmp_path, name):
     groups = with_behaviour(padded, make_groups(padded), lambda s, own: own - 0.4 * torch.rand(
         own.shape, generator=noise))
     m_padded, m_packed = padded.train_step(groups), packed.train_step(groups)
+    assert m_packed["perf/shared_prefix_tokens"] > 0  # the packed side shares its prompts
     assert len(g_padded) == len(g_packed) >= 1
     diffs = [compare(a, b) for a, b in zip(g_padded, g_packed, strict=True)]
     g_max, g_mean, g_scale = diffs[0]
@@ -137,7 +139,7 @@ def test_the_packed_learner_attends_per_sequence(tiny_model, tmp_path, monkeypat
         seen.append(flowrl_bounds)
         return real(*args, flowrl_bounds=flowrl_bounds, **kwargs)
 
-    t = make_trainer(tiny_model, tmp_path, BUDGET)
+    t = make_trainer(tiny_model, tmp_path, BUDGET, "learner.share_prefixes=false")
     assert t.policy.model.config._attn_implementation == varlen_attention.NAME
     from transformers import AttentionInterface
     monkeypatch.setitem(AttentionInterface._global_mapping, varlen_attention.NAME, spy)
@@ -146,6 +148,74 @@ def test_the_packed_learner_attends_per_sequence(tiny_model, tmp_path, monkeypat
     t.train_step(groups)
     assert seen and all(b is not None and b[0] == 0 and len(b) >= 2 for b in seen)
     assert max(len(b) - 1 for b in seen) >= 3  # several sequences in one row
+
+
+def test_shared_prefixes_attend_as_each_row_alone(tiny_model):
+    """Rows that begin alike, packed with their common prefix once: every row's hidden states
+    equal the row run alone, through ``index`` (its prefix columns read the one copy). Groups:
+    a prompt with four rests (one a single token, two identical rows), a row alone, and two
+    rows that share their prompt and their first response token."""
+    varlen_attention.register()
+    model = AutoModel.from_pretrained(tiny_model, attn_implementation=varlen_attention.NAME).eval()
+    gen = torch.Generator().manual_seed(2)
+
+    def tokens(n):
+        return torch.randint(3, 30, (n,), generator=gen).tolist()
+
+    prompt, first = tokens(6), tokens(5)
+    rest = tokens(3)
+    seqs = [prompt + tokens(3), prompt + tokens(1), prompt + rest, prompt + rest,
+            tokens(7), first + tokens(4), first + tokens(2)]
+    sizes = [4, 1, 2]
+    shared = common_prefixes([torch.tensor(q) for q in seqs], sizes)
+    assert shared == (0, 6, 6, 8, 0, 0, 5)  # identical rows: all but their last token
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, q in enumerate(seqs):
+        ids[i, :len(q)], attention[i, :len(q)] = torch.tensor(q), 1
+    rows = pack(ids, attention, shared)
+    lengths = [len(q) for q in seqs]
+    assert rows.input_ids.shape[1] == sum(own_tokens(lengths, shared)) == sum(lengths) - 3 * 6 - 5
+    assert rows.tree[0][:2] == (0, 6) and rows.tree[1] == (rows.tree[0][-1],) * 2 + (
+        rows.tree[0][-1] + 7,)
+    call = varlen_attention.packed_call(model.config, rows.input_ids, rows.position_ids, rows.tree)
+    assert "flowrl_tree" in call
+    index, valid = rows.index(ids.shape[1])
+    with torch.no_grad():
+        packed = model(**call).last_hidden_state[0]  # (T, H)
+        for i, q in enumerate(seqs):
+            alone = model(input_ids=ids[i:i + 1, :len(q)]).last_hidden_state[0]
+            got = packed[index[i, :len(q)]]
+            assert valid[i].sum() == len(q)
+            assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5), i
+        # the same row read without the tree (one causal sequence per group) differs
+        plain = model(**varlen_attention.packed_call(
+            model.config, rows.input_ids, torch.arange(rows.input_ids.shape[1])[None])
+                      ).last_hidden_state[0]
+        assert not torch.allclose(plain[index[1, :7]], packed[index[1, :7]], atol=1e-3)
+    sdpa = AutoModel.from_pretrained(tiny_model, attn_implementation="sdpa").config
+    with pytest.raises(ValueError, match="shared prefixes need the flowrl_varlen attention"):
+        varlen_attention.packed_call(sdpa, rows.input_ids, rows.position_ids, rows.tree)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gae", "lora", "kl_loss", "epochs_minibatches",
+                                  "rows_only", "grad_ckpt"])
+def test_shared_prefix_step_equals_unshared(tiny_model, tmp_path, name):
+    """learner.share_prefixes against each row packed whole: the first update's gradients and
+    the losses within 1e-6 relative, every metric within 1e-5, and the tokens it saved."""
+    opts = [BUDGET, "learner.max_grad_norm=1e9", *CASES[name]]
+    whole_rows = make_trainer(tiny_model, tmp_path / "whole", "learner.share_prefixes=false", *opts)
+    shared = make_trainer(tiny_model, tmp_path / "shared", *opts)
+    g_whole, g_shared = gradients(whole_rows), gradients(shared)
+    groups = make_groups(whole_rows)
+    m_whole, m_shared = whole_rows.train_step(groups), shared.train_step(groups)
+    assert m_whole["perf/shared_prefix_tokens"] == 0 < m_shared["perf/shared_prefix_tokens"]
+    g_max, _, g_scale = compare(g_whole[0], g_shared[0])
+    assert g_scale > 1e-4 and g_max <= REL * g_scale, (g_max, g_scale)
+    for k, v in m_whole.items():
+        if not k.startswith(("timing_s/", "perf/")):
+            tol = (REL if k in LOSSES else 10 * REL) * max(1.0, abs(v))
+            assert abs(v - m_shared[k]) <= tol, (k, v, m_shared[k])
 
 
 def test_micro_batches_follow_the_budget_and_ranks_get_as_many():

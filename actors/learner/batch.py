@@ -44,6 +44,9 @@ class RolloutBatch:
     vision: VisionRows | None = None  # the rows' images (vision-language models), None: text only
     lengths: tuple[int, ...] = ()  # each row's tokens, on the host: a micro-batch's width
     # without reading the device (a host sync per micro-batch on a GPU); (): read it there
+    shared: tuple[int, ...] = ()  # the leading tokens each row has in common with the row
+    # before it in its group (0: the group's first row), on the host: a packed micro-batch
+    # computes each group's common prefix once (actors/learner/packing.py); (): none shared
 
     @property
     def group_size(self) -> int | list[int]:
@@ -75,6 +78,8 @@ class RolloutBatch:
                 value = value.rows(index)
             elif f.name == "lengths":
                 value = value[index]
+            elif f.name == "shared" and value:  # the first row starts a group of these rows
+                value = (0, *value[index][1:])
             elif f.name == "group_sizes":  # the groups these rows cut (in part, at the ends)
                 value = [hi - lo for lo, hi in _spans(self.group_sizes, index)]
             out[f.name] = value
@@ -130,6 +135,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         at = own.nonzero()
         if len(at):  # the last token the model generated itself (tool tokens may follow it)
             rewards[i, len(p) - 1 + int(at[-1])] = s.reward
+    vision = vision_rows(groups, processor)
     baselines = None
     if any(b is not None for *_, b in rows):
         baselines = torch.tensor([b if b is not None else 0.0 for *_, b in rows])
@@ -140,9 +146,30 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         truncated=torch.tensor([s.finish_reason == "length" for *_, s, _ in rows]),
         baseline_rewards=baselines, group_sizes=[len(g.samples) for g in groups],
         token_versions=token_versions, teacher_logprobs=teacher,
-        vision=vision_rows(groups, processor),
+        vision=vision,
         lengths=tuple(len(p) + len(r) for p, r, *_ in rows),
+        # (images: their features sit at the prompts' image tokens, packed row by row)
+        shared=() if vision is not None else common_prefixes(
+            [torch.cat([p, r]) for p, r, *_ in rows], [len(g.samples) for g in groups]),
     )
+
+
+def common_prefixes(sequences: list[torch.Tensor], group_sizes: list[int]) -> tuple[int, ...]:
+    """For each row, the leading tokens it has in common with the row before it when both are
+    of one group (0 for a group's first row), at most all but one token of either."""
+    out = []
+    row = 0
+    for size in group_sizes:
+        for j in range(size):
+            a, b = sequences[row - 1] if j else None, sequences[row]
+            common = 0
+            if a is not None:
+                n = min(len(a), len(b)) - 1
+                differ = (a[:n] != b[:n]).nonzero()
+                common = int(differ[0]) if len(differ) else max(n, 0)
+            out.append(common)
+            row += 1
+    return tuple(out)
 
 
 def reward_components(groups: list[ScoredGroup], keys: list[str]) -> torch.Tensor:

@@ -35,13 +35,15 @@ class ValueModel(nn.Module):
             self.head.load_state_dict(torch.load(head_file))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None,
+                tree: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
         """Values (B, W-1) of right-padded rows; packed (``position_ids`` (1, T), no
         ``attention_mask``: ``actors/learner/packing.py``), the value at every position (1, T)."""
         if position_ids is None:
             hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             return self.head(hidden[:, :-1]).squeeze(-1).float()  # (B, W-1)
-        hidden = self.body(**packed_call(self.body.config, input_ids, position_ids)).last_hidden_state
+        hidden = self.body(**packed_call(self.body.config, input_ids, position_ids,
+                                         tree)).last_hidden_state
         return self.head(hidden).squeeze(-1).float()  # (1, T)
 
     def save(self, path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -57,6 +59,6 @@ def critic_values(critic, batch: RolloutBatch) -> torch.Tensor:
     each row's end then, where the padded path has values of padding: both are masked out)."""
     if not batch.packed:
         return critic(batch.input_ids, batch.attention_mask)
-    rows = pack(batch.input_ids, batch.attention_mask)
-    return rows.unpack(critic(rows.input_ids, None, rows.position_ids)[0],
+    rows = pack(batch.input_ids, batch.attention_mask, batch.shared)
+    return rows.unpack(critic(rows.input_ids, None, rows.position_ids, rows.tree)[0],
                        batch.response_mask.shape[1])

@@ -53,7 +53,7 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     at = batch.response_mask.bool()  # (N, W-1)
     forward = getattr(model, FORWARD, None)
     args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
-            with_sum_pi_squared, batch.packed, batch.vision)
+            with_sum_pi_squared, batch.packed, batch.vision, batch.shared)
     out = forward(*args) if forward is not None else _forward(model, *args)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
@@ -66,9 +66,10 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
 
 def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: torch.Tensor,
              temperature: float, with_entropy: bool, with_sum_pi_squared: bool, packed: bool,
-             vision: VisionRows | None):
+             vision: VisionRows | None, shared: tuple[int, ...] = ()):
     """The values at the response positions ``at`` (N, W-1) of right-padded rows
-    ``input_ids`` (N, W), each (R,); ``packed``: the rows are read packed into one."""
+    ``input_ids`` (N, W), each (R,); ``packed``: the rows are read packed into one, each
+    group's common prefix once where ``shared`` says (``RolloutBatch.shared``)."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
     head = core.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
@@ -83,17 +84,19 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: t
         hidden = base(**inputs).last_hidden_state
         hidden, targets = hidden[:, :-1][at], input_ids[:, 1:][at]  # (R, H), (R,)
     else:  # kernels/varlen_attention.py: per-sequence attention, or transformers' own path
-        rows = pack(input_ids, attention_mask)
+        rows = pack(input_ids, attention_mask, shared)
         where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
         if vision is None:
-            inputs = packed_call(core.config, rows.input_ids, rows.position_ids)
+            inputs = packed_call(core.config, rows.input_ids, rows.position_ids, rows.tree)
         else:  # (4, 1, T) positions: the text ones bound the sequences
             inputs = packed_call(core.config, rows.input_ids,
                                  packed_positions(base, input_ids, attention_mask, vision))
             inputs["inputs_embeds"] = packed_embeddings(base, input_ids, attention_mask, vision)
             del inputs["input_ids"]
         hidden = base(**inputs).last_hidden_state[0]  # (T, H)
-        hidden, targets = hidden[where], rows.input_ids[0, where + 1]  # (R, H), (R,)
+        # (a shared prefix's last position is followed by one row's rest: each row's own next
+        # token is read from its padded row)
+        hidden, targets = hidden[where], input_ids[:, 1:][at]  # (R, H), (R,)
     if idle is not None:
         hidden = hidden + idle
     return lm_head_logprobs(hidden, head.weight, targets,

@@ -189,6 +189,14 @@ class Policy:
         return needs_without_checkpointing(self)
 
     @functools.cached_property
+    def attends_trees(self) -> bool:
+        """Whether every model of the step attends with ``flowrl_varlen``, which alone reads a
+        packed row whose groups share prefixes (``learner.share_prefixes``)."""
+        models = [self.model, self.ref, self.critic.body if self.critic is not None else None]
+        return all(m is None or getattr(m.config, "_attn_implementation", None)
+                   == varlen_attention.NAME for m in models)
+
+    @functools.cached_property
     def token_activation_bytes(self) -> int:
         """What one token of a micro-batch saves for backward (the auto micro-batch's measure)."""
         return token_activation_bytes(base_config(self.model),

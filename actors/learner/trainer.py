@@ -63,7 +63,7 @@ from actors.learner.objective import (
     micro_batch_loss,
     response_logprobs,
 )
-from actors.learner.packing import micro_batches, micro_limits, refine
+from actors.learner.packing import micro_batches, micro_limits, own_tokens, refine
 from actors.learner.perf import StepTimes, perf_metrics, vision_flops, vision_tower
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
@@ -209,7 +209,10 @@ class Trainer:
             raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
                              "(agent.rollout.branches)")
         batch.packed = cfg.packing
-        lengths = list(batch.lengths)  # tokens of each row
+        if not (cfg.packing and cfg.share_prefixes and batch.vision is None
+                and self.policy.attends_trees):
+            batch.shared = ()
+        lengths = own_tokens(list(batch.lengths), batch.shared)  # each row's in a packed row
         if self.on_first_batch is not None:  # the micro-batches' size is known from here
             slices = self._micro_slices(lengths, 0, batch.size)
             self.on_first_batch(max(sum(lengths[s]) for s in slices),
@@ -428,6 +431,8 @@ class Trainer:
             "actor/lr": self.policy.scheduler.get_last_lr()[0],
             "timing_s/step": elapsed,
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
+            # the tokens a shared prefix kept out of the forward passes (learner.share_prefixes)
+            "perf/shared_prefix_tokens": float(sum(batch.lengths) - sum(s.lengths)),
         })
         metrics.update(agent_metrics(s.groups))  # multi-turn batches only
         if s.values is not None:

@@ -413,6 +413,11 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     packing: bool = True
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart
     per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
+    share_prefixes: bool = True
+    """Packed: a group's rows put the tokens they begin with in common (the prompt) in the row
+    once, each row's rest attending to it (actors/learner/packing.py): the same log-probs,
+    losses and gradients from fewer tokens. Text models with the flowrl_varlen attention (not
+    flash-attention 2, nor images: those pack every row whole)."""
     lr: PositiveFloat = 1e-5
     """AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
