@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from actors.learner.batch import build_batch
 from actors.learner.memory import announce, describe, estimate, measured, saved_bytes
 from actors.learner.objective import _forward
-from actors.learner.batch import build_batch
 from actors.learner.packing import micro_limits, own_tokens
 from tests.learner_cases import make_trainer
 from tests.test_learner import make_groups
