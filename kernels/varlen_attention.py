@@ -32,6 +32,7 @@ import functools
 import importlib.util
 import inspect
 import itertools
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -122,52 +123,84 @@ def shares(tree: tuple[tuple[int, ...], ...]) -> bool:
     return any(g[1] > g[0] for g in tree)
 
 
+@dataclass(frozen=True)
+class TreeLayout:
+    """Where ``tree_attention`` reads and writes, for one ``tree`` (cached per tree: every layer
+    of a forward, and its recomputation, asks for the same)."""
+
+    prefixes: torch.Tensor  # (Gp·P,) packed positions of the prefixes side by side, each padded
+    # to the longest P with its last token (causal attention keeps the padding from real queries)
+    longest_prefix: int
+    queries: torch.Tensor  # (C·R,) the rests side by side, each padded to the longest R
+    keys: torch.Tensor  # (C·(P+R),) each rest's keys: its group's prefix (padded), then itself
+    mask: torch.Tensor  # (C, 1, R, P+R) bool: the prefix's real cells, then causal over the rest
+    longest_rest: int
+    pick: torch.Tensor  # (T,) for each packed position, its cell among the prefixes' then the
+    # rests' outputs
+
+
 @functools.lru_cache(maxsize=64)
-def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """For ``tree`` (groups as ``(start, prefix end, end of each rest...)``): the packed-row
-    position of each (group, offset) cell of the groups side by side, each padded to the
-    longest (a padding cell takes the group's last token); the cells of the real tokens in
-    packed order; the mask (G, 1, L, L), true where a query may attend a key: a key at or
-    before it, in its own segment or in its group's prefix (a padding query attends the
-    padding before it and itself, so no row of the mask is empty); the longest group."""
-    longest = max(g[-1] - g[0] for g in tree)
-    gather, real, segments = [], [], []
-    for n, group in enumerate(tree):
-        size = group[-1] - group[0]
-        gather.extend(range(group[0], group[-1]))
-        gather.extend([group[-1] - 1] * (longest - size))
-        real.extend(range(n * longest, n * longest + size))
-        seg = [0] * (group[1] - group[0])  # the prefix
-        for k, (a, b) in enumerate(itertools.pairwise(group[1:])):
-            seg.extend([k + 1] * (b - a))
-        segments.append(seg + [-1] * (longest - size))
-    seg = torch.tensor(segments)  # (G, L)
-    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
-    same = seg.unsqueeze(2) == seg.unsqueeze(1)  # (G, L, L) query, key
-    prefix = (seg == 0).unsqueeze(1)  # (G, 1, L): keys in the prefix
-    mask = causal & (same | prefix)
-    return (torch.tensor(gather).to(device), torch.tensor(real).to(device),
-            mask.unsqueeze(1).to(device), longest)
+def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device) -> TreeLayout:
+    """``tree_attention``'s layout of ``tree`` (groups as ``(start, prefix end, end of each
+    rest...)``)."""
+    prefixes = [(g[0], g[1]) for g in tree if g[1] > g[0]]
+    rests = [(a, b, g[0], g[1]) for g in tree for a, b in itertools.pairwise(g[1:])]
+    P = max((b - a for a, b in prefixes), default=0)
+    R = max(b - a for a, b, _, _ in rests)
+    pick = [0] * tree[-1][-1]
+    gather = []
+    for n, (a, b) in enumerate(prefixes):
+        gather.extend([*range(a, b), *[b - 1] * (P - (b - a))])
+        for t in range(a, b):
+            pick[t] = n * P + (t - a)
+    queries, keys, seen = [], [], []
+    for n, (a, b, pa, pb) in enumerate(rests):
+        own = [*range(a, b), *[b - 1] * (R - (b - a))]
+        queries.extend(own)
+        # a group without a prefix: its prefix cells are masked out (any position will do)
+        keys.extend([*range(pa, pb), *[max(pb - 1, a)] * (P - (pb - pa)), *own])
+        seen.append([True] * (pb - pa) + [False] * (P - (pb - pa)))
+        for t in range(a, b):
+            pick[t] = len(prefixes) * P + n * R + (t - a)
+    causal = torch.ones(R, R, dtype=torch.bool).tril()
+    prefix_seen = torch.tensor(seen, dtype=torch.bool).view(len(rests), 1, P)  # (C, 1, P)
+    mask = torch.cat([prefix_seen.expand(-1, R, -1), causal.expand(len(rests), -1, -1)], dim=2)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device)
+
+    return TreeLayout(tensor(gather), P, tensor(queries), tensor(keys),
+                      mask.unsqueeze(1).to(device), R, tensor(pick))
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    tree: tuple[tuple[int, ...], ...], scaling: float | None, gqa: bool,
                    dropout: float = 0.0) -> torch.Tensor:
-    """Attention over groups whose rows share a prefix, as one masked SDPA call over the groups
-    side by side: q (1, Hq, T, D), k and v (1, Hkv, T, D) in; (1, T, Hq, D) out. Each prefix
-    token attends the prefix before it, each row's own token its group's prefix and its own
-    tokens before it: the attention each row gets alone, prefix included."""
-    gather, real, mask, longest = tree_layout(tuple(tree), query.device)
-    groups = len(tree)
+    """Attention over groups whose rows share a prefix: q (1, Hq, T, D), k and v (1, Hkv, T,
+    D) in; (1, T, Hq, D) out. The prefixes attend causally to themselves, side by side in one
+    SDPA call (no mask); each row's rest, side by side in a second call, attends its group's
+    prefix and itself causally (a mask of the prefix's real cells and a causal block): the
+    attention each row gets alone, prefix included, with no arithmetic across groups."""
+    lay = tree_layout(tuple(tree), query.device)
 
-    def padded(t: torch.Tensor) -> torch.Tensor:  # (1, H, T, D) -> (G, H, L, D)
-        return t[0].index_select(1, gather).unflatten(1, (groups, longest)).transpose(0, 1)
+    def cells(t: torch.Tensor, index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+        # (1, H, T, D) -> (rows, H, width, D)
+        return t[0].index_select(1, index).unflatten(1, (rows, width)).transpose(0, 1)
 
-    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
-                                         attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                         enable_gqa=gqa)  # (G, Hq, L, D)
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, real).unsqueeze(0)  # (1, T, Hq, D)
+    outs = []
+    if lay.longest_prefix:
+        groups = lay.prefixes.numel() // lay.longest_prefix
+        out = F.scaled_dot_product_attention(
+            *(cells(t, lay.prefixes, groups, lay.longest_prefix) for t in (query, key, value)),
+            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
+        outs.append(out.transpose(1, 2).flatten(0, 1))
+    rows, width = lay.queries.numel() // lay.longest_rest, lay.longest_prefix + lay.longest_rest
+    out = F.scaled_dot_product_attention(
+        cells(query, lay.queries, rows, lay.longest_rest), cells(key, lay.keys, rows, width),
+        cells(value, lay.keys, rows, width), attn_mask=lay.mask, dropout_p=dropout,
+        scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
+    outs.append(out.transpose(1, 2).flatten(0, 1))
+    return torch.cat(outs).index_select(0, lay.pick).unsqueeze(0)  # (1, T, Hq, D)
 
 
 def fused_applies(query: torch.Tensor) -> bool:

@@ -152,9 +152,13 @@ def test_tree_attention_matches_each_row_alone(dtype):
     the same gradients (a prefix token's summed over the rows that read it), with grouped-query
     heads: a group of three rows, a row without a prefix, a group of two."""
     check_tree("cpu", dtype, 1e-5 if dtype == torch.float32 else 3e-2)
-    gather, real, mask, longest = varlen_attention.tree_layout(TREE, torch.device("cpu"))
-    assert longest == 40 and mask.shape == (3, 1, 40, 40) and real.shape == (63,)
-    assert mask[0, 0, 25, :20].all() and not mask[0, 0, 25, 20:25].any()  # row 2: prefix only
+    lay = varlen_attention.tree_layout(TREE, torch.device("cpu"))
+    assert (lay.longest_prefix, lay.longest_rest) == (20, 14)  # the prefixes of 20 and 10
+    assert lay.mask.shape == (6, 1, 14, 34) and sorted(lay.pick.tolist()) == sorted(set(
+        lay.pick.tolist())) and lay.pick.numel() == 63  # each position from one cell
+    assert lay.mask[0, 0, 0, :20].all() and lay.mask[0, 0, 0, 20:].tolist() == [True] + [False] * 13
+    assert not lay.mask[3, 0, :, :20].any()  # the row without a prefix: its own tokens only
+    assert not lay.mask[4, 0, 0, 10:20].any()  # a prefix of 10: the padding after it unseen
 
 
 @pytest.mark.gpu

@@ -20,9 +20,16 @@ from tests.test_learner import make_groups
 
 REL = 1e-6
 BUDGET = "learner.max_tokens_per_micro_batch=100"  # 3 or 4 of the test's sequences
+# micro-batches of 3 rows whatever their tokens: the same micro-batches padded, packed whole and
+# with shared prefixes (whose token budget counts the shared form, so a budget in tokens cuts
+# them elsewhere, and a loss over a micro-batch's tokens, kl_cov's top share, sees others),
+# each cutting a group of 4
+ROWS = ["learner.micro_batch_size=3", "learner.max_tokens_per_micro_batch=0"]
 CASES = {**OPTIONS,
          "seq-mean-token-mean": ["algorithm.loss_agg_mode=seq-mean-token-mean"],
-         "rows_only": ["learner.max_tokens_per_micro_batch=0", "learner.micro_batch_size=3"]}
+         # a token budget: the shared side's micro-batches hold more rows (token-mean over the
+         # mini-batch's tokens does not depend on how it is cut)
+         "token_budget": ["learner.micro_batch_size=auto", BUDGET]}
 
 
 def gradients(trainer) -> list[dict[str, torch.Tensor]]:
@@ -70,7 +77,7 @@ def test_packed_step_equals_padded_step(tiny_model, tmp_path, name):
     every coordinate whatever the gradient's size, so two paths whose first gradients differ by
     rounding (or two micro-batch sizes on one path) start it from different weights: its
     gradients are reported, not compared."""
-    opts = [BUDGET, "learner.max_grad_norm=1e9", *CASES[name]]
+    opts = [*ROWS, "learner.max_grad_norm=1e9", *CASES[name]]
     padded = make_trainer(tiny_model, tmp_path / "padded", "learner.packing=false", *opts)
     packed = make_trainer(tiny_model, tmp_path / "packed", "learner.packing=true", *opts)
     g_padded, g_packed = gradients(padded), gradients(packed)
@@ -199,11 +206,11 @@ def test_shared_prefixes_attend_as_each_row_alone(tiny_model):
 
 
 @pytest.mark.parametrize("name", ["grpo", "gae", "lora", "kl_loss", "epochs_minibatches",
-                                  "rows_only", "grad_ckpt"])
+                                  "token_budget", "grad_ckpt"])
 def test_shared_prefix_step_equals_unshared(tiny_model, tmp_path, name):
     """learner.share_prefixes against each row packed whole: the first update's gradients and
     the losses within 1e-6 relative, every metric within 1e-5, and the tokens it saved."""
-    opts = [BUDGET, "learner.max_grad_norm=1e9", *CASES[name]]
+    opts = [*ROWS, "learner.max_grad_norm=1e9", *CASES[name]]
     whole_rows = make_trainer(tiny_model, tmp_path / "whole", "learner.share_prefixes=false", *opts)
     shared = make_trainer(tiny_model, tmp_path / "shared", *opts)
     g_whole, g_shared = gradients(whole_rows), gradients(shared)
