@@ -59,6 +59,6 @@ def critic_values(critic, batch: RolloutBatch) -> torch.Tensor:
     each row's end then, where the padded path has values of padding: both are masked out)."""
     if not batch.packed:
         return critic(batch.input_ids, batch.attention_mask)
-    rows = pack(batch.input_ids, batch.attention_mask, batch.shared)
+    rows = pack(batch.input_ids, batch.attention_mask, batch.shared, batch.lengths)
     return rows.unpack(critic(rows.input_ids, None, rows.position_ids, rows.tree)[0],
                        batch.response_mask.shape[1])

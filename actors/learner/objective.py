@@ -53,7 +53,7 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
     at = batch.response_mask.bool()  # (N, W-1)
     forward = getattr(model, FORWARD, None)
     args = (batch.input_ids, batch.attention_mask, at, temperature, with_entropy,
-            with_sum_pi_squared, batch.packed, batch.vision, batch.shared)
+            with_sum_pi_squared, batch.packed, batch.vision, batch.shared, batch.lengths)
     out = forward(*args) if forward is not None else _forward(model, *args)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:  # (R,) -> (N, W-1), 0 off the response
@@ -66,7 +66,8 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float, *,
 
 def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: torch.Tensor,
              temperature: float, with_entropy: bool, with_sum_pi_squared: bool, packed: bool,
-             vision: VisionRows | None, shared: tuple[int, ...] = ()):
+             vision: VisionRows | None, shared: tuple[int, ...] = (),
+             lengths: tuple[int, ...] = ()):
     """The values at the response positions ``at`` (N, W-1) of right-padded rows
     ``input_ids`` (N, W), each (R,); ``packed``: the rows are read packed into one, each
     group's common prefix once where ``shared`` says (``RolloutBatch.shared``)."""
@@ -84,7 +85,7 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: t
         hidden = base(**inputs).last_hidden_state
         hidden, targets = hidden[:, :-1][at], input_ids[:, 1:][at]  # (R, H), (R,)
     else:  # kernels/varlen_attention.py: per-sequence attention, or transformers' own path
-        rows = pack(input_ids, attention_mask, shared)
+        rows = pack(input_ids, attention_mask, shared, lengths)
         where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
         if vision is None:
             inputs = packed_call(core.config, rows.input_ids, rows.position_ids, rows.tree)

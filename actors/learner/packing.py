@@ -152,13 +152,14 @@ class PackedRows:
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-         shared: tuple[int, ...] = ()) -> PackedRows:
+         shared: tuple[int, ...] = (), lengths: tuple[int, ...] = ()) -> PackedRows:
     """Right-padded rows ``input_ids`` (B, W) with ``attention_mask`` (B, W), packed.
 
     ``shared[i]``: the leading tokens row i has in common with row i - 1 (0: it starts a
     group; ``RolloutBatch.shared``); () packs every row whole. A group's rows share the prefix
     all of them have (the least of its rows' values), at most all but one token of its shortest
-    row, so that each row keeps a rest of its own."""
+    row, so that each row keeps a rest of its own. ``lengths``: each row's tokens on the host
+    (``RolloutBatch.lengths``; (): read from ``attention_mask``, a host sync on a GPU)."""
     if not any(shared[1:]):
         lengths = attention_mask.sum(1)  # (B,)
         keep = attention_mask.bool()  # right padding: each row's tokens come first
@@ -168,7 +169,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return PackedRows(input_ids=input_ids[keep].unsqueeze(0),
                           position_ids=positions.unsqueeze(0), offsets=offsets, lengths=lengths)
     rows, width = input_ids.shape
-    lengths_host = attention_mask.sum(1).tolist()
+    lengths_host = list(lengths) or attention_mask.sum(1).tolist()
     groups: list[list[int]] = []
     for i in range(rows):
         if i == 0 or shared[i] == 0:
