@@ -48,6 +48,8 @@ def kinds(t: msgspec.inspect.Type) -> set[str]:
     match t:
         case msgspec.inspect.UnionType(types=types):
             return set().union(*(kinds(u) for u in types))
+        case msgspec.inspect.Metadata(type=inner):  # a constrained value (a pattern's message)
+            return kinds(inner)
         case msgspec.inspect.BoolType():
             return {"bool"}
         case msgspec.inspect.IntType():
