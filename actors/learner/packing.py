@@ -76,22 +76,29 @@ def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_token
     return out
 
 
+def share_groups(lengths: list[int], shared: tuple[int, ...]) -> list[tuple[list[int], int]]:
+    """The rows' groups as ``pack`` shares them, each with the prefix its rows share: the least
+    of its rows' ``shared`` values, at most all but one token of its shortest row (so each row
+    keeps a rest of its own); a row with ``shared`` 0, and the first row, start a group."""
+    groups: list[list[int]] = []
+    for i in range(len(lengths)):
+        if i == 0 or shared[i] == 0:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return [(g, max(0, min(min((shared[i] for i in g[1:]), default=0),
+                           min(lengths[i] for i in g) - 1))) for g in groups]
+
+
 def own_tokens(lengths: list[int], shared: tuple[int, ...]) -> list[int]:
     """The tokens each row adds to a packed row whose groups share prefixes as ``pack`` shares
     them: a group's first row all of its own, every other its rest (``shared``: ``pack``'s;
     (): each row whole)."""
-    if not any(shared[1:]):
-        return list(lengths)
     out = list(lengths)
-    start = 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or shared[i] == 0:  # rows [start, i) are a group
-            if i - start > 1:
-                common = min(shared[start + 1:i])
-                common = max(0, min(common, min(lengths[start:i]) - 1))
-                for j in range(start + 1, i):
-                    out[j] -= common
-            start = i
+    if any(shared[1:]):
+        for group, common in share_groups(out, shared):
+            for j in group[1:]:
+                out[j] -= common
     return out
 
 
@@ -156,9 +163,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """Right-padded rows ``input_ids`` (B, W) with ``attention_mask`` (B, W), packed.
 
     ``shared[i]``: the leading tokens row i has in common with row i - 1 (0: it starts a
-    group; ``RolloutBatch.shared``); () packs every row whole. A group's rows share the prefix
-    all of them have (the least of its rows' values), at most all but one token of its shortest
-    row, so that each row keeps a rest of its own. ``lengths``: each row's tokens on the host
+    group; ``RolloutBatch.shared``); () packs every row whole. Each group's rows share the
+    prefix ``share_groups`` gives. ``lengths``: each row's tokens on the host
     (``RolloutBatch.lengths``; (): read from ``attention_mask``, a host sync on a GPU)."""
     if not any(shared[1:]):
         lengths = attention_mask.sum(1)  # (B,)
@@ -170,19 +176,11 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           position_ids=positions.unsqueeze(0), offsets=offsets, lengths=lengths)
     rows, width = input_ids.shape
     lengths_host = list(lengths) or attention_mask.sum(1).tolist()
-    groups: list[list[int]] = []
-    for i in range(rows):
-        if i == 0 or shared[i] == 0:
-            groups.append([i])
-        else:
-            groups[-1].append(i)
     flat: list[int] = []  # where each packed token is in input_ids.flatten()
     positions: list[int] = []
     tree: list[tuple[int, ...]] = []
     offsets, prefix, heads = [0] * rows, [0] * rows, [0] * rows
-    for group in groups:
-        common = min((shared[i] for i in group[1:]), default=0)
-        common = max(0, min(common, min(lengths_host[i] for i in group) - 1))
+    for group, common in share_groups(lengths_host, shared):
         start = len(flat)
         head = group[0] * width
         flat.extend(range(head, head + common))
