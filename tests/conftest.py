@@ -1,4 +1,5 @@
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -53,9 +54,12 @@ def anyio_backend():
 
 
 @pytest.fixture
-def sockets() -> str:
-    """A fresh short directory for ipc:// endpoints (their paths must stay under ~100 bytes)."""
-    return tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+def sockets():
+    """A fresh short directory for ipc:// endpoints (their paths must stay under ~100 bytes),
+    removed after the test."""
+    path = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

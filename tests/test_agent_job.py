@@ -26,7 +26,7 @@ from actors.runtime.recording import decode_group, read_table
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.tiny_model import build_tiny_model
 
-STEPS = 40
+STEPS = 20  # tool calls and reward each rise by about 0.37 in 20 steps (0.2 is asked)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def run_dir(tmp_path_factory) -> Path:
         model, run, f"learner.total_steps={STEPS}", "sampler.max_tokens=48",
         f"agent.tools=[{{path='{base / 'tools.py'}', name='lookup'}}]", "agent.parser=xml",
         "agent.max_turns=3", "agent.tool_timeout_s=1", "agent.processes=2",
-        f"reward.functions=[{{path='{base / 'reward.py'}'}}]", "learner.save_every=30"),
+        f"reward.functions=[{{path='{base / 'reward.py'}'}}]", "learner.save_every=15"),
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return run
@@ -118,7 +118,7 @@ def test_rerun_of_a_multi_turn_step_is_exact(run_dir):
     out = io.StringIO()
     assert rerun(run_dir, STEPS, out=out) == 0, out.getvalue()
     text = out.getvalue()
-    assert "checkpoints/step_30" in text and "result: match — all" in text
+    assert "checkpoints/step_15" in text and "result: match — all" in text
     assert "agent/tool_call_share" in text and "agent/tool_latency_s/p99" in text
 
 

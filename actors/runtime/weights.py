@@ -197,6 +197,9 @@ class WeightsSubscriber:
         views of the received frames (or of a shared-memory file: ``SharedWeights``): copy
         them into the engine, never write to them."""
         newest, self._newest = self._newest, None
+        if newest is not None:
+            for receiver in self.receivers.values():
+                receiver.taking(newest[1])
         return newest
 
     def poll(self) -> WeightsPoll:

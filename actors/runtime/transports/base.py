@@ -94,6 +94,11 @@ class Receiver(ABC):
                       ) -> WeightsSource:
         """The engine's source of ``header.version`` (``parts``: tensors that came in frames)."""
 
+    def taking(self, source: WeightsSource) -> None:
+        """The engine takes ``source`` to load it; the source it took before is loaded by now
+        (a sampler loads one version at a time). Default: nothing to release."""
+        return None
+
     def poll_fields(self) -> dict[str, Any]:
         """What this receiver adds to the sampler's polls (GPU transports: the group held)."""
         return {}

@@ -17,10 +17,15 @@ import (tensors are read on access).
 
 from __future__ import annotations
 
+import json
+import mmap
+import os
+import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -29,37 +34,105 @@ if TYPE_CHECKING:
     from messages.weights import AdapterSpec, CudaIpcHandle, TransferGroup
 
 
+# safetensors' names of the dtypes a policy's weights come in, and torch's
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                      "U8": "uint8", "BOOL": "bool"}
+MAPS_KEPT = 4  # files this process keeps mapped (the shm learner writes a few files over again)
+# (dev, inode) -> (fd, mapping), the least recently used first
+_maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap]] = OrderedDict()
+_maps_lock = threading.Lock()
+
+
+def mapped(path: str) -> mmap.mmap:
+    """This process's read-only mapping of the file at ``path``, kept across calls: the shm
+    learner writes its next versions into the files of versions it dropped, so a file mapped
+    once stays mapped, and reading a version costs no page faults after the first. Mappings of
+    files removed since are let go (they would keep their memory)."""
+    fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: gone (a newer version replaced it)
+    with _maps_lock:
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            for other, (other_fd, _) in list(_maps.items()):
+                if other != key and os.fstat(other_fd).st_nlink == 0:
+                    _release(other)
+            held = _maps.get(key)
+            if held is not None and len(held[1]) == st.st_size:
+                _maps.move_to_end(key)
+                os.close(fd)
+                return held[1]
+            if held is not None:
+                _release(key)
+            while len(_maps) >= MAPS_KEPT:
+                _release(next(iter(_maps)))
+            mapping = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        _maps[key] = (fd, mapping)
+        return mapping
+
+
+def _release(key: tuple[int, int]) -> None:
+    fd, _ = _maps.pop(key)  # the mapping itself goes with the last view of it
+    os.close(fd)
+
+
+def writable_view(buffer: Any) -> torch.Tensor:
+    """A uint8 tensor over all of ``buffer`` (a mapping), sharing its memory. A read-only
+    buffer gives a tensor that must not be written (torch warns that it cannot stop it)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
 class SharedWeights(Mapping):
     """The tensors of a safetensors file in shared memory, read on access (``Mapping[str,
-    Tensor]``); ``path`` is the file, for an engine that reads it itself."""
+    Tensor]``: read-only views of this process's mapping of the file, ``mapped``); ``path``
+    is the file, for an engine that reads it itself."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self.path = path
-        if not Path(path).is_file():
-            raise FileNotFoundError(path)  # removed: a newer version replaced it
-        with safe_open(path, framework="pt") as f:
-            self._names = list(f.keys())  # noqa: SIM118 - safe_open is not a dict
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except FileNotFoundError:
+            raise  # removed: a newer version replaced it
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"weights: {path} is not a safetensors file ({exc})") from exc
+        header.pop("__metadata__", None)
+        self._start = 8 + size
+        self._entries: dict[str, tuple[str, list[int], int, int]] = {
+            name: (e["dtype"], e["shape"], *e["data_offsets"]) for name, e in header.items()}
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Every tensor, as a view of the mapped file (copy it; never write to it)."""
+        import torch
+
+        data = writable_view(mapped(self.path))
+        out = {}
+        for name, (code, shape, start, end) in self._entries.items():
+            dtype = getattr(torch, SAFETENSORS_DTYPES[code])
+            out[name] = data[self._start + start:self._start + end].view(dtype).view(shape)
+        return out
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="pt") as f:
-            return f.get_tensor(name)
+        if name not in self._entries:
+            raise KeyError(name)
+        return self.views()[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._entries)
 
-    def items(self):  # type: ignore[override]  # one open for all tensors
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="pt") as f:
-            for name in self._names:
-                yield name, f.get_tensor(name)
+    def items(self):  # type: ignore[override]  # one mapping for all tensors
+        return self.views().items()
 
 
 @dataclass(frozen=True)
