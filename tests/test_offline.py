@@ -221,3 +221,61 @@ def test_bad_input_exits_2(run_dir, tmp_path):
     for args, message in cases:
         res = runner(*args)
         assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+
+
+def resume(run: Path) -> subprocess.CompletedProcess:
+    """The fixture's job started again on ``run``, as its user would."""
+    topology = json.loads((run / "topology.json").read_text())
+    return subprocess.run(
+        [sys.executable, "runner.py", "topology.toml", f"model.path={topology['model']['path']}",
+         f"run.dir={run}", "sampler.engine=hf", "task.name=repeat_letter", "learner.lr=3e-3",
+         "sampler.max_tokens=8", "run.status_interval=0", "run.heartbeat_interval=0.5",
+         "learner.total_steps=6", "learner.save_every=3", "learner.keep_checkpoints=10",
+         "validation.every=3", 'validation.datasets=[{builtin="repeat_letter", size=8}]'],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+        run_dir, tmp_path):
+    """The newest checkpoint's weights with bytes changed on disk, and the records cut in the
+    middle of a line (a kill as they were written): the run says which checkpoint is damaged
+    and why, resumes from the one before, and trains every step once."""
+    from actors.runtime.rundir import damage
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    weights = run / "checkpoints/step_6/model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    weights.write_bytes(bytes(data))
+    for record in ("metrics.jsonl", "status.jsonl"):
+        with (run / record).open("a") as f:
+            f.write('{"step": 7, "cut')
+    before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    res = resume(run)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert ("checkpoint step_6 is damaged: model.safetensors is not what was written (its "
+            "checksum differs); set aside as step_6.damaged") in res.stdout
+    assert "resuming from step_3" in res.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:3] == before[:3]
+    assert all(json.loads(line) for line in (run / "status.jsonl").read_text().splitlines())
+    assert damage(run / "checkpoints/step_6") is None  # written again, whole
+    assert (run / "checkpoints/step_6.damaged").is_dir()
+    res = runner("validate", str(run), "--checkpoint", str(run / "checkpoints/step_6.damaged"))
+    assert res.returncode == 2 and "step_6.damaged is damaged: model.safetensors" in res.stderr
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_stops_naming_what_to_do(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "checkpoints/step_6/trainer_state.json").unlink()
+    optimizer = next((run / "checkpoints/step_3/optimizer").glob("*.distcp"))
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # cut short
+    res = resume(run)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "checkpoint step_6 is damaged: trainer_state.json is missing" in res.stdout
+    assert (f"checkpoint step_3 is damaged: optimizer/{optimizer.name} holds 100 bytes where"
+            in res.stdout)
+    assert "no whole checkpoint is left" in res.stderr and "start a new run directory" in res.stderr

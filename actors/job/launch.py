@@ -41,7 +41,18 @@ from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.ranks import free_port
-from actors.runtime.rundir import LOGS, TOPOLOGY, latest_checkpoint, remove_stale_sockets
+from actors.runtime.rundir import (
+    CHECKPOINTS,
+    LOGS,
+    METRICS,
+    STATUS,
+    TOPOLOGY,
+    VALIDATION,
+    cut_torn_line,
+    latest_checkpoint,
+    remove_stale_sockets,
+    set_aside_damaged,
+)
 from actors.runtime.security import prepare_job_keys
 
 
@@ -158,6 +169,20 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
         os.replace(tmp, resolved)
         print(f"=== run directory: {run_dir}", flush=True)
         print(f"=== model: {topology.model.path}", flush=True)
+        # records appended to: a last line a kill cut short is cut off (the owner's runner
+        # writes the metrics and checks the checkpoints)
+        for record in (STATUS, METRICS, VALIDATION) if home == run_dir else (STATUS,):
+            cut_torn_line(home / record)
+        if topology.learner.resume and home == run_dir:
+            aside = set_aside_damaged(run_dir)
+            for line in aside:
+                print(f"=== {line}", flush=True)
+            if aside and latest_checkpoint(run_dir) is None:
+                print(f"error: no whole checkpoint is left in {run_dir / CHECKPOINTS} (each "
+                      f"was damaged on disk and set aside); resuming would train from step 0 "
+                      f"over a run recorded past it: restore a checkpoint from a copy, or "
+                      f"start a new run directory (run.dir)", file=sys.stderr)
+                return 2
         resumed = latest_checkpoint(run_dir) if topology.learner.resume else None
         if resumed is not None:  # the learner loads it; the replay buffer its recording
             print(f"=== resuming from {resumed.name} ({resumed})", flush=True)

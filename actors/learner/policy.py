@@ -46,6 +46,7 @@ from actors.runtime.rundir import (
     latest_checkpoint,
     prune_checkpoints,
     read_state,
+    write_checksums,
 )
 from kernels import varlen_attention
 from kernels.kl_control import AdaptiveKLController, FixedKLController
@@ -397,6 +398,7 @@ class Policy:
                 "ranks": self.group.world}))
         self.group.barrier()  # every rank's shards are in tmp
         if lead:
+            write_checksums(tmp)  # (every rank's files: the folder is on a shared filesystem)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

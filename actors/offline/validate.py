@@ -29,7 +29,13 @@ from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import last_by, read_table
-from actors.runtime.rundir import TOPOLOGY, checkpoint_dir, latest_checkpoint, read_state
+from actors.runtime.rundir import (
+    TOPOLOGY,
+    checkpoint_dir,
+    damage,
+    latest_checkpoint,
+    read_state,
+)
 from actors.validation.metrics import ScoredPrompt, outcomes, validation_metrics
 from actors.validation.prompts import validation_prompts, validation_sampling
 
@@ -70,6 +76,8 @@ def pick_checkpoint(run_dir: Path, topology: Topology, name: str | None) -> tupl
         if not path.is_dir():
             left = sorted(p.name for p in path.parent.glob("step_*")) if path.parent.is_dir() else []
             raise OfflineError(f"no checkpoint {path} (kept: {', '.join(left) or 'none'})")
+    if (why := damage(path)) is not None:
+        raise OfflineError(f"checkpoint {path} is damaged: {why}")
     return path, int(read_state(path)["step"])
 
 

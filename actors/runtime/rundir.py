@@ -28,14 +28,19 @@ RUN_DIR/
 
 ``checkpoints/step_N/`` is written whole by the learner's policy: into a ``.tmp_step_N_PID``
 folder first, then renamed, so every ``step_N`` folder is complete; ``STATE_FILE`` in it holds
-the step, the policy version and the KL coefficient.
+the step, the policy version and the KL coefficient, and ``CHECKSUMS`` every other file's size
+and CRC-32 as written. A checkpoint damaged on disk since (cut short, bytes changed, a file
+gone) is found when a run resumes (``set_aside_damaged``: renamed ``step_N.damaged``, never
+resumed from), and the run resumes from the newest whole one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,8 @@ LOGS = "logs"
 RECORD_DIR = "record"
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
+CHECKSUMS = "checksums.json"  # in a checkpoint: each other file's [size, CRC-32]
+DAMAGED = ".damaged"  # the suffix of a checkpoint set aside as damaged
 PARTIAL_PREFIX = ".tmp_step_"  # a checkpoint being written; left behind only by a kill
 _NAME = re.compile(r"step_(\d+)")
 
@@ -93,6 +100,92 @@ def checkpoint_position(run_dir: Path) -> tuple[int, int]:
         return 0, 0
     state = read_state(ckpt)
     return int(state["step"]), int(state.get("version", state["step"]))
+
+
+def file_checksums(folder: Path) -> dict[str, list[int]]:
+    """Every file under ``folder`` but ``CHECKSUMS``, by its path in it: ``[size, CRC-32]``."""
+    found = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name == CHECKSUMS:
+            continue
+        crc, size = 0, 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        found[name] = [size, crc]
+    return found
+
+
+def write_checksums(folder: Path) -> None:
+    """Write ``CHECKSUMS`` for a checkpoint folder whose every other file is written."""
+    (Path(folder) / CHECKSUMS).write_text(json.dumps(file_checksums(folder), indent=0))
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with ``checkpoint`` on disk, in a few words (the first file found
+    wrong), or None when each file is as it was written. A checkpoint without ``CHECKSUMS``
+    (written before there were any) is checked for its state file only."""
+    listed = Path(checkpoint) / CHECKSUMS
+    if not listed.exists():
+        return None if (Path(checkpoint) / STATE_FILE).is_file() else f"{STATE_FILE} is missing"
+    try:
+        written = json.loads(listed.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{CHECKSUMS} cannot be read ({exc})"
+    found = file_checksums(checkpoint)
+    for name, (size, crc) in written.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name][0] != size:
+            return f"{name} holds {found[name][0]:,} bytes where {size:,} were written"
+        if found[name][1] != crc:
+            return f"{name} is not what was written (its checksum differs)"
+    return None
+
+
+def set_aside_damaged(run_dir: Path) -> list[str]:
+    """Check the run's checkpoints newest first until one is whole, renaming each damaged one
+    ``step_N.damaged`` (kept to look at, never resumed from); one line for each set aside."""
+    lines = []
+    for _, path in reversed(checkpoints(run_dir)):
+        why = damage(path)
+        if why is None:
+            break
+        aside = path.with_name(path.name + DAMAGED)
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:  # set aside by another runner of the run (its hosts)
+            continue
+        lines.append(f"checkpoint {path.name} is damaged: {why}; set aside as {aside.name}")
+    return lines
+
+
+def cut_torn_line(path: Path) -> bool:
+    """Cut a last line a kill left half-written off a jsonl file that is appended to (the
+    next record would be glued to it); True when one was cut."""
+    try:
+        with open(path, "rb+") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end == 0:
+                return False
+            f.seek(end - 1)
+            if f.read(1) == b"\n":
+                return False
+            keep, at = 0, end
+            while at > 0:  # back to the last whole line's end
+                step = min(1 << 20, at)
+                f.seek(at - step)
+                newline = f.read(step).rfind(b"\n")
+                if newline >= 0:
+                    keep = at - step + newline + 1
+                    break
+                at -= step
+            f.truncate(keep)
+            return True
+    except FileNotFoundError:
+        return False
 
 
 def prune_checkpoints(run_dir: Path, keep: int, final_step: int) -> list[Path]:

@@ -1,0 +1,75 @@
+"""Damage on disk, found: a checkpoint's files against the checksums written with it, and a
+jsonl record's last line cut by a kill."""
+
+from __future__ import annotations
+
+import json
+
+from actors.runtime.rundir import (
+    CHECKSUMS,
+    STATE_FILE,
+    cut_torn_line,
+    damage,
+    set_aside_damaged,
+    write_checksums,
+)
+
+
+def checkpoint(path, step: int):
+    (path / "optimizer").mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (path / "optimizer" / "__0_0.distcp").write_bytes(b"state" * 100)
+    (path / STATE_FILE).write_text(json.dumps({"step": step}))
+    write_checksums(path)
+    return path
+
+
+def test_each_kind_of_damage_is_named(tmp_path):
+    ckpt = checkpoint(tmp_path / "step_2", 2)
+    assert damage(ckpt) is None
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[1000] ^= 1  # one bit
+    weights.write_bytes(bytes(data))
+    assert damage(ckpt) == "model.safetensors is not what was written (its checksum differs)"
+    weights.write_bytes(bytes(data[:100]))
+    assert damage(ckpt) == "model.safetensors holds 100 bytes where 16,384 were written"
+    data[1000] ^= 1
+    weights.write_bytes(bytes(data))
+    assert damage(ckpt) is None
+    (ckpt / "optimizer" / "__0_0.distcp").unlink()
+    assert damage(ckpt) == "optimizer/__0_0.distcp is missing"
+    (ckpt / CHECKSUMS).write_text("{not json")
+    assert damage(ckpt).startswith(f"{CHECKSUMS} cannot be read")
+    (ckpt / CHECKSUMS).unlink()  # a checkpoint from before checksums: its state file only
+    assert damage(ckpt) is None
+    (ckpt / STATE_FILE).unlink()
+    assert damage(ckpt) == f"{STATE_FILE} is missing"
+
+
+def test_the_damaged_newest_are_set_aside_down_to_a_whole_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 4, 6):
+        checkpoint(root / f"step_{step}", step)
+    (root / "step_6" / "model.safetensors").write_bytes(b"")
+    (root / "step_4" / STATE_FILE).unlink()
+    (root / "step_1" / "optimizer" / "__0_0.distcp").write_bytes(b"")  # under a whole one
+    lines = set_aside_damaged(tmp_path)
+    assert lines == [
+        "checkpoint step_6 is damaged: model.safetensors holds 0 bytes where 16,384 were "
+        "written; set aside as step_6.damaged",
+        "checkpoint step_4 is damaged: trainer_state.json is missing; set aside as "
+        "step_4.damaged"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2", "step_4.damaged",
+                                                      "step_6.damaged"]
+
+
+def test_a_torn_last_line_is_cut_and_whole_ones_are_kept(tmp_path):
+    path = tmp_path / "status.jsonl"
+    assert not cut_torn_line(path)  # none yet
+    path.write_text('{"a": 1}\n{"b": 2}\n')
+    assert not cut_torn_line(path) and path.read_text() == '{"a": 1}\n{"b": 2}\n'
+    path.write_text('{"a": 1}\n{"b": 2}\n{"c": ' + "x" * (3 << 20))  # longer than a read
+    assert cut_torn_line(path) and path.read_text() == '{"a": 1}\n{"b": 2}\n'
+    path.write_text('{"only": "cut')
+    assert cut_torn_line(path) and path.read_text() == ""
