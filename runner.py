@@ -108,6 +108,7 @@ def rerun_main(argv: list[str]) -> int:
                         help="--step: dotted topology overrides for a what-if (learner.lr=1e-4)")
     args = parser.parse_intermixed_args(argv)
     from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
 
     try:
         if args.step is not None:
@@ -117,7 +118,7 @@ def rerun_main(argv: list[str]) -> int:
         from actors.offline.rescore import rescore
         return rescore(args.run_dir, args.rescore, steps=args.steps, limit=args.limit,
                        threshold=args.threshold, timeout_s=args.timeout)
-    except OfflineError as exc:
+    except (OfflineError, RecordingDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -136,10 +137,11 @@ def inspect_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from actors.offline.inspection import inspect_run
     from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
 
     try:
         return inspect_run(args.run_dir, step=args.step, plots=args.plots, top=args.top)
-    except OfflineError as exc:
+    except (OfflineError, RecordingDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -167,11 +169,12 @@ def validate_main(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     from actors.offline.recorded import OfflineError
     from actors.offline.validate import validate
+    from actors.runtime.recording import RecordingDamaged
 
     try:
         return validate(args.run_dir, args.checkpoint, list(args.overrides), args.out,
                         args.threads)
-    except OfflineError as exc:
+    except (OfflineError, RecordingDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -195,11 +198,12 @@ def export_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from actors.offline.export import export
     from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
 
     try:
         return export(args.run_dir, args.step, merge=args.merge, out_dir=args.out,
                       dtype=args.dtype)
-    except OfflineError as exc:
+    except (OfflineError, RecordingDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

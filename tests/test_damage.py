@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from actors.runtime.recording import (
+    RecordingDamaged,
+    TableWriter,
+    damaged_parts,
+    parts,
+    read_part,
+    read_table,
+)
 from actors.runtime.rundir import (
     CHECKSUMS,
     STATE_FILE,
@@ -73,3 +83,33 @@ def test_a_torn_last_line_is_cut_and_whole_ones_are_kept(tmp_path):
     assert cut_torn_line(path) and path.read_text() == '{"a": 1}\n{"b": 2}\n'
     path.write_text('{"only": "cut')
     assert cut_torn_line(path) and path.read_text() == ""
+
+
+def test_a_recording_part_cut_short_or_changed_is_named_never_read_wrong(tmp_path):
+    """A part cut short is named; so is one with any byte changed, unless what it reads back
+    is still exactly what was written (a changed byte of a page header's statistics)."""
+    writer = TableWriter(tmp_path, "metrics")
+    for step in (1, 2):
+        writer.append({"step": step, "metrics": {"loss": 0.5 * step, "kl": 0.01}})
+        writer.flush()
+    assert read_table(tmp_path, "metrics")["step"].to_pylist() == [1, 2]
+    first, second = parts(tmp_path, "metrics")
+    whole = second.read_bytes()
+    written = read_part(second)
+    found = 0
+    for at in range(len(whole)):  # each byte in turn, one bit of it flipped
+        changed = bytearray(whole)
+        changed[at] ^= 1 << (at % 8)
+        second.write_bytes(bytes(changed))
+        try:
+            assert read_part(second).equals(written), f"byte {at} changed what is read"
+        except RecordingDamaged as exc:
+            assert str(exc).startswith(f"record/metrics/{second.name} is damaged (")
+            found += 1
+    assert found > len(whole) // 2
+    second.write_bytes(whole)
+    first.write_bytes(first.read_bytes()[:300])  # cut short
+    assert damaged_parts(tmp_path) == [
+        next(line for line in damaged_parts(tmp_path) if first.name in line)]
+    with pytest.raises(RecordingDamaged, match=f"record/metrics/{first.name} is damaged"):
+        read_table(tmp_path, "metrics")

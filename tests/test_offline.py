@@ -279,3 +279,22 @@ def test_a_run_whose_every_checkpoint_is_damaged_stops_naming_what_to_do(run_dir
     assert (f"checkpoint step_3 is damaged: optimizer/{optimizer.name} holds 100 bytes where"
             in res.stdout)
     assert "no whole checkpoint is left" in res.stderr and "start a new run directory" in res.stderr
+
+
+def test_a_damaged_recording_part_is_named_by_the_resume_and_the_offline_tools(run_dir, tmp_path):
+    """A groups part with a changed byte: the resume refuses in one line naming the file, and
+    ``rerun`` says the same (exit 2), never training on or comparing against it."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    part = parts(run, "groups")[0]
+    meta = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = next(meta.column(i) for i in range(meta.num_columns)  # the exact messages: a
+                 if meta.column(i).path_in_schema == "message")  # page header (its statistics
+    data = bytearray(part.read_bytes())  # hold the smallest and largest), then the values
+    data[chunk.data_page_offset + chunk.total_compressed_size * 7 // 8] ^= 0x08
+    part.write_bytes(bytes(data))
+    name = f"record/groups/{part.name} is damaged"
+    res = resume(run)
+    assert res.returncode == 2 and name in res.stderr and "cannot resume exactly" in res.stderr
+    res = runner("rerun", str(run), "--step", "4")
+    assert res.returncode == 2 and name in res.stderr, res.stderr[-2000:]

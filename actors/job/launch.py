@@ -41,6 +41,7 @@ from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.ranks import free_port
+from actors.runtime.recording import damaged_parts
 from actors.runtime.rundir import (
     CHECKPOINTS,
     LOGS,
@@ -92,6 +93,27 @@ def resolve(topology: Topology, *, model_ready: bool = True,
         control_address=addr(topology.control_address, "control"),
     )
     return resolved, run_dir
+
+
+def resumable(run_dir: Path) -> bool:
+    """Damage on disk, before a run resumes: each damaged checkpoint is set aside (one line
+    each), the run resuming from the newest whole one; False, with the error printed, when
+    none is left or the recording is damaged (the run cannot resume exactly)."""
+    aside = set_aside_damaged(run_dir)
+    for line in aside:
+        print(f"=== {line}", flush=True)
+    if aside and latest_checkpoint(run_dir) is None:
+        print(f"error: no whole checkpoint is left in {run_dir / CHECKPOINTS} (each was "
+              f"damaged on disk and set aside); resuming would train from step 0 over a run "
+              f"recorded past it: restore a checkpoint from a copy, or start a new run "
+              f"directory (run.dir)", file=sys.stderr)
+        return False
+    if damaged := damaged_parts(run_dir):
+        print(f"error: the recording of {run_dir} is damaged on disk, so the run cannot "
+              f"resume exactly: {'; '.join(damaged)}. Restore the part from a copy, or start a "
+              f"new run directory (run.dir)", file=sys.stderr)
+        return False
+    return True
 
 
 def node_home(run_dir: Path, node_rank: int) -> Path:
@@ -173,16 +195,8 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
         # writes the metrics and checks the checkpoints)
         for record in (STATUS, METRICS, VALIDATION) if home == run_dir else (STATUS,):
             cut_torn_line(home / record)
-        if topology.learner.resume and home == run_dir:
-            aside = set_aside_damaged(run_dir)
-            for line in aside:
-                print(f"=== {line}", flush=True)
-            if aside and latest_checkpoint(run_dir) is None:
-                print(f"error: no whole checkpoint is left in {run_dir / CHECKPOINTS} (each "
-                      f"was damaged on disk and set aside); resuming would train from step 0 "
-                      f"over a run recorded past it: restore a checkpoint from a copy, or "
-                      f"start a new run directory (run.dir)", file=sys.stderr)
-                return 2
+        if topology.learner.resume and home == run_dir and not resumable(run_dir):
+            return 2
         resumed = latest_checkpoint(run_dir) if topology.learner.resume else None
         if resumed is not None:  # the learner loads it; the replay buffer its recording
             print(f"=== resuming from {resumed.name} ({resumed})", flush=True)

@@ -62,9 +62,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from actors.runtime.recording import decode_group, parts, read_table
+from actors.runtime.recording import decode_group, parts, read_part, read_table
 from actors.runtime.rundir import checkpoint_position
 from messages.rollout import ScoredGroup
 
@@ -95,11 +94,11 @@ def _groups_by_id(run_dir: Path, wanted: set[int]) -> dict[int, ScoredGroup]:
     if not wanted:
         return out
     for part in parts(run_dir, "groups"):
-        ids = pq.read_table(part, columns=["group_id"])["group_id"]
+        ids = read_part(part, ["group_id"])["group_id"]
         hit = pc.is_in(ids, value_set=pa.array(sorted(wanted), ids.type))
         if not pc.any(hit).as_py():
             continue
-        table = pq.read_table(part, columns=["group_id", "message"]).filter(hit)
+        table = read_part(part, ["group_id", "message"]).filter(hit)
         for gid, message in zip(table["group_id"].to_pylist(), table["message"].to_pylist(),
                                 strict=True):
             out[gid] = decode_group(message)

@@ -152,7 +152,7 @@ class TableWriter:
         final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
         pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
-                       use_dictionary=self.dictionary)
+                       use_dictionary=self.dictionary, write_page_checksum=True)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -220,6 +220,40 @@ def parts(run_dir: Path, table: str) -> list[Path]:
     return sorted((Path(run_dir) / RECORD_DIR / table).glob("part-*.parquet"))
 
 
+class RecordingDamaged(ValueError):
+    """A part file of the recording that cannot be read whole: cut short, or bytes changed on
+    disk since it was written (each page carries a CRC-32)."""
+
+
+def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """One part file, its pages checked against their checksums; RecordingDamaged names it."""
+    name = f"{RECORD_DIR}/{path.parent.name}/{path.name}"
+    schema = SCHEMAS.get(path.parent.name)
+    try:
+        table = pq.read_table(path, columns=columns, page_checksum_verification=True)
+        # the footer's schema carries no checksum: a changed name or type is damage too
+        wrong = [f for f in table.schema if schema is not None and (
+            schema.get_field_index(f.name) < 0 or schema.field(f.name).type != f.type)]
+    except (pa.ArrowException, OSError, ValueError) as exc:  # (names that are not UTF-8)
+        raise RecordingDamaged(f"{name} is damaged ({str(exc).splitlines()[0][:160]})") from None
+    if wrong:
+        raise RecordingDamaged(f"{name} is damaged (a column {wrong[0].name!r} of type "
+                               f"{wrong[0].type} that the table does not have)")
+    return table
+
+
+def damaged_parts(run_dir: Path) -> list[str]:
+    """One line for each part file of the recording that cannot be read whole."""
+    found = []
+    for table in sorted(SCHEMAS):
+        for path in parts(run_dir, table):
+            try:
+                read_part(path)
+            except RecordingDamaged as exc:
+                found.append(str(exc))
+    return found
+
+
 def read_table(run_dir: Path, table: str, columns: list[str] | None = None) -> pa.Table:
     """All flushed rows of ``table`` (an empty table with the schema when nothing was recorded)."""
     if table not in SCHEMAS:
@@ -227,7 +261,7 @@ def read_table(run_dir: Path, table: str, columns: list[str] | None = None) -> p
     schema = SCHEMAS[table]
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
-    tables = [pq.read_table(p, columns=columns) for p in parts(run_dir, table)]
+    tables = [read_part(p, columns) for p in parts(run_dir, table)]
     if not tables:
         return schema.empty_table()
     # parts written before a column was added have none: null there
