@@ -35,7 +35,7 @@ from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
 from actors.runtime.config.pools import reward_processes
 from actors.runtime.ranks import node_ranks, rank_label
-from actors.runtime.rundir import LOGS, TOPOLOGY, traceback_file
+from actors.runtime.rundir import EXIT_DISK_FULL, LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue
 
 if TYPE_CHECKING:
@@ -177,7 +177,8 @@ class Processes:
             cause = exit_cause(p.process)
             failures = p.causes.get(FAILED, 0)
             # a lost node is not the process's failure: it restarts wherever there is room
-            restart = cfg.restart == "on-failure" and cause != NO_ROOM and (
+            full = rc == EXIT_DISK_FULL  # a restart would find no more room
+            restart = cfg.restart == "on-failure" and cause != NO_ROOM and not full and (
                 cause == NODE_LOST or failures < cfg.max_restarts)
             job.record_status("exited", actor=p.name, returncode=rc, restart=restart, cause=cause)
             if restart:
@@ -190,7 +191,8 @@ class Processes:
                 await self.spawn(p)
                 continue
             job.end(f"failed: actor {p.name} exited with status {rc}"
-                    + (" (no node has room for it)" if cause == NO_ROOM else ""))
+                    + (" (no node has room for it)" if cause == NO_ROOM else "")
+                    + (f": {tb.strip()}" if full else ""))
             return
 
     def kill(self, procs: Iterable[Proc]) -> None:

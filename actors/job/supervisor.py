@@ -135,6 +135,7 @@ class Job:
         self.learner_done = False  # finished, the final validation still to come
         self.validation_shown = (-1, 0.0)  # the round whose progress was last printed, and when
         self.outcome: str | None = None  # "finished", "interrupted" or "failed: ..."
+        self.status_unwritten = 0  # status.jsonl lines a full disk refused
         self.done = trio.Event()
         self.stopping = False
         self.started = time.monotonic()
@@ -262,8 +263,14 @@ class Job:
                             **({"pid": p.process.pid} if p.process is not None else {}),
                             **p.status}
                    for p in self.procs.values()}}
-        with (self.home / STATUS).open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with (self.home / STATUS).open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as exc:  # a full disk: the job goes on (and the actors' writes say it)
+            if not self.status_unwritten:
+                print(f"!!! {self.home / STATUS} cannot be written ({exc}); the job goes on "
+                      f"without it", flush=True)
+            self.status_unwritten += 1
 
     def say(self, text: str) -> None:
         """A line for the person watching (above the live panel on a terminal)."""

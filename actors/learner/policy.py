@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -42,8 +43,11 @@ from actors.runtime.ranks import Rank
 from actors.runtime.rundir import (
     PARTIAL_PREFIX,
     STATE_FILE,
+    DiskFull,
     checkpoint_dir,
+    checkpoints,
     latest_checkpoint,
+    out_of_space,
     prune_checkpoints,
     read_state,
     write_checksums,
@@ -365,8 +369,35 @@ class Policy:
         final = checkpoint_dir(self.run_dir, self.step)
         tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{self.writer}"
         lead = self.group.leader
+        while True:
+            try:
+                self._write_checkpoint(tmp, lead)
+                break
+            except Exception as exc:
+                if not out_of_space(exc, final.parent):
+                    raise
+                if lead:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                room = self._make_room()
+                if room is None:
+                    raise DiskFull(final.parent, f"checkpoint {final.name}",
+                                   self._checkpoint_bytes()) from exc
+                print(f"[learner] no space left in {final.parent} for {final.name}: removed "
+                      f"{room} to make room (fewer than learner.keep_checkpoints = "
+                      f"{self.cfg.keep_checkpoints} are kept)", file=sys.stderr, flush=True)
         if lead:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.cfg.total_steps)
+        self.group.barrier()  # no rank goes on before the checkpoint exists
+        self.saved_step = self.step
+        return final
+
+    def _write_checkpoint(self, tmp: Path, lead: bool) -> None:
+        """Every file of the checkpoint into ``tmp``, its checksums last."""
+        if lead:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         self.group.barrier()
@@ -399,13 +430,24 @@ class Policy:
         self.group.barrier()  # every rank's shards are in tmp
         if lead:
             write_checksums(tmp)  # (every rank's files: the folder is on a shared filesystem)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints, self.cfg.total_steps)
-        self.group.barrier()  # no rank goes on before the checkpoint exists
-        self.saved_step = self.step
-        return final
+
+    def _make_room(self) -> str | None:
+        """On one rank, remove the oldest checkpoint but the newest (the one a resume would
+        take) and name it; None when there is none such (or the ranks are several: they would
+        have to agree)."""
+        found = checkpoints(self.run_dir)
+        if self.group.world > 1 or len(found) < 2:
+            return None
+        shutil.rmtree(found[0][1], ignore_errors=True)
+        return found[0][1].name
+
+    def _checkpoint_bytes(self) -> int:
+        """About what a checkpoint takes: the newest one's files, or the weights and two
+        float32 optimizer moments per parameter."""
+        newest = latest_checkpoint(self.run_dir)
+        if newest is not None:
+            return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        return sum(p.numel() * (p.element_size() + 8) for p in self.model.parameters())
 
 
 def _save_pretrained(model, path: Path, state: dict[str, torch.Tensor], lead: bool) -> None:

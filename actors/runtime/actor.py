@@ -13,6 +13,7 @@ escapes as a traceback written to ``RUN_DIR/logs/NAME.traceback`` and exit statu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ import msgspec
 import zmq
 
 from actors.runtime.config import Topology
-from actors.runtime.rundir import traceback_file
+from actors.runtime.rundir import EXIT_DISK_FULL, DiskFull, traceback_file
 from actors.runtime.security import CurveKeys, HandshakeRefused, ZapHandler
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -261,6 +262,12 @@ def run_actor(kind: str, index: int, topology: Topology, run_dir: Path, body: Bo
             return 1
         where = traceback_file(run_dir, ctx.name)
         where.parent.mkdir(parents=True, exist_ok=True)
+        full = _only(exc, DiskFull)
+        if full is not None:  # one line says it; the runner ends the job (no restart)
+            sys.stderr.write(f"error: [{ctx.name}] {full}\n")
+            with contextlib.suppress(OSError):  # (the disk is full: it may not fit)
+                where.write_text(f"{full}\n")
+            return EXIT_DISK_FULL
         text = traceback.format_exc()
         where.write_text(text)
         sys.stderr.write(f"[{ctx.name}] died:\n{text}")

@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actors.runtime.rundir import RECORD_DIR
+from actors.runtime.rundir import RECORD_DIR, DiskFull, out_of_space
 from messages.rollout import ScoredGroup
 
 INCARNATION = f"{time.time_ns():020d}"  # this process's parts sort after any earlier process's
@@ -145,16 +145,28 @@ class TableWriter:
         with self.writing:
             with self.lock:
                 rows, self.rows = self.rows, []
-            return self._write(rows) if rows else None
+            try:
+                return self._write(rows) if rows else None
+            except Exception:
+                with self.lock:  # kept for a flush once there is room: none is lost here
+                    self.rows[:0] = rows
+                raise
 
     def _write(self, rows: list[dict[str, Any]]) -> Path:
         table = pa.Table.from_pylist(rows, schema=self.schema)
         final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
         tmp = final.with_name(f".{final.name}.tmp")
-        pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
-                       use_dictionary=self.dictionary, write_page_checksum=True)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
+                           use_dictionary=self.dictionary, write_page_checksum=True)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            if out_of_space(exc, self.dir):
+                raise DiskFull(self.dir, f"the recording's {self.table} table",
+                               table.nbytes) from exc
+            raise
         os.replace(tmp, final)
         self.seq += 1
         self.written += len(rows)

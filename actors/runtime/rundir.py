@@ -36,6 +36,7 @@ resumed from), and the run resumes from the newest whole one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -60,6 +61,38 @@ CHECKSUMS = "checksums.json"  # in a checkpoint: each other file's [size, CRC-32
 DAMAGED = ".damaged"  # the suffix of a checkpoint set aside as damaged
 PARTIAL_PREFIX = ".tmp_step_"  # a checkpoint being written; left behind only by a kill
 _NAME = re.compile(r"step_(\d+)")
+
+
+EXIT_DISK_FULL = 3  # an actor's exit status when the run directory's disk is full
+
+
+class DiskFull(OSError):
+    """A write under the run directory found no space left. Its message is the one line the
+    runner shows; the actor exits with ``EXIT_DISK_FULL`` and the job stops (a restart would
+    find no more room), and the same command resumes once space is freed."""
+
+    def __init__(self, folder: Path, what: str, needed: int) -> None:
+        free = shutil.disk_usage(folder).free if folder.exists() else 0
+        super().__init__(f"no space left in {folder} for {what} (it needs about "
+                         f"{needed / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free): free "
+                         f"some and run the same command again to resume")
+
+
+def out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether ``exc``, raised while writing under ``folder``, came of a full disk: an ENOSPC
+    anywhere in its chain, or (libraries that wrap it in errors of their own: safetensors,
+    torch's archive writer) a filesystem with under a MiB left."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen) or "StorageFull" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(folder).free < 2**20
+    except OSError:
+        return False
 
 
 def traceback_file(run_dir: Path, actor: str) -> Path:

@@ -1,0 +1,77 @@
+"""A disk that fills up under a running job: the run directory on a small tmpfs (mounting one
+needs root; skipped, saying so, elsewhere), filled while the job is stopped so that the next
+checkpoint cannot fit. The job stops with one line naming the folder and the space needed, the
+last good checkpoint intact and no half-written one left; once space is freed the same command
+resumes and trains every step once."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from actors.runtime.rundir import damage
+from tests.jobs import ROOT, command, metrics
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    where = tmp_path / "disk"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.strip()[:200]}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(disk, leave: int) -> None:
+    """Fill ``disk`` up to ``leave`` bytes free."""
+    import shutil
+
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+@pytest.mark.slow  # three tiny jobs, a minute and a half
+def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(small_disk,
+                                                                             tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    run = small_disk / "run"
+    job = command(model, run, "learner.total_steps=4", "learner.save_every=2")
+    first = subprocess.run([*job, "learner.total_steps=2"], cwd=ROOT,  # (the last one wins)
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    whole = run / "checkpoints" / "step_2"
+    size = sum(f.stat().st_size for f in whole.rglob("*") if f.is_file())
+    fill(small_disk, size // 3)  # room for the recording of two steps, not a checkpoint
+    full = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = full.stdout + full.stderr
+    assert full.returncode != 0, out[-3000:]
+    assert f"no space left in {run}/" in out and "MiB are free): free some and run the same " \
+           "command again to resume" in out, out[-3000:]
+    assert "!!! restarting" not in out  # a restart would find no more room
+    lines = {line for line in out.splitlines() if "no space left in" in line}
+    print("\n".join(sorted(lines)))
+    assert any(line.startswith("error: [") for line in lines), lines  # the actor's one line
+    assert damage(whole) is None  # the last good checkpoint, intact
+    assert not list((run / "checkpoints").glob(".tmp_step_*"))  # nothing half-written left
+    (small_disk / "filler").unlink()
+    again = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming from step_2" in again.stdout
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert damage(run / "checkpoints" / "step_4") is None
+    # full again, with an older checkpoint than the newest: it goes to make room, and the job
+    # trains on, saying so
+    fill(small_disk, size // 3)
+    more = subprocess.run([*job, "learner.total_steps=6"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert (f"no space left in {run}/checkpoints for step_6: removed step_2 to make room "
+            "(fewer than learner.keep_checkpoints") in more.stdout + more.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
