@@ -146,6 +146,28 @@ def inspect_main(argv: list[str]) -> int:
         return 2
 
 
+def diff_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py diff",
+        description="Where two recorded runs part: step by step, the batch's groups, samples "
+                    "and tokens, then the step's metrics in the trainer's order; the first "
+                    "difference with both values and the weights versions behind them. Exit "
+                    "status: 0 they agree, 1 they differ, 2 bad input.",
+        epilog="example: python runner.py diff runs/before runs/after")
+    parser.add_argument("run_a", metavar="RUN_A", help="a run directory")
+    parser.add_argument("run_b", metavar="RUN_B", help="another run directory")
+    args = parser.parse_args(argv)
+    from actors.offline.diff import diff
+    from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
+
+    try:
+        return diff(args.run_a, args.run_b)
+    except (OfflineError, RecordingDamaged) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def validate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="runner.py validate",
@@ -285,6 +307,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "attach": (attach_main, "KIND --to RUN_DIR|ADDRESS: one more actor joins a running job"),
     "rerun": (rerun_main, "RUN_DIR --step N | --rescore FILE.py[:NAME]: a recorded step again"),
     "inspect": (inspect_main, "RUN_DIR: a recorded run's summary, samples and plots"),
+    "diff": (diff_main, "RUN_A RUN_B: where two recorded runs first differ"),
     "validate": (validate_main, "RUN_DIR [--checkpoint step_N]: validate a checkpoint offline"),
     "export": (export_main, "RUN_DIR --step N [--merge]: a checkpoint as a model directory"),
     "keygen": (keygen_main, "NAME: a CURVE key pair for attaching to a secured job"),

@@ -298,3 +298,53 @@ def test_a_damaged_recording_part_is_named_by_the_resume_and_the_offline_tools(r
     assert res.returncode == 2 and name in res.stderr and "cannot resume exactly" in res.stderr
     res = runner("rerun", str(run), "--step", "4")
     assert res.returncode == 2 and name in res.stderr, res.stderr[-2000:]
+
+
+def test_diff_of_a_run_and_a_changed_copy_names_the_first_token_and_metric(run_dir, tmp_path):
+    """``runner.py diff``: a run against its own copy agrees (exit 0); against a copy where
+    one response token of step 4's batch changed, it names that step, group, sample and token
+    with both values and versions (exit 1); where only a metric of step 5 changed, that metric."""
+    from actors.offline.diff import diff
+
+    out = io.StringIO()
+    assert diff(run_dir, run_dir, out=out) == 0, out.getvalue()
+    assert "agree: steps 1..6" in out.getvalue()
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    gid = read_table(copy, "batches").to_pylist()[3]["group_ids"][1]  # step 4's second group
+    for part in parts(copy, "groups"):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for row in rows:
+            if row["group_id"] == gid:
+                g = decode_group(row["message"])
+                ids = bytearray(g.samples[2].response_ids.data)
+                old = int.from_bytes(ids[4:8], "little")
+                ids[4:8] = (old + 1).to_bytes(4, "little")  # token 1 of sample 2
+                s2 = msgspec.structs.replace(g.samples[2], response_ids=msgspec.structs.replace(
+                    g.samples[2].response_ids, data=bytes(ids)))
+                row["message"] = msgspec.msgpack.encode(msgspec.structs.replace(
+                    g, samples=[*g.samples[:2], s2, *g.samples[3:]]))
+                version = g.samples[2].policy_version
+        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+    out = io.StringIO()
+    assert diff(run_dir, copy, out=out) == 1, out.getvalue()
+    assert (f"differ first at step 4: group 1 of the batch (prompt ids {gid} / {gid}), sample "
+            f"2, response token 1: {old} / {old + 1} (weights versions {version} / {version}) "
+            f"(A / B)") in out.getvalue(), out.getvalue()
+    res = runner("diff", str(run_dir), str(copy))  # the command line: the same, exit 1
+    assert res.returncode == 1 and "differ first at step 4" in res.stdout, res.stderr[-2000:]
+    assert runner("diff", str(run_dir), str(tmp_path / "nope")).returncode == 2
+    other = tmp_path / "metric"
+    shutil.copytree(run_dir, other)
+    for part in parts(other, "metrics"):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for row in rows:
+            if row["step"] == 5:
+                row["metrics"] = [(k, v + 1 if k == "actor/pg_loss" else v)
+                                  for k, v in row["metrics"]]
+        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+    out = io.StringIO()
+    assert diff(run_dir, other, out=out) == 1
+    assert "differ first at step 5: metric actor/pg_loss: " in out.getvalue(), out.getvalue()
