@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from actors.job.config.load import load_topology
@@ -85,10 +86,12 @@ def rerun_main(argv: list[str]) -> int:
                     "reward function (--rescore). Exit status: 0 match, 1 mismatch (or, with "
                     "--rescore, every sample failed to score), 2 bad input.",
         epilog="examples: python runner.py rerun RUN_DIR --step 12 --dump 40:3; "
-               "python runner.py rerun RUN_DIR --rescore my_reward.py:compute_score --steps 1:10",
+               "python runner.py rerun RUN_DIR --rescore my_reward.py:compute_score --steps 1:10; "
+               "python runner.py rerun step12.tar (a file of runner.py bundle)",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    what = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="the run directory, or a file of runner.py bundle (its step)")
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--step", type=int, help="the learner step to rerun")
     what.add_argument("--rescore", metavar="FILE.py[:NAME]",
                       help="a verl-style compute_score function (NAME defaults to compute_score)")
@@ -110,7 +113,16 @@ def rerun_main(argv: list[str]) -> int:
     from actors.offline.recorded import OfflineError
     from actors.runtime.recording import RecordingDamaged
 
+    if Path(args.run_dir).is_file():
+        if args.rescore:
+            parser.error("--rescore takes a run directory, not a bundle")
+    elif args.step is None and args.rescore is None:
+        parser.error("one of the arguments --step --rescore is required")
     try:
+        if Path(args.run_dir).is_file():
+            from actors.offline.bundle import rerun_bundle
+            return rerun_bundle(args.run_dir, args.step, overrides=args.overrides,
+                                dump=args.dump, dump_dir=args.dump_dir)
         if args.step is not None:
             from actors.offline.rerun import rerun
             return rerun(args.run_dir, args.step, overrides=args.overrides, dump=args.dump,
@@ -144,6 +156,32 @@ def inspect_main(argv: list[str]) -> int:
     except (OfflineError, RecordingDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def bundle_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="runner.py bundle",
+        description="One file with what rerunning a recorded step needs (the checkpoint "
+                    "before it, the recorded batches from there, the topology, the base model "
+                    "unless it is the embedded default, and the versions it was made with): "
+                    "python runner.py rerun FILE reruns it in any directory or machine. Exit "
+                    "status: 0 written, 2 bad input.",
+        epilog="example: python runner.py bundle RUN_DIR --step 12 -o step12.tar")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--step", type=int, required=True, help="the recorded step")
+    parser.add_argument("-o", "--out", required=True, metavar="FILE", help="the file to write")
+    args = parser.parse_args(argv)
+    from actors.offline.bundle import bundle
+    from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
+
+    try:
+        out = bundle(args.run_dir, args.step, args.out)
+    except (OfflineError, RecordingDamaged) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): python runner.py rerun {out}")
+    return 0
 
 
 def diff_main(argv: list[str]) -> int:
@@ -308,6 +346,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "rerun": (rerun_main, "RUN_DIR --step N | --rescore FILE.py[:NAME]: a recorded step again"),
     "inspect": (inspect_main, "RUN_DIR: a recorded run's summary, samples and plots"),
     "diff": (diff_main, "RUN_A RUN_B: where two recorded runs first differ"),
+    "bundle": (bundle_main, "RUN_DIR --step N -o FILE: a step's rerun in one file"),
     "validate": (validate_main, "RUN_DIR [--checkpoint step_N]: validate a checkpoint offline"),
     "export": (export_main, "RUN_DIR --step N [--merge]: a checkpoint as a model directory"),
     "keygen": (keygen_main, "NAME: a CURVE key pair for attaching to a secured job"),

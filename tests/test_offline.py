@@ -348,3 +348,28 @@ def test_diff_of_a_run_and_a_changed_copy_names_the_first_token_and_metric(run_d
     out = io.StringIO()
     assert diff(run_dir, other, out=out) == 1
     assert "differ first at step 5: metric actor/pg_loss: " in out.getvalue(), out.getvalue()
+
+
+def test_a_bundle_of_a_step_reruns_exactly_in_another_directory(run_dir, tmp_path):
+    """``runner.py bundle RUN --step 5 -o FILE``: one file that ``rerun FILE`` reruns exactly
+    from anywhere, the run directory itself gone."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    out = tmp_path / "step5.tar"
+    res = runner("bundle", str(copy), "--step", "5", "-o", str(out))
+    assert res.returncode == 0 and f"wrote {out}" in res.stdout, res.stderr[-2000:]
+    shutil.rmtree(copy)  # nothing of the run is left but the file
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = subprocess.run([sys.executable, str(ROOT / "runner.py"), "rerun", str(out)],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "=== bundle of step 5 of" in res.stdout and "(from its step_3)" in res.stdout
+    assert "made where this is run: exact agreement expected" in res.stdout
+    assert "rerun step 4 on the way: match" in res.stdout
+    assert "result: match — all" in res.stdout
+    res = runner("bundle", str(run_dir), "--step", "9", "-o", str(tmp_path / "x.tar"))
+    assert res.returncode == 2 and "step 9 is not recorded" in res.stderr
+    (tmp_path / "not.tar").write_text("text")
+    res = runner("rerun", str(tmp_path / "not.tar"))
+    assert res.returncode == 2 and "is not a bundle" in res.stderr
