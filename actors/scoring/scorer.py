@@ -23,11 +23,11 @@ from actors.sandbox.protocol import Call, FunctionSpec, Outcome, run_call
 from actors.scoring.items import ScoreItem, verl_arguments
 from actors.scoring.rules import (
     BUILTINS,
-    DATA_SOURCES,
     IN_CHILD,
     PRELOAD,
     extract_answer,
     overlong_penalty,
+    scorer_of,
 )
 from messages.reward import ScoreResult
 
@@ -193,7 +193,7 @@ class Scoring:
         outcomes = [Outcome()] * len(items)
         groups: dict[str, list[int]] = {}
         for i, item in enumerate(items):
-            name = DATA_SOURCES.get(item.data_source)
+            name = scorer_of(item.data_source)
             if name is None:
                 outcomes[i] = Outcome(error=f"no scorer for data_source {item.data_source!r} "
                                             "(configure [[reward.functions]])")

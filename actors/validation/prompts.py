@@ -31,6 +31,12 @@ def validation_prompts(topology: Topology) -> list[Prompt]:
             config = msgspec.structs.replace(topology.task, size=size)
             task = TASKS[d.builtin](config, seed + 1)
             task.name = d.label
+        elif d.reasoning_gym is not None:  # seed + 1: rows apart from the training draws
+            from actors.data.reasoning_gym import ReasoningGymTask
+
+            task = ReasoningGymTask(d.reasoning_gym, seed + 1, d.label,
+                                    f"validation.datasets[{i}]", d.system_prompt)
+            size = min(d.size or BUILTIN_SIZE, task.size)
         else:
             task = FileDataset(d, seed, f"validation.datasets[{i}]")
             size = min(d.size, task.size) if d.size else task.size

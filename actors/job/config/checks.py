@@ -120,6 +120,14 @@ def _check_datasets(datasets: Sequence[DatasetConfig],
         key = f"{where}[{i}]"
         if d.builtin:
             continue
+        if d.reasoning_gym is not None:  # the package, the name and the options, at check
+            from actors.data.reasoning_gym import generator, spec_of
+
+            try:
+                generator(spec_of(d.reasoning_gym, 0))
+            except ValueError as exc:
+                raise ConfigError(f"{key}.reasoning_gym: {exc}") from None
+            continue
         path = Path(d.path)
         need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
@@ -117,6 +117,18 @@ DatasetPath = Annotated[FilePath, matching(r"(?:.*[^/]\.(?:parquet|jsonl))?",
                                            "a .parquet or .jsonl file, or unset")]
 
 
+class ReasoningGymSource(_Section, frozen=True):
+    name: str
+    """A reasoning-gym generator, as ``reasoning_gym.create_dataset`` names it (``leg_counting``,
+    ``basic_arithmetic``, ...: the package lists about 100); its prompts and answers, and its
+    own ``score_answer`` as the reward (``pip install 'flowrl[envs]'``)."""
+    config: dict[str, Any] = {}
+    """The generator's options (its config's fields, e.g. ``{ min_animals = 3 }``)."""
+    size: PositiveInt = 10_000
+    """Distinct rows the generator makes (row ``i`` is the same for a seed: run.seed in
+    training, run.seed + 1 in validation)."""
+
+
 class DatasetConfig(_Section, frozen=True):
     path: DatasetPath = ""
     """A parquet or jsonl file of prompts (relative to where the runner is started), in verl's
@@ -148,14 +160,21 @@ class DatasetConfig(_Section, frozen=True):
     ``image``, when the file has such a column; ``<image>`` in the prompt's text marks where
     each goes (none: all before the first user message's text, as TRL puts them)."""
 
+    reasoning_gym: ReasoningGymSource | None = None
+    """A reasoning-gym generator instead of a file (``reasoning_gym = { name = "leg_counting" }``):
+    its questions as user messages, its own scorer as the reward (data_source
+    ``reasoning_gym/NAME``)."""
+
     def __post_init__(self) -> None:
-        if bool(self.path) == bool(self.builtin):
-            raise ConfigError("set either path or builtin (one of them)")
+        if sum(map(bool, (self.path, self.builtin, self.reasoning_gym))) != 1:
+            raise ConfigError("set one of path, builtin or reasoning_gym")
 
     @property
     def label(self) -> str:
-        """Its name in the recording: ``name``, else the built-in's or the file's stem."""
-        return self.name or self.builtin or Path(self.path).stem
+        """Its name in the recording: ``name``, else the built-in's, the reasoning-gym
+        generator's or the file's stem."""
+        return (self.name or self.builtin or (self.reasoning_gym and self.reasoning_gym.name)
+                or Path(self.path).stem)
 
 
 def _unique_names(datasets: Sequence[DatasetConfig], where: str) -> None:
@@ -283,13 +302,13 @@ class RouterConfig(ActorCommon, frozen=True):
 
 
 BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
-                   "calculator")  # the rules of actors/scoring/rules.py (BUILTINS), by name
+                   "calculator", "reasoning_gym")  # the rules of actors/scoring/rules.py (BUILTINS), by name
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: Annotated[str, one_of(BUILTIN_SCORERS, unset=True)] = ""
     """A built-in rule (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
-    calculator); set this or ``path``."""
+    calculator, reasoning_gym: the generator's own scorer); set this or ``path``."""
     path: FilePath = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
     function, which runs in a child process."""
