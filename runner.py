@@ -78,6 +78,19 @@ def attach_main(argv: list[str]) -> NoReturn:
     exit_process(attach_command(args))
 
 
+def offline(tool: Callable[[], int]) -> int:
+    """Run an offline tool: what it cannot use (a missing run, step or file, a damaged
+    recording) is one line and exit status 2."""
+    from actors.offline.recorded import OfflineError
+    from actors.runtime.recording import RecordingDamaged
+
+    try:
+        return tool()
+    except (OfflineError, RecordingDamaged) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def rerun_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="runner.py rerun",
@@ -110,16 +123,14 @@ def rerun_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*",
                         help="--step: dotted topology overrides for a what-if (learner.lr=1e-4)")
     args = parser.parse_intermixed_args(argv)
-    from actors.offline.recorded import OfflineError
-    from actors.runtime.recording import RecordingDamaged
-
-    if Path(args.run_dir).is_file():
-        if args.rescore:
-            parser.error("--rescore takes a run directory, not a bundle")
-    elif args.step is None and args.rescore is None:
+    bundled = Path(args.run_dir).is_file()
+    if bundled and args.rescore:
+        parser.error("--rescore takes a run directory, not a bundle")
+    if not bundled and args.step is None and args.rescore is None:
         parser.error("one of the arguments --step --rescore is required")
-    try:
-        if Path(args.run_dir).is_file():
+
+    def run() -> int:
+        if bundled:
             from actors.offline.bundle import rerun_bundle
             return rerun_bundle(args.run_dir, args.step, overrides=args.overrides,
                                 dump=args.dump, dump_dir=args.dump_dir)
@@ -130,9 +141,8 @@ def rerun_main(argv: list[str]) -> int:
         from actors.offline.rescore import rescore
         return rescore(args.run_dir, args.rescore, steps=args.steps, limit=args.limit,
                        threshold=args.threshold, timeout_s=args.timeout)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+    return offline(run)
 
 
 def inspect_main(argv: list[str]) -> int:
@@ -148,14 +158,9 @@ def inspect_main(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=3, help="best and worst samples shown")
     args = parser.parse_args(argv)
     from actors.offline.inspection import inspect_run
-    from actors.offline.recorded import OfflineError
-    from actors.runtime.recording import RecordingDamaged
 
-    try:
-        return inspect_run(args.run_dir, step=args.step, plots=args.plots, top=args.top)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return offline(lambda: inspect_run(args.run_dir, step=args.step, plots=args.plots,
+                                       top=args.top))
 
 
 def bundle_main(argv: list[str]) -> int:
@@ -172,16 +177,14 @@ def bundle_main(argv: list[str]) -> int:
     parser.add_argument("-o", "--out", required=True, metavar="FILE", help="the file to write")
     args = parser.parse_args(argv)
     from actors.offline.bundle import bundle
-    from actors.offline.recorded import OfflineError
-    from actors.runtime.recording import RecordingDamaged
 
-    try:
+    def write() -> int:
         out = bundle(args.run_dir, args.step, args.out)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): python runner.py rerun {out}")
-    return 0
+        print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): python runner.py rerun "
+              f"{out}")
+        return 0
+
+    return offline(write)
 
 
 def diff_main(argv: list[str]) -> int:
@@ -196,14 +199,8 @@ def diff_main(argv: list[str]) -> int:
     parser.add_argument("run_b", metavar="RUN_B", help="another run directory")
     args = parser.parse_args(argv)
     from actors.offline.diff import diff
-    from actors.offline.recorded import OfflineError
-    from actors.runtime.recording import RecordingDamaged
 
-    try:
-        return diff(args.run_a, args.run_b)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return offline(lambda: diff(args.run_a, args.run_b))
 
 
 def validate_main(argv: list[str]) -> int:
@@ -227,16 +224,10 @@ def validate_main(argv: list[str]) -> int:
                         help="torch threads (default: the run's sampler.threads)")
     parser.add_argument("overrides", nargs="*", help="validation.* overrides (validation.n=8)")
     args = parser.parse_intermixed_args(argv)
-    from actors.offline.recorded import OfflineError
     from actors.offline.validate import validate
-    from actors.runtime.recording import RecordingDamaged
 
-    try:
-        return validate(args.run_dir, args.checkpoint, list(args.overrides), args.out,
-                        args.threads)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return offline(lambda: validate(args.run_dir, args.checkpoint, list(args.overrides),
+                                    args.out, args.threads))
 
 
 def export_main(argv: list[str]) -> int:
@@ -257,15 +248,9 @@ def export_main(argv: list[str]) -> int:
                         help="--merge: the merged model's dtype")
     args = parser.parse_args(argv)
     from actors.offline.export import export
-    from actors.offline.recorded import OfflineError
-    from actors.runtime.recording import RecordingDamaged
 
-    try:
-        return export(args.run_dir, args.step, merge=args.merge, out_dir=args.out,
-                      dtype=args.dtype)
-    except (OfflineError, RecordingDamaged) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return offline(lambda: export(args.run_dir, args.step, merge=args.merge, out_dir=args.out,
+                                  dtype=args.dtype))
 
 
 def keygen_main(argv: list[str]) -> int:

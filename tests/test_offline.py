@@ -98,20 +98,28 @@ def test_rerun_dumps_per_token_tensors(run_dir, tmp_path):
     assert pq.read_table(tmp_path / "step_2_dump.parquet").num_rows == len(behav)
 
 
-def test_corrupted_recording_names_the_first_difference(run_dir, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
-    gid = read_table(copy, "batches").to_pylist()[3]["group_ids"][0]  # in step 4's batch
-    for part in parts(copy, "groups"):
+def rewrite_group(run: Path, gid: int, change) -> None:
+    """Record group ``gid`` of ``run`` again as ``change`` makes it (a recording altered on
+    purpose, for what compares recordings to find)."""
+    for part in parts(run, "groups"):
         table = pq.read_table(part)
         rows = table.to_pylist()
         for row in rows:
             if row["group_id"] == gid:
-                g = decode_group(row["message"])
-                s0 = msgspec.structs.replace(g.samples[0], reward=g.samples[0].reward + 1.0)
-                row["message"] = msgspec.msgpack.encode(
-                    msgspec.structs.replace(g, samples=[s0, *g.samples[1:]]))
+                row["message"] = msgspec.msgpack.encode(change(decode_group(row["message"])))
         pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+
+
+def test_corrupted_recording_names_the_first_difference(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    gid = read_table(copy, "batches").to_pylist()[3]["group_ids"][0]  # in step 4's batch
+
+    def more_reward(g):
+        s0 = msgspec.structs.replace(g.samples[0], reward=g.samples[0].reward + 1.0)
+        return msgspec.structs.replace(g, samples=[s0, *g.samples[1:]])
+
+    rewrite_group(copy, gid, more_reward)
     out = io.StringIO()
     assert rerun(copy, 4, out=out) == 1, out.getvalue()
     assert "MISMATCH — first differing quantity: critic/score/mean at step 4" in out.getvalue()
@@ -312,21 +320,19 @@ def test_diff_of_a_run_and_a_changed_copy_names_the_first_token_and_metric(run_d
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     gid = read_table(copy, "batches").to_pylist()[3]["group_ids"][1]  # step 4's second group
-    for part in parts(copy, "groups"):
-        table = pq.read_table(part)
-        rows = table.to_pylist()
-        for row in rows:
-            if row["group_id"] == gid:
-                g = decode_group(row["message"])
-                ids = bytearray(g.samples[2].response_ids.data)
-                old = int.from_bytes(ids[4:8], "little")
-                ids[4:8] = (old + 1).to_bytes(4, "little")  # token 1 of sample 2
-                s2 = msgspec.structs.replace(g.samples[2], response_ids=msgspec.structs.replace(
-                    g.samples[2].response_ids, data=bytes(ids)))
-                row["message"] = msgspec.msgpack.encode(msgspec.structs.replace(
-                    g, samples=[*g.samples[:2], s2, *g.samples[3:]]))
-                version = g.samples[2].policy_version
-        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+    seen = {}
+
+    def next_token(g):
+        ids = bytearray(g.samples[2].response_ids.data)
+        seen["old"] = old = int.from_bytes(ids[4:8], "little")
+        seen["version"] = g.samples[2].policy_version
+        ids[4:8] = (old + 1).to_bytes(4, "little")  # token 1 of sample 2
+        s2 = msgspec.structs.replace(g.samples[2], response_ids=msgspec.structs.replace(
+            g.samples[2].response_ids, data=bytes(ids)))
+        return msgspec.structs.replace(g, samples=[*g.samples[:2], s2, *g.samples[3:]])
+
+    rewrite_group(copy, gid, next_token)
+    old, version = seen["old"], seen["version"]
     out = io.StringIO()
     assert diff(run_dir, copy, out=out) == 1, out.getvalue()
     assert (f"differ first at step 4: group 1 of the batch (prompt ids {gid} / {gid}), sample "
