@@ -92,3 +92,12 @@ def test_a_file_is_mapped_once_by_each_reader(sender):
 def test_a_dtype_the_file_cannot_hold_is_refused_naming_the_tensor(sender):
     with pytest.raises(TypeError, match="odd.weight is torch.complex64"):
         sender.write(0, [("odd.weight", torch.zeros(2, dtype=torch.complex64))])
+
+
+def test_the_same_version_again_replaces_its_file_and_mapping(sender):
+    first = sender.write(3, weights(3))
+    held = first.stat().st_ino
+    again = sender.write(3, weights(4))
+    assert again == first and again.stat().st_ino != held and held not in sender.maps
+    assert [p.name for p in sender.shm_files] == ["v3.safetensors"]
+    assert_holds(again, 4)

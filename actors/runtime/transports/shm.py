@@ -121,6 +121,7 @@ class ShmSender(Sender):
         for (_, t), (start, end) in zip(tensors, spans, strict=True):
             data[start:end].view(t.dtype).view(t.shape).copy_(t.detach())
         path = self.shm_dir / f"v{version}.safetensors"
+        self._drop(path)  # the same version again: its older file's mapping goes with it
         os.replace(spare, path)
         self.shm_files = [f for f in self.shm_files if f != path] + [path]
         while len(self.shm_files) > SHM_KEEP:
