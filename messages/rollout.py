@@ -204,6 +204,23 @@ class PromptBatch(msgspec.Struct, tag=True, gc=False):
     validation: bool = False
     sampling: SamplingParams | None = None  # validation: how to sample
     n: int = 0  # validation: samples per prompt
+    # run.deterministic: the seed of this generation batch's draws, fixed by its place in the
+    # run (-1: the engine's own sequence)
+    seed: int = -1
+
+
+class PublishRequest(msgspec.Struct, tag=True, gc=False):
+    """Learner -> Replay (``run.deterministic``): may ``version`` go out? Answered with
+    ``PublishReady`` once every group the schedule generates with an older version is back and
+    on disk, so no group is ever generated with weights newer than its place gives it."""
+
+    version: int
+
+
+class PublishReady(msgspec.Struct, tag=True, gc=False):
+    """Replay -> Learner: ``version`` may be published (the answer to ``PublishRequest``)."""
+
+    version: int
 
 
 class LeaveAck(msgspec.Struct, tag=True, gc=False):
@@ -225,5 +242,5 @@ class TrainBatch(msgspec.Struct, tag=True, gc=False):
 
 
 ToReplay = (PromptRequest | GroupsDone | BatchRequest | VersionUpdate | ValidationDone
-            | SamplerAlive | SamplerLeaving)
-FromReplay = PromptBatch | TrainBatch | LeaveAck
+            | SamplerAlive | SamplerLeaving | PublishRequest)
+FromReplay = PromptBatch | TrainBatch | LeaveAck | PublishReady

@@ -251,3 +251,30 @@ def test_paths_are_made_absolute_and_the_embedded_model_stays_a_name(tmp_path, m
     assert t.teacher.path == str(tmp_path / "teacher")
     t = decode_topology(apply_overrides({}, ["teacher.path=default"]))
     assert t.model.path == "default" and t.teacher.path == "default"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable: run.deterministic: "
+                                              "dynamic sampling"),
+    (["replay.reuse=2", "algorithm.max_staleness=1"], "replay.reuse: run.deterministic: "),
+    (["replay.capacity=4", "algorithm.max_staleness=2", "learner.groups_per_step=4"],
+     r"replay.capacity: run.deterministic: must hold the max_staleness = 2 batches .*\(>= 8"),
+])
+def test_a_deterministic_run_refuses_what_no_fixed_schedule_can_place(overrides, message):
+    """``run.deterministic``: each combination it cannot make deterministic is one line naming
+    the key and why; the option alone (the default job's keys) is accepted."""
+    with pytest.raises(ConfigError, match=message) as caught:
+        decode_topology(apply_overrides({}, ["run.deterministic=true", *overrides]))
+    assert "\n" not in str(caught.value)
+    decode_topology(apply_overrides({}, ["run.deterministic=true", "sampler.engine=hf"]))
+
+
+def test_a_deterministic_run_refuses_a_continuous_engine(monkeypatch):
+    import dataclasses
+
+    from actors.runtime.config.engines import ENGINES
+
+    monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
+    with pytest.raises(ConfigError, match=r"run.deterministic: the vllm engine batches requests "
+                                          r"as they arrive.*\(sampler.engine = hf\)"):
+        decode_topology(apply_overrides({}, ["run.deterministic=true", "sampler.engine=vllm"]))

@@ -124,3 +124,42 @@ def test_a_prompt_the_engine_rejected_is_dropped_with_its_reason_not_reissued():
     assert c["dropped_rejected"] == 1 and c["dropped"] == 1 and c["held"] == 1 and balanced(s)
     assert [r for t, r in s.records if t == "fates"][0]["reason"] == "rejected"
     assert [p.prompt_id for p in s.issue(b"a", 5)] == [2]  # a replacement, never prompt 0 again
+
+
+def fixed(staleness=1, batch=2, capacity=100):
+    from actors.replay.schedule import FixedSchedule
+
+    return ReplayState(task=make_task(TaskConfig(), seed=0), groups_per_step=batch,
+                       max_staleness=staleness, capacity=capacity,
+                       schedule=FixedSchedule(batch, staleness, seed=0))
+
+
+def test_a_fixed_schedule_issues_whole_batches_at_their_version_and_serves_in_prompt_order():
+    """run.deterministic: batch b (prompt ids b·G..) goes out whole whatever was asked, with
+    version max(0, b − η) and a seed of its own, only once the learner has that version; a
+    batch given back goes out again whole with the same version and seed; a training batch is
+    the lowest prompt ids, once none before them is out; the learner may publish version v
+    once the batches due on v − 1 are back."""
+    s = fixed(staleness=1, batch=2)
+    b0, b1 = s.issue(b"a", 5), s.issue(b"b", 1)
+    assert [p.prompt_id for p in b0] == [0, 1] and [p.prompt_id for p in b1] == [2, 3]
+    assert s.issued_as(b0)[0] == 0 and s.issued_as(b1)[0] == 0
+    assert s.issued_as(b0)[1] != s.issued_as(b1)[1]
+    assert s.issue(b"c", 2) == []  # batch 2 needs version 1
+    for p in reversed(b1):  # batch 1 comes back first: nothing is served before batch 0
+        s.accept(scored(p, 0))
+    assert s.peek_batch(2) is None and s.take_batch(2, step=1) is None
+    assert not s.publish_ready(1)
+    seed = s.issued_as(b0)[1]
+    assert s.requeue_from(b"a") == 2  # a sampler restarted: batch 0 goes out again, whole
+    again = s.issue(b"c", 1)
+    assert [p.prompt_id for p in again] == [0, 1] and s.issued_as(again) == (0, seed)
+    s.accept(scored(again[1], 0))
+    s.accept(scored(again[0], 0))
+    assert [g.prompt.prompt_id for g in s.take_batch(2, step=1)] == [0, 1]
+    assert s.publish_ready(1)  # batches 0 and 1 (version 0) are back
+    assert not s.publish_ready(2)  # batch 2 is not even issued
+    s.version = 1
+    b2 = s.issue(b"a", 1)
+    assert [p.prompt_id for p in b2] == [4, 5] and s.issued_as(b2)[0] == 1
+    assert balanced(s)

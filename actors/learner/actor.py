@@ -49,7 +49,15 @@ from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import StepReport
 from messages.learner_ranks import RanksEnd, RanksPublish, RanksSave, RanksStep, ToLearnerRanks
-from messages.rollout import BatchRequest, FromReplay, ScoredGroup, TrainBatch, VersionUpdate
+from messages.rollout import (
+    BatchRequest,
+    FromReplay,
+    PublishReady,
+    PublishRequest,
+    ScoredGroup,
+    TrainBatch,
+    VersionUpdate,
+)
 
 FINAL_WEIGHTS_TIMEOUT_S = 30.0  # the most the learner waits for samplers to take its last weights
 
@@ -71,6 +79,7 @@ class Learner:
         self.weight_sync_s = 0.0  # the last publish: gathering the weights and handing them out
         self.share = share  # the samplers' idle threads taken, its own lent (a CPU; or None)
         self.memory = memory  # GPU memory its GPU's sleeping samplers lend (or None)
+        self.published = -1  # the newest version published (a deterministic run saves no other)
 
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
@@ -110,7 +119,22 @@ class Learner:
                                    bucket_bytes=self.cfg.weights_bucket_mb << 20,
                                    adapter=policy.adapter_spec())
         self.weight_sync_s = time.monotonic() - started
+        self.published = policy.version
         await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
+
+    async def wait_publish_ready(self) -> None:
+        """A deterministic run: wait until the replay buffer lets the new version out (every
+        group due on the one before is back: ``actors/replay/schedule.py``)."""
+        version = self.trainer.policy.version
+        self.ctx.status["state"] = f"waiting to publish version {version}"
+        await self.replay.send_multipart([encode(PublishRequest(version=version))])
+        while True:
+            try:
+                msg = self.codec.decode((await self.replay.recv_multipart())[-1])
+            except DecodeError:
+                continue
+            if isinstance(msg, PublishReady) and msg.version == version:
+                return
 
     async def next_batch(self) -> TrainBatch:
         policy = self.trainer.policy
@@ -198,6 +222,8 @@ class Learner:
                                         batch.groups, extra, abort=self.trainer.abort)
             stepped = time.monotonic()
             tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
+            if self.ctx.topology.run.deterministic:
+                await self.wait_publish_ready()
             await self.publish()
             await self.report_steps()
             self.ctx.status.update(step=policy.step, version=policy.version,
@@ -219,7 +245,11 @@ class Learner:
         with anyio.CancelScope(shield=True):
             await self.report_steps()  # a step finished while the actor was being stopped
             await self.flush_recording()
-            if policy.step > policy.saved_step or policy.step == self.cfg.total_steps:
+            # a deterministic run's step that never went out is trained again on resume: a
+            # checkpoint of it would come before groups due on the version before it are on disk
+            unpublished = self.ctx.topology.run.deterministic and policy.version != self.published
+            if (policy.step > policy.saved_step or policy.step == self.cfg.total_steps) \
+                    and not unpublished:
                 await self.save()
             await anyio.to_thread.run_sync(on_device(self.group.device, self.tell), RanksEnd())
 
@@ -263,9 +293,10 @@ async def learner_actor(ctx: ActorContext, *, task_status) -> str:
 
 def share_threads(ctx: ActorContext, trainer: Trainer, rank: Rank) -> Share | None:
     """``learner.share_threads``: on a CPU, the policy computes also on the threads the
-    samplers of this host lend while they wait (split between this host's ranks)."""
+    samplers of this host lend while they wait (split between this host's ranks). Never in a
+    deterministic run: a sequence's numbers depend on the threads it was computed on."""
     cfg = ctx.topology.learner
-    if not cfg.share_threads or trainer.group.device.type != "cpu":
+    if not cfg.share_threads or ctx.topology.run.deterministic or trainer.group.device.type != "cpu":
         return None
     table = CoreTable(table_path(ctx.run_dir))
     borrower = Borrower(table, SAMPLERS, cfg.threads, rank=rank.local_rank,

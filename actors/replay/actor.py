@@ -25,6 +25,7 @@ import zmq
 from actors.data.chat import prompt_token_counter
 from actors.data.sources import make_task
 from actors.replay.errors import count_errors, over_bound, stop_reason
+from actors.replay.schedule import FixedSchedule
 from actors.replay.state import ReplayState
 from actors.runtime.actor import ActorContext
 from actors.runtime.recording import Recorder, read_table
@@ -40,6 +41,8 @@ from messages.rollout import (
     LeaveAck,
     PromptBatch,
     PromptRequest,
+    PublishReady,
+    PublishRequest,
     SamplerAlive,
     SamplerLeaving,
     SamplingParams,
@@ -72,6 +75,8 @@ def make_state(ctx: ActorContext) -> ReplayState:
         # the tokenizer (not the model) is loaded, and only when prompts are length-filtered
         prompt_length=(prompt_token_counter(topo.model.path) if topo.task.max_prompt_length
                        else None),
+        schedule=(FixedSchedule(topo.learner.groups_per_step, topo.algorithm.max_staleness,
+                                topo.run.seed) if topo.run.deterministic else None),
     )
 
 
@@ -111,6 +116,7 @@ class ReplayServer:
         # waiting requests: one per peer at most, since each peer waits for its answer
         self.prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.batch_waiter: tuple[bytes, BatchRequest] | None = None
+        self.publish_waiter: tuple[bytes, int] | None = None  # deterministic: (learner, version)
         self.incarnations: dict[bytes, str] = {}  # sampler -> its process's incarnation
         self.flushing = anyio.Lock()  # one flush at a time, so the tables' parts keep WAL order
         self.heard: dict[bytes, float] = {}  # sampler -> when it last sent anything
@@ -165,24 +171,43 @@ class ReplayServer:
                 msg = TrainBatch(step=req.step, groups=groups, counters=state.counters(),
                                  stats=state.batch_stats)
                 await self.sock.send_multipart([peer, encode(msg)])
+        S = state.schedule
         for peer in list(self.prompt_waiters):
             if peer in self.silent:
                 continue  # its answer could be lost with it; it asks again when it is back
             if self.rounds is not None and self.setup is not None:  # validation goes first
-                step, prompts = self.rounds.issue(peer, self.prompt_waiters[peer],
-                                                  time.monotonic())
+                chunk = self.prompt_waiters[peer] if S is None else S.groups_per_step
+                step, prompts = self.rounds.issue(peer, chunk, time.monotonic())
                 if prompts:
                     del self.prompt_waiters[peer]
+                    seed = -1 if S is None else S.validation_seed(step, prompts[0].prompt_id)
                     await self.sock.send_multipart([peer, encode(PromptBatch(
                         prompts=prompts, version=step, validation=True,
-                        sampling=self.setup.sampling, n=self.setup.n))])
+                        sampling=self.setup.sampling, n=self.setup.n, seed=seed))])
                     continue
             prompts = state.issue(peer, self.prompt_waiters[peer])
             if not prompts:
                 break  # admission closed: later waiters would get nothing either
             del self.prompt_waiters[peer]
+            version, seed = state.issued_as(prompts)
             await self.sock.send_multipart(
-                [peer, encode(PromptBatch(prompts=prompts, version=state.version))])
+                [peer, encode(PromptBatch(prompts=prompts, version=version, seed=seed))])
+        if self.publish_waiter is not None:
+            await self.answer_publish()
+
+    async def answer_publish(self) -> None:
+        """A deterministic run: let the learner publish its version once the groups due on the
+        version before are back and recorded, and its validation round too
+        (``FixedSchedule.publish_ready``)."""
+        assert self.publish_waiter is not None
+        peer, version = self.publish_waiter
+        if not self.state.publish_ready(version):
+            return
+        if self.rounds is not None and version >= 1 and self.rounds.due(version - 1):
+            return  # its round is not back yet
+        self.publish_waiter = None
+        await self.record()  # a checkpoint after this version finds those groups on disk
+        await self.sock.send_multipart([peer, encode(PublishReady(version=version))])
 
     async def handle(self, peer: bytes, msg: ToReplay, tg: anyio.abc.TaskGroup) -> None:
         state = self.state
@@ -211,6 +236,8 @@ class ReplayServer:
                 self.batch_waiter = (peer, req)
             case VersionUpdate(version=v):
                 self.new_version(v)
+            case PublishRequest(version=v):
+                self.publish_waiter = (peer, v)
             case ValidationDone(step=step, groups=groups):
                 done = self.rounds.accept(step, groups) if self.rounds is not None else None
                 if done is not None:

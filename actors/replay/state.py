@@ -34,6 +34,7 @@ counted in ``filtered_prompts``; they are never issued, so no other counter sees
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 from collections.abc import Callable
@@ -44,6 +45,7 @@ import msgspec
 
 from actors.data.tasks import Task
 from actors.replay.resume import Recovered, read_recording
+from actors.replay.schedule import FixedSchedule
 from actors.runtime.recording import group_row
 from actors.runtime.versions import group_version, staleness
 from messages.rollout import Prompt, ScoredGroup
@@ -91,6 +93,9 @@ class ReplayState:
     # set once scoring failed past reward.max_error_share (actors/replay/errors.py): groups with
     # a failed sample are dropped as score_errors from then on, so none is ever served
     refuse_failed: bool = False
+    # run.deterministic: prompts go out in whole batches of their place, batches are served in
+    # prompt order, ``held`` is kept in prompt order (actors/replay/schedule.py); None: by timing
+    schedule: FixedSchedule | None = None
 
     @property
     def in_flight(self) -> int:
@@ -105,12 +110,59 @@ class ReplayState:
         return max(0, min(bound, room))
 
     def issue(self, sampler: bytes, max_prompts: int) -> list[Prompt]:
-        """Prompts for ``sampler``: requeued ones first, then new rows as admission allows."""
+        """Prompts for ``sampler``: requeued ones first, then new rows as admission allows
+        (a deterministic run: one whole batch of the schedule, whatever was asked)."""
+        if self.schedule is not None:
+            return self._issue_batch(sampler)
         out: list[Prompt] = []
         while self.requeued and len(out) < max_prompts:
             out.append(self.requeued.popleft())
             self.at_samplers[out[-1].prompt_id] = (sampler, out[-1])
-        wanted = min(max_prompts - len(out), self.admissible())
+        return out + self._draw(sampler, min(max_prompts - len(out), self.admissible()))
+
+    def _issue_batch(self, sampler: bytes) -> list[Prompt]:
+        """The schedule's next batch, once the learner has the version it is generated with:
+        the lowest batch given back, else a new one as admission allows."""
+        S = self.schedule
+        assert S is not None
+        if self.requeued:
+            b = min(S.batch_of(p.prompt_id) for p in self.requeued)
+            if S.version_of(b) > self.version:
+                return []
+            out = sorted((p for p in self.requeued if S.batch_of(p.prompt_id) == b),
+                         key=lambda p: p.prompt_id)
+            self.requeued = collections.deque(p for p in self.requeued
+                                              if S.batch_of(p.prompt_id) != b)
+            for p in out:
+                self.at_samplers[p.prompt_id] = (sampler, p)
+            return out
+        G = S.groups_per_step
+        if S.version_of(S.batch_of(self.issued)) > self.version or self.admissible() < G:
+            return []
+        return self._draw(sampler, G)
+
+    def issued_as(self, prompts: list[Prompt]) -> tuple[int, int]:
+        """``(version, seed)`` of a batch ``issue`` returned: the learner's version and no seed,
+        or in a deterministic run the schedule's version and seed of the batch."""
+        if self.schedule is None:
+            return self.version, -1
+        b = self.schedule.batch_of(prompts[0].prompt_id)
+        return self.schedule.version_of(b), self.schedule.seed_of(b)
+
+    def lowest_out(self) -> int | None:
+        """The lowest prompt id at a sampler or waiting to be issued again (None: none)."""
+        return min(itertools.chain(self.at_samplers, (p.prompt_id for p in self.requeued)),
+                   default=None)
+
+    def publish_ready(self, version: int) -> bool:
+        """A deterministic run: whether the learner may publish ``version``
+        (``FixedSchedule.publish_ready``)."""
+        assert self.schedule is not None
+        return self.schedule.publish_ready(version, self.issued, self.lowest_out())
+
+    def _draw(self, sampler: bytes, wanted: int) -> list[Prompt]:
+        """``wanted`` new prompts from the task for ``sampler`` (too long ones skipped)."""
+        out: list[Prompt] = []
         skipped = 0
         while wanted > 0:
             dataset, row = self.task.locate(self.next_row)
@@ -172,7 +224,11 @@ class ReplayState:
                     f"groups_per_step = {self.max_filtered}: the prompts are too hard or too "
                     f"easy for the model (raise max_num_gen_batches, 0 = no limit)")
             return True
-        self.held.append(group)
+        if self.schedule is None:
+            self.held.append(group)
+        else:  # kept in prompt order: a batch is the lowest ids
+            ids = [g.prompt.prompt_id for g in self.held]
+            self.held.insert(bisect.bisect(ids, group.prompt.prompt_id), group)
         return True
 
     def _drop(self, group: ScoredGroup, reason: str) -> None:
@@ -223,7 +279,7 @@ class ReplayState:
     def peek_batch(self, num_groups: int) -> list[ScoredGroup] | None:
         """The groups ``take_batch(num_groups)`` would take now, in its order (reusable ones
         first, then fresh ones), or None while fewer are held; nothing changes."""
-        if len(self.reusable) + len(self.held) < num_groups:
+        if len(self.reusable) + len(self.held) < num_groups or not self._in_order(num_groups):
             return None
         ahead = [g for g, _ in itertools.islice(self.reusable, num_groups)]
         return ahead + list(itertools.islice(self.held, num_groups - len(ahead)))
@@ -233,7 +289,7 @@ class ReplayState:
         from 1), or None while fewer are held: groups waiting for another serve first (they are
         the oldest, and waiting only makes them stale), then fresh ones in arrival order."""
         self.drop_stale()
-        if len(self.reusable) + len(self.held) < num_groups:
+        if len(self.reusable) + len(self.held) < num_groups or not self._in_order(num_groups):
             return None
         taken = [self.reusable.popleft() for _ in range(min(num_groups, len(self.reusable)))]
         taken += [(self.held.popleft(), 0) for _ in range(num_groups - len(taken))]
@@ -263,6 +319,15 @@ class ReplayState:
         }
         self.step_filtered = self.step_filtered_prompts = 0
         return [g for g, _ in taken]
+
+    def _in_order(self, num_groups: int) -> bool:
+        """A deterministic run serves the lowest prompt ids only once none before them is out
+        (``FixedSchedule.ready``); a run by timing, whatever is held."""
+        if self.schedule is None:
+            return True
+        ids = [g.prompt.prompt_id for g in itertools.islice(self.held, num_groups)]
+        return len(ids) == num_groups and (
+            (out := self.lowest_out()) is None or ids[-1] < out)
 
     def counters(self) -> dict[str, int]:
         """issued = trained + dropped + in_flight and served = trained + reused hold at every
@@ -302,7 +367,8 @@ class ReplayState:
         self.trained, self.reused, self.retired = found.trained, found.reused, found.retired
         self.served = found.trained + found.reused
         self.dropped = collections.Counter(found.dropped)
-        self.held = collections.deque(found.held)
+        self.held = collections.deque(found.held if self.schedule is None else
+                                      sorted(found.held, key=lambda g: g.prompt.prompt_id))
         self.reusable = collections.deque(found.reusable)
         self.requeued = collections.deque(self.task.prompt_at(dataset, row, prompt_id=pid)
                                           for dataset, row, pid in found.requeued)

@@ -191,8 +191,9 @@ class Sampler:
                 greedy_baseline=False, sampler=self.rollout.sampler, agent=self.rollout.agent)
         rollout = self.val_rollouts[key]
         await self.weights_for_validation(batch.version)
+        self.check_version(batch)
         async with self.weights_lock:
-            generated = await rollout.generate(batch.prompts)
+            generated = await rollout.generate(batch.prompts, seed_of(batch))
         self.gen_s += generated[0].generate_seconds
         self.tokens += sum(len(c.token_ids) for g in generated for c in g.completions)
         self.publish()
@@ -205,6 +206,13 @@ class Sampler:
         await self.weights.wait_for(version)
         if self.engine.version < version:
             await self.apply_weights(version)
+
+    def check_version(self, batch: PromptBatch) -> None:
+        """A deterministic run's batch finds exactly its version as the newest
+        (``actors/replay/schedule.py``); anything else is a broken schedule, not a result."""
+        if batch.seed >= 0 and self.engine.version != batch.version:
+            raise RuntimeError(f"run.deterministic: a batch of version {batch.version} found "
+                               f"the engine at version {self.engine.version}")
 
     def publish(self) -> None:
         s = self.scoring.statistics()
@@ -244,7 +252,8 @@ class Sampler:
                 await self.validate(batch, tg)
                 continue
             await self.apply_weights(batch.version)  # published before these were issued
-            generated = await self.rollout.generate(batch.prompts)
+            self.check_version(batch)
+            generated = await self.rollout.generate(batch.prompts, seed_of(batch))
             self.gen_s += generated[0].generate_seconds
             self.tokens += sum(len(c.token_ids) for g in generated for c in g.completions)
             self.publish()
@@ -356,6 +365,11 @@ class ContinuousSampler(Sampler):
             self.publish()
         finally:
             self.scoring_slots.release()
+
+
+def seed_of(batch: PromptBatch) -> int | None:
+    """The seed a batch's draws start from (``PromptBatch.seed``; None: the engine's own)."""
+    return batch.seed if batch.seed >= 0 else None
 
 
 def sampling_params(ctx: ActorContext) -> SamplingParams:

@@ -115,11 +115,14 @@ class Rollout:
         self.agent = agent  # multi-turn rollouts: tools or an environment, or an endpoint
 
     async def _generate(self, prompts: list[Prompt], ids: list[list[int]],
-                        params: SamplingParams, n: int) -> list[list[Generation]]:
+                        params: SamplingParams, n: int,
+                        seed: int | None = None) -> list[list[Generation]]:
         if self.agent is not None:  # each turn's request carries the prompt's images
             return await self.agent.generate(prompts, ids, n, params)  # type: ignore[return-value]
-        return await self.engine.generate([GenerateRequest(i, params, n, images=tuple(p.images))
-                                           for i, p in zip(ids, prompts, strict=True)])
+        return await self.engine.generate([
+            GenerateRequest(i, params, n, images=tuple(p.images),
+                            seed=None if seed is None else seed + k * n)
+            for k, (i, p) in enumerate(zip(ids, prompts, strict=True))])
 
     async def generate_one(self, prompt: Prompt) -> Generated:
         """A continuous engine's unit: one prompt's completions (and its greedy one for remax),
@@ -134,13 +137,14 @@ class Rollout:
                            samples=[], sampler=self.sampler, sampling=self.params,
                            generate_error=reason[:500])
 
-    async def generate(self, prompts: list[Prompt]) -> list[Generated]:
+    async def generate(self, prompts: list[Prompt], seed: int | None = None) -> list[Generated]:
         """``n`` completions of each prompt (and its greedy one for remax), in one engine call
-        per setting: a batch engine runs them as one batch (multi-turn: ``AgentLoop``)."""
+        per setting: a batch engine runs them as one batch (multi-turn: ``AgentLoop``).
+        ``seed``: the batch's draws start from it (``PromptBatch.seed``); None: the engine's."""
         ids = [self.agent.prompt_ids(p) if self.agent is not None
                else self.tokenizer.prompt_ids(p.messages, images=p.images) for p in prompts]
         started = time.monotonic()
-        groups = await self._generate(prompts, ids, self.params, self.n)
+        groups = await self._generate(prompts, ids, self.params, self.n, seed)
         greedy: list[Generation | None] = [None] * len(prompts)
         if self.greedy_baseline:
             params = SamplingParams(temperature=0.0, max_tokens=self.params.max_tokens,

@@ -50,6 +50,8 @@ def check(topology: Topology) -> None:
              f"{_engines(lambda r: r.profiled, ', ')}); vLLM has its own profiler "
              "(VLLM_TORCH_PROFILER_DIR)")
     _check_sleep(s)
+    if topology.run.deterministic:
+        _check_deterministic(topology)
     L = topology.learner
     if L.lora.rank > 0:
         _check_adapters(topology)
@@ -152,6 +154,29 @@ def _check_sleep(s: Any) -> None:
              f"= {_engines(lambda r: r.sleeps)}")
         need(s.device != "cpu", "sampler.sleep_idle_s",
              f"{s.engine} has no sleep mode on a CPU (sampler.device = cpu)")
+
+
+def _check_deterministic(t: Topology) -> None:
+    """What a fixed schedule cannot fix (``run.deterministic``, ``actors/replay/schedule.py``),
+    each refused in one line."""
+    why = "run.deterministic"
+    engine = t.sampler.engine if t.sampler.engine != "auto" else auto_engine(t.sampler.device)
+    need(not ENGINES[engine].continuous, why,
+         f"the {engine} engine batches requests as they arrive, and a sequence's numbers "
+         f"depend on its batch; use an engine that generates one batch at a time "
+         f"(sampler.engine = {_engines(lambda r: not r.continuous)})")
+    need(not t.algorithm.filter_groups.enable, "algorithm.filter_groups.enable",
+         f"{why}: dynamic sampling admits replacement prompts as groups arrive, which no fixed "
+         "schedule can place; set it false")
+    need(t.replay.reuse == 1, "replay.reuse",
+         f"{why}: a group served in several batches is not one place of the schedule; set 1")
+    need(not t.agent.rollout.path, "agent.rollout.path",
+         f"{why}: an agent's own code calls the endpoint when it likes, so its requests share "
+         "batches by timing")
+    G, eta = t.learner.groups_per_step, t.algorithm.max_staleness
+    need(t.replay.capacity >= max(1, eta) * G, "replay.capacity",
+         f"{why}: must hold the max_staleness = {eta} batches generated ahead of the learner "
+         f"(>= {max(1, eta) * G} groups)")
 
 
 def _engines(has: Callable[[EngineRow], bool], join: str = " or ") -> str:

@@ -95,6 +95,11 @@ class RunConfig(_Section, frozen=True):
     is a Ray driver that reserves the job's resources and starts each process on its node;
     ``[ray]`` says which cluster; ``runner.py topology.toml --ray [ADDRESS]`` sets both)."""
 
+    deterministic: bool = False
+    """A fixed schedule (actors/replay/schedule.py): two runs of one topology and seed on one
+    machine record the same groups and metrics bit for bit, across restarts and resumes too;
+    step k's groups are one batch generated with version max(0, k - 1 - max_staleness)."""
+
     def __post_init__(self) -> None:
         need(len(set(self.loggers)) == len(self.loggers), "loggers", "names a logger twice")
 

@@ -42,7 +42,7 @@ class GenerateRequest:
     seed: int | None = None
     """Sampling seed of the first completion (the i-th uses ``seed + i``), to regenerate a
     recorded sample (``Sample.seed``); None: the engine picks. Engines without per-sample
-    seeds (hf) ignore it."""
+    seeds (hf) seed the whole batch's draws with its first request's."""
     images: tuple[bytes, ...] = ()
     """The prompt's images, encoded (a vision-language model's prompt): ``prompt_ids`` holds
     their image tokens already expanded (``actors/data/vision.py``)."""

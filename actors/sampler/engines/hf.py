@@ -323,6 +323,8 @@ class HFEngine:
         ``images`` (none: a text prompt)."""
         params, n, tok = like.params, like.n, self.tokenizer
         greedy = params.temperature == 0
+        if like.seed is not None:  # the batch's draws follow from its place in the run alone
+            torch.manual_seed(like.seed)
         width = max(len(p) for p in prompts)
         if self.compiled is not None:  # one static cache shape for many batches
             width = -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
