@@ -258,6 +258,10 @@ def make_mixture(config: TaskConfig, seed: int) -> Mixture:
 
             source = ReasoningGymTask(d.reasoning_gym, seed, d.label, f"task.datasets[{i}]",
                                       d.system_prompt)
+        elif d.verifiers is not None:
+            from actors.data.verifiers_env import VerifiersTask
+
+            source = VerifiersTask(d, seed, f"task.datasets[{i}]")
         else:
             source = FileDataset(d, seed, f"task.datasets[{i}]")
         sources.append(source)

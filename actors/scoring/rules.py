@@ -132,6 +132,16 @@ def reasoning_gym(data_source: str, solution_str: str, ground_truth: str,
     return score(data_source, solution_str, ground_truth, extra_info)
 
 
+def verifiers(data_source: str, solution_str: str, ground_truth: str,
+              extra_info: dict | None = None, **_: Any) -> Any:
+    """A verifiers prompt's reward: its environment's own rubric, each reward's value under
+    its name (``actors/data/verifiers_env.py``; the package is an optional extra). Returns the
+    scoring coroutine, which the sandbox runs to completion."""
+    from actors.data.verifiers_env import score
+
+    return score(data_source, solution_str, ground_truth, extra_info)
+
+
 def _reasoning_gym_answer(text: str, **_: Any) -> str | None:
     from actors.data.reasoning_gym import answer
 
@@ -194,12 +204,12 @@ Rule = Callable[..., float]
 BUILTINS: dict[str, Rule] = {
     "gsm8k": gsm8k, "math": math, "exact_match": exact_match, "answer_tag": answer_tag,
     "arithmetic": arithmetic_score, "repeat_letter": repeat_letter_score,
-    "calculator": calculator_score, "reasoning_gym": reasoning_gym,
+    "calculator": calculator_score, "reasoning_gym": reasoning_gym, "verifiers": verifiers,
 }
 # built-ins that must not run on the worker's threads (a library's scorer may hang)
-IN_CHILD = frozenset({"math", "reasoning_gym"})
+IN_CHILD = frozenset({"math", "reasoning_gym", "verifiers"})
 PRELOAD = {"math": ("math_verify.metric", "math_verify.parser"),  # imported when a child starts,
-           "reasoning_gym": ("reasoning_gym",)}
+           "reasoning_gym": ("reasoning_gym",), "verifiers": ("verifiers.v1",)}
 # so the first call's timeout does not pay for the import
 
 # verl ``default_compute_score`` data sources, so verl parquet rows score with no config
@@ -211,10 +221,13 @@ DATA_SOURCES: dict[str, str] = {
     "HuggingFaceH4/MATH-500": "math",
 }
 REASONING_GYM = "reasoning_gym/"  # the data sources of reasoning-gym prompts: reasoning_gym/NAME
+VERIFIERS = "verifiers/"  # the data sources of verifiers prompts: verifiers/NAME
 
 
 def scorer_of(data_source: str) -> str | None:
     """The built-in that scores a data source with no ``[[reward.functions]]``, or None."""
     if data_source.startswith(REASONING_GYM):
         return "reasoning_gym"
+    if data_source.startswith(VERIFIERS):
+        return "verifiers"
     return DATA_SOURCES.get(data_source)

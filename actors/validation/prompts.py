@@ -37,6 +37,11 @@ def validation_prompts(topology: Topology) -> list[Prompt]:
             task = ReasoningGymTask(d.reasoning_gym, seed + 1, d.label,
                                     f"validation.datasets[{i}]", d.system_prompt)
             size = min(d.size or BUILTIN_SIZE, task.size)
+        elif d.verifiers is not None:  # held out by its args (an eval split)
+            from actors.data.verifiers_env import VerifiersTask
+
+            task = VerifiersTask(d, seed, f"validation.datasets[{i}]")
+            size = min(d.size, task.size) if d.size else task.size
         else:
             task = FileDataset(d, seed, f"validation.datasets[{i}]")
             size = min(d.size, task.size) if d.size else task.size

@@ -130,6 +130,14 @@ def _check_datasets(datasets: Sequence[DatasetConfig],
             except ValueError as exc:
                 raise ConfigError(f"{key}.reasoning_gym: {exc}") from None
             continue
+        if d.verifiers is not None:  # the package, the environment, its args and its kind
+            from actors.data import verifiers_env
+
+            try:
+                verifiers_env.environment(verifiers_env.spec_of(d.verifiers))
+            except ValueError as exc:
+                raise ConfigError(f"{key}.verifiers: {exc}") from None
+            continue
         path = Path(d.path)
         need(path.is_file(), f"{key}.path", f"no file {d.path!r}")
         try:

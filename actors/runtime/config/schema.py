@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from actors.runtime.config.agent import AgentConfig
 from actors.runtime.config.algorithm import AlgorithmConfig
@@ -44,6 +44,7 @@ from actors.runtime.config.schema_base import (
     need,
     need_child_memory,
 )
+from actors.runtime.config.sources import ReasoningGymSource, VerifiersSource
 from actors.runtime.config.teacher import TeacherConfig
 from actors.runtime.transports.table import TransportChoice
 
@@ -122,18 +123,6 @@ DatasetPath = Annotated[FilePath, matching(r"(?:.*[^/]\.(?:parquet|jsonl))?",
                                            "a .parquet or .jsonl file, or unset")]
 
 
-class ReasoningGymSource(_Section, frozen=True):
-    name: str
-    """A reasoning-gym generator, as ``reasoning_gym.create_dataset`` names it (``leg_counting``,
-    ``basic_arithmetic``, ...: the package lists about 100); its prompts and answers, and its
-    own ``score_answer`` as the reward (``pip install 'flowrl[envs]'``)."""
-    config: dict[str, Any] = {}
-    """The generator's options (its config's fields, e.g. ``{ min_animals = 3 }``)."""
-    size: PositiveInt = 10_000
-    """Distinct rows the generator makes (row ``i`` is the same for a seed: run.seed in
-    training, run.seed + 1 in validation)."""
-
-
 class DatasetConfig(_Section, frozen=True):
     path: DatasetPath = ""
     """A parquet or jsonl file of prompts (relative to where the runner is started), in verl's
@@ -170,15 +159,21 @@ class DatasetConfig(_Section, frozen=True):
     its questions as user messages, its own scorer as the reward (data_source
     ``reasoning_gym/NAME``)."""
 
+    verifiers: VerifiersSource | None = None
+    """A verifiers environment instead of a file (``verifiers = { id = "my_env" }`` or
+    ``{ path = "my_env.py", args = { ... } }``): its tasks' prompts, its rubric as the reward
+    (data_source ``verifiers/NAME``); single-turn environments only, for now."""
+
     def __post_init__(self) -> None:
-        if sum(map(bool, (self.path, self.builtin, self.reasoning_gym))) != 1:
-            raise ConfigError("set one of path, builtin or reasoning_gym")
+        if sum(map(bool, (self.path, self.builtin, self.reasoning_gym, self.verifiers))) != 1:
+            raise ConfigError("set one of path, builtin, reasoning_gym or verifiers")
 
     @property
     def label(self) -> str:
         """Its name in the recording: ``name``, else the built-in's, the reasoning-gym
         generator's or the file's stem."""
         return (self.name or self.builtin or (self.reasoning_gym and self.reasoning_gym.name)
+                or (self.verifiers and (self.verifiers.id or Path(self.verifiers.path).stem))
                 or Path(self.path).stem)
 
 
@@ -307,13 +302,14 @@ class RouterConfig(ActorCommon, frozen=True):
 
 
 BUILTIN_SCORERS = ("gsm8k", "math", "exact_match", "answer_tag", "arithmetic", "repeat_letter",
-                   "calculator", "reasoning_gym")  # the rules of actors/scoring/rules.py (BUILTINS), by name
+                   "calculator", "reasoning_gym", "verifiers")  # the rules of actors/scoring/rules.py (BUILTINS), by name
 
 
 class RewardFunction(_Section, frozen=True):
     builtin: Annotated[str, one_of(BUILTIN_SCORERS, unset=True)] = ""
     """A built-in rule (gsm8k, math, exact_match, answer_tag, arithmetic, repeat_letter,
-    calculator, reasoning_gym: the generator's own scorer); set this or ``path``."""
+    calculator, reasoning_gym: the generator's own scorer, verifiers: the environment's rubric);
+    set this or ``path``."""
     path: FilePath = ""
     """A Python file (relative to where the runner is started) holding a verl-style scoring
     function, which runs in a child process."""
@@ -592,5 +588,3 @@ class Topology(_Section, frozen=True):
             need(not self.teacher.path, "agent.rollout.branches",
                  "train gives samples on prompts of their own, which the teacher's request (one "
                  "prompt per group) cannot carry yet; with [teacher] set branches = \"last\"")
-
-
