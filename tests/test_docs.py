@@ -81,13 +81,34 @@ def test_every_toml_block_is_a_topology(where, block, tmp_path, monkeypatch):
     if is_fragment(block):
         data = merged(tomllib.loads((ROOT / "topology.toml").read_text()), data)
     monkeypatch.chdir(tmp_path)
+    environments = verifiers_files(data)
+    if environments:  # the check loads a verifiers environment: the tests' own stands in
+        if VERIFIERS_DIR.is_dir() and str(VERIFIERS_DIR) not in sys.path:
+            sys.path.append(str(VERIFIERS_DIR))
+        pytest.importorskip("verifiers.v1", reason="verifiers: bash .ci/setup.sh --tests")
     for name in files_named(data):
-        write_stand_in(tmp_path / name)
+        if name in environments:
+            (tmp_path / name).write_text((ROOT / "tests" / "verifiers_addition.py").read_text())
+        else:
+            write_stand_in(tmp_path / name)
     try:
         decode_topology(data)
     except ConfigError as exc:  # a model directory of the reader's own (/models/...) is not here
         key = str(exc).split(":", 1)[0]
         assert key.endswith("path") and "/" in str(exc), exc
+
+
+VERIFIERS_DIR = ROOT / ".venv" / "verifiers-0.4.0"  # where .ci/setup.sh --tests installs it
+
+
+def verifiers_files(data: object) -> set[str]:
+    """The environment files a block's ``verifiers = { path = ... }`` tables name."""
+    if isinstance(data, list):
+        return {f for item in data for f in verifiers_files(item)}
+    if not isinstance(data, dict):
+        return set()
+    own = {data["verifiers"].get("path", "")} if isinstance(data.get("verifiers"), dict) else set()
+    return (own - {""}) | {f for v in data.values() for f in verifiers_files(v)}
 
 
 ROW = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 3?"}],
