@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import random
@@ -82,15 +83,18 @@ def _module(fields: dict[str, Any]) -> ModuleType:
                              f"{exc} (pip install {exc.name})") from None
         except Exception as exc:  # the user's file failed to import: its error, one line
             raise ValueError(f"{fields['path']} did not import: {_one_line(exc)}") from None
+    # as verifiers' loader: a Hub id's name without owner and version, one of its own tasksets
+    # (verifiers.v1.tasksets.NAME) before an installed package
     name = fields["id"].rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    own = f"verifiers.v1.tasksets.{name}"
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(own if importlib.util.find_spec(own) else name)
     except ModuleNotFoundError as exc:
         if exc.name == name:
+            how = (f"prime env install {fields['id']}" if "/" in fields["id"] else
+                   f"pip install {fields['id']}` or `prime env install OWNER/{fields['id']}")
             raise ValueError(f"no verifiers environment {fields['id']!r}: no installed package "
-                             f"{name!r} (install the environment, e.g. `prime env install "
-                             f"OWNER/{fields['id']}` or `pip install {fields['id']}`, or give "
-                             "path = a file)") from None
+                             f"{name!r} (install it: `{how}`; or give path = a file)") from None
         raise ValueError(f"environment {fields['id']!r} needs a package that is not installed: "
                          f"{exc} (pip install {exc.name})") from None
     except Exception as exc:
