@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-from actors.data.verifiers_env import VerifiersTask
+from actors.data.verifiers_env import VerifiersTask, environment, spec_of
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
 from actors.runtime.config.schema import DatasetConfig
@@ -106,6 +106,17 @@ async def test_scores_equal_the_librarys_own(few_shot, monkeypatch):
             name: r.score for name, r in trace.rewards.items()}
         assert ours.extra["metric/length"] == trace.metrics["length"]
     assert {r.score for r in results} == {0.0, 0.25, 1.0, 1.25}
+
+
+def test_an_installed_environment_is_named_by_its_id(monkeypatch):
+    """``id`` imports the package as verifiers' loader does (a Hub id's owner, its version and
+    dashes aside): here the fixture's module, put on the path as an installed package is."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    by_id = environment(spec_of(VerifiersSource(id="someone/verifiers-addition@0.1",
+                                                args={"size": 5})))
+    by_path = environment(spec_of(VerifiersSource(path=FIXTURE, args={"size": 5})))
+    assert by_id.name == by_path.name == "verifiers_addition"
+    assert [t.data.model_dump() for t in by_id.tasks] == [t.data.model_dump() for t in by_path.tasks]
 
 
 def check(*overrides: str) -> subprocess.CompletedProcess:

@@ -5,18 +5,18 @@ package, as ``vf-eval`` and prime-rl name it) or ``verifiers = { path = "my_env.
 either exports its ``Taskset`` subclass in ``__all__``, which is what verifiers' own
 ``load_environment`` reads. ``args`` are the taskset config's fields (a split, a size, ...), so
 validation names the same environment with its held-out args in ``[[validation.datasets]]``.
-Row ``i`` is the taskset's task ``i``: its system prompt (``TaskData.system_prompt``) and its
-prompt (a text, or messages with few-shot turns) become the chat messages, in the order
-verifiers' chat harness sends them.
+A draw takes one of the taskset's tasks (in a seeded order per pass with ``shuffle``, as a
+file's rows): its system prompt (``TaskData.system_prompt``) and its prompt (a text, or messages
+with few-shot turns) become the chat messages, as verifiers' chat harness (``null``) sends them.
 
 The data source is ``verifiers/NAME`` and each prompt carries the environment's spec in
 ``extra_info``, so the reward worker's child rebuilds the same taskset once and scores a reply
 as verifiers does: a trace of the prompt and the reply, ``Task.score`` over it (every
-``@vf.reward``, judges included), the weighted sum as the score and each reward's own value
-recorded under its name.
+``@vf.reward`` and every reward its config plugs in), the weighted sum as the score and each
+reward's own value recorded under its name.
 
 Only single-turn environments train today: one with tools, a container, its own harness or
-``Env`` is refused at ``check`` in one line. verifiers is an optional extra
+``Env``, judge models or rewards that read a sandbox is refused at ``check`` in one line. verifiers is an optional extra
 (``pip install 'flowrl[verifiers]'``), imported only when a topology names an environment.
 """
 
@@ -168,7 +168,8 @@ def environment(spec: str) -> Environment:
     if any(t.data.prompt is None for t in tasks):
         raise ValueError(f"{label}: multi-turn and tool verifiers environments are not supported "
                          "yet (a task with no prompt: the user opens the conversation)")
-    return Environment(Path(label).stem if fields["path"] else fields["id"], tasks)
+    name = Path(label).stem if fields["path"] else module.__name__.rsplit(".", 1)[-1]
+    return Environment(name, tasks)
 
 
 def spec_of(source: VerifiersSource) -> str:
