@@ -116,7 +116,8 @@ def test_an_installed_environment_is_named_by_its_id(monkeypatch):
                                                 args={"size": 5})))
     by_path = environment(spec_of(VerifiersSource(path=FIXTURE, args={"size": 5})))
     assert by_id.name == by_path.name == "verifiers_addition"
-    assert [t.data.model_dump() for t in by_id.tasks] == [t.data.model_dump() for t in by_path.tasks]
+    assert [t.data.model_dump() for t in by_id.tasks] == [
+        t.data.model_dump() for t in by_path.tasks]
 
 
 def check(*overrides: str) -> subprocess.CompletedProcess:

@@ -16,8 +16,9 @@ as verifiers does: a trace of the prompt and the reply, ``Task.score`` over it (
 reward's own value recorded under its name.
 
 Only single-turn environments train today: one with tools, a container, its own harness or
-``Env``, judge models or rewards that read a sandbox is refused at ``check`` in one line. verifiers is an optional extra
-(``pip install 'flowrl[verifiers]'``), imported only when a topology names an environment.
+``Env``, judge models or rewards that read a sandbox is refused at ``check`` in one line.
+verifiers is an optional extra (``pip install 'flowrl[verifiers]'``), imported only when a
+topology names an environment.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def _module(fields: dict[str, Any]) -> ModuleType:
 
 
 def _exported(module: ModuleType, base: type) -> list[type]:
-    return [obj for n in getattr(module, "__all__", ()) if isinstance(obj := getattr(module, n, None),
-            type) and issubclass(obj, base) and obj is not base]
+    found = [getattr(module, n, None) for n in getattr(module, "__all__", ())]
+    return [c for c in found if isinstance(c, type) and issubclass(c, base) and c is not base]
 
 
 def _unsupported(vf: Any, module: ModuleType, taskset: Any) -> str:
@@ -240,8 +241,9 @@ def trace_of(vf: Any, task: Any, reply: str) -> Any:
     from verifiers.v1.trace import AgentInfo, TraceTask
 
     data = task.data
-    prompt = ([vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []) + (
-        [vf.UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else list(data.prompt))
+    system = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
+    user = [vf.UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else data.prompt
+    prompt = [*system, *user]
     trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=data, key=task.key,
                                     hash=task.hash),
                      state=state_cls(type(task))(),
