@@ -72,33 +72,36 @@ async def library_score(task, reply: str):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("few_shot", [False, True])
-async def test_scores_equal_the_librarys_own(few_shot, monkeypatch):
+async def test_scores_equal_the_librarys_own(monkeypatch):
+    """120 replies (10 tasks, with and without few-shot turns, six replies each) through the
+    reward worker's scoring, in its children, against verifiers' own."""
     monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # for the scoring children
-    source = VerifiersSource(path=FIXTURE, args={"size": 10, "few_shot": few_shot})
-    task = VerifiersTask(DatasetConfig(verifiers=source, shuffle=False), 0, "task.datasets[0]")
     items, expected = [], []
-    for row in range(10):
-        prompt = task.prompt_at(task.name, row, prompt_id=row)
-        theirs = task.environment.tasks[row]
-        assert prompt.messages[0].role == "system"
-        assert prompt.messages[0].content == theirs.data.system_prompt
-        assert [m.role for m in prompt.messages[1:]] == (
-            ["user", "assistant", "user"] if few_shot else ["user"])
-        assert prompt.messages[-1].content == theirs.data.prompt_text.split("\n\n")[-1]
-        assert prompt.data_source == "verifiers/verifiers_addition"
-        assert scorer_of(prompt.data_source) == "verifiers"
-        for reply in replies(theirs.data.answer):
-            items.append(ScoreItem(prompt.data_source, reply, prompt.ground_truth,
-                                   prompt.extra_info))
-            expected.append(asyncio.run(library_score(theirs, reply)))
+    for few_shot in (False, True):
+        source = VerifiersSource(path=FIXTURE, args={"size": 10, "few_shot": few_shot})
+        task = VerifiersTask(DatasetConfig(verifiers=source, shuffle=False), 0,
+                             "task.datasets[0]")
+        for row in range(10):
+            prompt = task.prompt_at(task.name, row, prompt_id=row)
+            theirs = task.environment.tasks[row]
+            assert prompt.messages[0].role == "system"
+            assert prompt.messages[0].content == theirs.data.system_prompt
+            assert [m.role for m in prompt.messages[1:]] == (
+                ["user", "assistant", "user"] if few_shot else ["user"])
+            assert prompt.messages[-1].content == theirs.data.prompt_text.split("\n\n")[-1]
+            assert prompt.data_source == "verifiers/verifiers_addition"
+            assert scorer_of(prompt.data_source) == "verifiers"
+            for reply in replies(theirs.data.answer):
+                items.append(ScoreItem(prompt.data_source, reply, prompt.ground_truth,
+                                       prompt.extra_info))
+                expected.append(asyncio.run(library_score(theirs, reply)))
     topology = decode_topology(apply_overrides({}, []))
     scoring = Scoring(topology.reward)  # no [[reward.functions]]: by data source, in children
     try:
         results = await scoring.score(items)
     finally:
         await scoring.aclose()
-    assert len(results) == 60
+    assert len(results) == 120
     for item, ours, trace in zip(items, results, expected, strict=True):
         assert not ours.error, ours.error
         assert ours.score == trace.reward, (item.solution_str, ours, trace.rewards)
