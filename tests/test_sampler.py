@@ -159,3 +159,52 @@ async def test_shared_weights_removed_before_loading_leave_the_old_weights(tiny_
     save_file({n: torch.zeros_like(p) for n, p in before.items()}, str(path))
     await engine.load_weights(4, SharedWeights(str(path)))  # one still there loads
     assert engine.version == 4 and all(not engine.params[n].any() for n in before)
+
+
+@pytest.mark.anyio
+async def test_shm_versions_become_the_model_itself_and_stay_whole_while_it_uses_them(
+        tiny_model):
+    """Over shm the hf engine's parameters become views of the version's file (no copy), with
+    a link of its own: the learner writes its next versions elsewhere until the engine moves
+    on, and a version that comes another way gives the parameters memory of their own again."""
+    from actors.runtime.transports.shm import ShmReceiver, ShmSender
+    from actors.runtime.transports.sources import mapped, writable_view
+
+    engine = HFEngine(tiny_model, "float32", seed=0)
+    names = list(engine.params)
+
+    def version(v: int) -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(v)
+        return [(n, torch.randn(engine.params[n].shape, generator=g)) for n in names]
+
+    sender, receiver = ShmSender(), ShmReceiver()
+    try:
+        source = receiver.claim(str(sender.write(0, version(0))))
+        receiver.taking(source)
+        await engine.load_weights(0, source)
+        held, file = engine.viewed, sender.shm_dir / "v0.safetensors"
+        assert held is not None and held.stat().st_ino == file.stat().st_ino
+        base = writable_view(mapped(str(held))).data_ptr()  # this process's one mapping
+        assert all(base <= p.data_ptr() < base + len(mapped(str(held)))
+                   for p in engine.params.values())
+        receiver.taking(receiver.claim(str(sender.write(1, version(1)))))  # version 1 arrives
+        for v in (2, 3, 4, 5):  # its engine still uses version 0: that file is not reused
+            sender.write(v, version(v))
+        assert all(torch.equal(engine.params[n], t) for n, t in version(0))
+        newest = receiver.claim(str(sender.shm_files[-1]))
+        receiver.taking(newest)
+        await engine.load_weights(5, newest)
+        assert all(torch.equal(engine.params[n], t) for n, t in version(5))
+        assert not held.exists() and engine.viewed is not None
+        (out,) = await engine.generate([GenerateRequest([1, 2, 3], SamplingParams(max_tokens=3),
+                                                        2)])
+        assert len(out) == 2  # it generates from the views
+        await engine.load_weights(6, dict(version(6)))  # tensors in this process (zmq)
+        assert engine.viewed is None and all(torch.equal(engine.params[n], t)
+                                             for n, t in version(6))
+        with torch.no_grad():
+            engine.params[names[0]].add_(1.0)  # memory of its own again: writable
+    finally:
+        await engine.aclose()
+        receiver.close()
+        sender.close()
