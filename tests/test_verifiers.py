@@ -123,6 +123,31 @@ def test_an_installed_environment_is_named_by_its_id(monkeypatch):
         t.data.model_dump() for t in by_path.tasks]
 
 
+LOADER = '''
+from verifiers_addition import AdditionConfig, AdditionTaskset
+
+def load_environment(size=3, **args):
+    return AdditionTaskset(AdditionConfig(size=size, **args))
+'''
+
+
+def test_a_file_may_define_load_environment(monkeypatch, tmp_path):
+    """A file without an exported Taskset: ``load_environment(**args)`` makes it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    (tmp_path / "loader_env.py").write_text(LOADER)
+    made = environment(spec_of(VerifiersSource(path=str(tmp_path / "loader_env.py"),
+                                               args={"size": 4, "few_shot": True})))
+    direct = environment(spec_of(VerifiersSource(path=FIXTURE,
+                                                 args={"size": 4, "few_shot": True})))
+    assert made.name == "loader_env"
+    assert [t.data.model_dump() for t in made.tasks] == [
+        t.data.model_dump() for t in direct.tasks]
+    with pytest.raises(ValueError, match=r"loader_env.py: load_environment\(\*\*\{'sise': 3\}\) "
+                                         "failed: sise: Extra inputs are not permitted"):
+        environment(spec_of(VerifiersSource(path=str(tmp_path / "loader_env.py"),
+                                            args={"sise": 3})))
+
+
 def check(*overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "runner.py", "check", "topology.toml", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=180, env=ENV)

@@ -3,8 +3,9 @@
 ``[[task.datasets]] verifiers = { id = "my_env", args = { ... } }`` (an installed environment
 package, as ``vf-eval`` and prime-rl name it) or ``verifiers = { path = "my_env.py" }`` (a file):
 either exports its ``Taskset`` subclass in ``__all__``, which is what verifiers' own
-``load_environment`` reads. ``args`` are the taskset config's fields (a split, a size, ...), so
-validation names the same environment with its held-out args in ``[[validation.datasets]]``.
+``load_environment`` reads, or defines ``load_environment(**args)`` returning one. ``args``
+are the taskset config's fields (a split, a size, ...), so validation names the same
+environment with its held-out args in ``[[validation.datasets]]``.
 A draw takes one of the taskset's tasks (in a seeded order per pass with ``shuffle``, as a
 file's rows): its system prompt (``TaskData.system_prompt``) and its prompt (a text, or messages
 with few-shot turns) become the chat messages, as verifiers' chat harness (``null``) sends them.
@@ -132,6 +133,39 @@ def _scored_offline(task: Any) -> str:
     return f"its rewards read a sandbox runtime ({', '.join(needs)})" if needs else ""
 
 
+def _taskset(vf: Any, module: ModuleType, label: str, args: dict[str, Any]) -> Any:
+    """The module's taskset made with ``args``: its exported ``Taskset`` class with its own
+    config, else what its ``load_environment(**args)`` returns (a taskset, or a single-agent
+    env's taskset)."""
+    classes = _exported(module, vf.Taskset)
+    loader = getattr(module, "load_environment", None)
+    if not classes and callable(loader):
+        try:
+            made = loader(**args)
+        except Exception as exc:
+            raise ValueError(f"{label}: load_environment(**{args}) failed: "
+                             f"{_one_line(exc)}") from None
+        if isinstance(made, vf.Env) and type(made) is not vf.SingleAgentEnv:
+            raise ValueError(f"{label}: multi-turn and tool verifiers environments are not "
+                             f"supported yet (load_environment made a {type(made).__name__})")
+        made = made.taskset if isinstance(made, vf.Env) else made
+        if not isinstance(made, vf.Taskset):
+            raise ValueError(f"{label}: load_environment returned a {type(made).__name__}, not "
+                             "a verifiers Taskset or Env")
+        return made
+    if len(classes) != 1:
+        raise ValueError(f"{label} must export one Taskset subclass in __all__ (it exports "
+                         f"{len(classes)}: {[c.__name__ for c in classes]}) or define "
+                         "load_environment")
+    from verifiers.v1.utils.generic import concrete_type
+
+    config_cls = concrete_type(classes[0], vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+    try:
+        return classes[0](config_cls(**args))
+    except Exception as exc:  # pydantic's refusal of an arg, or the taskset's own
+        raise ValueError(f"{label} refused its args {args}: {_one_line(exc)}") from None
+
+
 @functools.lru_cache(maxsize=16)
 def environment(spec: str) -> Environment:
     """The environment of a spec (JSON: id or path, args, size), loaded once per process.
@@ -141,17 +175,7 @@ def environment(spec: str) -> Environment:
     fields = json.loads(spec)
     module = _module(fields)
     label = fields["id"] or fields["path"]
-    classes = _exported(module, vf.Taskset)
-    if len(classes) != 1:
-        raise ValueError(f"{label} must export one Taskset subclass in __all__ (it exports "
-                         f"{len(classes)}: {[c.__name__ for c in classes]})")
-    from verifiers.v1.utils.generic import concrete_type
-
-    config_cls = concrete_type(classes[0], vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-    try:
-        taskset = classes[0](config_cls(**fields["args"]))
-    except Exception as exc:  # pydantic's refusal of an arg, or the taskset's own
-        raise ValueError(f"{label} refused its args {fields['args']}: {_one_line(exc)}") from None
+    taskset = _taskset(vf, module, label, fields["args"])
     if why := _unsupported(vf, module, taskset):
         raise ValueError(f"{label}: multi-turn and tool verifiers environments are not supported "
                          f"yet ({why})")
