@@ -11,7 +11,8 @@ file's rows): its system prompt (``TaskData.system_prompt``) and its prompt (a t
 with few-shot turns) become the chat messages, as verifiers' chat harness (``null``) sends them.
 
 The data source is ``verifiers/NAME`` and each prompt carries the environment's spec in
-``extra_info``, so the reward worker's child rebuilds the same taskset once and scores a reply
+``extra_info``, so the reward worker's child rebuilds the same taskset once (a taskset loads the
+same tasks in every process: a ``load()`` that draws must be seeded) and scores a reply
 as verifiers does: a trace of the prompt and the reply, ``Task.score`` over it (every
 ``@vf.reward`` and every reward its config plugs in), the weighted sum as the score and each
 reward's own value recorded under its name.
