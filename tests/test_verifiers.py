@@ -175,6 +175,17 @@ __all__ = ["CalcTaskset"]
 MISSING_ENV = '''
 import flowrl_no_such_package
 '''
+UNSEEDED_ENV = '''
+import random
+import verifiers.v1 as vf
+
+class Draws(vf.Taskset[vf.Task, vf.TasksetConfig]):
+    def load(self):
+        for _ in range(8):
+            yield vf.Task(vf.TaskData(prompt=f"Say {random.random()}"))
+
+__all__ = ["Draws"]
+'''
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -187,11 +198,14 @@ import flowrl_no_such_package
     ('{path="{tmp}/missing_env.py"}', "needs a package that is not installed: No module named "
                                       "'flowrl_no_such_package' (pip install "
                                       "flowrl_no_such_package)"),
+    ('{path="{tmp}/unseeded_env.py"}', "unseeded_env: its tasks differ from one load to the "
+                                        "next"),
     ('{id="x", path="y.py"}', "set either id or path"),
 ])
 def test_bad_input_is_one_line_at_check(tmp_path, spec, message):
     (tmp_path / "tools_env.py").write_text(TOOLS_ENV)
     (tmp_path / "missing_env.py").write_text(MISSING_ENV)
+    (tmp_path / "unseeded_env.py").write_text(UNSEEDED_ENV)
     done = check(f"task.datasets=[{{verifiers={spec.replace('{tmp}', str(tmp_path))}}}]")
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -172,6 +172,21 @@ def environment(spec: str) -> Environment:
     """The environment of a spec (JSON: id or path, args, size), loaded once per process.
     ValueError names what is wrong in one line: the package, the name, an arg, or a kind of
     environment flowrl does not run yet."""
+    return load(spec)
+
+
+def check(spec: str) -> None:
+    """What ``check`` asks of an environment: it loads (``environment``), and a second load
+    gives the same tasks, as the replay buffer's and each scoring child's will."""
+    first, again = environment(spec), load(spec)
+    if [t.key for t in first.tasks] != [t.key for t in again.tasks]:
+        raise ValueError(f"{first.name}: its tasks differ from one load to the next (the "
+                         "replay buffer and the scoring children load it apart): seed what "
+                         "its load() draws")
+
+
+def load(spec: str) -> Environment:
+    """The environment of a spec, loaded afresh (``environment`` keeps one per process)."""
     vf = _library()
     fields = json.loads(spec)
     module = _module(fields)

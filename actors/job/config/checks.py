@@ -134,7 +134,7 @@ def _check_datasets(datasets: Sequence[DatasetConfig],
             from actors.data import verifiers_env
 
             try:
-                verifiers_env.environment(verifiers_env.spec_of(d.verifiers))
+                verifiers_env.check(verifiers_env.spec_of(d.verifiers))
             except ValueError as exc:
                 raise ConfigError(f"{key}.verifiers: {exc}") from None
             continue
