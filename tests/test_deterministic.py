@@ -1,7 +1,7 @@
 """``run.deterministic``: two fresh runs of one topology and seed, with two samplers and two
 reward workers, agree bit for bit (``runner.py diff`` exits 0; ``metrics.jsonl`` and
 ``validation.jsonl`` equal but for timing and the live system's counters), though one of them
-loses a sampler to SIGKILL mid-run and is then killed whole with SIGKILL and resumed. The
+loses its samplers to SIGKILL mid-run and is then killed whole with SIGKILL and resumed. The
 schedule itself, step by step, is ``tests/test_replay.py``'s; the behaviour without the option
 is every other job test's.
 """
@@ -59,11 +59,11 @@ def assert_same(a: Path, b: Path) -> None:
 
 
 def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_model, tmp_path):
-    """Run A goes straight through. Run B loses one of its two samplers to SIGKILL once a step
-    is recorded (the runner restarts it; what it held goes out again whole, with the same
-    version and seed), then the runner and every actor to SIGKILL at once after step 3 (a
-    checkpoint at step 2); the same command resumes it, training step 3 again. B agrees
-    with A bit for bit."""
+    """Run A goes straight through. Run B loses both its samplers to SIGKILL once a step is
+    recorded, while the next batch is generating (the runner restarts them; the batch goes out
+    again whole, with the same version and seed), then the runner and every actor to SIGKILL
+    at once after step 3 (a checkpoint at step 2); the same command resumes it, training step 3
+    again. B agrees with A bit for bit."""
     run_job(tiny_model, tmp_path / "a")
     run_dir = tmp_path / "b"
     cmd = command(tiny_model, run_dir, *FAST, *DETERMINISTIC)
@@ -74,15 +74,16 @@ def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_m
         wait_for_steps(run_dir, 1, proc)
         samplers = pids_of(run_dir, "sampler")
         assert len(samplers) == 2
-        os.kill(samplers[0], signal.SIGKILL)
+        for pid in samplers:
+            os.kill(pid, signal.SIGKILL)
         wait_for_steps(run_dir, 3, proc, timeout=240)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         proc.kill()
-    (exited,) = [s for s in status_lines(run_dir) if s["event"] == "exited"]
-    assert exited["actor"].startswith("sampler-") and exited["returncode"] == -signal.SIGKILL
-    assert exited["restart"]
+    exited = [s for s in status_lines(run_dir) if s["event"] == "exited"]
+    assert sorted(s["actor"] for s in exited) == ["sampler-0", "sampler-1"]
+    assert all(s["returncode"] == -signal.SIGKILL and s["restart"] for s in exited)
     deadline = time.monotonic() + 30
     while actor_pids(run_dir):
         assert time.monotonic() < deadline, "actors outlived kill -9"

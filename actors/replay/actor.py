@@ -122,6 +122,7 @@ class ReplayServer:
         self.heard: dict[bytes, float] = {}  # sampler -> when it last sent anything
         self.silent: set[bytes] = set()  # samplers past the timeout: issued nothing until heard
         self.reissued_silent = 0  # prompts taken back from silent samplers and issued again
+        self.reissued_restarted = 0  # prompts a restarted sampler lost, issued again
         self.samplers_left = 0  # samplers that said they leave (detached or preempted)
         self.handed_back = 0  # prompts those samplers held, issued again to the others
         self.max_error_share = ctx.topology.reward.max_error_share if ctx is not None else 1.0
@@ -221,7 +222,8 @@ class ReplayServer:
                 await self.leave(peer)
             case PromptRequest(max_prompts=k, incarnation=inc):
                 if self.incarnations.get(peer, inc) != inc:
-                    state.requeue_from(peer)  # a restarted sampler: its prompts are lost
+                    # a restarted sampler: its prompts are lost
+                    self.reissued_restarted += state.requeue_from(peer)
                     if self.rounds is not None:
                         self.rounds.requeue_from(peer)
                 self.incarnations[peer] = inc
@@ -325,6 +327,7 @@ class ReplayServer:
                                   rejected_frames=self.codec.rejected,
                                   samplers_silent=len(self.silent),
                                   reissued_silent=self.reissued_silent,
+                                  reissued_restarted=self.reissued_restarted,
                                   samplers_left=self.samplers_left, handed_back=self.handed_back)
                 if self.rounds is not None and self.rounds.prompts:
                     ctx.status.update(self.rounds.status())
