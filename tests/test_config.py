@@ -257,6 +257,7 @@ def test_paths_are_made_absolute_and_the_embedded_model_stays_a_name(tmp_path, m
     (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable: run.deterministic: "
                                               "dynamic sampling"),
     (["replay.reuse=2", "algorithm.max_staleness=1"], "replay.reuse: run.deterministic: "),
+    (['agent.tools=[{builtin="calculator"}]'], "agent.tools: run.deterministic: a multi-turn"),
     (["replay.capacity=4", "algorithm.max_staleness=2", "learner.groups_per_step=4"],
      r"replay.capacity: run.deterministic: must hold the max_staleness = 2 batches .*\(>= 8"),
 ])

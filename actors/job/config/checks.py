@@ -178,9 +178,11 @@ def _check_deterministic(t: Topology) -> None:
          "schedule can place; set it false")
     need(t.replay.reuse == 1, "replay.reuse",
          f"{why}: a group served in several batches is not one place of the schedule; set 1")
-    need(not t.agent.rollout.path, "agent.rollout.path",
-         f"{why}: an agent's own code calls the endpoint when it likes, so its requests share "
-         "batches by timing")
+    a = t.agent
+    need(not a.enabled, "agent.rollout.path" if a.rollout.path else
+         "agent.env.path" if a.env.path else "agent.tools",
+         f"{why}: a multi-turn rollout sends each turn to the engine as its tool calls (or "
+         "the agent's own code) finish, so which sequences share a batch is timing's")
     G, eta = t.learner.groups_per_step, t.algorithm.max_staleness
     need(t.replay.capacity >= max(1, eta) * G, "replay.capacity",
          f"{why}: must hold the max_staleness = {eta} batches generated ahead of the learner "
