@@ -148,6 +148,10 @@ class Trainer:
         # and the most image patches a micro-batch of it holds
         self.on_first_batch: Callable[[int, int], None] | None = None
         self.vision_tower = vision_tower(self.policy.model)  # None: a text model
+        # the loss and estimator to run: a built-in's name, or a user's function read from its
+        # file here, once (its hash checked against the topology's)
+        self.loss_code = self.algo.policy_loss.code()
+        self.estimator_code = self.algo.adv_estimator.code()
 
     def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
         """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
@@ -286,7 +290,7 @@ class Trainer:
             inputs.update(reward_components=components)
             s.metrics.update(_gdpo_metrics(keys, components))
         s.advantages, s.returns = compute_advantages(
-            est.name, rewards, mask, group_size=batch.group_size, values=s.values,
+            self.estimator_code, rewards, mask, group_size=batch.group_size, values=s.values,
             reward_baselines=batch.baseline_rewards, **inputs)
         if self.topo.teacher.path:  # on-policy distillation (kernels/distill.py)
             s.advantages, distill_metrics = distill(self.topo.teacher, batch, s.advantages)
@@ -356,7 +360,7 @@ class Trainer:
             algo, lp, entropy, mb, s.advantages[sl, :w], old_mb, corr,
             s.ref[sl, :w] if s.ref is not None else None, token_count=token_count,
             seq_count=seq_count, norm_constant=algo.loss_scale_factor
-            or float(s.sampling.max_tokens))
+            or float(s.sampling.max_tokens), loss_code=self.loss_code)
         loss.backward()
         n_tok = corr.keep.sum().double()  # (on the device: read once per step)
         s.tokens_seen = s.tokens_seen + n_tok

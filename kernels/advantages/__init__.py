@@ -61,7 +61,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
 
 
 def compute_advantages(
-    name: str,
+    name: str | AdvantageFn,
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     *,
@@ -100,8 +100,12 @@ def compute_advantages(
       optionally ``is_weights (N, T)`` (rollout IS weights) and ``handle_zero_tail``.
     - ``gdpo`` takes ``reward_components (K, N)`` and ``reward_weights`` (K floats); without
       them it uses the one total reward.
+
+    ``name`` may be a function called as the estimators are (a user's own estimator,
+    ``algorithm.adv_estimator = {name = "custom"}``): it gets the same rewards, mask and
+    ``AdvantageParams``, and groups of equal size.
     """
-    fn = ADVANTAGE_ESTIMATORS.get(name)
+    fn = name if callable(name) else ADVANTAGE_ESTIMATORS.get(name)
     if fn is None:
         raise ValueError(
             f"unknown advantage estimator {name!r}; expected one of {tuple(ADVANTAGE_ESTIMATORS)}"
@@ -150,5 +154,6 @@ def compute_advantages(
     )
     with torch.no_grad():
         if sizes is not None:
-            return by_group(name, fn, token_level_rewards.detach(), response_mask, params, sizes)
+            return by_group(f"your estimator {getattr(fn, '__name__', fn)}" if callable(name) else name, fn,
+                            token_level_rewards.detach(), response_mask, params, sizes)
         return fn(token_level_rewards.detach(), response_mask, params)

@@ -89,7 +89,7 @@ DEFAULT_AGG_MODES: dict[str, str] = {
 
 
 def policy_loss(
-    name: str,
+    name: str | PolicyLossFn,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -105,7 +105,8 @@ def policy_loss(
     norm_constant: float | None = None,
     **kw,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss ``name`` of ``POLICY_LOSSES`` and its metrics.
+    """The loss ``name`` of ``POLICY_LOSSES`` (or a function called as they are: a user's own
+    loss, ``algorithm.policy_loss = {name = "custom"}``) and its metrics.
 
     ``clip_low``/``clip_high`` are the caller's (verl ``clip_ratio_low/high``; GSPO's usual
     ranges are ~1e-4, PPO's 0.2, GMPO's 0.4; DPPO reads them as divergence thresholds); losses
@@ -115,11 +116,12 @@ def policy_loss(
     ``clip_cov_ratio``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``, ``loss_type``,
     ``rollout_is``, ...), checked against its signature.
     """
-    fn = POLICY_LOSSES.get(name)
+    fn = name if callable(name) else POLICY_LOSSES.get(name)
     if fn is None:
         raise ValueError(f"unknown policy loss {name!r}; expected one of {tuple(POLICY_LOSSES)}")
-    unknown = sorted(set(kw) - set(inspect.signature(fn).parameters))
-    if unknown:
+    takes = inspect.signature(fn).parameters
+    unknown = sorted(set(kw) - set(takes))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):
         raise ValueError(f"policy loss {name!r} takes no option(s) {unknown}")
     check_shapes(logprobs, old_logprobs, advantages, mask, weights)
     return fn(

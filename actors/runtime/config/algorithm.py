@@ -147,7 +147,8 @@ class AlgorithmConfig(_Section, frozen=True):
     grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (adds a
     greedy sample per prompt), gae (trains a critic), opo, grpo_passk, gpg,
     optimal_token_baseline, tir_optimal_token_baseline (need π_old's forward: decoupled
-    correction), gdpo (needs gdpo_reward_keys). Each estimator's options:
+    correction), gdpo (needs gdpo_reward_keys), custom (your own: ``path``, ``function``,
+    ``kwargs``; docs/algorithms.md). Each estimator's options:
     actors/runtime/config/estimators.py."""
     n: PositiveInt = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
@@ -155,8 +156,9 @@ class AlgorithmConfig(_Section, frozen=True):
     """The policy loss, by verl name, with its own options (``[algorithm.policy_loss]``,
     ``name = "sapo"``, ``tau_pos = 1.0``; a name alone is enough): vanilla (PPO clip), gspo
     (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov,
-    dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs correction.mode = "bypass").
-    Each loss's options: actors/runtime/config/losses.py."""
+    dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs correction.mode = "bypass"),
+    custom (your own: ``path``, ``function``, ``kwargs``; docs/algorithms.md). Each loss's
+    options: actors/runtime/config/losses.py."""
     clip_ratio_low: NonNegFloat = 0.2
     """PPO clip ε_low (geo_mean: a log-ratio range, GMPO uses 0.4; dppo_*: the divergence
     threshold for negative advantages)."""

@@ -15,11 +15,18 @@ options' old flat keys (``algorithm.gamma``, ...) as that table's, with a one-li
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
-from actors.runtime.config.constraints import Finite, Fraction, PositiveFinite
+from actors.runtime.config import custom
+from actors.runtime.config.constraints import (
+    FilePath,
+    Finite,
+    Fraction,
+    PositiveFinite,
+    PythonName,
+)
 from actors.runtime.config.schema_base import _Section
 
 
@@ -35,6 +42,11 @@ class EstimatorRow(_Section, frozen=True, tag_field="name"):
     @property
     def name(self) -> str:
         return str(type(self).__struct_config__.tag)
+
+    def code(self) -> str | custom.UserFunction:
+        """What ``kernels.advantages.compute_advantages`` runs: a built-in's name, or the loaded
+        function of a ``custom`` row."""
+        return self.name
 
     def kernel_options(self) -> dict:
         """``compute_advantages``' keyword arguments from this row's options."""
@@ -163,9 +175,33 @@ class Gdpo(_NormByStd, frozen=True, tag="gdpo"):
                              "none (all 1.0)")
 
 
+class Custom(EstimatorRow, frozen=True, tag="custom"):
+    """An estimator of your own: ``function`` of the Python file ``path``, called as the
+    built-ins are (docs/algorithms.md, "Your own loss or estimator")."""
+
+    unequal_groups: ClassVar[bool] = False  # its groups are AdvantageParams.group_size rows
+    path: FilePath
+    """The Python file, relative to the topology file's directory."""
+    function: PythonName
+    """The estimator in it: ``(token_level_rewards, response_mask, params, **kwargs)`` ->
+    ``(advantages, returns)``, ``params`` the built-ins' ``AdvantageParams``."""
+    kwargs: dict[str, Any] = {}
+    """Its own options, passed as keyword arguments (checked against its signature)."""
+    sha256: str = ""
+    """The file's sha256: filled in when the topology is loaded and recorded with the run; the
+    learner refuses the file when its content differs (so a rerun computes what the run did)."""
+
+    def code(self) -> custom.UserFunction:
+        return custom.load_function("algorithm.adv_estimator", self.path, self.function,
+                                    self.sha256, self.kwargs, "adv_estimator")
+
+    def kernel_options(self) -> dict:
+        return {}  # bound to the function by code()
+
+
 EstimatorChoice = (Grpo | DrGrpo | Rloo | ReinforcePlusPlus | ReinforcePlusPlusBaseline | Remax
                    | Gae | Opo | GrpoPassk | Gpg | OptimalTokenBaseline | TirOptimalTokenBaseline
-                   | Gdpo)
+                   | Gdpo | Custom)
 ROWS: dict[str, type[EstimatorRow]] = {
     str(row.__struct_config__.tag): row for row in EstimatorChoice.__args__}  # type: ignore[attr-defined]
 UNEQUAL_GROUP_ESTIMATORS = tuple(sorted(n for n, r in ROWS.items() if r.unequal_groups))

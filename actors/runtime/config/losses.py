@@ -12,9 +12,19 @@ options' old flat keys (``algorithm.tau_pos``, ...) as that table's, with a one-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from actors.runtime.config.constraints import Finite, NonNegFloat, PositiveFloat, Share
+import msgspec
+
+from actors.runtime.config import custom
+from actors.runtime.config.constraints import (
+    FilePath,
+    Finite,
+    NonNegFloat,
+    PositiveFloat,
+    PythonName,
+    Share,
+)
 from actors.runtime.config.schema_base import _Section
 
 if TYPE_CHECKING:
@@ -36,6 +46,15 @@ class PolicyLossRow(_Section, frozen=True, tag_field="name"):
     @property
     def name(self) -> str:
         return str(type(self).__struct_config__.tag)
+
+    def code(self) -> str | custom.UserFunction:
+        """What ``kernels.policy_losses.policy_loss`` runs: a built-in's name, or the loaded
+        function of a ``custom`` row."""
+        return self.name
+
+    def kernel_options(self) -> dict[str, Any]:
+        """The loss's own keyword arguments: a built-in row's fields (verl's names)."""
+        return msgspec.structs.asdict(self)
 
 
 class Vanilla(PolicyLossRow, frozen=True, tag="vanilla"):
@@ -127,7 +146,31 @@ class BypassMode(PolicyLossRow, frozen=True, tag="bypass_mode"):
         return correction.loss_type == "reinforce"  # ppo_clip: the clipped ratio corrects
 
 
+class Custom(PolicyLossRow, frozen=True, tag="custom"):
+    """A loss of your own: ``function`` of the Python file ``path``, called as the built-ins
+    are (docs/algorithms.md, "Your own loss or estimator")."""
+
+    path: FilePath
+    """The Python file, relative to the topology file's directory."""
+    function: PythonName
+    """The loss in it: ``(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
+    dual_clip, weights, loss_agg_mode, token_count, seq_count, norm_constant, **kwargs)`` ->
+    ``(loss, metrics)``."""
+    kwargs: dict[str, Any] = {}
+    """Its own options, passed as keyword arguments (checked against its signature)."""
+    sha256: str = ""
+    """The file's sha256: filled in when the topology is loaded and recorded with the run; the
+    learner refuses the file when its content differs (so a rerun computes what the run did)."""
+
+    def code(self) -> custom.UserFunction:
+        return custom.load_function("algorithm.policy_loss", self.path, self.function,
+                                    self.sha256, self.kwargs, "policy_loss")
+
+    def kernel_options(self) -> dict[str, Any]:
+        return {}  # bound to the function by code()
+
+
 PolicyLossChoice = (Vanilla | Gspo | Reinforce | Gpg | Cispo | Sapo | GeoMean | ClipCov | KlCov
-                    | DppoTv | DppoKl | Dro | BypassMode)
+                    | DppoTv | DppoKl | Dro | BypassMode | Custom)
 ROWS: dict[str, type[PolicyLossRow]] = {
     str(row.__struct_config__.tag): row for row in PolicyLossChoice.__args__}  # type: ignore[attr-defined]
