@@ -169,7 +169,9 @@ def test_no_check_restates_a_range_its_field_declares(path):
 PATH_KEYS = {"task.datasets[].path", "validation.datasets[].path", "reward.functions[].path",
              "reward.models[].path", "reward.models[].function_path", "agent.tools[].path",
              "agent.env.path", "security.keys_dir", "security.authorized_keys",
-             "model.path", "teacher.path"}  # ModelPath: a directory, or "default" (the embedded)
+             "model.path", "teacher.path",
+             # relative to the topology file's directory (load.py) where one is read
+             "algorithm.policy_loss.path", "algorithm.adv_estimator.path"}  # ModelPath: a directory, or "default" (the embedded)
 
 
 def path_keys(t: msgspec.inspect.Type, prefix: str = "") -> set[str]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TextIO
 
 from actors.offline.recorded import OfflineError, open_run, span
+from actors.runtime.config.custom import UserCodeError
 from actors.runtime.rundir import STATE_FILE, checkpoints, read_state
 
 EXCLUDED_PREFIXES = ("timing_s/", "perf/", "replay/")
@@ -141,6 +142,8 @@ def rerun(run_dir: str | Path, step: int, *, overrides: Sequence[str] = (),
     torch.set_num_threads(run.topology.learner.threads)
     try:
         return _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out)
+    except UserCodeError as exc:  # a user's own loss or estimator: changed, or raising
+        raise OfflineError(str(exc)) from None
     finally:
         torch.set_num_threads(threads)  # as it was: a caller in-process keeps its own setting
 

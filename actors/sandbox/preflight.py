@@ -16,6 +16,9 @@ What each role needs (how the job calls it, ``actors/sandbox/protocol.run_call``
 - ``env``: a class taking its ``kwargs``, with ``reset(prompt)`` and ``step(action)``.
 - ``rollout``: ``async def rollout(client, row)`` (``[agent.rollout]``, awaited on the child's
   asyncio loop).
+- ``policy_loss`` / ``adv_estimator``: a user's own loss or estimator
+  (``algorithm.policy_loss = {name = "custom"}``), called by the learner as the built-ins are
+  (``actors/runtime/config/custom.py``), with its ``kwargs``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from actors.runtime.config.custom import ROLES, call_problem
 from actors.sandbox.protocol import describe
 
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -125,6 +129,9 @@ def check_function(path: str, module: str, name: str, role: str, kwargs: list[st
             except TypeError as exc:
                 return f"{name}{signature} cannot be called as rollout(client, row): {exc}"
             return ""
+        case _ if role in ROLES:
+            problem = call_problem(obj, role, kwargs)
+            return f"{Path(path).name}: {problem}" if problem else ""
     signature = _signature(obj)  # a tool: its kwargs are bound by the job, the rest by the model
     if signature is not None:
         try:

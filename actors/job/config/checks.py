@@ -18,6 +18,8 @@ from actors.job.config.agent_checks import check_agent
 from actors.job.launchers.table import LAUNCHERS
 from actors.registry import KINDS
 from actors.runtime.config.engines import ENGINES, EngineRow, auto_engine
+from actors.runtime.config.estimators import Custom as CustomEstimator
+from actors.runtime.config.losses import Custom as CustomLoss
 from actors.runtime.config.placement import check_placement
 from actors.runtime.config.pools import check_served
 from actors.runtime.config.schema import DatasetConfig, Topology
@@ -66,6 +68,10 @@ def check(topology: Topology) -> None:
     for i, fn in enumerate(topology.reward.functions):
         need(not fn.path or Path(fn.path).is_file(), f"reward.functions[{i}].path",
              f"no file {fn.path!r}")
+    for key, row in (("policy_loss", topology.algorithm.policy_loss),
+                     ("adv_estimator", topology.algorithm.adv_estimator)):
+        if isinstance(row, (CustomLoss, CustomEstimator)):  # a user's own, from a file
+            need(Path(row.path).is_file(), f"algorithm.{key}.path", f"no file {row.path!r}")
     check_served(topology)
     _check_datasets(topology.task.datasets)
     _check_datasets(topology.validation.datasets, "validation.datasets")

@@ -21,10 +21,13 @@ from actors.job.launchers.table import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import refusal
+from actors.runtime.config.custom import file_sha256
 from actors.runtime.config.engines import ENGINES, auto_engine, engine_gpus
 from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
+from actors.runtime.config.estimators import Custom as CustomEstimator
 from actors.runtime.config.gpus import visible_gpus
 from actors.runtime.config.losses import ROWS as LOSS_ROWS
+from actors.runtime.config.losses import Custom as CustomLoss
 from actors.runtime.config.schema import LearnerConfig, SamplerConfig, Topology
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import resolve_transport
@@ -174,12 +177,22 @@ def _derived(topology: Topology) -> Topology:
               and shares_learners_gpu(L, s))
     L = msgspec.structs.replace(L, weights_transport=resolve_transport(
         L.weights_transport, weights_address=L.weights_address, hosts=across, beside=beside))
+    a = topology.algorithm  # a user's own loss or estimator: its file's content, recorded
+    a = msgspec.structs.replace(a, **{key: _hashed(getattr(a, key)) for key in ROWS})
     v = topology.validation  # validation samples like the sampler unless told otherwise
     v = msgspec.structs.replace(
         v, temperature=s.temperature if v.temperature is None else v.temperature,
         top_p=s.top_p if v.top_p is None else v.top_p,
         max_tokens=s.max_tokens if v.max_tokens is None else v.max_tokens)
-    return msgspec.structs.replace(topology, sampler=s, learner=L, validation=v)
+    return msgspec.structs.replace(topology, sampler=s, learner=L, validation=v, algorithm=a)
+
+
+def _hashed(row: msgspec.Struct) -> msgspec.Struct:
+    """A ``custom`` row with its file's sha256 (the learner refuses another content); a row
+    that has one (a recorded run's topology) keeps it."""
+    if not isinstance(row, CustomLoss | CustomEstimator) or row.sha256:
+        return row
+    return msgspec.structs.replace(row, sha256=file_sha256(row.path))
 
 
 def shares_learners_gpu(learner: LearnerConfig, sampler: SamplerConfig,
@@ -231,4 +244,15 @@ def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
         raise ConfigError(f"topology file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return decode_topology(apply_overrides(data, list(overrides)))
+    return decode_topology(_beside(apply_overrides(data, list(overrides)), path.parent))
+
+
+def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A user's own loss or estimator file (``algorithm.policy_loss.path``) is named relative
+    to the topology file's directory: it belongs with the topology, wherever the job starts."""
+    algorithm = data.get("algorithm")
+    for key in ROWS:
+        row = algorithm.get(key) if isinstance(algorithm, dict) else None
+        if isinstance(row, dict) and isinstance(row.get("path"), str) and row["path"]:
+            row["path"] = str((folder / Path(row["path"]).expanduser()).resolve())
+    return data

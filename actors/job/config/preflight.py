@@ -16,9 +16,10 @@ reason``, exit 2 from the runner) when:
   that is not a prompt); in a file with images, any row whose ``<image>`` placeholders do not
   match its images, or whose image is missing or does not decode (the error names the row and
   the column: found here, never mid-run);
-- a user's reward function, tool or environment does not import (the file's own error with its
-  line), does not define the name, or cannot be called as its role calls it (verl's
-  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` for rewards).
+- a user's reward function, tool, environment, policy loss or advantage estimator does not
+  import (the file's own error with its line), does not define the name, or cannot be called as
+  its role calls it (verl's ``compute_score(data_source, solution_str, ground_truth,
+  extra_info)`` for rewards, the built-ins' arguments and its ``kwargs`` for a loss).
 
 The model and user code are checked in sandboxed children (``actors/sandbox/preflight.py``,
 through ``Children``): the runner never imports a user's file or transformers. Results are
@@ -38,6 +39,8 @@ from typing import Any
 import anyio
 import msgspec
 
+from actors.runtime.config.estimators import Custom as CustomEstimator
+from actors.runtime.config.losses import Custom as CustomLoss
 from actors.runtime.config.schema import Topology
 from actors.runtime.config.schema_base import ConfigError
 
@@ -67,6 +70,12 @@ def user_code(topology: Topology) -> list[tuple[str, dict[str, Any]]]:
         out.append(("agent.rollout.path", {"path": A.rollout.path, "module": "",
                                            "name": A.rollout.name, "role": "rollout",
                                            "kwargs": []}))
+    for role, row in (("policy_loss", topology.algorithm.policy_loss),
+                      ("adv_estimator", topology.algorithm.adv_estimator)):
+        if isinstance(row, (CustomLoss, CustomEstimator)):
+            out.append((f"algorithm.{role}", {"path": row.path, "module": "",
+                                              "name": row.function, "role": role,
+                                              "kwargs": sorted(row.kwargs)}))
     return [(key, {**args, "index": n}) for n, (key, args) in enumerate(out)]
 
 
