@@ -24,7 +24,7 @@ from actors.runtime.actor import ActorContext
 from actors.runtime.config.pools import RULES_POOL, model_replica
 from actors.runtime.zmq_bridge import AsyncSocket
 from actors.scoring.items import items_of
-from actors.scoring.scorer import Scoring
+from actors.scoring.scorer import Scoring, job_rules
 from actors.scoring.served import ServedScoring
 from messages.codec import Codec, DecodeError, encode
 from messages.reward import ScoreReply, ToRewardWorker
@@ -77,7 +77,7 @@ async def reward_actor(ctx: ActorContext, *, task_status) -> None:
     replica = model_replica(cfg, ctx.index)  # None: a rule worker (attached: -1, or --pool)
     scoring: Scoring | ServedScoring
     if replica is None:
-        scoring, pool, capacity = Scoring(cfg), POOL, cfg.capacity
+        scoring, pool, capacity = Scoring(cfg, job_rules(ctx.topology)), POOL, cfg.capacity
     else:
         entry, _ = replica
         scoring = ServedScoring(entry, ctx.topology, label=f"{ctx.name} {ctx.run_dir}")

@@ -418,3 +418,21 @@ def test_function_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = reward_config('{path="mine.py"}', '{builtin="gsm8k"}')
     assert cfg.functions[0].path == str(tmp_path / "mine.py") and cfg.functions[1].path == ""
+
+
+def test_a_scoring_child_imports_only_the_libraries_the_jobs_prompts_can_call_for():
+    """With no ``[[reward.functions]]`` every child built-in has a child function, but a child
+    imports a library at its start only for the rules the job's datasets can call for
+    (``job_rules``): a job without reasoning-gym or verifiers prompts never waits for their
+    imports, at its start or at a child's restart."""
+    from actors.scoring.scorer import job_rules
+
+    plain = decode_topology(apply_overrides({}, []))
+    assert job_rules(plain) == {"math"}
+    gym = decode_topology(apply_overrides({}, [
+        'task.datasets=[{reasoning_gym={name="leg_counting", size=50}}]']))
+    assert job_rules(gym) == {"math", "reasoning_gym"}
+    preloads = {s.name: s.preload for s in Scoring(plain.reward, job_rules(plain)).children.functions}
+    assert preloads["math"] and not preloads["reasoning_gym"] and not preloads["verifiers"]
+    preloads = {s.name: s.preload for s in Scoring(gym.reward, job_rules(gym)).children.functions}
+    assert preloads["reasoning_gym"] == ("reasoning_gym",) and not preloads["verifiers"]

@@ -30,7 +30,7 @@ from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.strategies import start_strategy
 from actors.scoring.combine import combine
 from actors.scoring.items import items_of
-from actors.scoring.scorer import Scoring
+from actors.scoring.scorer import Scoring, job_rules
 from actors.scoring.served import ServedScoring
 from messages.reward import ScoreReply, ScoreRequest
 from messages.rollout import SamplingParams, ScoredGroup
@@ -47,7 +47,7 @@ class LocalScoring:
     def __init__(self, topo: Topology) -> None:
         self.targets = score_targets(topo.reward)
         self.scorers: dict[str, Scoring | ServedScoring] = {
-            name: Scoring(topo.reward) if name == RULES_POOL else
+            name: Scoring(topo.reward, job_rules(topo)) if name == RULES_POOL else
             ServedScoring(next(m for m in topo.reward.models if m.name == name), topo)
             for name, _ in self.targets}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from actors.runtime.config import RewardConfig, RewardFunction
+from actors.runtime.config import RewardConfig, RewardFunction, Topology
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome, run_call
 from actors.scoring.items import ScoreItem, verl_arguments
@@ -66,10 +66,21 @@ def _label(fn: RewardFunction) -> str:
     return fn.builtin or f"{Path(fn.path).stem}.{fn.name}"
 
 
-class Scoring:
-    """Scores items as ``cfg`` says."""
+def job_rules(topology: Topology) -> frozenset[str]:
+    """The child built-ins whose libraries a job's prompts may call for: ``math`` (a file's rows
+    name their own data source), and ``reasoning_gym`` and ``verifiers`` only where a dataset
+    is one of theirs. A scoring child imports these at its start; the others only if called
+    (verifiers' import alone takes seconds, paid again by every restarted child)."""
+    datasets = [*topology.task.datasets, *topology.validation.datasets]
+    return frozenset({"math"} | {name for name in ("reasoning_gym", "verifiers")
+                                 for d in datasets if getattr(d, name) is not None})
 
-    def __init__(self, cfg: RewardConfig) -> None:
+
+class Scoring:
+    """Scores items as ``cfg`` says; ``rules``: the child built-ins whose libraries a child
+    imports at its start when ``cfg`` lists no functions (``job_rules``)."""
+
+    def __init__(self, cfg: RewardConfig, rules: frozenset[str] = IN_CHILD) -> None:
         self.cfg = cfg
         child_specs: list[FunctionSpec] = []
         self._components: list[_Component] = []
@@ -89,7 +100,8 @@ class Scoring:
         if not cfg.functions:
             for name in sorted(IN_CHILD):
                 self._by_source_child[name] = len(child_specs)
-                child_specs.append(builtin_spec(name))
+                child_specs.append(builtin_spec(name) if name in rules else
+                                   FunctionSpec(module="actors.scoring.rules", name=name))
         self.children = Children(child_specs, size=cfg.processes, timeout_s=cfg.timeout_s,
                               memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_s, limits_key="reward")
         self._items = self._errors = 0
