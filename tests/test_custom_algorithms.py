@@ -169,6 +169,10 @@ def test_the_path_is_relative_to_the_topology_files_directory(files, tmp_path, m
     assert len(row.sha256) == 64
     with pytest.raises(ConfigError, match=r"^algorithm\.policy_loss\.path: no file '/.*/gone\.py'$"):
         load_topology(files / "topology.toml", ["algorithm.policy_loss.path=gone.py"])
+    with pytest.raises(ConfigError, match=r"^algorithm\.adv_estimator\.name: 'mine' is not one of .*"
+                                          r", custom \(a function of your own from a file: "
+                                          r"name = \"custom\", function = 'mine'\)$"):
+        decode_topology({"algorithm": {"adv_estimator": {"name": "mine", "path": "x.py"}}})
     with pytest.raises(ConfigError, match=r"^algorithm\.policy_loss\.function: must be set$"):
         decode_topology({"algorithm": {"policy_loss": {"name": "custom", "path": "x.py"}}})
 
@@ -196,6 +200,25 @@ def test_a_loss_that_raises_names_its_file_and_line(tiny_model, tmp_path):
                                  "raised: bad.py line 2: ValueError: no loss today")
 
 
+@pytest.mark.parametrize(("role", "body", "said"), [
+    ("policy_loss", "return logprobs.sum(-1), {}",
+     "returned (a tensor of shape (6,), dict), not (loss, metrics): a scalar tensor and a dict"),
+    ("policy_loss", "return logprobs.sum()",
+     "returned Tensor, not (loss, metrics): a scalar tensor and a dict"),
+    ("adv_estimator", "return logprobs[:, :1], logprobs[:, :1]",
+     "returned (a tensor of shape (6, 1), a tensor of shape (6, 1)), not (advantages, returns): "
+     "two tensors of the rewards' shape (6, 9)")])
+def test_a_result_of_the_wrong_shape_names_the_file(tmp_path, role, body, said):
+    (tmp_path / "f.py").write_text(f"def f(logprobs, *args, **kw):\n    {body}\n")
+    key = "policy_loss" if role == "policy_loss" else "adv_estimator"
+    row = topology(f"algorithm.{key}.path={tmp_path / 'f.py'}", f"algorithm.{key}.name=custom",
+                   f"algorithm.{key}.function=f")
+    fn = getattr(row.algorithm, key).code()
+    with pytest.raises(UserCodeError) as caught:
+        fn(inputs(0)[0], None, None)
+    assert str(caught.value) == f"algorithm.{key}: f in {tmp_path / 'f.py'} {said}"
+
+
 def test_a_changed_file_is_refused_by_the_learner(tiny_model, tmp_path, files):
     topo = [f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS]
     row = topology(*topo).algorithm.policy_loss
@@ -214,9 +237,9 @@ def test_a_job_trains_with_a_loss_from_a_file_and_reruns_exactly(tiny_model, tmp
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
 
-    def rerun() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "runner.py", "rerun", str(run_dir), "--step", "2"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    def rerun(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "runner.py", "rerun", str(run_dir), "--step", "2",
+                               *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     again = rerun()
     assert again.returncode == 0 and "result: match — all" in again.stdout, \
@@ -228,3 +251,5 @@ def test_a_job_trains_with_a_loss_from_a_file_and_reruns_exactly(tiny_model, tmp
     (line,) = changed.stderr.strip().splitlines()
     assert line.startswith("error: algorithm.policy_loss.path: ") and \
         "my_loss.py changed since the topology was loaded" in line
+    # on purpose: the new file (the same computation here: the run sets negative_scale)
+    assert rerun('algorithm.policy_loss.sha256=""').returncode == 0

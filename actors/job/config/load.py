@@ -120,7 +120,9 @@ def _named_table(algorithm: dict[str, Any], key: str) -> None:
         return
     name = table.setdefault("name", default)  # a table without a name: the default's options
     if name not in rows:
-        raise ConfigError(f"algorithm.{key}.name: {name!r} is not one of {', '.join(rows)}")
+        mine = (f" (a function of your own from a file: name = \"custom\", function = "
+                f"{name!r})" if "path" in table else "")
+        raise ConfigError(f"algorithm.{key}.name: {name!r} is not one of {', '.join(rows)}{mine}")
     for option, value in flat.items():
         if option in rows[name].__struct_fields__:
             table.setdefault(option, value)

@@ -85,8 +85,9 @@ class UserFunction:
     (or a result of the wrong shape) turned into a ``UserCodeError`` naming the file, so the
     learner's failure says whose code failed and where."""
 
-    def __init__(self, key: str, path: str, fn: Callable, kwargs: Mapping[str, Any]) -> None:
-        self.key, self.path, self.fn, self.kwargs = key, path, fn, dict(kwargs)
+    def __init__(self, key: str, path: str, fn: Callable, kwargs: Mapping[str, Any],
+                 role: str) -> None:
+        self.key, self.path, self.fn, self.kwargs, self.role = key, path, fn, dict(kwargs), role
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, *args: Any, **kw: Any) -> Any:
@@ -95,14 +96,33 @@ class UserFunction:
         except Exception as exc:
             raise UserCodeError(f"{self.key}: {self.__name__} in {self.path} raised: "
                                 f"{where_raised(exc, self.path)}") from exc
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise UserCodeError(f"{self.key}: {self.__name__} in {self.path} returned "
-                                f"{type(out).__name__}, not a pair ({self._returns()})")
+        problem = self._unlike(out, args[0])
+        if problem:
+            raise UserCodeError(f"{self.key}: {self.__name__} in {self.path} returned {problem}")
         return out
 
-    def _returns(self) -> str:
-        return ("(loss, metrics): a scalar tensor and a dict" if self.key.endswith("policy_loss")
-                else "(advantages, returns): two (N, T) tensors")
+    def _unlike(self, out: Any, first: Any) -> str:
+        """What is wrong with the result ``out`` of a call whose first argument is ``first``
+        (the estimator's rewards, whose shape the advantages have): "" when nothing."""
+        if not (isinstance(out, tuple) and len(out) == 2):
+            got = type(out).__name__
+        elif self.role == "policy_loss":
+            if getattr(out[0], "ndim", None) == 0 and isinstance(out[1], dict):
+                return ""
+            got = f"({_shape(out[0])}, {type(out[1]).__name__})"
+        else:
+            if all(getattr(t, "shape", None) == first.shape for t in out):
+                return ""
+            got = f"({_shape(out[0])}, {_shape(out[1])})"
+        wanted = ("(loss, metrics): a scalar tensor and a dict" if self.role == "policy_loss"
+                  else f"(advantages, returns): two tensors of the rewards' shape "
+                       f"{tuple(first.shape)}")
+        return f"{got}, not {wanted}"
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"a tensor of shape {tuple(shape)}" if shape is not None else type(value).__name__
 
 
 def load_function(key: str, path: str, function: str, sha256: str, kwargs: Mapping[str, Any],
@@ -131,7 +151,7 @@ def load_function(key: str, path: str, function: str, sha256: str, kwargs: Mappi
     problem = call_problem(fn, role, list(kwargs))
     if problem:
         raise UserCodeError(f"{key}.function: {problem}")
-    return UserFunction(key, path, fn, kwargs)
+    return UserFunction(key, path, fn, kwargs, role)
 
 
 @functools.cache
