@@ -244,6 +244,18 @@ def test_a_job_trains_with_a_loss_from_a_file_and_reruns_exactly(tiny_model, tmp
     again = rerun()
     assert again.returncode == 0 and "result: match — all" in again.stdout, \
         again.stdout[-4000:] + again.stderr[-4000:]
+    # a bundle carries the file: it reruns exactly wherever the file is not
+    packed = subprocess.run([sys.executable, "runner.py", "bundle", str(run_dir), "--step", "2",
+                             "-o", str(tmp_path / "step2.tar")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert packed.returncode == 0, packed.stdout + packed.stderr
+    (files / "my_loss.py").rename(files / "away.py")
+    bundled = subprocess.run([sys.executable, str(ROOT / "runner.py"), "rerun",
+                              str(tmp_path / "step2.tar")], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert bundled.returncode == 0 and "result: match — all" in bundled.stdout, \
+        bundled.stdout[-4000:] + bundled.stderr[-4000:]
+    (files / "away.py").rename(files / "my_loss.py")
     (files / "my_loss.py").write_text(example("my_loss.py").replace("negative_scale=1.0",
                                                                     "negative_scale=2.0"))
     changed = rerun()

@@ -5,7 +5,8 @@ The file is a tar archive of a small run directory: the run's topology; the chec
 rerun starts from (the newest of a step ≤ N−1, as ``rerun`` picks it; none: the base model with
 a fresh optimizer); the recorded batches and metrics of the steps from there to N and the groups
 those batches hold; the base model's files, unless it is the embedded default model every
-install has (a reference model or a base-model rerun reads them); and ``bundle.json``: the step,
+install has (a reference model or a base-model rerun reads them); the file of a user's own loss
+or estimator (``name = "custom"``; alone: a neighbour it imports is not packed); and ``bundle.json``: the step,
 the run it came from, and the versions of Python, torch, transformers and flowrl, the machine
 and the learner's thread count it was made with. ``rerun FILE`` unpacks it into a temporary
 folder, says where those differ from its own, and reruns the step there: exact where they
@@ -82,17 +83,40 @@ def bundle(run_dir: str | Path, step: int, out_file: str | Path) -> Path:
         (mini / TOPOLOGY).write_text(json.dumps(topology))
         if ckpt is not None:
             shutil.copytree(ckpt, mini / CHECKPOINTS / ckpt.name)
+        code = _user_code(topology["algorithm"], mini)
         default = model == DEFAULT_MODEL or Path(model).resolve() == model_dir(DEFAULT_MODEL)
         if not default:
             shutil.copytree(model, mini / "model")
         (mini / MANIFEST).write_text(json.dumps({
             "step": step, "run": str(run.run_dir), "from": ckpt.name if ckpt else "base model",
-            "model": DEFAULT_MODEL if default else "model",
+            "model": DEFAULT_MODEL if default else "model", "code": code,
             "versions": versions(run.topology.learner.threads)}, indent=1))
         out = Path(out_file)
         with tarfile.open(out, "w") as tar:
             tar.add(mini, arcname=ROOT)
     return out
+
+
+def _user_code(algorithm: dict, mini: Path) -> dict[str, str]:
+    """Copy the files of the run's own loss and estimator (``name = "custom"``) into the bundle
+    (``code/KEY/NAME.py``); their names there, by key. A file that changed since the run is
+    refused here, as the rerun would refuse it."""
+    from actors.runtime.config.custom import file_sha256
+
+    code = {}
+    for key in ("policy_loss", "adv_estimator"):
+        row = algorithm.get(key)
+        if not isinstance(row, dict) or not row.get("path"):
+            continue
+        path = Path(row["path"])
+        if not path.is_file() or file_sha256(path) != row.get("sha256"):
+            raise OfflineError(f"algorithm.{key}.path: {path} is gone or changed since the run "
+                               "(its sha256 is not the one recorded): the bundle could not rerun")
+        name = f"code/{key}/{path.name}"
+        (mini / name).parent.mkdir(parents=True)
+        shutil.copy(path, mini / name)
+        code[key] = name
+    return code
 
 
 def rerun_bundle(path: str | Path, step: int | None = None, *, overrides: Sequence[str] = (),
@@ -119,6 +143,8 @@ def rerun_bundle(path: str | Path, step: int | None = None, *, overrides: Sequen
               "=== made elsewhere (" + "; ".join(unlike) + "): expect differences of float "
               "rounding, each quantity's in the table", file=out)
         model = str(mini / "model") if manifest["model"] == "model" else manifest["model"]
+        code = [f"algorithm.{key}.path={mini / name}"
+                for key, name in manifest.get("code", {}).items()]
         return rerun(mini, manifest["step"] if step is None else step,
-                     overrides=[f"model.path={model}", *overrides], dump=dump,
+                     overrides=[f"model.path={model}", *code, *overrides], dump=dump,
                      dump_dir=dump_dir, out=out)
