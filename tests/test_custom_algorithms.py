@@ -142,6 +142,9 @@ BAD = [
      " weights, loss_agg_mode, token_count, seq_count, norm_constant, scale=1.0):\n    pass\n",
      "my_loss", ["scale", "tau"], "takes no option 'tau' (kwargs)"),
     ("my_loss = 3\n", "my_loss", [], "my_loss is a int, not a function"),
+    ("def my_loss(logprobs, old_logprobs, advantages, mask, **kw):\n    pass\n", "my_loss",
+     ["clip_low"], "my_loss.py: its kwargs name 'clip_low', which the learner passes itself to "
+     "a policy loss"),
 ]
 
 

@@ -56,6 +56,10 @@ def call_problem(fn: Callable, role: str, kwargs: Sequence[str]) -> str:
     except (TypeError, ValueError):  # a builtin without one: nothing to check
         return ""
     params = signature.parameters.values()
+    passed = [k for k in kwargs if k in (*arguments, *keywords)]
+    if passed:
+        return (f"its kwargs name {', '.join(map(repr, passed))}, which the learner passes "
+                f"itself to {what} (the [algorithm] keys set them)")
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         takes = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
         unknown = [k for k in kwargs if k not in takes]
