@@ -88,3 +88,23 @@ def test_parts_written_before_a_column_was_added_read_with_nulls_there(tmp_path)
     w.flush()
     rows = read_table(tmp_path, "batches").to_pylist()
     assert [(r["step"], r["threads"]) for r in rows] == [(1, None), (2, [2, 3, 1, 6])]
+
+
+def test_a_forked_process_is_an_incarnation_of_its_own():
+    """Actors are forked from a fork server that imported this module once: a restarted
+    actor, or one of another job forked from the same server, must not write parts under its
+    predecessor's names (it would replace them)."""
+    import os
+
+    from actors.runtime import recording
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, recording.INCARNATION.encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child and child != recording.INCARNATION and child > recording.INCARNATION

@@ -54,6 +54,16 @@ from messages.rollout import ScoredGroup
 
 INCARNATION = f"{time.time_ns():020d}"  # this process's parts sort after any earlier process's
 
+
+def _new_incarnation() -> None:
+    """A forked process is another incarnation than the one it was forked from (an actor forked
+    by the fork server, restarted or of another job, writes parts of its own)."""
+    global INCARNATION
+    INCARNATION = f"{time.time_ns():020d}"
+
+
+os.register_at_fork(after_in_child=_new_incarnation)
+
 _str, _i64, _f64 = pa.string(), pa.int64(), pa.float64()
 
 SCHEMAS: dict[str, pa.Schema] = {
