@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -45,6 +47,39 @@ def pytest_collection_modifyitems(config, items):
     files move, so a module's fixtures still start once."""
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: (item.path.name != LONGEST, item.path not in slow))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server_zygote():
+    """One zygote per test session (each worker): the jobs the tests start fork their fork
+    server from it instead of importing torch, transformers and the actors' bodies again
+    (``actors/job/launchers/forkserver.py``; a tiny job's CPU is mostly those imports). A
+    runner whose environment is not the session's, or that runs in a session of its own,
+    starts its fork server afresh, as users' runners do. ``FLOWRL_FORKSERVER_ZYGOTE=0``: no
+    zygote."""
+    from actors.job.launchers.base import ACTOR_ENV
+    from actors.job.launchers.forkserver import ZYGOTE_ENV
+
+    if os.environ.get(ZYGOTE_ENV) == "0":
+        yield
+        return
+    folder = tempfile.mkdtemp(dir="/tmp", prefix="flowrl-zygote-")
+    path = os.path.join(folder, "zygote")
+    process = subprocess.Popen([sys.executable, "-m", "actors.job.launchers.forkserver",
+                                "--zygote", path], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **ACTOR_ENV})  # a fork server's environment
+    assert process.stdout is not None
+    ready = process.stdout.readline().strip() == "zygote ready"  # before the first job asks
+    if ready:
+        os.environ[ZYGOTE_ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        process.kill()
+        process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -119,3 +119,30 @@ def test_preload_never_asks_a_hub(tmp_path: Path) -> None:
     finally:
         server.shutdown()
     assert requests == []
+
+
+def test_a_runner_beside_the_sessions_zygote_forks_its_server_from_it(tiny_model, tmp_path):
+    """The test session's zygote (``conftest.fork_server_zygote``) forks the fork server of a
+    runner started with the session's environment: already imported, in the runner's process
+    group, its output the runner's, and it goes with a killed runner as one started afresh."""
+    from actors.job.launchers.forkserver import ZYGOTE_ENV
+
+    assert os.environ.get(ZYGOTE_ENV, "0") != "0", "this session started no zygote"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=1000",
+                                    "run.status_interval=0.5"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        actors = running_actors(run_dir, proc)
+        (server,) = {ppid(pid) for pid in actors.values()}
+        assert b"actors.job.launchers.forkserver" in args_of(server)
+        assert b"--zygote" in args_of(ppid(server)) and ppid(server) != proc.pid
+        assert os.getpgid(server) == os.getpgid(proc.pid)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while actor_pids(run_dir) or args_of(server):
+            assert time.monotonic() < deadline, "the fork server or an actor outlived the runner"
+            time.sleep(0.1)
+    finally:
+        reap(proc)

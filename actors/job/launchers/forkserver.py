@@ -19,6 +19,14 @@ like any other.
 Protocol, one JSON object per line on a socket pair: the runner sends ``{"args", "env", "log",
 "cwd"}``; the server answers ``{"pid"}`` (or ``{"error"}``) in order, and ``{"exit", "code"}``
 whenever one of its actors ends (``code`` as ``Popen.returncode``: -N for signal N).
+
+A zygote (``python -m actors.job.launchers.forkserver --zygote SOCKET``, named to runners by
+``FLOWRL_FORKSERVER_ZYGOTE=SOCKET``) does the imports once for many jobs: each runner's fork
+server is forked from it instead of started afresh, then is the same server as above (its
+socket, output, working directory, environment and process group the runner's). Many jobs in
+a row on one machine (the test suites start hundreds) save a fork server's imports each. The
+zygote serves only a runner whose environment is its own (volatile keys aside) in its own
+session; any other starts its fork server afresh, as without one.
 """
 
 from __future__ import annotations
@@ -199,17 +207,164 @@ class Forked:
         self._signal(signal.SIGKILL)
 
 
+MODULE = "actors.job.launchers.forkserver"  # this module's name, also where it runs as __main__
+ZYGOTE_ENV = "FLOWRL_FORKSERVER_ZYGOTE"  # a zygote's socket: runners ask it for their server
+# keys that may differ between the zygote's environment and a runner's it serves: none is
+# read by an import (the server takes the runner's environment before it imports more)
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST", ZYGOTE_ENV, "_", "SHLVL", "PWD", "OLDPWD",
+                      "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR"})
+
+
+def zygote(path: str) -> None:
+    """Import what every job's fork server imports (every actor kind's body, the CPU's
+    engine's modules, the llama architecture), then fork a fork server for each runner that
+    asks on the unix socket ``path`` (``FromZygote``), until killed."""
+    from actors.registry import BY_NAME, NAMES
+    from actors.runtime.config.engines import ENGINES, FALLBACK
+
+    own = {k: v for k, v in os.environ.items() if k not in VOLATILE}  # (imports may add keys)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for kind in NAMES:
+        BY_NAME[kind].body()
+    for name in (*ENGINES[FALLBACK].preload, "transformers.models.llama.modeling_llama"):
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(16)
+    signal.signal(signal.SIGCHLD, lambda *_: _reap_all())
+    print("zygote ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            try:
+                request = json.loads(data)
+                env = request["env"]
+                differs = sorted(k for k in own.keys() ^ env.keys() | {
+                    k for k in own.keys() & env.keys() if own[k] != env[k]} if k not in VOLATILE)
+                if differs:
+                    reply: dict[str, Any] = {"error": f"environment differs in {differs[:3]}"}
+                elif len(fds) != 3 or (other := _context(request["pid"])) != _context(0):
+                    reply = {"error": f"another process context ({other})"}
+                else:
+                    reply = {"pid": _zygote_fork(request, fds, listener, conn)}
+            except Exception as exc:  # noqa: BLE001 - the runner starts its server itself
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps(reply).encode())
+
+
+def _context(pid: int) -> tuple:
+    """What a process that forks a fork server hands on that its environment does not say:
+    its session, namespaces (a runner under ``ip netns exec`` binds there), cgroups, resource
+    limits, CPUs, user and groups, and niceness. ``pid`` 0: this process."""
+    proc = f"/proc/{pid or os.getpid()}"
+    spaces = tuple(os.readlink(f"{proc}/ns/{ns}") for ns in sorted(os.listdir(f"{proc}/ns")))
+    status = [line for line in Path(f"{proc}/status").read_text().splitlines()
+              if line.startswith(("Uid:", "Gid:", "Groups:"))]
+    return (os.getsid(pid), spaces, Path(f"{proc}/cgroup").read_text(),
+            Path(f"{proc}/limits").read_text(), sorted(os.sched_getaffinity(pid)), status,
+            os.getpriority(os.PRIO_PROCESS, pid))
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _zygote_fork(request: dict[str, Any], fds: list[int], *sockets: socket.socket) -> int:
+    """Fork a fork server for the runner that sent ``request``: ``fds`` are its end of the
+    runner's socket pair, then the runner's stdout and stderr."""
+    pgid = os.getpgid(request["pid"])
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sock in sockets:
+            sock.close()
+        os.setpgid(0, pgid)  # as the runner's own child would be: a Ctrl-C reaches it alike
+        os.dup2(fds[1], 1)
+        os.dup2(fds[2], 2)
+        os.close(fds[1])
+        os.close(fds[2])
+        try:
+            from setproctitle import setproctitle
+        except ImportError:
+            pass
+        else:
+            setproctitle(subprocess.list2cmdline([sys.executable, "-m", MODULE, str(fds[0]),
+                                                  *request["argv"][1:]]))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        serve(fds[0], request["kinds"], request["model"], request["modules"])
+    except BaseException:  # noqa: BLE001 - as a server started afresh would say it
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+class ZygoteForked:
+    """A fork server forked by the zygote, as ``ForkServer.process`` (the zygote reaps it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._fd, selectors.EVENT_READ)
+        sel.select()  # readable once the process has exited
+        sel.close()
+        os.close(self._fd)
+
+
+def from_zygote(path: str, argv: list[str], kinds: Sequence[str], model: str,
+                modules: Sequence[str], env: dict[str, str], cwd: Path,
+                theirs: socket.socket) -> ZygoteForked | None:
+    """A fork server forked by the zygote at ``path`` for this runner, or None where it
+    cannot serve this runner (gone, or another environment or session)."""
+    request = {"pid": os.getpid(), "argv": argv, "kinds": list(kinds), "model": model,
+               "modules": list(modules), "env": env, "cwd": str(cwd)}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(30)
+            conn.connect(path)
+            socket.send_fds(conn, [json.dumps(request).encode()],
+                            [theirs.fileno(), sys.stdout.fileno(), sys.stderr.fileno()])
+            reply = json.loads(conn.recv(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return ZygoteForked(reply["pid"]) if "pid" in reply else None
+
+
 class ForkServer:
     """The runner's side: starts the server, asks it for actors, follows their exits."""
 
     def __init__(self, kinds: Sequence[str], model: str, modules: Sequence[str],
                  env: dict[str, str], cwd: Path) -> None:
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), ",".join(kinds), model,
-             *modules],
-            cwd=cwd,
-            env={**os.environ, **env}, pass_fds=(theirs.fileno(),))
+        argv = [str(theirs.fileno()), ",".join(kinds), model, *modules]
+        full = {**os.environ, **env}
+        zygote_path = os.environ.get(ZYGOTE_ENV)
+        self.process: subprocess.Popen | ZygoteForked | None = None
+        if zygote_path:
+            self.process = from_zygote(zygote_path, argv, kinds, model, modules, full, cwd, theirs)
+        if self.process is None:
+            self.process = subprocess.Popen([sys.executable, "-m", __name__, *argv], cwd=cwd,
+                                            env=full, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._sock = ours
         self._children: dict[int, Forked] = {}
@@ -265,9 +420,13 @@ class ForkServer:
         """End the server (at the job's end: its actors have exited; any left see their parent
         go and end themselves)."""
         self._sock.close()
+        assert self.process is not None
         self.process.kill()
         self.process.wait()
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:])
+    if sys.argv[1] == "--zygote":
+        zygote(sys.argv[2])
+    else:
+        serve(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4:])
