@@ -62,8 +62,8 @@ def kinds(t: msgspec.inspect.Type) -> set[str]:
             return {"none"}
         case msgspec.inspect.ListType() | msgspec.inspect.TupleType() | msgspec.inspect.VarTupleType():
             return {"list"}
-        case msgspec.inspect.DictType():
-            return {"table"}
+        case msgspec.inspect.DictType() | msgspec.inspect.StructType():
+            return {"table"}  # (a section or a row given whole: {} is its defaults)
     return {"other"}
 
 

@@ -171,7 +171,8 @@ PATH_KEYS = {"task.datasets[].path", "validation.datasets[].path", "reward.funct
              "agent.env.path", "security.keys_dir", "security.authorized_keys",
              "model.path", "teacher.path",
              # relative to the topology file's directory (load.py) where one is read
-             "algorithm.policy_loss.path", "algorithm.adv_estimator.path"}  # ModelPath: a directory, or "default" (the embedded)
+             "algorithm.policy_loss.path", "algorithm.adv_estimator.path",
+             "task.datasets[].verifiers.path", "validation.datasets[].verifiers.path"}  # ModelPath: a directory, or "default" (the embedded)
 
 
 def path_keys(t: msgspec.inspect.Type, prefix: str = "") -> set[str]:
@@ -194,15 +195,22 @@ def test_the_path_fields_are_the_ones_made_absolute():
     assert path_keys(msgspec.inspect.type_info(Topology)) == PATH_KEYS
     relative = {"task": {"datasets": [{"path": "d.jsonl"}]},
                 "validation": {"datasets": [{"path": "v.jsonl"}]},
+                "algorithm": {"policy_loss": {"name": "custom", "path": "l.py", "function": "f"},
+                              "adv_estimator": {"name": "custom", "path": "a.py",
+                                                "function": "f"}},
                 "reward": {"functions": [{"path": "f.py"}],
                            "models": [{"kind": "judge", "name": "p", "path": "rm",
                                        "function_path": "j.py"}]},
                 "security": {"curve": True, "keys_dir": "keys", "authorized_keys": "a.key"},
                 "model": {"path": "m"}, "teacher": {"path": "m"},
                 "run": {"dir": "runs/x", "socket_dir": "s"}}
-    # tools, an environment and a rollout function exclude each other: one topology each
-    agents = [{"tools": [{"path": "t.py", "name": "t"}]}, {"env": {"path": "e.py", "name": "E"}},
-              {"rollout": {"path": "r.py", "branches": "last"}}]
+    # tools, an environment and a rollout function exclude each other, as a dataset's file and
+    # its verifiers environment do: one topology each
+    variants = [{"agent": {"tools": [{"path": "t.py", "name": "t"}]}},
+                {"agent": {"env": {"path": "e.py", "name": "E"}}},
+                {"agent": {"rollout": {"path": "r.py", "branches": "last"}}},
+                {"task": {"datasets": [{"verifiers": {"path": "te.py"}}]},
+                 "validation": {"datasets": [{"verifiers": {"path": "ve.py"}}]}}]
 
     def leaves(value, prefix=""):
         if isinstance(value, dict):
@@ -213,8 +221,8 @@ def test_the_path_fields_are_the_ones_made_absolute():
         return {prefix: value}
 
     changed = {}  # key -> (as given, made absolute), over the three topologies
-    for agent in agents:
-        before = msgspec.convert({**relative, "agent": agent}, Topology)
+    for variant in variants:
+        before = msgspec.convert({**relative, **variant}, Topology)
         old = leaves(msgspec.to_builtins(before))
         new = leaves(msgspec.to_builtins(_absolute_paths(before)))
         changed |= {k: (old[k], new[k]) for k in old if old[k] != new[k]}

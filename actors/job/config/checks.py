@@ -182,7 +182,7 @@ def _check_deterministic(t: Topology) -> None:
     need(not t.algorithm.filter_groups.enable, "algorithm.filter_groups.enable",
          f"{why}: dynamic sampling admits replacement prompts as groups arrive, which no fixed "
          "schedule can place; set it false")
-    need(t.replay.reuse == 1, "replay.reuse",
+    need(not t.run.deterministic or t.replay.reuse == 1, "replay.reuse",  # a rule of two keys
          f"{why}: a group served in several batches is not one place of the schedule; set 1")
     a = t.agent
     need(not a.enabled, "agent.rollout.path" if a.rollout.path else
