@@ -70,11 +70,11 @@ def wide_batch(where: Path) -> tuple[Path, list[list[int]], int, int]:
     return where, prompts, 8, 256
 
 
-def thin_batch(where: Path) -> tuple[Path, list[list[int]], int, int]:
+def thin_batch(where: Path, layers: int | None = None) -> tuple[Path, list[list[int]], int, int]:
     from shaped_model import THIN, shaped_model
 
     _, prompts, n, max_tokens = default_batch()
-    return shaped_model(where, hidden=THIN), prompts, n, max_tokens
+    return shaped_model(where, hidden=THIN, layers=layers), prompts, n, max_tokens
 
 
 def measure(model: Path, prompts: list[list[int]], n: int, max_tokens: int, device: str,
@@ -127,13 +127,19 @@ def main() -> None:
     p.add_argument("--modes", default="eager,inductor")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=None,
+                   help="thin: this many of its layers (gpu_check's dry run: a check, not a figure)")
+    p.add_argument("--max-tokens", type=int, default=0, help="cut the batch's sampler.max_tokens")
     args = p.parse_args()
     import torch
 
     print(f"load before: {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
-        model, prompts, n, max_tokens = {"default": default_batch, "thin": thin_batch,
-                                          "1.5b": wide_batch}[args.shape](Path(tmp) / "model")
+        where = Path(tmp) / "model"
+        model, prompts, n, max_tokens = (thin_batch(where, args.layers) if args.shape == "thin"
+                                         else {"default": default_batch, "1.5b": wide_batch}
+                                         [args.shape](where))
+        max_tokens = min(max_tokens, args.max_tokens or max_tokens)
         dtype = "bfloat16" if args.device == "cuda" else "float32"
         rows = []
         for mode in args.modes.split(","):

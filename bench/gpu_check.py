@@ -371,15 +371,16 @@ class Check:
 
     def bench_decode(self) -> tuple[str, str]:
         """bench/bench_decode.py's table rows: compiled against eager decoding, tokens/s and ops
-        per decoding step, on the default job's batch (dry run: the thin model on the CPU). The
+        per decoding step, on the default job's batch (dry run: 2 layers of the thin model on
+        the CPU, 16 tokens). The
         1.5B batch (``--shape 1.5b``) runs by hand: its eager side alone, profiled, outlasts the
         row's share of a 10-minute call."""
         shapes = ("thin",) if self.dry else ("default",)
         parts = []
         for shape in shapes:
             args = ["--shape", shape, "--repeats", "1" if self.dry else "2"]
-            if self.dry:
-                args += ["--device", "cpu"]
+            if self.dry:  # the code path, not a figure: 2 of its layers, 16 tokens
+                args += ["--device", "cpu", "--layers", "2", "--max-tokens", "16"]
             text = self.bench("bench_decode.py", *args)
             for row in re.findall(r"^\| inductor \|[^\n]*", text, re.M):
                 cells = [c.strip() for c in row.split("|")]
