@@ -45,6 +45,16 @@ def running_actors(run_dir: Path, proc: subprocess.Popen) -> dict[str, int]:
         time.sleep(0.1)
 
 
+def kill_runner_alone(proc: subprocess.Popen, run_dir: Path, server: int) -> None:
+    """Kill the runner alone: its fork server sees it go, the actors their parent."""
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while actor_pids(run_dir) or args_of(server):
+        assert time.monotonic() < deadline, "the fork server or an actor outlived the runner"
+        time.sleep(0.1)
+
+
 def test_actors_are_forked_from_one_server_and_go_with_a_killed_runner(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(tiny_model, run_dir, {"FLOWRL_FORKSERVER": "1"})
@@ -57,12 +67,7 @@ def test_actors_are_forked_from_one_server_and_go_with_a_killed_runner(tiny_mode
             kind, index = name.split("-")
             assert args_of(pid)[-5:] == [b"-m", b"actors.main", str(run_dir).encode(),
                                          kind.encode(), index.encode()]
-        proc.kill()  # the runner alone: its fork server sees it go, the actors their parent
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while actor_pids(run_dir) or args_of(server):
-            assert time.monotonic() < deadline, "the fork server or an actor outlived the runner"
-            time.sleep(0.1)
+        kill_runner_alone(proc, run_dir, server)
     finally:
         reap(proc)
 
@@ -129,20 +134,13 @@ def test_a_runner_beside_the_sessions_zygote_forks_its_server_from_it(tiny_model
 
     assert os.environ.get(ZYGOTE_ENV, "0") != "0", "this session started no zygote"
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(tiny_model, run_dir, "learner.total_steps=1000",
-                                    "run.status_interval=0.5"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(tiny_model, run_dir, {})  # the session's own environment
     try:
         actors = running_actors(run_dir, proc)
         (server,) = {ppid(pid) for pid in actors.values()}
         assert b"actors.job.launchers.forkserver" in args_of(server)
         assert b"--zygote" in args_of(ppid(server)) and ppid(server) != proc.pid
         assert os.getpgid(server) == os.getpgid(proc.pid)
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while actor_pids(run_dir) or args_of(server):
-            assert time.monotonic() < deadline, "the fork server or an actor outlived the runner"
-            time.sleep(0.1)
+        kill_runner_alone(proc, run_dir, server)
     finally:
         reap(proc)

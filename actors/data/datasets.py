@@ -59,6 +59,26 @@ def _scalar(value: Any) -> str | int | float:
     return json.dumps(value, default=str)
 
 
+class PassOrder:
+    """Which of a dataset's ``size`` items its ``row``-th draw takes: in order, or, with
+    ``shuffle``, each pass over them in an order of its own, drawn from ``seed`` and the pass's
+    number (so a resumed or rerun job draws the same)."""
+
+    def __init__(self, size: int, shuffle: bool, seed: str) -> None:
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, item order of that pass)
+
+    def __call__(self, row: int) -> int:
+        epoch, i = divmod(row, self.size)
+        if not self.shuffle:
+            return i
+        if self._order[0] != epoch:
+            order = list(range(self.size))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][i]
+
+
 class FileDataset(Task):
     """The rows of one parquet or jsonl file, read whole at start."""
 
@@ -89,18 +109,8 @@ class FileDataset(Task):
         columns = set(self.table.column_names) if self.table is not None else set(self.lines[0])
         self.image_key = config.image_key or next(
             (c for c in ("images", "image") if c in columns), "")
-        self._order: tuple[int, list[int]] = (-1, [])  # (pass, row order of that pass)
-
-    def file_row(self, row: int) -> int:
+        self.file_row = PassOrder(self.size, self.cfg.shuffle, f"{self.seed}:{self.name}")
         """Which row of the file the dataset's ``row``-th draw reads."""
-        epoch, i = divmod(row, self.size)
-        if not self.cfg.shuffle:
-            return i
-        if self._order[0] != epoch:
-            order = list(range(self.size))
-            random.Random(f"{self.seed}:{self.name}:{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1][i]
 
     def read(self, file_row: int) -> dict[str, Any]:
         if self.table is not None:

@@ -30,12 +30,12 @@ import importlib
 import importlib.util
 import inspect
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from actors.data.datasets import PassOrder
 from actors.data.tasks import Task
 from actors.runtime.config.schema import DatasetConfig
 from actors.runtime.config.sources import VerifiersSource
@@ -247,18 +247,8 @@ class VerifiersTask(Task):
         self.size = len(self.environment.tasks)
         self.data_source = PREFIX + self.environment.name
         self.system_prompt = config.system_prompt  # for tasks that have none
-        self._order: tuple[int, list[int]] = (-1, [])  # (pass, task order of that pass)
-
-    def task_index(self, row: int) -> int:
+        self.task_index = PassOrder(self.size, self.shuffle, f"{self.seed}:{self.name}")
         """Which task the dataset's ``row``-th draw takes."""
-        epoch, i = divmod(row, self.size)
-        if not self.shuffle:
-            return i
-        if self._order[0] != epoch:
-            order = list(range(self.size))
-            random.Random(f"{self.seed}:{self.name}:{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1][i]
 
     def prompt_at(self, dataset: str, row: int, prompt_id: int) -> Prompt:
         if dataset != self.name:
