@@ -154,7 +154,7 @@ async def main_async(args) -> None:
     print(f"{'transport':<10} {'publish->loaded s':>20} {'publish returns s':>20} "
           f"{'MiB/s':>8}  bytes moved per version and sampler")
     moved = {"zmq": "tensors over the socket, then copied into the model",
-             "shm": "one file write (learner); the model views the mapped file (sampler)",
+             "shm": "one file write (learner), mapped and copied into the model (sampler)",
              "nccl": f"one broadcast ({'NCCL' if cuda else 'gloo here'}), then copied into "
                      "the model",
              "ipc": "CUDA IPC handles, the model copies from the learner's memory"}

@@ -17,8 +17,7 @@ dropped, already allocated and mapped in its memory, when no sampler still holds
 it renames the dropped file first (a sampler can no longer link it) and then reads its link
 count; a file a sampler still holds is left to it and a new one is made. Samplers keep their
 mappings too (``sources.SharedWeights``), so a version reaches an engine as one memory copy on
-the learner's side; the hf engine on a CPU computes on views of the file itself, holding a link
-of its own while it does (``SharedWeights.hold``), and copies nothing.
+each side.
 """
 
 from __future__ import annotations
@@ -62,11 +61,9 @@ def remove_orphaned_shm() -> None:
 
 def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[int, int]]]:
     """A safetensors file's header for ``tensors`` (its 8-byte length and JSON, padded so the
-    data starts 64-aligned) and each tensor's (start, end) in the file, in ``tensors``' order.
+    data starts 8-aligned) and each tensor's (start, end) in the file, in ``tensors``' order.
     The data is laid out widest dtype first, so every tensor starts aligned to its own width
-    (a view of the mapping in its dtype needs that), and a model's tensors, whose sizes are
-    multiples of 64 bytes, to a cache line, as memory of their own would be (an engine
-    computes on views of the file)."""
+    (a view of the mapping in its dtype needs that)."""
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
     entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     spans: list[tuple[int, int]] = [(0, 0)] * len(tensors)
@@ -82,7 +79,7 @@ def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[i
         spans[i] = (at, at + size)
         at += size
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 64)
+    text += b" " * (-(8 + len(text)) % 8)
     header = len(text).to_bytes(8, "little") + text
     return header, [(len(header) + a, len(header) + b) for a, b in spans]
 

@@ -25,7 +25,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -120,15 +119,6 @@ class SharedWeights(Mapping):
             dtype = getattr(torch, SAFETENSORS_DTYPES[code])
             out[name] = data[self._start + start:self._start + end].view(dtype).view(shape)
         return out
-
-    def hold(self) -> Path:
-        """A hard link of this process's own to the file, beside it. While it exists the shm
-        learner never writes the file again (it writes only into files no one else links), so
-        views of the file may stay in use for as long as the link is kept: remove it once they
-        are gone. FileNotFoundError: the file is gone already."""
-        own = Path(self.path).with_name(f"held-{os.getpid()}-{os.urandom(4).hex()}.safetensors")
-        os.link(self.path, own)
-        return own
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._entries:

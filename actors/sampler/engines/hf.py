@@ -50,12 +50,7 @@ from actors.runtime.actor import run_compute
 from actors.runtime.config.engines import Decode
 from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.profiling import profiled
-from actors.runtime.transports.sources import (
-    AdapterWeights,
-    SharedWeights,
-    WeightsSource,
-    WorkerTransfer,
-)
+from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.sampler.engines.base import EngineSpec, GenerateRequest, Generation, full_generation
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
@@ -288,7 +283,6 @@ class HFEngine:
         self.static_caches = StaticCaches(self.model.config)  # compiled decoding's caches
         self.adapter: AdapterSpec | None = None  # the LoRA adapters' spec once some arrived
         self.version = -1
-        self.viewed: Path | None = None  # the link of the shm file the parameters view, if any
         self.weight_sync_s = 0.0  # seconds spent copying weights in (generation waits), all loads
         self.abort = threading.Event()  # set by run_compute when the call is cancelled
         self.lock = anyio.Lock()  # one generate (or weight load) at a time: they share the model
@@ -460,53 +454,18 @@ class HFEngine:
 
     @torch.no_grad()
     def _copy(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy new weights into the live model (names as in ``named_parameters``), or, for a
-        whole version in a shared-memory file that the model can use as it is, point the
-        parameters at the file (``_view``)."""
+        """Copy new weights into the live model (names as in ``named_parameters``)."""
         unknown = set(tensors) - set(self.params)
         if unknown:
             raise KeyError(f"weights for unknown parameters: {sorted(unknown)[:5]}")
-        if isinstance(tensors, SharedWeights) and self._view(tensors):
-            return
-        if self.viewed is not None:  # the parameters view a file: memory of their own first
-            for param in self.params.values():
-                param.data = param.data.clone()
-            self._hold(None)
         for name, value in tensors.items():
             self.params[name].copy_(value)
-
-    def _view(self, source: SharedWeights) -> bool:
-        """Make every parameter a view of ``source``'s file, holding a link to it (``hold``):
-        a version costs no copy, and the model's own memory for its weights is given back.
-        Only eager decoding on the CPU, and only when the file holds every parameter in its
-        dtype and shape; False (nothing changed) otherwise. The views are read-only memory:
-        the engine never writes its weights in place while they are views (``_copy`` gives
-        them memory of their own first)."""
-        if self.device.type != "cpu" or self.compiled is not None or self.adapter is not None \
-                or len(source) != len(self.params):
-            return False
-        views = source.views()
-        if any(name not in views or views[name].dtype != param.dtype
-               or views[name].shape != param.shape for name, param in self.params.items()):
-            return False
-        held = source.hold()
-        for name, param in self.params.items():
-            param.data = views[name]
-        self._hold(held)
-        return True
-
-    def _hold(self, path: Path | None) -> None:
-        """Keep ``path`` (the link of the file the parameters view, or None) and let go of
-        the one kept before."""
-        old, self.viewed = self.viewed, path
-        if old is not None and old != path:
-            old.unlink(missing_ok=True)
 
     async def watch(self) -> None:
         await anyio.sleep_forever()  # in this process: it dies with the sampler
 
     async def aclose(self) -> None:
-        self._hold(None)
+        pass
 
 
 def adapter_parameter(saved: str) -> str:
