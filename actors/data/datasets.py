@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from actors.data.files import DataFileError, jsonl_rows
+from actors.data.files import DataFileError, PassOrder, jsonl_rows
 from actors.data.tasks import TASKS, Task
 from actors.data.vision import PLACEHOLDER, ImageError, check_images
 from actors.runtime.config.schema import DatasetConfig, TaskConfig
@@ -57,26 +56,6 @@ def _scalar(value: Any) -> str | int | float:
     if isinstance(value, str | int | float):
         return value
     return json.dumps(value, default=str)
-
-
-class PassOrder:
-    """Which of a dataset's ``size`` items its ``row``-th draw takes: in order, or, with
-    ``shuffle``, each pass over them in an order of its own, drawn from ``seed`` and the pass's
-    number (so a resumed or rerun job draws the same)."""
-
-    def __init__(self, size: int, shuffle: bool, seed: str) -> None:
-        self.size, self.shuffle, self.seed = size, shuffle, seed
-        self._order: tuple[int, list[int]] = (-1, [])  # (pass, item order of that pass)
-
-    def __call__(self, row: int) -> int:
-        epoch, i = divmod(row, self.size)
-        if not self.shuffle:
-            return i
-        if self._order[0] != epoch:
-            order = list(range(self.size))
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1][i]
 
 
 class FileDataset(Task):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,3 +26,23 @@ def jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
                 if not isinstance(row, dict):
                     raise DataFileError(f"{path}: line {n} is not a JSON object")
                 yield row
+
+
+class PassOrder:
+    """Which of a dataset's ``size`` items its ``row``-th draw takes: in order, or, with
+    ``shuffle``, each pass over them in an order of its own, drawn from ``seed`` and the pass's
+    number (so a resumed or rerun job draws the same)."""
+
+    def __init__(self, size: int, shuffle: bool, seed: str) -> None:
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, item order of that pass)
+
+    def __call__(self, row: int) -> int:
+        epoch, i = divmod(row, self.size)
+        if not self.shuffle:
+            return i
+        if self._order[0] != epoch:
+            order = list(range(self.size))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][i]

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from actors.data.datasets import PassOrder
+from actors.data.files import PassOrder
 from actors.data.tasks import Task
 from actors.runtime.config.schema import DatasetConfig
 from actors.runtime.config.sources import VerifiersSource
