@@ -132,7 +132,7 @@ def test_a_runner_beside_the_sessions_zygote_forks_its_server_from_it(tiny_model
     group, its output the runner's, and it goes with a killed runner as one started afresh."""
     from actors.job.launchers.forkserver import ZYGOTE_ENV
 
-    assert os.environ.get(ZYGOTE_ENV, "0") != "0", "this session started no zygote"
+    assert os.environ.get(ZYGOTE_ENV, "0") != "0", "no zygote: FLOWRL_FORKSERVER_ZYGOTE=0"
     run_dir = tmp_path / "run"
     proc = start(tiny_model, run_dir, {})  # the session's own environment
     try:

@@ -298,8 +298,9 @@ def _zygote_fork(request: dict[str, Any], fds: list[int], *sockets: socket.socke
         except ImportError:
             pass
         else:
-            setproctitle(subprocess.list2cmdline([sys.executable, "-m", MODULE, str(fds[0]),
-                                                  *request["argv"][1:]]))
+            setproctitle(subprocess.list2cmdline(
+                [sys.executable, "-m", MODULE, str(fds[0]), ",".join(request["kinds"]),
+                 request["model"], *request["modules"]]))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -331,12 +332,12 @@ class ZygoteForked:
         os.close(self._fd)
 
 
-def from_zygote(path: str, argv: list[str], kinds: Sequence[str], model: str,
+def from_zygote(path: str, kinds: Sequence[str], model: str,
                 modules: Sequence[str], env: dict[str, str], cwd: Path,
                 theirs: socket.socket) -> ZygoteForked | None:
     """A fork server forked by the zygote at ``path`` for this runner, or None where it
     cannot serve this runner (gone, or another environment or session)."""
-    request = {"pid": os.getpid(), "argv": argv, "kinds": list(kinds), "model": model,
+    request = {"pid": os.getpid(), "kinds": list(kinds), "model": model,
                "modules": list(modules), "env": env, "cwd": str(cwd)}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
@@ -361,7 +362,7 @@ class ForkServer:
         zygote_path = os.environ.get(ZYGOTE_ENV)
         self.process: subprocess.Popen | ZygoteForked | None = None
         if zygote_path:
-            self.process = from_zygote(zygote_path, argv, kinds, model, modules, full, cwd, theirs)
+            self.process = from_zygote(zygote_path, kinds, model, modules, full, cwd, theirs)
         if self.process is None:
             self.process = subprocess.Popen([sys.executable, "-m", __name__, *argv], cwd=cwd,
                                             env=full, pass_fds=(theirs.fileno(),))
