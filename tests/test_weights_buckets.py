@@ -127,3 +127,45 @@ async def test_shared_memory_versions_outlive_the_learners_files(sockets):
             subscriber.close()
             assert not receiver.shm_dir.exists()
     zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_a_gone_sampler_is_not_waited_for_at_the_end(sockets):
+    """A sampler killed while waiting for the next version (a restarted one polls under a new
+    identity): the publish that finds it gone forgets it, so the learner's wait for every
+    sampler to hold the last weights (``wait_received``) ends with the live ones, not after its
+    timeout."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock, \
+             make_socket(zctx, zmq.DEALER, connect=address) as live_sock:
+            monitor = learner_sock.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            publisher = WeightsPublisher(learner_sock, ZmqSender())
+            live = WeightsSubscriber(live_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.serve)
+                tg.start_soon(live.serve)
+                with make_socket(zctx, zmq.DEALER, connect=address) as gone_sock:
+                    gone = WeightsSubscriber(gone_sock)
+                    async with anyio.create_task_group() as its_own:
+                        its_own.start_soon(gone.serve)
+                        await publisher.publish(0, tensors(0))
+                        await live.wait_for(0)
+                        await gone.wait_for(0)
+                        while len(publisher.waiting) < 2:  # both asked for the next version
+                            await publisher._polled.wait()
+                        its_own.cancel_scope.cancel()
+                # its socket closed: the learner's side sees the peer disconnect
+                assert await anyio.to_thread.run_sync(monitor.poll, 30_000)
+                assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+                await publisher.publish(1, tensors(1))
+                await live.wait_for(1)
+                assert await publisher.wait_received(timeout_s=30)
+                assert len(publisher.have) == 1
+                tg.cancel_scope.cancel()
+            learner_sock.socket.disable_monitor()
+            monitor.close(linger=0)
+    zctx.destroy(linger=0)

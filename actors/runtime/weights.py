@@ -15,7 +15,7 @@ loads); a sampler takes whatever transport each message names.
 from __future__ import annotations
 
 import errno
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -59,12 +59,16 @@ class WeightsPublisher:
         self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
 
     async def publish(self, version: int, tensors: list[tuple[str, torch.Tensor]], *,
-                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None) -> None:
+                      bucket_bytes: int = 0, adapter: AdapterSpec | None = None,
+                      read: Callable[[], None] | None = None) -> None:
         """Make ``tensors`` the newest weights and send them to every poller waiting for them
         (zmq: in messages of at most ``bucket_bytes`` of tensor data each; 0: one message).
-        ``adapter``: the tensors are LoRA adapters of that spec, not the model's weights."""
+        ``adapter``: the tensors are LoRA adapters of that spec, not the model's weights.
+        ``read`` is called once the sender has read ``tensors`` (from then on they may change)."""
         self.messages = await self.sender.prepare(version, tensors, bucket_bytes=bucket_bytes,
                                                   adapter=adapter)
+        if read is not None:
+            read()
         self.version = version
         await self._answer()
 
@@ -87,6 +91,7 @@ class WeightsPublisher:
                     if exc.errno != errno.EHOSTUNREACH:
                         raise
                     self.sender.forget(peer)
+                    self.have.pop(peer, None)  # not waited for at the end (wait_received)
                     continue  # the sampler is gone; a restarted one polls again
                 self.sent += 1
                 if self.sender.moves_bytes and self._tg is not None:  # beside the training
