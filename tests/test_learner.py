@@ -256,3 +256,32 @@ def test_a_live_snapshot_on_one_rank_gives_the_parameters_uncopied(tiny_model, t
         assert copied[name].data_ptr() != params[name].data_ptr() and torch.equal(copied[name], value)
     halves = dict(t.policy.snapshot(torch.bfloat16, live=True))  # another dtype: a cast, a copy
     assert all(v.data_ptr() != params[n].data_ptr() for n, v in halves.items())
+
+
+def test_an_update_waits_until_the_last_publish_has_read_the_weights(tiny_model, tmp_path):
+    """The learner publishes a step's weights beside the next step (``Learner.publish_beside``):
+    the next step's forward and backward passes run meanwhile, and each optimizer update, the
+    first thing that changes the weights, waits until the publish has read them out."""
+    import threading
+
+    t = make_trainer(tiny_model, tmp_path, "learner.ppo_mini_batches=2")
+    groups = make_groups(t)
+    before = params(t)
+    read, waiting, calls = threading.Event(), threading.Event(), []
+
+    def before_update() -> None:
+        calls.append(all(torch.equal(v, before[k]) for k, v in params(t).items()))
+        waiting.set()
+        read.wait()
+
+    t.before_update = before_update
+    step = threading.Thread(target=t.train_step, args=(groups,))
+    step.start()
+    assert waiting.wait(timeout=120)
+    assert step.is_alive() and t.policy.step == 0  # held at its first update, nothing changed
+    assert all(torch.equal(v, before[k]) for k, v in params(t).items())
+    read.set()
+    step.join(timeout=120)
+    assert not step.is_alive() and t.policy.step == 1
+    assert calls == [True, False]  # once per update: the second after the first has moved them
+    assert not all(torch.equal(v, before[k]) for k, v in params(t).items())

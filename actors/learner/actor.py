@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 
 import anyio
@@ -80,6 +81,8 @@ class Learner:
         self.share = share  # the samplers' idle threads taken, its own lent (a CPU; or None)
         self.memory = memory  # GPU memory its GPU's sleeping samplers lend (or None)
         self.published = -1  # the newest version published (a deterministic run saves no other)
+        self.publishing = anyio.Event()  # set: no publish beside the training under way
+        self.publishing.set()
 
     def tell(self, message: ToLearnerRanks) -> None:
         """Tell the other ranks the collective that follows (in the thread that runs it)."""
@@ -109,18 +112,45 @@ class Learner:
         async with self.flushing:
             await anyio.to_thread.run_sync(self.recorder.flush)
 
-    async def publish(self) -> None:
+    async def publish(self, read: threading.Event | None = None) -> None:
         """Send the current weights to the samplers, then tell the replay buffer the version
-        (its admission opens for it only once the weights are on their way)."""
+        (its admission opens for it only once the weights are on their way). ``read`` is set
+        once the weights have been read out (copied into the transport's file or messages)."""
         policy = self.trainer.policy
         started = time.monotonic()
         tensors = await anyio.to_thread.run_sync(on_device(self.group.device, self.gather_weights))
         await self.weights.publish(policy.version, tensors,
                                    bucket_bytes=self.cfg.weights_bucket_mb << 20,
-                                   adapter=policy.adapter_spec())
+                                   adapter=policy.adapter_spec(),
+                                   read=read.set if read is not None else None)
         self.weight_sync_s = time.monotonic() - started
         self.published = policy.version
         await self.replay.send_multipart([encode(VersionUpdate(version=policy.version))])
+
+    def publishes_beside(self) -> bool:
+        """Whether a step's publish runs beside the next step rather than before it: with one
+        rank (a gather over several is a collective, in step with theirs), a transport that
+        reads the weights on the CPU, and not in a deterministic run (it publishes at fixed
+        points of its schedule)."""
+        return (self.group.world == 1 and not TRANSPORTS[self.cfg.weights_transport].gpu
+                and not self.ctx.topology.run.deterministic)
+
+    async def publish_beside(self, tg: anyio.abc.TaskGroup) -> None:
+        """Publish the step just taken beside the next one: copying out hundreds of MiB (the
+        shm file, zmq's messages) is then no longer a pause between steps. The next optimizer
+        update, the first thing to change the weights, waits until they have been read out."""
+        await self.publishing.wait()  # the one before has sent its version
+        read, self.publishing = threading.Event(), anyio.Event()
+        self.trainer.before_update = read.wait
+
+        async def publish() -> None:
+            try:
+                await self.publish(read)
+            finally:
+                read.set()  # a publish that failed or was cancelled holds no update back
+                self.publishing.set()
+
+        tg.start_soon(publish)
 
     async def wait_publish_ready(self) -> None:
         """A deterministic run: wait until the replay buffer lets the new version out (every
@@ -224,7 +254,10 @@ class Learner:
             tg.start_soon(self.flush_recording)  # beside the next batch's wait, not before it
             if self.ctx.topology.run.deterministic:
                 await self.wait_publish_ready()
-            await self.publish()
+            if self.publishes_beside():
+                await self.publish_beside(tg)
+            else:
+                await self.publish()
             await self.report_steps()
             self.ctx.status.update(step=policy.step, version=policy.version,
                                    reward=round(metrics["critic/score/mean"], 3),
@@ -233,6 +266,7 @@ class Learner:
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
                 await self.save()
+        await self.publishing.wait()
         V = self.ctx.topology.validation
         if V.datasets and V.every > 0:  # the last step is validated: its weights must arrive
             self.ctx.status["state"] = "sending the last weights"

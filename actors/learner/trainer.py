@@ -147,6 +147,9 @@ class Trainer:
         # called once, before the first step's forward, with its largest micro-batch's tokens
         # and the most image patches a micro-batch of it holds
         self.on_first_batch: Callable[[int, int], None] | None = None
+        # called before each optimizer update of the policy (the learner's wait for its last
+        # publish to have read the weights it is about to change)
+        self.before_update: Callable[[], None] | None = None
         self.vision_tower = vision_tower(self.policy.model)  # None: a text model
         # the loss and estimator to run: a built-in's name, or a user's function read from its
         # file here, once (its hash checked against the topology's)
@@ -324,6 +327,8 @@ class Trainer:
                 s.grad_norms.append(_full(distributed.clip_grad_norm_(
                     [p for p in self.policy.model.parameters() if p.requires_grad],
                     cfg.max_grad_norm)))
+                if self.before_update is not None:
+                    self.before_update()
                 distributed.optimizer_step(self.policy.optimizer)
                 self._updated = True
                 self.policy.scheduler.step()
