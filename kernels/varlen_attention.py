@@ -128,11 +128,12 @@ class TreeLayout:
     """Where ``tree_attention`` reads and writes, for one ``tree`` (cached per tree: every layer
     of a forward, and its recomputation, asks for the same)."""
 
-    prefixes: torch.Tensor  # (Gp·P,) packed positions of the prefixes side by side, each padded
-    # to the longest P with its last token (causal attention keeps the padding from real queries)
+    cells: torch.Tensor  # (Gp·P + C·(P+R),) the packed positions read, in one gather: first
+    # the prefixes side by side, each padded to the longest P with its last token (causal
+    # attention keeps the padding from real queries); then each rest's keys, its group's prefix
+    # (padded) and itself, padded to the longest R (its queries are the last R of those)
+    prefixes: int  # Gp, the groups with a prefix
     longest_prefix: int
-    queries: torch.Tensor  # (C·R,) the rests side by side, each padded to the longest R
-    keys: torch.Tensor  # (C·(P+R),) each rest's keys: its group's prefix (padded), then itself
     mask: torch.Tensor  # (C, 1, R, P+R) bool: the prefix's real cells, then causal over the rest
     longest_rest: int
     pick: torch.Tensor  # (T,) for each packed position, its cell among the prefixes' then the
@@ -148,17 +149,16 @@ def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device) -> Tree
     P = max((b - a for a, b in prefixes), default=0)
     R = max(b - a for a, b, _, _ in rests)
     pick = [0] * tree[-1][-1]
-    gather = []
+    cells = []
     for n, (a, b) in enumerate(prefixes):
-        gather.extend([*range(a, b), *[b - 1] * (P - (b - a))])
+        cells.extend([*range(a, b), *[b - 1] * (P - (b - a))])
         for t in range(a, b):
             pick[t] = n * P + (t - a)
-    queries, keys, seen = [], [], []
+    seen = []
     for n, (a, b, pa, pb) in enumerate(rests):
-        own = [*range(a, b), *[b - 1] * (R - (b - a))]
-        queries.extend(own)
         # a group without a prefix: its prefix cells are masked out (any position will do)
-        keys.extend([*range(pa, pb), *[max(pb - 1, a)] * (P - (pb - pa)), *own])
+        cells.extend([*range(pa, pb), *[max(pb - 1, a)] * (P - (pb - pa)),
+                      *range(a, b), *[b - 1] * (R - (b - a))])
         seen.append([True] * (pb - pa) + [False] * (P - (pb - pa)))
         for t in range(a, b):
             pick[t] = len(prefixes) * P + n * R + (t - a)
@@ -169,8 +169,8 @@ def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device) -> Tree
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device)
 
-    return TreeLayout(tensor(gather), P, tensor(queries), tensor(keys),
-                      mask.unsqueeze(1).to(device), R, tensor(pick))
+    return TreeLayout(tensor(cells), len(prefixes), P, mask.unsqueeze(1).to(device), R,
+                      tensor(pick))
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -180,25 +180,24 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     D) in; (1, T, Hq, D) out. The prefixes attend causally to themselves, side by side in one
     SDPA call (no mask); each row's rest, side by side in a second call, attends its group's
     prefix and itself causally (a mask of the prefix's real cells and a causal block): the
-    attention each row gets alone, prefix included, with no arithmetic across groups."""
+    attention each row gets alone, prefix included, with no arithmetic across groups. Queries,
+    keys and values are read in one gather (their heads side by side): each op here runs once
+    per layer, forward and backward, and on a GPU their dispatch is the cost."""
     lay = tree_layout(tuple(tree), query.device)
-
-    def cells(t: torch.Tensor, index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-        # (1, H, T, D) -> (rows, H, width, D)
-        return t[0].index_select(1, index).unflatten(1, (rows, width)).transpose(0, 1)
-
+    heads = (query.shape[1], key.shape[1], value.shape[1])
+    cells = torch.cat((query, key, value), dim=1)[0].index_select(1, lay.cells)  # (H, cells, D)
+    P, R = lay.longest_prefix, lay.longest_rest
     outs = []
-    if lay.longest_prefix:
-        groups = lay.prefixes.numel() // lay.longest_prefix
-        out = F.scaled_dot_product_attention(
-            *(cells(t, lay.prefixes, groups, lay.longest_prefix) for t in (query, key, value)),
-            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
+    if P:
+        q, k, v = cells[:, :lay.prefixes * P].unflatten(1, (lay.prefixes, P)).transpose(0, 1) \
+            .split(heads, dim=1)  # (Gp, H, P, D) each
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
+                                             is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
         outs.append(out.transpose(1, 2).flatten(0, 1))
-    rows, width = lay.queries.numel() // lay.longest_rest, lay.longest_prefix + lay.longest_rest
-    out = F.scaled_dot_product_attention(
-        cells(query, lay.queries, rows, lay.longest_rest), cells(key, lay.keys, rows, width),
-        cells(value, lay.keys, rows, width), attn_mask=lay.mask, dropout_p=dropout,
-        scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
+    q, k, v = cells[:, lay.prefixes * P:].unflatten(1, (-1, P + R)).transpose(0, 1) \
+        .split(heads, dim=1)  # (C, H, P + R, D) each
+    out = F.scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=lay.mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
     outs.append(out.transpose(1, 2).flatten(0, 1))
     return torch.cat(outs).index_select(0, lay.pick).unsqueeze(0)  # (1, T, Hq, D)
 
