@@ -217,3 +217,37 @@ def test_one_ranks_sharded_step_runs_on_local_tensors_and_lands_where_dtensors_d
     facts = local_step_against_torchs(tiny_model, tmp_path)
     assert facts == {"norms": True, "clipped": True, "same": True, "moved": True,
                      "state_dtensors": True, "freed": True}
+
+
+def test_the_gradient_norm_of_plain_parameters_is_torchs_with_fewer_ops():
+    """On plain parameters of one device and dtype, ``distributed.clip_grad_norm_`` is torch's
+    arithmetic bit for bit (the norm and the clipped gradients) without the per-parameter
+    ``to`` torch dispatches to bring each norm to the first one's device (one op per
+    parameter per update, hundreds on the default model); mixed dtypes take torch's path."""
+    from actors.learner import distributed
+    from actors.runtime.profiling import dispatched_ops
+
+    def grads_of(params_dtype: torch.dtype) -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 300, 1, 64)]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        params[2].grad = None  # a parameter with no gradient this step
+        params[3] = torch.nn.Parameter(params[3].detach().to(params_dtype))
+        params[3].grad = torch.randn(64, generator=gen).to(params_dtype)
+        return params
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ours, theirs = grads_of(dtype), grads_of(dtype)
+        with torch.profiler.profile() as prof:
+            norm = distributed.clip_grad_norm_(ours, 0.5)
+        with torch.profiler.profile() as torchs:
+            expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        assert torch.equal(norm, expected) and float(norm) > 0.5  # clipping exercised
+        assert all((a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+                   for a, b in zip(ours, theirs, strict=True))
+        ops, their_ops = dispatched_ops(prof.events()), dispatched_ops(torchs.events())
+        if dtype == torch.float32:  # the clip coefficient's alone, however many parameters
+            assert ops["aten::to"] == 1 and their_ops["aten::to"] > 1, (ops, their_ops)
+        else:
+            assert ops == their_ops

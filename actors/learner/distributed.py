@@ -388,10 +388,16 @@ def _lone_shards(params: list[nn.Parameter]) -> bool:
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``, the same arithmetic; on one rank's FSDP2 parameters
     over their local tensors (the whole gradients), without DTensor's dispatch on every
-    gradient (on a GPU that dispatch costs far more CPU time than the norm's kernels)."""
-    if not _lone_shards(params):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    gradient (on a GPU that dispatch costs far more CPU time than the norm's kernels). On
+    plain gradients of one device and dtype, without torch's moving each one's norm to the
+    first one's device (a ``to`` dispatched per parameter that moves nothing)."""
+    if _lone_shards(params):
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
+        if len({(g.device, g.dtype, type(g)) for g in grads}) > 1 \
+                or any(hasattr(g, "to_local") for g in grads):  # DTensors over several ranks
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not grads:
         return torch.zeros((), device=params[0].device)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
