@@ -43,7 +43,7 @@ from actors.runtime.tensors import from_buffer
 from actors.runtime.transports.zmq import ZmqSender
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
-from messages.codec import Codec, DecodeError, encode
+from messages.codec import REJECT_LOG_INTERVAL_S, Codec, DecodeError, encode
 from messages.control import (
     ErrorReply,
     Heartbeat,
@@ -116,8 +116,24 @@ def wrong_field(draw) -> bytes:
     return encode(value)
 
 
+@st.composite
+def flipped(draw) -> bytes:
+    """A valid message with a few bits flipped: a string's bytes may stop being UTF-8."""
+    frame = bytearray(encode(draw(st.sampled_from(ALL_MESSAGES))))
+    for i in draw(st.lists(st.integers(0, len(frame) * 8 - 1), min_size=1, max_size=4)):
+        frame[i // 8] ^= 1 << (i % 8)
+    return bytes(frame)
+
+
+# a tag and a field that are not UTF-8 (msgspec raises UnicodeDecodeError for them, not its own)
+NOT_UTF8 = [b"\x81\xa4type\xa4\xf0\x28\x8c\x28",
+            b"\x82\xa4type\xa9Heartbeat\xa5actor\xa2\xff\xfe",
+            b"\x83\xa4type\xadPromptRequest\xabmax_prompts\x01\xabincarnation\xa2\xff\xfe"]
+
 frames_strategy = st.one_of(
     st.binary(max_size=200),
+    flipped(),
+    st.sampled_from(NOT_UTF8),
     json_values.map(encode),
     st.sampled_from(ALL_MESSAGES).map(encode),  # valid, and of the wrong type for most sockets
     truncated(),
@@ -487,6 +503,7 @@ UNIONS = {  # the sampler's four decoders first
 
 @pytest.mark.parametrize("union", list(UNIONS.values()), ids=list(UNIONS))
 @FUZZ
+@example(frames=NOT_UTF8)  # escaped as UnicodeDecodeError, past every actor's except clause
 @given(frames=st.lists(frames_strategy, max_size=20))
 def test_codec_only_raises_decode_error_and_counts(union, frames):
     """The sampler's four decoders (and every other socket's): any frame either decodes to a
@@ -541,3 +558,32 @@ def test_weights_frame_to_tensor_only_raises_value_error(frame):
     except ValueError:
         return
     assert tuple(t.shape) == shape and t.numel() * t.element_size() == len(data)
+
+
+def test_rejections_are_logged_once_per_kind_naming_the_socket(capsys):
+    """A peer sending garbage fast gets one line per kind of damage, then one a minute per kind
+    saying how many came since; the counts are exact whatever is logged."""
+    now = [0.0]
+    codec = Codec(ToReplay, socket="[replay-0] ROUTER ipc:///x/replay", clock=lambda: now[0])
+    frames = [b"\xc1", encode(PromptRequest(1, "x"))[:3], b"\xc1", NOT_UTF8[0],
+              encode(Stop("x")), b"\xc1"]
+    for frame in frames:
+        with pytest.raises(DecodeError):
+            codec.decode(frame)
+    assert codec.rejected == 6
+    assert codec.kinds == {"not msgpack": 3, "truncated": 1, "not utf-8": 1, "wrong type": 1}
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[1].split(")")[0] for line in lines] == [
+        "not msgpack", "truncated", "not utf-8", "wrong type"]
+    assert all(line.startswith("[replay-0] ROUTER ipc:///x/replay: rejected a frame") for line in lines)
+    now[0] = REJECT_LOG_INTERVAL_S  # a minute on: the next of a kind is logged with the count
+    codec.decode(encode(PromptRequest(1, "x")))  # a good frame says nothing
+    with pytest.raises(DecodeError):
+        codec.decode(b"\xc1")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "(not msgpack)" in line and "(3 of this kind since the last line)" in line
+    with pytest.raises(DecodeError, match="a request is"):
+        raise codec.refuse("a request is an envelope and a body", "frame count")
+    assert codec.rejected == 8 and codec.kinds["frame count"] == 1
+    assert "(frame count): a request is" in capsys.readouterr().err
+    assert Codec(ToReplay).refuse("x") and not capsys.readouterr().err  # unnamed: silent

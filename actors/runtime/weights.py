@@ -27,7 +27,7 @@ from actors.runtime.tensors import from_buffer
 from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.runtime.transports.table import TRANSPORTS, arrived_by
-from actors.runtime.zmq_bridge import AsyncSocket
+from actors.runtime.zmq_bridge import AsyncSocket, endpoint
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
 from messages.weights import (
@@ -42,8 +42,10 @@ from messages.weights import (
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, sender: Sender) -> None:
+    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "") -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        self.codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights, socket=name and (
+            f"[{name}] weights ROUTER {endpoint(sock.socket)}"))
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
         sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sender = sender  # of a transport of transports.table.TRANSPORTS
@@ -119,11 +121,10 @@ class WeightsPublisher:
                 self._tg = None
 
     async def _serve(self) -> None:
-        codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights)
         while True:
             peer, *frames = await self.sock.recv_multipart()
             try:
-                poll = codec.decode(frames[-1] if frames else b"")
+                poll = self.codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
                 await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
                 continue
