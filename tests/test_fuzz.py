@@ -54,10 +54,14 @@ from messages.control import (
 )
 from messages.reward import ScoreReply, ToRewardWorker, ToScoringClient
 from messages.rollout import (
+    BatchRequest,
     FromReplay,
+    GroupsDone,
     PromptBatch,
     PromptRequest,
     ToReplay,
+    TrainBatch,
+    VersionUpdate,
 )
 from messages.routing import (
     Envelope,
@@ -71,7 +75,15 @@ from messages.routing import (
 )
 from messages.tensor import DTYPES, ITEMSIZE
 from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsPoll
-from tests.helpers import CASES, actor_context, live_topology, routed, score_request, wait_for
+from tests.helpers import (
+    CASES,
+    actor_context,
+    live_topology,
+    routed,
+    sample_group,
+    score_request,
+    wait_for,
+)
 
 # ---------------------------------------------------------------- strategies
 
@@ -266,6 +278,52 @@ async def test_fuzz_replay_router_socket(sockets):
 
                 await fuzz_in_thread(examples, check)
             assert sent["bad"] > 0 and ctx.status["state"] == "running"
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_replayed_replay_frames_are_refused_and_counted(sockets):
+    """Old frames sent again by another peer: a batch request for a step already served (taken,
+    it would hand the learner's next batch to the sender and leave the learner waiting for
+    ever), a version notice older than one heard, and a group already trained. Each is refused
+    and counted; the learner's next request still gets its batch."""
+    topo = live_topology(sockets, "learner.groups_per_step=1")
+    zctx = zmq.Context()
+    ctx = actor_context("replay", topo, zctx)
+    replies = Codec(FromReplay)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve_actor, ctx, replay_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"s") as sampler, \
+                 make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"l") as learner, \
+                 make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"x") as stranger:
+                await sampler.send_multipart([encode(PromptRequest(2, "inc"))])
+                batch = replies.decode((await sampler.recv_multipart())[-1])
+                assert isinstance(batch, PromptBatch) and len(batch.prompts) == 2
+                group = sample_group()
+                await sampler.send_multipart([encode(GroupsDone(
+                    [msgspec.structs.replace(group, prompt=p) for p in batch.prompts]))])
+                await learner.send_multipart([encode(BatchRequest(step=0, version=0, num_groups=1))])
+                first = replies.decode((await learner.recv_multipart())[-1])
+                assert isinstance(first, TrainBatch) and first.step == 0
+                trained = first.groups[0].prompt
+
+                await stranger.send_multipart([encode(BatchRequest(step=0, version=0, num_groups=1))])
+                refused = Codec(ErrorReply).decode((await stranger.recv_multipart())[-1])
+                assert refused.error == "replay: the batch of step 1 was served already"
+                await learner.send_multipart([encode(VersionUpdate(2))])
+                await stranger.send_multipart([encode(VersionUpdate(1))])
+                await stranger.send_multipart([encode(GroupsDone(
+                    [msgspec.structs.replace(group, prompt=trained)]))])
+                await wait_status(ctx, "stale_refused", 2)
+                await wait_status(ctx, "rejected", 1)
+
+                await learner.send_multipart([encode(BatchRequest(step=1, version=2, num_groups=1))])
+                second = replies.decode((await learner.recv_multipart())[-1])
+                assert isinstance(second, TrainBatch) and second.step == 1
+                assert second.groups[0].prompt.prompt_id != trained.prompt_id
+                assert ctx.status["version"] == 2 and ctx.status["trained"] == 2
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 
