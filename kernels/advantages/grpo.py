@@ -66,11 +66,11 @@ def grpo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl ``grpo``: ``grpo_advantages`` of each sequence's total reward, on its tokens.
 
-    ``params.norm_adv_by_std=False`` gives Dr.GRPO. Returns equal the advantages (verl).
+    ``params.norm_adv_by_std_in_grpo=False`` gives Dr.GRPO. Returns equal the advantages (verl).
     """
     scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
     adv = grpo_advantages(
-        scores, params.group_size, norm_by_std=params.norm_adv_by_std,
+        scores, params.group_size, norm_by_std=params.norm_adv_by_std_in_grpo,
         eps=params.eps_or(GRPO_EPS),
     )  # (N,)
     adv = to_tokens(adv, response_mask)  # (N, T)
@@ -80,7 +80,7 @@ def grpo(
 def dr_grpo(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, params: AdvantageParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dr.GRPO: ``r - mean_g`` whatever ``norm_adv_by_std`` says (verl: grpo with
+    """Dr.GRPO: ``r - mean_g`` whatever ``norm_adv_by_std_in_grpo`` says (verl: grpo with
     ``norm_adv_by_std_in_grpo=False``)."""
     scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
     adv = grpo_advantages(scores, params.group_size, norm_by_std=False)  # (N,)
