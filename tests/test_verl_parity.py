@@ -89,8 +89,11 @@ def on_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # Advantage estimators -----------------------------------------------------------------------
 
-# every estimator of the config but a user's own (verl_advantages names verl's function of each)
-ESTIMATORS = tuple(n for n, row in ESTIMATOR_ROWS.items() if row is not CustomEstimator)
+# every estimator row verl has (its registry; dr_grpo is its grpo without the std), each run
+# against verl's function of it (verl_advantages); a row of a peer's estimator verl lacks has its
+# reference formula checked in tests/test_kernels_advantage_estimators.py
+ESTIMATORS = tuple(n for n, row in ESTIMATOR_ROWS.items() if row is not CustomEstimator
+                   and (n in CA.ADV_ESTIMATOR_REGISTRY or n == "dr_grpo"))
 # (estimator, option variant): gamma/lam for the discounted ones, norm for the std-normalised.
 VARIANTS = {
     "grpo": ({"norm_adv_by_std": True}, {"norm_adv_by_std": False}),
