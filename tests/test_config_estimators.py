@@ -38,13 +38,6 @@ def test_each_rows_options_are_fields_of_the_kernels_params(name):
     assert set(row.kernel_options()) | set(row.read_elsewhere) == set(row.__struct_fields__)
 
 
-def test_the_estimators_taking_unequal_groups_are_the_grouped_and_the_ungrouped():
-    unequal = [n for n, r in ROWS.items() if r.unequal_groups]
-    assert [n for n, r in ROWS.items() if not r.grouped] == [
-        "reinforce_plus_plus", "remax", "gae"]
-    assert set(ROWS) - set(unequal) == {"reinforce_plus_plus_baseline", "gpg", "gdpo"}
-
-
 def test_a_rows_code_is_imported_only_when_loaded():
     """The config reads the rows torch-free; the learner imports the chosen estimator's."""
     code = ("import sys; from actors.runtime.config.estimators import ROWS; "

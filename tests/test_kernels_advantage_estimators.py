@@ -334,3 +334,35 @@ def test_tir_optimal_token_baseline_aligns_the_kth_response_token():
     column, _ = compute_advantages(row("optimal_token_baseline"), rewards, mask, group_size=2,
                                    old_logprobs=old, sum_pi_squared=spsq, handle_zero_tail=False)
     assert column[3, 1].item() == pytest.approx(0.0, abs=1e-6)  # alone at column 1: baseline 1
+
+
+def _grouping_case():
+    """Three groups of two (the last constant, so a batch-wide share of signal differs from a
+    group's), with every input some estimator needs, per row."""
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0],
+                         [1, 1, 1, 0]])
+    rewards = _outcome([1.0, 0.0, 0.5, 2.0, 0.3, 0.3], mask).nan_to_num()
+    old = -torch.rand(mask.shape, generator=gen)
+    inputs = dict(values=torch.randn(mask.shape, generator=gen),
+                  reward_baselines=torch.tensor([0.5, 0.5, 1.0, 1.0, 0.2, 0.2]),
+                  old_logprobs=old, sum_pi_squared=old.exp().square() + 0.01)
+    return rewards, mask, inputs
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_a_rows_group_traits_are_what_its_kernel_does(name):
+    """``grouped = False``: the advantages do not depend on the groups. ``unequal_groups`` (of a
+    grouped row): each group's advantages depend on its own rows alone, so running group by group
+    is exact; a grouped row without it scales over the whole batch, and group by group differs."""
+    est = row(name)
+    rewards, mask, inputs = _grouping_case()
+    adv, _ = compute_advantages(est, rewards, mask, group_size=2, **inputs)
+    if est.min_group == 1:  # (else a group of one is refused)
+        alone, _ = compute_advantages(est, rewards, mask, group_size=1, **inputs)
+        assert torch.allclose(adv, alone) == (not est.grouped)
+    if est.grouped:
+        by_group = torch.cat([compute_advantages(
+            est, rewards[g:g + 2], mask[g:g + 2], group_size=2,
+            **{k: v[g:g + 2] for k, v in inputs.items()})[0] for g in (0, 2, 4)])
+        assert torch.allclose(adv, by_group) == est.unequal_groups
