@@ -366,3 +366,30 @@ def test_a_rows_group_traits_are_what_its_kernel_does(name):
             est, rewards[g:g + 2], mask[g:g + 2], group_size=2,
             **{k: v[g:g + 2] for k, v in inputs.items()})[0] for g in (0, 2, 4)])
         assert torch.allclose(adv, by_group) == est.unequal_groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n", [2, 4])
+def test_grpo_batch_std_is_trls_scale_rewards_batch(n, dtype):
+    """TRL 1.16's GRPOTrainer with scale_rewards = "batch" (one reward function), its own lines
+    with its own nanstd, on rewards of no constant group (where ours is exactly 0: a
+    deliberate difference, as grpo's)."""
+    nanstd = pytest.importorskip("trl.trainer.utils").nanstd
+    gen = torch.Generator().manual_seed(n)
+    mask = (torch.rand(12, 6, generator=gen) > 0.3).to(dtype)
+    mask[:, 0] = 1
+    scores = torch.randn(12, generator=gen, dtype=dtype)
+    rewards = torch.zeros(12, 6, dtype=dtype)
+    rewards[torch.arange(12), mask.cumsum(-1).argmax(-1)] = scores
+    mean_grouped = torch.nanmean(scores.view(-1, n), dim=1).repeat_interleave(n, dim=0)
+    std_rewards = nanstd(scores).expand_as(scores)
+    want = (scores - mean_grouped) / (std_rewards + 1e-4)
+    adv, ret = compute_advantages(row("grpo_batch_std"), rewards, mask, group_size=n)
+    torch.testing.assert_close(adv, want[:, None] * mask)
+    assert torch.equal(adv, ret) and adv.dtype == dtype
+    # the batch's std, not a group's: a group scaled alone is another result
+    alone, _ = compute_advantages(row("grpo_batch_std"), rewards[:n], mask[:n], group_size=n)
+    assert not torch.allclose(alone, adv[:n])
+    constant, _ = compute_advantages(row("grpo_batch_std"), _outcome([0.3] * 4), MASK,
+                                     group_size=2)
+    assert (constant == 0).all()

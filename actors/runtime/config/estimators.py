@@ -97,6 +97,19 @@ class DrGrpo(EstimatorRow, frozen=True, tag="dr_grpo"):
         return dr_grpo
 
 
+class GrpoBatchStd(EstimatorRow, frozen=True, tag="grpo_batch_std"):
+    """GRPO scaled by the batch's std (TRL ``scale_rewards = "batch"``, Lite PPO): each
+    sample's reward against its group's mean, divided by the std of all the batch's rewards."""
+
+    min_group: ClassVar[int] = 2
+    unequal_groups: ClassVar[bool] = False  # scales over the whole batch
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.grpo import grpo_batch_std
+
+        return grpo_batch_std
+
+
 class Rloo(EstimatorRow, frozen=True, tag="rloo"):
     """RLOO: against the mean of the group's other samples."""
 
@@ -272,8 +285,8 @@ class Custom(EstimatorRow, frozen=True, tag="custom"):
         return {}  # kwargs: bound to the function by load()
 
 
-EstimatorChoice = (Grpo | DrGrpo | Rloo | ReinforcePlusPlus | ReinforcePlusPlusBaseline | Remax
-                   | Gae | Opo | GrpoPassk | Gpg | OptimalTokenBaseline | TirOptimalTokenBaseline
-                   | Gdpo | Custom)
+EstimatorChoice = (Grpo | DrGrpo | GrpoBatchStd | Rloo | ReinforcePlusPlus
+                   | ReinforcePlusPlusBaseline | Remax | Gae | Opo | GrpoPassk | Gpg
+                   | OptimalTokenBaseline | TirOptimalTokenBaseline | Gdpo | Custom)
 ROWS: dict[str, type[EstimatorRow]] = {
     str(row.__struct_config__.tag): row for row in EstimatorChoice.__args__}  # type: ignore[attr-defined]
