@@ -224,6 +224,23 @@ def test_a_result_of_the_wrong_shape_names_the_file(tmp_path, role, body, said):
     assert str(caught.value) == f"algorithm.{key}: f in {tmp_path / 'f.py'} {said}"
 
 
+def test_a_file_edited_during_the_run_changes_nothing_once_loaded(files):
+    """The learner reads the file once (its first load, hash checked); the kernel asks the row
+    for its function at every micro-batch and gets that one, so editing the file while the run
+    goes on neither changes the loss nor stops the run."""
+    row = topology(f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS).algorithm \
+        .policy_loss
+    first = row.load()
+    (files / "my_loss.py").write_text("def my_loss(*args, **kwargs):\n    raise ValueError\n")
+    assert row.load() is first
+    lp, old, adv, mask, _ = inputs(0)
+    loss, _ = policy_loss(row, lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          loss_agg_mode="token-mean")
+    want, _ = policy_loss(Vanilla(), lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          loss_agg_mode="token-mean")
+    assert torch.equal(loss, want)
+
+
 def test_a_changed_file_is_refused_by_the_learner(tiny_model, tmp_path, files):
     topo = [f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS]
     row = topology(*topo).algorithm.policy_loss
