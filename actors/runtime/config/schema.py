@@ -162,7 +162,8 @@ class DatasetConfig(_Section, frozen=True):
     verifiers: VerifiersSource | None = None
     """A verifiers environment instead of a file (``verifiers = { id = "my_env" }`` or
     ``{ path = "my_env.py", args = { ... } }``): its tasks' prompts, its rubric as the reward
-    (data_source ``verifiers/NAME``); single-turn environments only, for now."""
+    (data_source ``verifiers/NAME``); a multi-turn one (its ``Env`` plays the turns) needs
+    ``agent.env.verifiers``."""
 
     def __post_init__(self) -> None:
         if sum(map(bool, (self.path, self.builtin, self.reasoning_gym, self.verifiers))) != 1:
