@@ -118,12 +118,14 @@ OPTIONS = {
 
 # a row no case above chooses (and not the default's, nor a user's own, tested on its own) by
 # its name alone: a variant whose options all have defaults needs no line here to take a step
-# (and a job: tests/test_variants_job.py); one that needs an option gets a case above
-for _key, _rows in (("adv_estimator", ESTIMATORS), ("policy_loss", LOSSES)):
+# (and a job: tests/test_variants_job.py); one that needs an option gets a case above. A loss
+# takes two epochs: on-policy most losses have PPO's gradient, the second epoch is off-policy
+for _key, _rows, _more in (("adv_estimator", ESTIMATORS, []),
+                           ("policy_loss", LOSSES, ["learner.ppo_epochs=2"])):
     for _name, _row in _rows.items():
         _chosen = any(f"algorithm.{_key}={_name}" in o for o in OPTIONS.values())
         if not _chosen and _row not in (ESTIMATORS["grpo"], LOSSES["vanilla"], _rows["custom"]):
-            OPTIONS[_name] = [f"algorithm.{_key}={_name}"]
+            OPTIONS[_name] = [f"algorithm.{_key}={_name}", *_more]
 
 
 # Proof that an option reaches the step: a metric only it produces, or else a gradient that
