@@ -323,7 +323,8 @@ async def test_replayed_replay_frames_are_refused_and_counted(sockets):
                 second = replies.decode((await learner.recv_multipart())[-1])
                 assert isinstance(second, TrainBatch) and second.step == 1
                 assert second.groups[0].prompt.prompt_id != trained.prompt_id
-                assert ctx.status["version"] == 2 and ctx.status["trained"] == 2
+                await wait_status(ctx, "trained", 2)  # its status follows the send
+                assert ctx.status["version"] == 2 and ctx.status["stale_refused"] == 2
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 
@@ -543,6 +544,33 @@ async def test_fuzz_learner_weights_router(sockets):
 
                 await fuzz_in_thread(examples, check)
                 assert sent["bad"] > 0 and server.sent > 0
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_a_peer_that_never_reads_does_not_stall_the_weights_server(sockets):
+    """Bad polls from a peer that reads none of its error replies: once its queue is full the
+    errors to it are dropped (still counted as rejected), and a sampler polling next still gets
+    the weights; the socket's ROUTER_MANDATORY made each such send wait for room for ever."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    weights = [("w", torch.arange(4, dtype=torch.float32).reshape(2, 2))]
+    with anyio.fail_after(30):
+        with make_socket(zctx, zmq.ROUTER, bind=address, hwm=8) as sock, \
+             make_socket(zctx, zmq.DEALER, connect=address, hwm=1) as deaf, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler:
+            server = WeightsPublisher(sock, ZmqSender())
+            await server.publish(5, weights)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve)
+                for _ in range(500):
+                    await deaf.send_multipart([b"\xc1"])
+                await wait_for("every bad poll read", lambda: server.codec.rejected == 500)
+                await sampler.send_multipart([encode(WeightsPoll(have_version=-1))])
+                frames = await sampler.recv_multipart()
+                assert Codec(FromLearnerWeights).decode(frames[0]).version == 5
+                assert server.unanswered > 0  # the deaf peer's errors past its queue
                 tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 

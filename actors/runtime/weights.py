@@ -56,6 +56,7 @@ class WeightsPublisher:
         self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
         self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
+        self.unanswered = 0  # bad polls whose error reply was dropped (the peer was full or gone)
         self.transfers = 0  # GPU transports: transfers under way
         self._ended = anyio.Event()  # set and replaced at the end of every transfer
         self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
@@ -126,7 +127,7 @@ class WeightsPublisher:
             try:
                 poll = self.codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
-                await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
+                self._say(peer, f"weights: {exc}")
                 continue
             if isinstance(poll, WeightsPoll):
                 self.sender.polled(peer, poll)
@@ -136,6 +137,17 @@ class WeightsPublisher:
                 self._polled = anyio.Event()
                 if self.version >= 0:
                     await self._answer()
+
+    def _say(self, peer: bytes, error: str) -> None:
+        """An error reply, or none when ``peer`` does not read them (its queue is full) or is
+        gone: with ROUTER_MANDATORY a send to a full peer waits, and a peer that never reads
+        would stop this loop and with it every sampler's weights."""
+        try:
+            self.sock.send_multipart_nowait([peer, encode(ErrorReply(error=error))])
+        except zmq.ZMQError as exc:  # zmq.Again (full) is one
+            if exc.errno not in (errno.EAGAIN, errno.EHOSTUNREACH):
+                raise
+            self.unanswered += 1
 
     async def wait_received(self, timeout_s: float) -> bool:
         """Wait until every sampler that ever polled has the newest weights (a subscriber polls
