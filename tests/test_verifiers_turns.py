@@ -17,11 +17,13 @@ import re
 import subprocess
 from contextlib import asynccontextmanager
 
+import anyio
 import pytest
 
 from actors.data.verifiers_env import VerifiersTask, environment, prompt_messages, spec_of
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
+from actors.runtime.config import ConfigError
 from actors.runtime.config.agent import AgentConfig, AgentEnv
 from actors.runtime.config.schema import DatasetConfig
 from actors.runtime.config.sources import VerifiersSource
@@ -56,14 +58,24 @@ def play(context: str) -> str:
             f"<guess>1</guess> no, <guess>{guess}</guess>"][game % 5] + EOS
 
 
-async def episodes(tok, monkeypatch, settings: dict, **args):
-    """One episode of each task of the fixture (``args``) through the agent loop (``[agent]``
-    ``settings``), with the scripted player; (task, prompts, completions, loop statistics)."""
-    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # for the environments' children
-    cfg = AgentConfig(env=AgentEnv(verifiers=True), processes=1, **settings)
-    task = VerifiersTask(DatasetConfig(verifiers=source(**args), shuffle=False), 0,
-                         "task.datasets[0]")
-    prompts = [task.prompt_at(task.name, row, row) for row in range(task.size)]
+GAMES = {"scored": {"size": 50}, "failing": {"size": 12, "endless": True}}  # their args
+SECRETS = [t.data.secret for t in environment(spec_of(source(size=12))).tasks]
+BROKEN = SECRETS[0]  # the failing games' run raises on this number, their reward on the next
+UNSCORED = next(s for s in SECRETS if s != BROKEN)
+GAMES["failing"].update(raise_on=BROKEN, reward_raise_on=UNSCORED)
+
+
+async def play_and_score(tok) -> dict:
+    """Every game of ``GAMES`` played through one agent loop (four turns at most) with the
+    scripted player and scored by one reward worker's scoring, in their children:
+    {name: (prompts, completions, results)} and the loop's statistics."""
+    cfg = AgentConfig(env=AgentEnv(verifiers=True), processes=1, max_turns=4)
+    sets = {}
+    for name, args in GAMES.items():
+        task = VerifiersTask(DatasetConfig(verifiers=source(**args), shuffle=False), 0,
+                             "task.datasets[0]")
+        sets[name] = [task.prompt_at(task.name, row, row) for row in range(task.size)]
+    prompts = [p for ps in sets.values() for p in ps]
     loop = AgentLoop(ScriptedEngine(tok, play), tok, cfg)
     await loop.start()
     try:
@@ -71,26 +83,34 @@ async def episodes(tok, monkeypatch, settings: dict, **args):
                                   SamplingParams(max_tokens=200))
     finally:
         await loop.aclose()
-    return task, prompts, [g for (g,) in out], loop.statistics()
-
-
-async def flowrl_scores(prompts, completions):
-    """The reward worker's scoring of each conversation, in its children."""
+    completions = [g for (g,) in out]
     items = [item for p, c in zip(prompts, completions, strict=True)
              for item in items_of(ScoreRequest(p.data_source, p.ground_truth, [
                  Response("", len(c.token_ids), c.turns)], p.extra_info))]
     scoring = Scoring(decode_topology(apply_overrides({}, ["reward.processes=1"])).reward)
     try:
-        return await scoring.score(items)
+        results = await scoring.score(items)
     finally:
         await scoring.aclose()
+    played, k = {}, 0
+    for name, ps in sets.items():
+        played[name] = (ps, completions[k:k + len(ps)], results[k:k + len(ps)])
+        k += len(ps)
+    return {**played, "statistics": loop.statistics()}
+
+
+@pytest.fixture(scope="module")
+def played(tok) -> dict:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # for the environments' and scorers' children
+        return anyio.run(play_and_score, tok, backend="trio")
 
 
 class Replay:
     """verifiers' side, driven by the library's own pieces: the env's ``run`` against an
     interaction that commits the recorded replies as a harness commits turns
     (``prepare_turn(...).commit``) and stops at the turn limit, then ``Task.score`` as a
-    rollout's close runs it, then ``finalize``."""
+    rollout's close runs it."""
 
     def __init__(self, task, replies: list[str], limit: int) -> None:
         from verifiers.v1.state import state_cls
@@ -132,15 +152,13 @@ async def library_trace(loaded, index: int, replies: list[str], limit: int):
     return replay.trace
 
 
-@pytest.mark.anyio
-async def test_scores_equal_the_librarys_own(tok, monkeypatch):
+def test_scores_equal_the_librarys_own(played):
     """50 games (right at once, after hints, never, untagged, empty, two tags; some cut at the
     turn limit) played through the agent loop and scored by the reward worker, against the
     same replies played and scored by verifiers: the sum, each reward and the metric."""
-    task, prompts, completions, stats = await episodes(tok, monkeypatch, {"max_turns": 4}, size=50)
-    results = await flowrl_scores(prompts, completions)
-    loaded = environment(spec_of(source(size=50)))
-    assert len(results) == 50 and stats["env_errors"] == 0
+    prompts, completions, results = played["scored"]
+    loaded = environment(spec_of(source(**GAMES["scored"])))
+    assert len(results) == 50
     seen = set()
     for p, c, ours in zip(prompts, completions, results, strict=True):
         assert not ours.error, ours.error
@@ -157,26 +175,20 @@ async def test_scores_equal_the_librarys_own(tok, monkeypatch):
     assert len(seen) >= 6  # easy, hard, malformed and empty games score apart
 
 
-@pytest.mark.anyio
-async def test_failures_are_recorded_and_an_endless_game_stops_at_max_turns(tok, monkeypatch):
+def test_failures_are_recorded_and_an_endless_game_stops_at_max_turns(played):
     """A ``run`` that raises ends its episode with the error (counted; the reward worker
     records the sample as failed), a reward that raises is the sample's recorded error, and a
     game that never ends stops at the turn limit and is scored."""
-    secret = [t.data.secret for t in environment(spec_of(source(size=12))).tasks]
-    broken, unscored = secret[0], next(s for s in secret if s != secret[0])
-    _, prompts, completions, stats = await episodes(
-        tok, monkeypatch, {"max_turns": 3}, size=12, raise_on=broken,
-        reward_raise_on=unscored, endless=True)
-    assert stats["env_errors"] == secret.count(broken) > 0
-    results = await flowrl_scores(prompts, completions)
-    for s, c, r in zip(secret, completions, results, strict=True):
-        assert len([t for t in c.turns if t.role == "assistant"]) == (1 if s == broken else 3)
-        if s == broken:
+    _, completions, results = played["failing"]
+    assert played["statistics"]["env_errors"] == SECRETS.count(BROKEN) > 0
+    for s, c, r in zip(SECRETS, completions, results, strict=True):
+        assert len([t for t in c.turns if t.role == "assistant"]) == (1 if s == BROKEN else 4)
+        if s == BROKEN:
             assert "the environment failed: RuntimeError: the game of" in r.error, r
-        elif s == unscored:
+        elif s == UNSCORED:
             assert "no scoring of" in r.error, r
         else:
-            assert not r.error and r.extra["metric/turns"] == 3.0, r
+            assert not r.error and r.extra["metric/turns"] == 4.0, r
 
 
 TWO_ROLES = '''
@@ -198,24 +210,36 @@ __all__ = ["Chats", "Talk"]
 '''
 
 
-@pytest.mark.parametrize("overrides, key, message", [
-    ([f'task.datasets=[{{verifiers={{path="{FIXTURE}"}}}}]'], "task.datasets[0].verifiers",
-     "verifiers_guess is multi-turn (its GuessEnv plays the turns): set agent.env.verifiers"),
-    (["agent.env.verifiers=true"], "agent.env.verifiers",
-     "task.datasets must name them (verifiers = {...})"),
-    ([f'task.datasets=[{{verifiers={{path="{FIXTURE}"}}}}]', "agent.env.verifiers=true"],
-     "validation.datasets[0]", "every dataset must be verifiers = {...}"),
-    (['task.datasets=[{verifiers={path="{tmp}/talk.py"}}]', "agent.env.verifiers=true"],
-     "task.datasets[0].verifiers", "Talk has 2 agent roles (player, user)"),
-    ([f'task.datasets=[{{verifiers={{path="{FIXTURE}"}}}}]', "agent.env.verifiers=true",
-      "agent.env.reward=replace"], "agent.env.reward", "rubric scores the conversation"),
-])
-def test_what_flowrl_cannot_run_is_one_line_at_check(tmp_path, overrides, key, message):
-    (tmp_path / "talk.py").write_text(TWO_ROLES)
-    done = check(*[o.replace("{tmp}", str(tmp_path)) for o in overrides])
+def test_a_multi_turn_environment_without_the_agent_loop_is_one_line_at_check():
+    done = check(f'task.datasets=[{{verifiers={{path="{FIXTURE}"}}}}]')
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert key in done.stderr and message in done.stderr, done.stderr
+    assert done.stderr.strip() == (
+        "error: bad topology: task.datasets[0].verifiers: verifiers_guess is multi-turn (its "
+        "GuessEnv plays the turns): set agent.env.verifiers = true"), done.stderr
+
+
+GAME = f'{{verifiers={{path="{FIXTURE}"}}}}'
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["agent.env.verifiers=true"], "agent.env.verifiers: plays the prompts' verifiers "
+                                   "environments: task.datasets must name them"),
+    ([f"task.datasets=[{GAME}]", "validation.datasets=[{builtin='arithmetic'}]",
+      "agent.env.verifiers=true"], "validation.datasets[0]: agent.env.verifiers plays each "
+                                   "prompt's verifiers environment: every dataset must be"),
+    (['task.datasets=[{verifiers={path="{tmp}/talk.py"}}]', "agent.env.verifiers=true"],
+     "task.datasets[0].verifiers: {tmp}/talk.py: Talk has 2 agent roles (player, user)"),
+    ([f"task.datasets=[{GAME}]", "agent.env.verifiers=true", "agent.env.reward=replace"],
+     "agent.env.reward: a verifiers environment's rubric scores the conversation"),
+    ([f"task.datasets=[{GAME}]", "agent.env.verifiers=true", "agent.tools=[{builtin='python'}]"],
+     "agent.env.verifiers: an environment replaces tools"),
+])
+def test_what_flowrl_cannot_run_is_refused_naming_the_key(tmp_path, overrides, message):
+    (tmp_path / "talk.py").write_text(TWO_ROLES)
+    with pytest.raises(ConfigError) as refused:
+        decode_topology(apply_overrides({}, [o.replace("{tmp}", str(tmp_path))
+                                             for o in overrides]))
+    assert message.replace("{tmp}", str(tmp_path)) in str(refused.value)
 
 
 @pytest.mark.slow  # a minute and a half on two cores: past what the fast suite may add
