@@ -364,3 +364,33 @@ def test_token_sum_has_no_normaliser():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert aggregate(loss, mask, "token-sum").item() == 7.0
     assert aggregate(loss, mask, "token-sum", token_count=100).item() == 7.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5,
+                                          "vespo_k_neg": 4.0, "vespo_lambda_neg": 6.0}])
+def test_vespo_is_trls(options, dtype):
+    """TRL 1.16's VESPO: its own gamma weights (``GRPOTrainer.get_gamma_weights``, no sampler
+    correction) in its per-token loss ``-φ · A · lp``, token-summed over the batch's tokens
+    (its "dapo" normaliser: token-mean); the gradient too."""
+    trainer = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    gen = torch.Generator().manual_seed(7)
+    mask = (torch.rand(6, 9, generator=gen) > 0.25).to(dtype)
+    mask[:, 0] = 1
+    lp = (-torch.rand(6, 9, generator=gen, dtype=dtype) * 2).requires_grad_()
+    old = lp.detach() + 0.1 * torch.randn(6, 9, generator=gen, dtype=dtype)
+    old[0] = lp[0].detach() + 0.5  # a sequence far off-policy: w = exp(-0.5 * its length)
+    adv = torch.randn(6, 1, generator=gen, dtype=dtype)
+    phi = trainer.get_gamma_weights(adv, lp.detach() - old, mask, None,
+                                    **{k.removeprefix("vespo_"): v for k, v in options.items()})
+    want = (-phi * adv * lp * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, lp)
+    got, m = _call("vespo", lp, old, adv.expand(6, 9), mask, **options)
+    (got_grad,) = torch.autograd.grad(got, lp)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert m["actor/pg_clipfrac"].item() == 0.0
+    assert phi[0].item() < 0.5 * phi[1:].max().item()  # the far one weighs less
+    on_policy, _ = _call("vespo", lp, lp.detach(), adv.expand(6, 9), mask, **options)
+    reinforce, _ = _call("reinforce", lp, lp.detach(), adv.expand(6, 9), mask)
+    torch.testing.assert_close(on_policy, reinforce)  # φ(1) = 1

@@ -193,6 +193,25 @@ class DppoKl(PolicyLossRow, frozen=True, tag="dppo_kl"):
         return dppo_kl_loss
 
 
+class Vespo(PolicyLossRow, frozen=True, tag="vespo"):
+    """VESPO: REINFORCE scaled by a gamma function of the sequence's ratio (TRL
+    ``loss_type = "vespo"``)."""
+
+    vespo_k_pos: NonNegFloat = 2.0
+    """Shape k of the weight φ(w) for tokens with A >= 0 (TRL ``vespo_k_pos``)."""
+    vespo_lambda_pos: PositiveFloat = 3.0
+    """Rate λ of φ(w) for tokens with A >= 0 (TRL ``vespo_lambda_pos``)."""
+    vespo_k_neg: NonNegFloat = 3.0
+    """Shape k of φ(w) for tokens with A < 0 (TRL ``vespo_k_neg``)."""
+    vespo_lambda_neg: PositiveFloat = 2.0
+    """Rate λ of φ(w) for tokens with A < 0 (TRL ``vespo_lambda_neg``)."""
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.policy_losses.vespo import vespo_loss
+
+        return vespo_loss
+
+
 class Dro(PolicyLossRow, frozen=True, tag="dro"):
     """DRO: a quadratic penalty on lp − lp_old."""
 
@@ -247,6 +266,6 @@ class Custom(PolicyLossRow, frozen=True, tag="custom"):
 
 
 PolicyLossChoice = (Vanilla | Gspo | Reinforce | Gpg | Cispo | Sapo | GeoMean | ClipCov | KlCov
-                    | DppoTv | DppoKl | Dro | BypassMode | Custom)
+                    | DppoTv | DppoKl | Vespo | Dro | BypassMode | Custom)
 ROWS: dict[str, type[PolicyLossRow]] = {
     str(row.__struct_config__.tag): row for row in PolicyLossChoice.__args__}  # type: ignore[attr-defined]
