@@ -16,6 +16,9 @@ router to the reward workers.) It then sends, as fast as the sockets take them:
   weights notice older than the current version (``VersionUpdate``), a score reply already
   answered (to the router's worker socket).
 
+An eighth of the damaged frames come from a second socket per target that never reads what the
+job answers (its queue stays full: the job must drop those answers, not wait for room).
+
 Every non-replay frame is checked before it is sent with a fresh ``Codec`` of the socket's union
 (and the router's frame-count rules): a frame the socket would accept is not sent (it would be
 a forgery, not damage), so each frame sent must be rejected, and ``expected()`` is the exact
@@ -90,6 +93,7 @@ class Target:
     union: Any
     rejects: Callable[[list[bytes]], bool]
     sock: zmq.Socket | None = None
+    deaf: zmq.Socket | None = None  # never reads what the job answers
     outsider: zmq.Socket | None = None
 
 
@@ -153,10 +157,12 @@ class WireFuzzer:
         public, secret = load_secret(key)
         return CurveKeys(server, public, secret)
 
-    def _socket(self, address: str, keys: CurveKeys | None, identity: bytes) -> zmq.Socket:
+    def _socket(self, address: str, keys: CurveKeys | None, identity: bytes,
+                rcvhwm: int = 1000) -> zmq.Socket:
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 200)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
         sock.setsockopt(zmq.IDENTITY, identity)
         if keys is not None:
             keys.configure(sock, server=False)
@@ -166,6 +172,7 @@ class WireFuzzer:
     def connect(self) -> None:
         for i, t in enumerate(self.targets):
             t.sock = self._socket(t.address, self.keys, f"fuzz-{self.seed}-{i}".encode())
+            t.deaf = self._socket(t.address, self.keys, f"deaf-{self.seed}-{i}".encode(), rcvhwm=1)
         self.reconnect_outsider()
 
     def reconnect_outsider(self) -> None:
@@ -280,7 +287,7 @@ class WireFuzzer:
             kind, parts = self.damaged()
             if not target.rejects(parts):
                 continue
-            if self.send(target, parts):
+            if self.send(target, parts, target.deaf if self.rng.random() < 0.125 else None):
                 tally.bad[target.name] += 1
                 tally.kinds[kind] += 1
             if target.outsider is not None and self.send(target, parts, target.outsider):
