@@ -3,7 +3,7 @@ model's turns in a sandboxed child (``agent.env.verifiers``), the reward worker 
 conversation with the task's rubric, and the sum equals verifiers' own on the same
 conversations; a raising ``run`` or reward and an endless game are recorded errors or a clean
 stop at the turn limit; what flowrl cannot run is one line at ``check``; a whole tiny job trains
-on the environment and reruns a step exactly.
+on the environment, validates on its held-out games and reruns a step exactly.
 
 The fixture environment is ``tests/verifiers_guess.py`` (a number-guessing game, in memory);
 verifiers comes from ``.venv/verifiers-0.4.0`` as in ``tests/test_verifiers.py``.
@@ -34,7 +34,7 @@ from actors.scoring.items import items_of
 from actors.scoring.scorer import Scoring
 from messages.reward import Response, ScoreRequest
 from messages.rollout import SamplingParams
-from tests.jobs import ROOT, balanced, command, metrics
+from tests.jobs import ROOT, balanced, command, metrics, validations
 from tests.test_agent import EOS, ScriptedEngine
 from tests.test_verifiers import ENV, check
 
@@ -243,13 +243,15 @@ def test_what_flowrl_cannot_run_is_refused_naming_the_key(tmp_path, overrides, m
 
 
 @pytest.mark.slow  # a minute and a half on two cores: past what the fast suite may add
-def test_a_job_trains_on_a_multi_turn_environment(tiny_model, tmp_path):
+def test_a_job_trains_and_validates_on_a_multi_turn_environment(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     res = subprocess.run(command(
         tiny_model, run_dir, "learner.total_steps=3", "learner.save_every=1",
         f'task.datasets=[{{verifiers={{path="{FIXTURE}", args={{size=32}}}}}}]',
         "agent.env.verifiers=true", "agent.max_turns=3", "agent.processes=1",
-        "sampler.max_tokens=32", 'sampler.stop=[" "]'),  # a space ends a turn: several a game
+        "sampler.max_tokens=32", 'sampler.stop=[" "]',  # a space ends a turn: several a game
+        f'validation.datasets=[{{verifiers={{path="{FIXTURE}", args={{split="test", size=4}}}}}}]',
+        "validation.every=3", "validation.n=2"),
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = metrics(run_dir)
@@ -266,6 +268,7 @@ def test_a_job_trains_on_a_multi_turn_environment(tiny_model, tmp_path):
         assert [k for k, m in enumerate(mask) if m] == [
             k for t in s.turns if t.role == "assistant" for k in range(t.start, t.end)]
     assert any(t.role == "user" and t.end > t.start for s in samples for t in s.turns)
+    assert [v["step"] for v in validations(run_dir)] == [0, 3]
     out = io.StringIO()
     assert rerun(run_dir, 3, out=out) == 0, out.getvalue()
 
@@ -293,3 +296,15 @@ def test_run_cannot_outlive_its_episode():
     assert driver is not None
     asyncio.run_coroutine_threadsafe(asyncio.wait([driver]), episode.loop).result()
     assert driver.cancelled()
+
+
+def test_a_single_turn_taskset_plays_one_turn():
+    """Under ``agent.env.verifiers`` a taskset without an ``Env`` is one model turn, then done
+    with no reward of its own (its rubric is the reward worker's)."""
+    from actors.data.verifiers_episode import VerifiersEpisode
+
+    spec = spec_of(VerifiersSource(path="tests/verifiers_addition.py", args={"size": 3}))
+    episode = VerifiersEpisode(max_turns=4)
+    assert episode.reset({"extra_info": {"verifiers": spec, "index": 0}}) == ""
+    assert episode.step("<answer>3</answer>") == ("", 0, True)
+    episode.close()
