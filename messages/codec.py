@@ -2,8 +2,9 @@
 
 A codec given the name of its socket also says why it refused a frame, on stderr: the first
 rejection of each kind at once, later ones of that kind at most once a minute with how many
-came since, so a peer sending garbage at a high rate cannot flood the log (its count is exact
-in ``rejected`` and ``kinds``, which actors publish in their status)."""
+came since, so a peer sending garbage at a high rate cannot flood the log (the count stays
+exact: ``rejected``, which actors publish in their status as ``rejected_frames``, and
+``kinds``)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def rejection_kind(reason: str) -> str:
         return "not msgpack"
     if "at `$.type`" in reason or "missing required field `type`" in reason:
         return "wrong type"
-    if " - at `$" not in reason:
-        return "not a message"
+    if reason.startswith("Expected `object`") and " - at `$" not in reason:
+        return "not a message"  # msgpack, but not a map
     return "bad field"
 
 
