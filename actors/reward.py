@@ -40,7 +40,8 @@ class RewardWorker(PoolWorker):
         cfg = ctx.topology.reward
         super().__init__(ctx, sock, pool, capacity or cfg.capacity, drain_s=cfg.timeout_s + 5.0)
         self.scoring = scoring
-        self.body_codec: Codec[ToRewardWorker] = Codec(ToRewardWorker)
+        self.body_codec: Codec[ToRewardWorker] = Codec(
+            ToRewardWorker, socket=f"[{ctx.name}] request bodies from the router")
 
     def publish(self) -> None:
         s = self.scoring.statistics()

@@ -1,7 +1,7 @@
 """A bounded chaos soak of a whole job on the tiny random model, then an audit of what it recorded.
 
 ``python bench/soak.py [--steps 320] [--kill-every 2:5] [--attach-every 60] [--job-kill-at 150]
-[--reward-pause 0.05] [--ray]``
+[--reward-pause 0.05] [--ray] [--fuzz [--curve]]``
 
 Each reward call sleeps ``--reward-pause`` seconds (so that a step takes about a second, and a
 killed worker usually holds requests). While the learner takes ``--steps`` steps: a random sampler or reward worker is killed with
@@ -25,6 +25,14 @@ At the end it checks and prints: the job finished (exit 0), every step's counter
 lineage and no group is in two of them, every issued prompt id is in the recording, and no
 process of the run is left; and each long-lived process's RSS growth per 100 steps (the slope of
 a least-squares line over its samples after step 50 of its incarnation). Exit 1 if a check fails.
+
+``--fuzz``: hostile frames at every socket the job binds while it trains (``tests/wire_fuzz.py``,
+seeded by ``--seed``), from step 2 until 5 steps before the end; its audit adds the fuzzed
+job's checks: no actor restarted, each frame sent to be rejected counted by its actor exactly,
+the replayed ones refused. The counts are exact only in processes that live throughout, so
+``--fuzz`` goes with ``--kill-every 0 --attach-every 0 --job-kill-at 0``. ``--curve``: the job
+runs with CURVE; the fuzzer holds the job's client key, and a key the job does not know beside
+it (those frames must never be decoded).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,8 +54,12 @@ sys.path.insert(0, str(ROOT))
 from actors.runtime.recording import last_by, read_table  # noqa: E402
 from tests.jobs import TINY, actor_pids, balanced, metrics, placed_on  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
+from tests.wire_fuzz import Tally, WireFuzzer, audit, summary  # noqa: E402
 
 LONG_LIVED = ("replay", "router", "learner")
+# what the actors count of a fuzzer's frames (their status)
+COUNTED = {"rejected_frames", "rejected_bodies", "stale_refused", "rejected", "duplicates",
+           "auth_refused"}
 PACED_REWARD = '''
 import time
 
@@ -147,6 +160,8 @@ class Soak:
         self.rss: dict[str, list[tuple[int, float]]] = {}  # "KIND#INCARNATION" -> (step, MB)
         self.incarnation = 0
         self.ray = RayNodes(args.ray_nodes, self.rng) if args.ray else None
+        self.fuzz: Tally | None = None  # what the fuzzer sent, once it has stopped
+        self.fuzz_s = 0.0  # seconds it fuzzed
 
     def command(self, model: Path) -> list[str]:
         a = self.args
@@ -157,7 +172,8 @@ class Soak:
                 "router.request_timeout=5", "sampler.score_timeout_s=15",
                 "replay.sampler_timeout_s=10", "reward.timeout_s=5",
                 *([f'reward.functions=[{{path = "{self.out / "paced_reward.py"}"}}]']
-                  if a.reward_pause > 0 else []), *self.ray_args()]
+                  if a.reward_pause > 0 else []), *self.ray_args(),
+                *(["security.curve=true"] if a.curve else [])]
 
     def ray_args(self) -> list[str]:
         """Under Ray: the cluster's address, the long-lived actors on the head, the others
@@ -227,6 +243,35 @@ class Soak:
         while actor_pids(self.run_dir) and time.monotonic() < deadline:
             time.sleep(0.2)
 
+    def start_fuzzing(self, runner: subprocess.Popen) -> threading.Thread:
+        """The fuzzer in a thread, from step 2 until 5 steps before the end (the counters then
+        settle while the job trains on)."""
+        from actors.runtime.security import keygen
+
+        while self.steps() < 2 and runner.poll() is None:
+            time.sleep(0.2)
+        outsider = None
+        if self.args.curve:
+            outsider = self.out / "outsider"
+            for path in (outsider.with_suffix(".key"), outsider.with_suffix(".key_secret")):
+                path.unlink(missing_ok=True)
+            outsider = keygen(outsider)[1]
+        fuzzer = WireFuzzer(self.run_dir, self.args.seed, outsider=outsider,
+                            curve_key=self.run_dir / "keys" / "client.key_secret" if self.args.curve else None)
+        print(f"=== fuzzing every socket the job binds, seed {self.args.seed}", flush=True)
+
+        def fuzz() -> None:
+            started = time.monotonic()
+            try:
+                self.fuzz = fuzzer.run(until=lambda: self.steps() >= self.args.steps - 5
+                                       or runner.poll() is not None)
+            finally:
+                self.fuzz_s = time.monotonic() - started
+                fuzzer.close()
+        thread = threading.Thread(target=fuzz, name="fuzzer", daemon=True)
+        thread.start()
+        return thread
+
     def run(self) -> int:
         a = self.args
         self.out.mkdir(parents=True, exist_ok=True)
@@ -234,9 +279,11 @@ class Soak:
         (self.out / "paced_reward.py").write_text(PACED_REWARD.format(pause=a.reward_pause))
         started = time.monotonic()
         runner = self.start(model)
+        fuzzing = self.start_fuzzing(runner) if a.fuzz else None
         job_killed_at = None
-        next_kill = time.monotonic() + self.rng.uniform(*a.kill_every)
-        next_attach = time.monotonic() + a.attach_every
+        never = float("inf")
+        next_kill = time.monotonic() + self.rng.uniform(*a.kill_every) if a.kill_every else never
+        next_attach = time.monotonic() + a.attach_every if a.attach_every > 0 else never
         next_rss = 0.0
         while runner.poll() is None:
             now = time.monotonic()
@@ -251,11 +298,11 @@ class Soak:
                 self.kill_job(runner)
                 job_killed_at = step
                 runner = self.start(model)
-                next_attach = time.monotonic() + a.attach_every
+                next_attach = time.monotonic() + a.attach_every if a.attach_every > 0 else never
                 continue
             if now >= next_kill:
                 self.kill_one()
-                next_kill = now + self.rng.uniform(*a.kill_every)
+                next_kill = now + self.rng.uniform(*a.kill_every)  # type: ignore[misc]
             if now >= next_attach:
                 self.attach_swap()
                 next_attach = now + a.attach_every
@@ -264,6 +311,8 @@ class Soak:
                 next_rss = now + 2.0
             time.sleep(0.2)
         rc = runner.wait()
+        if fuzzing is not None:
+            fuzzing.join()
         for p in self.attached:
             p.send_signal(signal.SIGTERM)
             self.attach_rc.append(p.wait(timeout=60))
@@ -303,7 +352,7 @@ class Soak:
         }
         growth = {key: slope_per_100([(s, m) for s, m in pts if s >= 50 + (pts[0][0] if pts else 0)])
                   for key, pts in sorted(self.rss.items())}
-        summary = {
+        report = {
             "wall_s": round(wall_s), "steps": len(final), "job_killed_at_step": job_killed_at,
             "kills": self.kills if self.ray is None else {"nodes": len(self.ray.lost),
                                                            "processes": sum(map(len, self.ray.lost))},
@@ -324,16 +373,26 @@ class Soak:
                                             for k, v in growth.items()},
             "checks": checks,
         }
-        (self.out / "soak.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary, indent=1))
+        if self.fuzz is not None:
+            fuzz_checks = audit(self.run_dir, self.fuzz, rc)
+            checks.update({f"fuzz: {k}": v for k, v in fuzz_checks.items()})
+            report["fuzz"] = {"seed": self.args.seed, "minutes": round(self.fuzz_s / 60, 2),
+                                "frames_per_s": round(self.fuzz.total() / max(self.fuzz_s, 1e-9)),
+                                **summary(self.fuzz), "counted": {
+                                    name: {k: v for k, v in row.items() if k in COUNTED}
+                                    for name, row in status[-1].items()
+                                    if isinstance(row, dict) and COUNTED & set(row)},
+                                "runner_rejected_frames": status[-1].get("rejected_frames", 0)}
+        (self.out / "soak.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1))
         return 0 if all(checks.values()) else 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=320)
-    parser.add_argument("--kill-every", default="2:5", help="seconds A:B between kills")
-    parser.add_argument("--attach-every", type=float, default=60.0)
+    parser.add_argument("--kill-every", default="2:5", help="seconds A:B between kills (0: none)")
+    parser.add_argument("--attach-every", type=float, default=60.0, help="seconds (0: none)")
     parser.add_argument("--job-kill-at", type=int, default=150, help="0: no whole-job kill")
     parser.add_argument("--limit-s", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -343,8 +402,16 @@ def main() -> int:
     parser.add_argument("--ray", action="store_true",
                         help="through Ray on its test cluster here: kills are node losses")
     parser.add_argument("--ray-nodes", type=int, default=3, help="worker nodes under --ray")
+    parser.add_argument("--fuzz", action="store_true",
+                        help="hostile frames at every socket the job binds (seeded by --seed)")
+    parser.add_argument("--curve", action="store_true",
+                        help="the job with CURVE; with --fuzz, also frames from an unknown key")
     args = parser.parse_args()
-    args.kill_every = tuple(float(x) for x in args.kill_every.split(":"))
+    args.kill_every = None if args.kill_every in ("0", "") else tuple(
+        float(x) for x in args.kill_every.split(":"))
+    if args.fuzz and (args.kill_every or args.attach_every > 0 or args.job_kill_at > 0 or args.ray):
+        parser.error("--fuzz counts every rejected frame exactly, in processes that live "
+                     "throughout: add --kill-every 0 --attach-every 0 --job-kill-at 0 (no --ray)")
     return Soak(args).run()
 
 

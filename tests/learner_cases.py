@@ -11,6 +11,8 @@ from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
 from actors.learner.trainer import Trainer
+from actors.runtime.config.estimators import ROWS as ESTIMATORS
+from actors.runtime.config.losses import ROWS as LOSSES
 from actors.runtime.tensors import to_wire
 from messages.rollout import SamplingParams, ScoredGroup
 
@@ -113,6 +115,17 @@ OPTIONS = {
                                   "algorithm.correction.is_cap=10.0",
                                   "algorithm.correction.rejection=[{statistic='k3', level='token', high=0.5}]"],
 }
+
+# a row no case above chooses (and not the default's, nor a user's own, tested on its own) by
+# its name alone: a variant whose options all have defaults needs no line here to take a step
+# (and a job: tests/test_variants_job.py); one that needs an option gets a case above. A loss
+# takes two epochs: on-policy most losses have PPO's gradient, the second epoch is off-policy
+for _key, _rows, _more in (("adv_estimator", ESTIMATORS, []),
+                           ("policy_loss", LOSSES, ["learner.ppo_epochs=2"])):
+    for _name, _row in _rows.items():
+        _chosen = any(f"algorithm.{_key}={_name}" in o for o in OPTIONS.values())
+        if not _chosen and _row not in (ESTIMATORS["grpo"], LOSSES["vanilla"], _rows["custom"]):
+            OPTIONS[_name] = [f"algorithm.{_key}={_name}", *_more]
 
 
 # Proof that an option reaches the step: a metric only it produces, or else a gradient that

@@ -1,39 +1,56 @@
-"""Each advantage estimator's config row (``actors/runtime/config/estimators.py``) against its
-kernel (``kernels.advantages``): the same names, its options passed as keyword arguments
-``compute_advantages`` takes, the estimators taking groups of unequal size the kernels' own
-list; and the old shape (a name alone, verl's flat keys) read as the new one."""
+"""Each advantage estimator's config row (``actors/runtime/config/estimators.py``, the
+estimators' one registry) against the kernel (``kernels.advantages``): its ``load`` gives an
+estimator function, its options are fields of ``AdvantageParams`` under the same names, and
+its traits say which estimators take groups of unequal size; and the old shape (a name alone,
+verl's flat keys) read as the new one."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import subprocess
+import sys
 
 import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology
+from actors.runtime.config import ConfigError
 from actors.runtime.config.estimators import ROWS as ALL_ROWS
-from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS, Custom
-from kernels.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
-from kernels.advantages.unequal import UNEQUAL_GROUPS
+from actors.runtime.config.estimators import Custom
+from kernels.advantages._common import AdvantageParams
 
 ROWS = {n: r for n, r in ALL_ROWS.items() if r is not Custom}  # a user's own: its own tests
 
 
-def test_the_rows_are_the_kernels_estimators():
-    assert list(ROWS) == list(ADVANTAGE_ESTIMATORS)
-    assert set(UNEQUAL_GROUP_ESTIMATORS) == set(UNEQUAL_GROUPS)
+def _row(name):
+    return ROWS[name](gdpo_reward_keys=["a"]) if name == "gdpo" else ROWS[name]()
 
 
 @pytest.mark.parametrize("name", list(ROWS))
-def test_each_rows_options_are_keyword_arguments_of_compute_advantages(name):
-    takes = inspect.signature(compute_advantages).parameters
-    extra = {"gdpo_reward_keys", "gdpo_reward_weights"}  # the trainer's inputs for gdpo
-    row = ROWS[name](gdpo_reward_keys=["a"]) if name == "gdpo" else ROWS[name]()
-    for option in row.kernel_options():
-        assert option in takes and takes[option].kind is inspect.Parameter.KEYWORD_ONLY, \
-            f"{name}: {option} is not a keyword argument of compute_advantages"
-    # every option of the row reaches the kernel, under its name or verl's
-    fields = set(ROWS[name].__struct_fields__) - extra - {"cliprange_value"}
-    assert len(fields) <= len(row.kernel_options()), (name, fields, row.kernel_options())
+def test_each_rows_options_are_fields_of_the_kernels_params(name):
+    row = _row(name)
+    assert list(inspect.signature(row.load()).parameters)[:3] == [
+        "token_level_rewards", "response_mask", "params"]
+    params = {f.name for f in dataclasses.fields(AdvantageParams)}
+    assert set(row.kernel_options()) <= params, set(row.kernel_options()) - params
+    # every option of the row reaches the kernel under its own name, but those it says another
+    # part reads
+    assert set(row.kernel_options()) | set(row.read_elsewhere) == set(row.__struct_fields__)
+
+
+def test_a_rows_code_is_imported_only_when_loaded():
+    """The config reads the rows torch-free; the learner imports the chosen estimator's."""
+    code = ("import sys; from actors.runtime.config.estimators import ROWS; "
+            "assert 'torch' not in sys.modules; ROWS['rloo']().load(); "
+            "assert 'kernels.advantages.rloo' in sys.modules; "
+            "assert 'kernels.advantages.gae' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_bad_name_is_one_line_naming_it():
+    with pytest.raises(ConfigError) as caught:
+        decode_topology(apply_overrides({}, ["algorithm.adv_estimator=ppo"]))
+    assert str(caught.value).startswith("algorithm.adv_estimator.name: 'ppo' is not one of grpo")
 
 
 def test_what_an_estimator_needs_is_said_by_its_row():
@@ -55,4 +72,4 @@ def test_verls_flat_keys_are_read_as_the_chosen_estimators_with_a_notice(capsys)
             "gdpo" in err and "not read" in err)
     plain = decode_topology(apply_overrides({}, ["algorithm.adv_estimator.norm_adv_by_std_in_grpo=false"]))
     assert plain.algorithm.adv_estimator.name == "grpo"  # a table without a name: the default's
-    assert plain.algorithm.adv_estimator.kernel_options() == {"norm_adv_by_std": False}
+    assert plain.algorithm.adv_estimator.kernel_options() == {"norm_adv_by_std_in_grpo": False}

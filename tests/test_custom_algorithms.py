@@ -17,6 +17,8 @@ import torch
 from actors.job.config.load import apply_overrides, decode_topology, load_topology
 from actors.runtime.config import ConfigError
 from actors.runtime.config.custom import UserCodeError
+from actors.runtime.config.estimators import Grpo
+from actors.runtime.config.losses import Vanilla
 from actors.sandbox.preflight import check_function
 from kernels.advantages import compute_advantages
 from kernels.policy_losses import policy_loss
@@ -67,10 +69,10 @@ def inputs(seed: int, dtype=torch.float32):
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_docs_loss_is_vanillas_loss_and_gradient(files, mode, dual_clip, weighted):
-    fn = topology(f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS).algorithm \
-        .policy_loss.code()
+    row = topology(f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS).algorithm \
+        .policy_loss
     got = {}
-    for which, loss_fn in (("vanilla", "vanilla"), ("custom", fn)):
+    for which, loss_fn in (("vanilla", Vanilla()), ("custom", row)):
         lp, old, adv, mask, weights = inputs(0)
         loss, m = policy_loss(loss_fn, lp, old, adv, mask, clip_low=0.2, clip_high=0.28,
                               dual_clip=dual_clip, weights=weights if weighted else None,
@@ -86,17 +88,17 @@ def test_the_docs_loss_takes_its_option(files):
     row = topology(f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS,
                    "algorithm.policy_loss.kwargs={negative_scale=0.5}").algorithm.policy_loss
     lp, old, adv, mask, _ = inputs(1)
-    half, _ = policy_loss(row.code(), lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+    half, _ = policy_loss(row, lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
                           dual_clip=None, loss_agg_mode="token-sum")
-    whole, _ = policy_loss("vanilla", lp, old, torch.where(adv < 0, adv * 0.5, adv), mask,
+    whole, _ = policy_loss(Vanilla(), lp, old, torch.where(adv < 0, adv * 0.5, adv), mask,
                            clip_low=0.2, clip_high=0.2, loss_agg_mode="token-sum")
     assert torch.equal(half, whole)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_docs_estimator_is_grpos(files, dtype):
-    fn = topology(f"algorithm.adv_estimator.path={files / 'my_estimator.py'}", *ESTIMATOR) \
-        .algorithm.adv_estimator.code()
+    row = topology(f"algorithm.adv_estimator.path={files / 'my_estimator.py'}", *ESTIMATOR) \
+        .algorithm.adv_estimator
     gen = torch.Generator().manual_seed(2)
     rewards = torch.zeros(12, 7, dtype=dtype)
     mask = (torch.rand(12, 7, generator=gen) > 0.2).float()
@@ -104,8 +106,8 @@ def test_the_docs_estimator_is_grpos(files, dtype):
     last = mask.cumsum(-1).argmax(-1)  # each row's last response token
     rewards[torch.arange(12), last] = torch.randn(12, generator=gen, dtype=dtype)
     rewards[torch.arange(4, 8), last[4:8]] = 0.3  # a group with one reward: no signal
-    a = compute_advantages("grpo", rewards, mask, group_size=4)
-    b = compute_advantages(fn, rewards, mask, group_size=4)
+    a = compute_advantages(Grpo(), rewards, mask, group_size=4)
+    b = compute_advantages(row, rewards, mask, group_size=4)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert (b[0][4:8] == 0).all()
 
@@ -216,10 +218,27 @@ def test_a_result_of_the_wrong_shape_names_the_file(tmp_path, role, body, said):
     key = "policy_loss" if role == "policy_loss" else "adv_estimator"
     row = topology(f"algorithm.{key}.path={tmp_path / 'f.py'}", f"algorithm.{key}.name=custom",
                    f"algorithm.{key}.function=f")
-    fn = getattr(row.algorithm, key).code()
+    fn = getattr(row.algorithm, key).load()
     with pytest.raises(UserCodeError) as caught:
         fn(inputs(0)[0], None, None)
     assert str(caught.value) == f"algorithm.{key}: f in {tmp_path / 'f.py'} {said}"
+
+
+def test_a_file_edited_during_the_run_changes_nothing_once_loaded(files):
+    """The learner reads the file once (its first load, hash checked); the kernel asks the row
+    for its function at every micro-batch and gets that one, so editing the file while the run
+    goes on neither changes the loss nor stops the run."""
+    row = topology(f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS).algorithm \
+        .policy_loss
+    first = row.load()
+    (files / "my_loss.py").write_text("def my_loss(*args, **kwargs):\n    raise ValueError\n")
+    assert row.load() is first
+    lp, old, adv, mask, _ = inputs(0)
+    loss, _ = policy_loss(row, lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          loss_agg_mode="token-mean")
+    want, _ = policy_loss(Vanilla(), lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          loss_agg_mode="token-mean")
+    assert torch.equal(loss, want)
 
 
 def test_a_changed_file_is_refused_by_the_learner(tiny_model, tmp_path, files):

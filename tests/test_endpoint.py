@@ -20,7 +20,14 @@ from actors.data.chat import ChatTokenizer
 from actors.offline.inspection import transcript
 from actors.runtime.config import AgentConfig, AgentRollout
 from actors.sampler.agent.parsers import Hermes, Xml
-from actors.sampler.endpoint.api import assistant_message, call_prefix, forced_message
+from actors.sampler.endpoint.api import (
+    BadRequest,
+    ChatRequest,
+    assistant_message,
+    call_prefix,
+    decode_body,
+    forced_message,
+)
 from actors.sampler.endpoint.episodes import Episode
 from actors.sampler.endpoint.strategy import Batcher, EndpointRollout
 from actors.sampler.engines.base import GenerateRequest, full_generation
@@ -456,3 +463,11 @@ async def test_a_port_in_use_is_an_error_naming_the_key(model):
         todo += list(e.exceptions) if isinstance(e, BaseExceptionGroup) else []
         leaves.append(e)
     assert any(isinstance(e, OSError) and "agent.rollout.host / port" in str(e) for e in leaves)
+
+
+def test_a_body_whose_strings_are_not_utf8_is_a_bad_request():
+    """msgspec raises UnicodeDecodeError for such a string, not one of its own errors: the
+    agent gets a 400 naming the body, as for any other bad body."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    with pytest.raises(BadRequest, match="bad request body: 'utf-8' codec"):
+        decode_body(body, ChatRequest)

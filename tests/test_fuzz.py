@@ -43,7 +43,7 @@ from actors.runtime.tensors import from_buffer
 from actors.runtime.transports.zmq import ZmqSender
 from actors.runtime.weights import WeightsPublisher
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
-from messages.codec import Codec, DecodeError, encode
+from messages.codec import REJECT_LOG_INTERVAL_S, Codec, DecodeError, encode
 from messages.control import (
     ErrorReply,
     Heartbeat,
@@ -54,10 +54,14 @@ from messages.control import (
 )
 from messages.reward import ScoreReply, ToRewardWorker, ToScoringClient
 from messages.rollout import (
+    BatchRequest,
     FromReplay,
+    GroupsDone,
     PromptBatch,
     PromptRequest,
     ToReplay,
+    TrainBatch,
+    VersionUpdate,
 )
 from messages.routing import (
     Envelope,
@@ -71,7 +75,15 @@ from messages.routing import (
 )
 from messages.tensor import DTYPES, ITEMSIZE
 from messages.weights import FromLearnerWeights, ToLearnerWeights, WeightsPoll
-from tests.helpers import CASES, actor_context, live_topology, routed, score_request, wait_for
+from tests.helpers import (
+    CASES,
+    actor_context,
+    live_topology,
+    routed,
+    sample_group,
+    score_request,
+    wait_for,
+)
 
 # ---------------------------------------------------------------- strategies
 
@@ -116,8 +128,24 @@ def wrong_field(draw) -> bytes:
     return encode(value)
 
 
+@st.composite
+def flipped(draw) -> bytes:
+    """A valid message with a few bits flipped: a string's bytes may stop being UTF-8."""
+    frame = bytearray(encode(draw(st.sampled_from(ALL_MESSAGES))))
+    for i in draw(st.lists(st.integers(0, len(frame) * 8 - 1), min_size=1, max_size=4)):
+        frame[i // 8] ^= 1 << (i % 8)
+    return bytes(frame)
+
+
+# a tag and a field that are not UTF-8 (msgspec raises UnicodeDecodeError for them, not its own)
+NOT_UTF8 = [b"\x81\xa4type\xa4\xf0\x28\x8c\x28",
+            b"\x82\xa4type\xa9Heartbeat\xa5actor\xa2\xff\xfe",
+            b"\x83\xa4type\xadPromptRequest\xabmax_prompts\x01\xabincarnation\xa2\xff\xfe"]
+
 frames_strategy = st.one_of(
     st.binary(max_size=200),
+    flipped(),
+    st.sampled_from(NOT_UTF8),
     json_values.map(encode),
     st.sampled_from(ALL_MESSAGES).map(encode),  # valid, and of the wrong type for most sockets
     truncated(),
@@ -250,6 +278,53 @@ async def test_fuzz_replay_router_socket(sockets):
 
                 await fuzz_in_thread(examples, check)
             assert sent["bad"] > 0 and ctx.status["state"] == "running"
+            tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_replayed_replay_frames_are_refused_and_counted(sockets):
+    """Old frames sent again by another peer: a batch request for a step already served (taken,
+    it would hand the learner's next batch to the sender and leave the learner waiting for
+    ever), a version notice older than one heard, and a group already trained. Each is refused
+    and counted; the learner's next request still gets its batch."""
+    topo = live_topology(sockets, "learner.groups_per_step=1")
+    zctx = zmq.Context()
+    ctx = actor_context("replay", topo, zctx)
+    replies = Codec(FromReplay)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve_actor, ctx, replay_actor, None)
+            with make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"s") as sampler, \
+                 make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"l") as learner, \
+                 make_socket(zctx, zmq.DEALER, connect=topo.replay.address, identity=b"x") as stranger:
+                await sampler.send_multipart([encode(PromptRequest(2, "inc"))])
+                batch = replies.decode((await sampler.recv_multipart())[-1])
+                assert isinstance(batch, PromptBatch) and len(batch.prompts) == 2
+                group = sample_group()
+                await sampler.send_multipart([encode(GroupsDone(
+                    [msgspec.structs.replace(group, prompt=p) for p in batch.prompts]))])
+                await learner.send_multipart([encode(BatchRequest(step=0, version=0, num_groups=1))])
+                first = replies.decode((await learner.recv_multipart())[-1])
+                assert isinstance(first, TrainBatch) and first.step == 0
+                trained = first.groups[0].prompt
+
+                await stranger.send_multipart([encode(BatchRequest(step=0, version=0, num_groups=1))])
+                refused = Codec(ErrorReply).decode((await stranger.recv_multipart())[-1])
+                assert refused.error == "replay: the batch of step 1 was served already"
+                await learner.send_multipart([encode(VersionUpdate(2))])
+                await stranger.send_multipart([encode(VersionUpdate(1))])
+                await stranger.send_multipart([encode(GroupsDone(
+                    [msgspec.structs.replace(group, prompt=trained)]))])
+                await wait_status(ctx, "stale_refused", 2)
+                await wait_status(ctx, "rejected", 1)
+
+                await learner.send_multipart([encode(BatchRequest(step=1, version=2, num_groups=1))])
+                second = replies.decode((await learner.recv_multipart())[-1])
+                assert isinstance(second, TrainBatch) and second.step == 1
+                assert second.groups[0].prompt.prompt_id != trained.prompt_id
+                await wait_status(ctx, "trained", 2)  # its status follows the send
+                assert ctx.status["version"] == 2 and ctx.status["stale_refused"] == 2
             tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 
@@ -473,6 +548,33 @@ async def test_fuzz_learner_weights_router(sockets):
     zctx.destroy(linger=0)
 
 
+@pytest.mark.anyio
+async def test_a_peer_that_never_reads_does_not_stall_the_weights_server(sockets):
+    """Bad polls from a peer that reads none of its error replies: once its queue is full the
+    errors to it are dropped (still counted as rejected), and a sampler polling next still gets
+    the weights; the socket's ROUTER_MANDATORY made each such send wait for room for ever."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    weights = [("w", torch.arange(4, dtype=torch.float32).reshape(2, 2))]
+    with anyio.fail_after(30):
+        with make_socket(zctx, zmq.ROUTER, bind=address, hwm=8) as sock, \
+             make_socket(zctx, zmq.DEALER, connect=address, hwm=1) as deaf, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler:
+            server = WeightsPublisher(sock, ZmqSender())
+            await server.publish(5, weights)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve)
+                for _ in range(500):
+                    await deaf.send_multipart([b"\xc1"])
+                await wait_for("every bad poll read", lambda: server.codec.rejected == 500)
+                await sampler.send_multipart([encode(WeightsPoll(have_version=-1))])
+                frames = await sampler.recv_multipart()
+                assert Codec(FromLearnerWeights).decode(frames[0]).version == 5
+                assert server.unanswered > 0  # the deaf peer's errors past its queue
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
 # ---------------------------------------------------------------- unit level
 
 
@@ -487,6 +589,7 @@ UNIONS = {  # the sampler's four decoders first
 
 @pytest.mark.parametrize("union", list(UNIONS.values()), ids=list(UNIONS))
 @FUZZ
+@example(frames=NOT_UTF8)  # escaped as UnicodeDecodeError, past every actor's except clause
 @given(frames=st.lists(frames_strategy, max_size=20))
 def test_codec_only_raises_decode_error_and_counts(union, frames):
     """The sampler's four decoders (and every other socket's): any frame either decodes to a
@@ -541,3 +644,32 @@ def test_weights_frame_to_tensor_only_raises_value_error(frame):
     except ValueError:
         return
     assert tuple(t.shape) == shape and t.numel() * t.element_size() == len(data)
+
+
+def test_rejections_are_logged_once_per_kind_naming_the_socket(capsys):
+    """A peer sending garbage fast gets one line per kind of damage, then one a minute per kind
+    saying how many came since; the counts are exact whatever is logged."""
+    now = [0.0]
+    codec = Codec(ToReplay, socket="[replay-0] ROUTER ipc:///x/replay", clock=lambda: now[0])
+    frames = [b"\xc1", encode(PromptRequest(1, "x"))[:3], b"\xc1", NOT_UTF8[0],
+              encode(Stop("x")), b"\xc1"]
+    for frame in frames:
+        with pytest.raises(DecodeError):
+            codec.decode(frame)
+    assert codec.rejected == 6
+    assert codec.kinds == {"not msgpack": 3, "truncated": 1, "not utf-8": 1, "wrong type": 1}
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[1].split(")")[0] for line in lines] == [
+        "not msgpack", "truncated", "not utf-8", "wrong type"]
+    assert all(line.startswith("[replay-0] ROUTER ipc:///x/replay: rejected a frame") for line in lines)
+    now[0] = REJECT_LOG_INTERVAL_S  # a minute on: the next of a kind is logged with the count
+    codec.decode(encode(PromptRequest(1, "x")))  # a good frame says nothing
+    with pytest.raises(DecodeError):
+        codec.decode(b"\xc1")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "(not msgpack)" in line and "(3 of this kind since the last line)" in line
+    with pytest.raises(DecodeError, match="a request is"):
+        raise codec.refuse("a request is an envelope and a body", "frame count")
+    assert codec.rejected == 8 and codec.kinds["frame count"] == 1
+    assert "(frame count): a request is" in capsys.readouterr().err
+    assert Codec(ToReplay).refuse("x") and not capsys.readouterr().err  # unnamed: silent

@@ -55,28 +55,21 @@ def test_bad_shapes():
         grpo_advantages(torch.zeros(2), group_size=0)
 
 
-def test_unequal_group_estimators_named_alike_in_the_config_and_the_kernels():
-    """The config check (torch-free) and the kernels name the same estimators as taking groups
-    of unequal size (``agent.rollout.branches = "train"``)."""
-    from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
-    from kernels.advantages import ADVANTAGE_ESTIMATORS
-    from kernels.advantages.unequal import UNEQUAL_GROUPS
-
-    assert set(UNEQUAL_GROUP_ESTIMATORS) == UNEQUAL_GROUPS <= set(ADVANTAGE_ESTIMATORS)
-
-
 def test_unequal_groups_are_each_normalised_over_their_own_samples():
     """GRPO over groups of 3 and 1 and 2: each group's mean and std over its own rows (verl's
     index with any count per uid; compared with verl itself in tests/test_verl_parity.py)."""
+    from actors.runtime.config.estimators import Gpg, Grpo
     from kernels.advantages import compute_advantages
 
     r = torch.tensor([1.0, 0.0, 0.5, 2.0, 1.0, 3.0])
     mask = torch.ones(6, 2)
     rewards = torch.zeros(6, 2)
     rewards[:, -1] = r
-    adv, _ = compute_advantages("grpo", rewards, mask, group_size=[3, 1, 2])
+    adv, _ = compute_advantages(Grpo(), rewards, mask, group_size=[3, 1, 2])
     want = torch.cat([(r[:3] - r[:3].mean()) / (r[:3].std() + 1e-6), r[3:4] / (1 + 1e-6),
                       (r[4:] - r[4:].mean()) / (r[4:].std() + 1e-6)])
     assert torch.allclose(adv[:, 0], want)
     with pytest.raises(ValueError, match="add up to 5"):
-        compute_advantages("grpo", rewards, mask, group_size=[3, 2])
+        compute_advantages(Grpo(), rewards, mask, group_size=[3, 2])
+    with pytest.raises(ValueError, match=r"gpg needs groups of equal size .* sizes \[3, 1, 2\]"):
+        compute_advantages(Gpg(), rewards, mask, group_size=[3, 1, 2])

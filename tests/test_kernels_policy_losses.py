@@ -3,11 +3,13 @@ import math
 import pytest
 import torch
 
+from actors.runtime.config.losses import ROWS, Custom, Gspo, Reinforce, Sapo
 from kernels.aggregate import aggregate
-from kernels.policy_losses import DEFAULT_AGG_MODES, POLICY_LOSSES, policy_loss
+from kernels.policy_losses import policy_loss
 from kernels.policy_losses.vanilla import ppo_clip_loss
 from kernels.value_loss import value_loss
 
+LOSSES = sorted(n for n, row in ROWS.items() if row is not Custom)  # a user's own: its own tests
 METRIC_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
 OPTIONS = {"dro": {"dro_beta": 0.1}}  # options without a default
 # Losses that take no importance weights (bypass_mode computes its own).
@@ -28,20 +30,26 @@ def _case(seed=0, b=3, t=5):
 
 
 def _call(name, lp, old, adv, mask, **kw):
+    """Loss ``name`` through its config row, built of the options in ``kw`` that are its fields;
+    the others are the call's (bypass_mode's correction options, clip_cov's generator)."""
     kw.setdefault("clip_low", 0.2)
     kw.setdefault("clip_high", 0.2)
     kw.setdefault("loss_agg_mode", "token-mean")
-    return policy_loss(name, lp, old, adv, mask, **OPTIONS.get(name, {}), **kw)
+    fields = {k: kw.pop(k) for k in list(kw) if k in ROWS[name].__struct_fields__}
+    return policy_loss(ROWS[name](**OPTIONS.get(name, {}) | fields), lp, old, adv, mask, **kw)
 
 
-def test_registry_and_default_modes():
-    assert set(POLICY_LOSSES) == {
-        "vanilla", "gspo", "reinforce", "gpg", "cispo", "sapo", "geo_mean", "clip_cov",
-        "kl_cov", "dppo_tv", "dppo_kl", "dro", "bypass_mode",
-    }
-    assert set(DEFAULT_AGG_MODES) == set(POLICY_LOSSES)
-    assert DEFAULT_AGG_MODES["gspo"] == DEFAULT_AGG_MODES["sapo"] == "seq-mean-token-mean"
-    assert POLICY_LOSSES["gpg"] is POLICY_LOSSES["reinforce"]
+def test_the_rows_traits():
+    assert Gspo.usual_agg_mode == Sapo.usual_agg_mode == "seq-mean-token-mean"
+    assert ROWS["gpg"]().load() is Reinforce().load()
+    assert [n for n in LOSSES if ROWS[n].takes_correction] == ["bypass_mode"]
+
+
+def test_an_option_given_by_the_row_and_the_caller_is_refused():
+    lp, old, adv, mask = _case()
+    with pytest.raises(ValueError, match=r"\['tau_pos'\] given by its row and by the caller"):
+        policy_loss(Sapo(), lp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                    loss_agg_mode="token-mean", tau_pos=2.0)
 
 
 def test_vanilla_is_ppo_clip_loss():
@@ -52,7 +60,7 @@ def test_vanilla_is_ppo_clip_loss():
     assert {k: v.item() for k, v in m.items()} == {k: v.item() for k, v in m_want.items()}
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", LOSSES)
 def test_same_metric_keys_detached_scalars(name):
     lp, old, adv, mask = _case()
     _, metrics = _call(name, lp, old, adv, mask)
@@ -150,7 +158,7 @@ def test_reinforce_gradient_and_value(name):
     torch.testing.assert_close(lp.grad, -adv * w / 3)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", LOSSES)
 def test_masked_tokens_carry_no_gradient_and_garbage_does_not_leak(name):
     lp, old, adv, mask = _case(seed=2)
     lp_in = lp.detach().clone()
@@ -171,7 +179,7 @@ def test_masked_tokens_carry_no_gradient_and_garbage_does_not_leak(name):
     assert all(math.isfinite(float(v)) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - UNWEIGHTED))
+@pytest.mark.parametrize("name", sorted(set(LOSSES) - UNWEIGHTED))
 def test_weights_are_detached_and_scale_the_loss(name):
     lp, old, adv, mask = _case(seed=4)
     weights = torch.full(mask.shape, 2.0, requires_grad=True)
@@ -182,7 +190,7 @@ def test_weights_are_detached_and_scale_the_loss(name):
     assert weights.grad is None
 
 
-@pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - PER_CALL_SELECTION))
+@pytest.mark.parametrize("name", sorted(set(LOSSES) - PER_CALL_SELECTION))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_add_up_to_the_batch(name, mode):
     lp, old, adv, mask = _case(seed=5)
@@ -200,8 +208,6 @@ def test_micro_batches_add_up_to_the_batch(name, mode):
 
 def test_policy_loss_bad_inputs():
     lp, old, adv, mask = _case()
-    with pytest.raises(ValueError, match="'ppo'"):
-        _call("ppo", lp, old, adv, mask)
     with pytest.raises(ValueError, match="tau"):
         _call("gspo", lp, old, adv, mask, tau=1.0)
     with pytest.raises(ValueError, match=r"old_logprobs shape \(3, 4\)"):
@@ -289,14 +295,12 @@ def test_dro_gradient_pulls_back_towards_old():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -2.0]])
     adv = torch.tensor([[1.0, 1.0]])
-    loss, _ = policy_loss("dro", lp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
-                          loss_agg_mode="token-mean", dro_beta=0.4)
+    loss, _ = _call("dro", lp, old, adv, torch.ones(1, 2), dro_beta=0.4)
     loss.backward()
     # d/dlp -(A lp - beta/2 (lp - old)^2) = -A + beta (lp - old), halved by token-mean
     torch.testing.assert_close(lp.grad, torch.tensor([[(-1 + 0.4 * 0.5) / 2, -0.5]]))
     with pytest.raises(ValueError, match="dro_beta > 0"):
-        policy_loss("dro", lp, old, adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
-                    loss_agg_mode="token-mean")
+        _call("dro", lp, old, adv, torch.ones(1, 2), dro_beta=0.0)
 
 
 def test_dppo_drops_tokens_whose_probability_moved_too_far():
@@ -346,8 +350,7 @@ def test_bypass_mode_is_ppo_or_reinforce_on_behaviour_logprobs():
     got, m = _call("bypass_mode", lp, behav, adv, mask, loss_type="reinforce", rollout_is="token",
                    rollout_is_threshold=1.01)
     w = torch.exp(lp.detach() - behav).clamp(max=1.01) * mask
-    want, _ = policy_loss("reinforce", lp, behav, adv, mask, clip_low=0.2, clip_high=0.2,
-                          weights=w, loss_agg_mode="token-mean")
+    want, _ = _call("reinforce", lp, behav, adv, mask, weights=w)
     assert got.item() == pytest.approx(want.item())
     assert m["rollout_corr/rollout_is_max"] <= 1.01
     with pytest.raises(ValueError, match="weights=None"):
@@ -361,3 +364,33 @@ def test_token_sum_has_no_normaliser():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert aggregate(loss, mask, "token-sum").item() == 7.0
     assert aggregate(loss, mask, "token-sum", token_count=100).item() == 7.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5,
+                                          "vespo_k_neg": 4.0, "vespo_lambda_neg": 6.0}])
+def test_vespo_is_trls(options, dtype):
+    """TRL 1.16's VESPO: its own gamma weights (``GRPOTrainer.get_gamma_weights``, no sampler
+    correction) in its per-token loss ``-φ · A · lp``, token-summed over the batch's tokens
+    (its "dapo" normaliser: token-mean); the gradient too."""
+    trainer = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    gen = torch.Generator().manual_seed(7)
+    mask = (torch.rand(6, 9, generator=gen) > 0.25).to(dtype)
+    mask[:, 0] = 1
+    lp = (-torch.rand(6, 9, generator=gen, dtype=dtype) * 2).requires_grad_()
+    old = lp.detach() + 0.1 * torch.randn(6, 9, generator=gen, dtype=dtype)
+    old[0] = lp[0].detach() + 0.5  # a sequence far off-policy: w = exp(-0.5 * its length)
+    adv = torch.randn(6, 1, generator=gen, dtype=dtype)
+    phi = trainer.get_gamma_weights(adv, lp.detach() - old, mask, None,
+                                    **{k.removeprefix("vespo_"): v for k, v in options.items()})
+    want = (-phi * adv * lp * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, lp)
+    got, m = _call("vespo", lp, old, adv.expand(6, 9), mask, **options)
+    (got_grad,) = torch.autograd.grad(got, lp)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert m["actor/pg_clipfrac"].item() == 0.0
+    assert phi[0].item() < 0.5 * phi[1:].max().item()  # the far one weighs less
+    on_policy, _ = _call("vespo", lp, lp.detach(), adv.expand(6, 9), mask, **options)
+    reinforce, _ = _call("reinforce", lp, lp.detach(), adv.expand(6, 9), mask)
+    torch.testing.assert_close(on_policy, reinforce)  # φ(1) = 1

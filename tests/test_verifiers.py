@@ -193,8 +193,8 @@ __all__ = ["Draws"]
                            "'no_such_env'"),
     (f'{{path="{FIXTURE}", args={{sise=3}}}}',
      "refused its args {'sise': 3}: sise: Extra inputs are not permitted"),
-    ('{path="{tmp}/tools_env.py"}', "multi-turn and tool verifiers environments are not "
-                                     "supported yet (it has tools (Calculator))"),
+    ('{path="{tmp}/tools_env.py"}', "not supported (it has tools (Calculator), which "
+                                     "verifiers serves to its harness as MCP servers)"),
     ('{path="{tmp}/missing_env.py"}', "needs a package that is not installed: No module named "
                                       "'flowrl_no_such_package' (pip install "
                                       "flowrl_no_such_package)"),

@@ -46,6 +46,9 @@ import numpy as np
 import pytest
 import torch
 
+from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
+from actors.runtime.config.estimators import Custom as CustomEstimator
+from actors.runtime.config.losses import ROWS as LOSS_ROWS
 from kernels.advantages import compute_advantages
 from kernels.aggregate import AGG_MODES, aggregate
 from kernels.kl import KL_KINDS, kl_estimate
@@ -86,9 +89,11 @@ def on_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # Advantage estimators -----------------------------------------------------------------------
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-              "remax", "gae", "opo", "grpo_passk", "gpg", "optimal_token_baseline",
-              "tir_optimal_token_baseline", "gdpo")
+# every estimator row verl has (its registry; dr_grpo is its grpo without the std), each run
+# against verl's function of it (verl_advantages); a row of a peer's estimator verl lacks has its
+# reference formula checked in tests/test_kernels_advantage_estimators.py
+ESTIMATORS = tuple(n for n, row in ESTIMATOR_ROWS.items() if row is not CustomEstimator
+                   and (n in CA.ADV_ESTIMATOR_REGISTRY or n == "dr_grpo"))
 # (estimator, option variant): gamma/lam for the discounted ones, norm for the std-normalised.
 VARIANTS = {
     "grpo": ({"norm_adv_by_std": True}, {"norm_adv_by_std": False}),
@@ -154,15 +159,20 @@ def verl_advantages(name: str, b, group_size, opts: dict):
 
 
 def our_advantages(name: str, b, group_size, opts: dict):
+    """Estimator ``name`` through its config row, holding those of the options that are its."""
+    row = ESTIMATOR_ROWS[name]
+    options = {"norm_adv_by_std_in_grpo": opts.get("norm_adv_by_std", True),
+               "gamma": opts.get("gamma", 1.0), "lam": opts.get("lam", 1.0),
+               "gdpo_reward_keys": ["a", "b"] if opts.get("components") else ["score"],
+               "gdpo_reward_weights": [0.5, 2.0] if opts.get("components") else []}
     kw = dict(group_size=group_size, values=b.values, reward_baselines=b.reward_baselines,
               old_logprobs=b.old, sum_pi_squared=b.sum_pi_squared,
-              norm_adv_by_std=opts.get("norm_adv_by_std", True),
-              gamma=opts.get("gamma", 1.0), lam=opts.get("lam", 1.0),
               handle_zero_tail=opts.get("handle_zero_tail", True),
               is_weights=b.weights if opts.get("is_weights") else None)
     if opts.get("components"):
-        kw.update(reward_components=b.components.float(), reward_weights=(0.5, 2.0))
-    return compute_advantages(name, b.rewards, b.mask, **kw)
+        kw.update(reward_components=b.components.float())
+    estimator = row(**{k: v for k, v in options.items() if k in row.__struct_fields__})
+    return compute_advantages(estimator, b.rewards, b.mask, **kw)
 
 
 def _advantage_cases():
@@ -201,10 +211,8 @@ UNEQUAL_2 = [3, 2, 7, 6, 2, 8, 4, 4]  # grpo_passk: two samples or more per grou
 
 
 def _unequal_cases():
-    from kernels.advantages.unequal import UNEQUAL_GROUPS
-
     for name in ESTIMATORS:
-        if name in UNEQUAL_GROUPS:
+        if ESTIMATOR_ROWS[name].unequal_groups:
             for opts in VARIANTS.get(name, ({},)):
                 yield pytest.param(name, opts, id=f"{name}-{opts}")
 
@@ -319,6 +327,14 @@ def _loss_cases():
                                mode, {}, False, id=f"bypass-{opts}-{mode}")
 
 
+def _loss_row(name: str, ours: dict):
+    """Loss ``name``'s config row holding those of ``ours`` that are its fields, and the rest:
+    the options the learner adds itself (bypass_mode's, the correction's)."""
+    row = LOSS_ROWS[name]
+    fields = {k: v for k, v in ours.items() if k in row.__struct_fields__}
+    return row(**fields), {k: v for k, v in ours.items() if k not in fields}
+
+
 def _verl_batch_info(counts: dict) -> dict:
     if not counts:
         return {}
@@ -344,9 +360,10 @@ def test_policy_losses(name, ours, theirs, low, high, mode, counts, weighted, dt
         v_loss.backward()
         lp_o = b.lp.clone().requires_grad_()
         torch.manual_seed(seed)
-        o_loss, o_metrics = policy_loss(name, lp_o, b.old, adv, b.mask, clip_low=low,
+        row, own = _loss_row(name, ours)
+        o_loss, o_metrics = policy_loss(row, lp_o, b.old, adv, b.mask, clip_low=low,
                                         clip_high=high, dual_clip=CLIP_C, weights=weights,
-                                        loss_agg_mode=mode, **counts, **ours)
+                                        loss_agg_mode=mode, **counts, **own)
         o_loss.backward()
         what = f"{name} {ours} {mode} {counts} w={weighted}"
         RECORD.check(f"{what} loss", o_loss, v_loss, dtype)
@@ -364,7 +381,7 @@ def test_dppo_ratio_cap_default_is_verls_fallback():
         lp_v = b.lp.clone().requires_grad_()
         v_loss, _ = CA.get_policy_loss_fn(name)(b.old, lp_v, b.advantages, b.mask,
                                                 "token-mean", cfg, None)
-        o_loss, _ = policy_loss(name, b.lp, b.old, b.advantages, b.mask, clip_low=0.2,
+        o_loss, _ = policy_loss(LOSS_ROWS[name](), b.lp, b.old, b.advantages, b.mask, clip_low=0.2,
                                 clip_high=0.2, loss_agg_mode="token-mean")
         RECORD.check(f"{name} cap 20 loss", o_loss, v_loss, torch.float64)
 

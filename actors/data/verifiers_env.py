@@ -17,8 +17,18 @@ as verifiers does: a trace of the prompt and the reply, ``Task.score`` over it (
 ``@vf.reward`` and every reward its config plugs in), the weighted sum as the score and each
 reward's own value recorded under its name.
 
-Only single-turn environments train today: one with tools, a container, its own harness or
-``Env``, judge models or rewards that read a sandbox is refused at ``check`` in one line.
+A multi-turn environment is a module that also exports its ``Env`` (one agent role, as
+verifiers' TextArena games are): its ``run(task, agents)`` is the environment's side of the
+conversation. Its turns are driven by flowrl's agent loop (``[agent.env] verifiers = true``,
+``actors/data/verifiers_episode.py``): the model's replies are the sample's trained tokens,
+what ``run`` sends back between them are observations (loss mask 0), and its returning ends
+the episode. The reward worker scores the whole conversation as verifiers does: a trace of the
+prompt and every turn, then ``Task.score``; rewards ``run`` records itself are the
+environment's reward, added to the rubric's (``agent.env.reward = "add"``).
+
+What flowrl cannot run is refused at ``check`` in one line: tools (verifiers serves them as MCP
+servers), a container, its own harness, two or more agent roles (a modeled user), ``@vf.stop``
+hooks, tasks without a prompt, judge models or rewards that read a sandbox.
 verifiers is an optional extra (``pip install 'flowrl[verifiers]'``), imported only when a
 topology names an environment.
 """
@@ -56,10 +66,23 @@ def _library() -> Any:
 
 @dataclass(frozen=True)
 class Environment:
-    """A loaded taskset: its tasks in ``load()`` order (``idx`` set, as verifiers iterates)."""
+    """A loaded taskset: its tasks in ``load()`` order (``idx`` set, as verifiers iterates),
+    and the ``Env`` that plays them turn by turn (None: single-turn)."""
 
     name: str
     tasks: list[Any]
+    env: Any = None
+    role: str = ""
+    """The env's one agent role (its ``AgentConfig`` field)."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env is not None
+
+    @property
+    def max_turns(self) -> int | None:
+        """The role's own turn limit (None: flowrl's ``agent.max_turns`` alone)."""
+        return None if self.env is None else getattr(self.env.config, self.role).max_turns
 
 
 def _one_line(exc: BaseException) -> str:
@@ -110,14 +133,13 @@ def _exported(module: ModuleType, base: type) -> list[type]:
 
 
 def _unsupported(vf: Any, module: ModuleType, taskset: Any) -> str:
-    """Why the environment is not single-turn ("" when it is): what flowrl cannot run yet."""
+    """Why flowrl cannot run the environment ("" when it can)."""
     task_cls = type(taskset).task_type()
-    if _exported(module, vf.Env):
-        return "it brings its own Env (multi-agent)"
     if _exported(module, vf.Harness):
         return "it brings its own harness"
     if tools := [*type(taskset).toolsets(taskset.config), *task_cls.toolsets(taskset.config.task)]:
-        return f"it has tools ({', '.join(type(t).__name__ for t in tools)})"
+        return (f"it has tools ({', '.join(type(t).__name__ for t in tools)}), which verifiers "
+                "serves to its harness as MCP servers")
     if task_cls.NEEDS_CONTAINER:
         return "its tasks need a container"
     return ""
@@ -134,10 +156,10 @@ def _scored_offline(task: Any) -> str:
     return f"its rewards read a sandbox runtime ({', '.join(needs)})" if needs else ""
 
 
-def _taskset(vf: Any, module: ModuleType, label: str, args: dict[str, Any]) -> Any:
-    """The module's taskset made with ``args``: its exported ``Taskset`` class with its own
-    config, else what its ``load_environment(**args)`` returns (a taskset, or a single-agent
-    env's taskset)."""
+def _taskset(vf: Any, module: ModuleType, label: str, args: dict[str, Any]) -> tuple[Any, Any]:
+    """The module's taskset made with ``args``, and the ``Env`` made with it (None: a plain
+    taskset): its exported ``Taskset`` class with its own config, else what its
+    ``load_environment(**args)`` returns (a taskset, or an env and its taskset)."""
     classes = _exported(module, vf.Taskset)
     loader = getattr(module, "load_environment", None)
     if not classes and callable(loader):
@@ -146,14 +168,12 @@ def _taskset(vf: Any, module: ModuleType, label: str, args: dict[str, Any]) -> A
         except Exception as exc:
             raise ValueError(f"{label}: load_environment(**{args}) failed: "
                              f"{_one_line(exc)}") from None
-        if isinstance(made, vf.Env) and type(made) is not vf.SingleAgentEnv:
-            raise ValueError(f"{label}: multi-turn and tool verifiers environments are not "
-                             f"supported yet (load_environment made a {type(made).__name__})")
-        made = made.taskset if isinstance(made, vf.Env) else made
+        if isinstance(made, vf.Env):
+            return made.taskset, None if type(made) is vf.SingleAgentEnv else made
         if not isinstance(made, vf.Taskset):
             raise ValueError(f"{label}: load_environment returned a {type(made).__name__}, not "
                              "a verifiers Taskset or Env")
-        return made
+        return made, None
     if len(classes) != 1:
         raise ValueError(f"{label} must export one Taskset subclass in __all__ (it exports "
                          f"{len(classes)}: {[c.__name__ for c in classes]}) or define "
@@ -162,9 +182,46 @@ def _taskset(vf: Any, module: ModuleType, label: str, args: dict[str, Any]) -> A
 
     config_cls = concrete_type(classes[0], vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
     try:
-        return classes[0](config_cls(**args))
+        taskset = classes[0](config_cls(**args))
     except Exception as exc:  # pydantic's refusal of an arg, or the taskset's own
         raise ValueError(f"{label} refused its args {args}: {_one_line(exc)}") from None
+    return taskset, _exported_env(vf, module, label)
+
+
+def _exported_env(vf: Any, module: ModuleType, label: str) -> Any:
+    """The ``Env`` the module exports beside its taskset (as verifiers pairs them), on its
+    config's defaults, or None. Only its hooks run (``setup``, ``run``, ``finalize``): the
+    serving machinery its constructor builds (the taskset by id, harnesses, runtimes) is what
+    flowrl's agent loop replaces, so the object is made without it."""
+    classes = [c for c in _exported(module, vf.Env) if c is not vf.SingleAgentEnv]
+    if not classes:
+        return None
+    if len(classes) > 1:
+        raise ValueError(f"{label} exports {len(classes)} Env classes "
+                         f"({[c.__name__ for c in classes]}): export one")
+    from verifiers.v1.utils.generic import concrete_type
+
+    config_cls = concrete_type(classes[0], vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
+    try:
+        config = config_cls()
+    except Exception as exc:
+        raise ValueError(f"{label}: {config_cls.__name__}() failed: {_one_line(exc)}") from None
+    env = classes[0].__new__(classes[0])
+    env.config = config
+    return env
+
+
+def _role(vf: Any, label: str, env: Any) -> str:
+    """The env's one agent role; two or more (a modeled user, a judge) need models flowrl
+    does not serve to the environment."""
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    roles = list(agent_config_fields(env.config))
+    if len(roles) != 1:
+        raise ValueError(f"{label}: {type(env).__name__} has {len(roles)} agent roles "
+                         f"({', '.join(roles) or 'none'}); flowrl trains one policy against "
+                         "the environment, so it runs envs of exactly one role")
+    return roles[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -191,10 +248,10 @@ def load(spec: str) -> Environment:
     fields = json.loads(spec)
     module = _module(fields)
     label = fields["id"] or fields["path"]
-    taskset = _taskset(vf, module, label, fields["args"])
+    taskset, env = _taskset(vf, module, label, fields["args"])
     if why := _unsupported(vf, module, taskset):
-        raise ValueError(f"{label}: multi-turn and tool verifiers environments are not supported "
-                         f"yet ({why})")
+        raise ValueError(f"{label}: not supported ({why})")
+    role = _role(vf, label, env) if env is not None else ""
     if not taskset.bounded and not fields["size"]:
         raise ValueError(f"{label} is an infinite taskset: set size (the tasks taken)")
     view = taskset.take(fields["size"]) if fields["size"] else taskset
@@ -206,11 +263,14 @@ def load(spec: str) -> Environment:
         raise ValueError(f"{label} holds no tasks (args {fields['args']})")
     if why := _scored_offline(tasks[0]):
         raise ValueError(f"{label}: {why} (not supported yet)")
+    if stops := [fn.__name__ for fn in tasks[0].hooks("stop")]:
+        raise ValueError(f"{label}: not supported (its @vf.stop hooks {', '.join(stops)}: "
+                         "end the episode from the Env's run instead)")
     if any(t.data.prompt is None for t in tasks):
-        raise ValueError(f"{label}: multi-turn and tool verifiers environments are not supported "
-                         "yet (a task with no prompt: the user opens the conversation)")
+        raise ValueError(f"{label}: not supported (a task with no prompt: the user opens the "
+                         "conversation)")
     name = Path(label).stem if fields["path"] else module.__name__.rsplit(".", 1)[-1]
-    return Environment(name, tasks)
+    return Environment(name, tasks, env, role)
 
 
 def spec_of(source: VerifiersSource) -> str:
@@ -263,21 +323,29 @@ class VerifiersTask(Task):
                       extra_info={"index": index, SPEC: self.spec})
 
 
-def trace_of(vf: Any, task: Any, reply: str) -> Any:
+def prompt_messages(vf: Any, data: Any) -> list[Any]:
+    """A task's prompt as verifiers messages: its system prompt, then its prompt."""
+    system = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
+    return [*system, *([vf.UserMessage(content=data.prompt)]
+                       if isinstance(data.prompt, str) else data.prompt)]
+
+
+def trace_of(vf: Any, task: Any, reply: str | None) -> Any:
     """The trace verifiers' chat harness leaves for one reply: the prompt's messages, then the
-    reply as the one sampled assistant message."""
+    reply as the one sampled assistant message (None: an empty trace of the task, which a
+    conversation's turns fill)."""
     from verifiers.v1.graph import MessageNode
     from verifiers.v1.state import state_cls
     from verifiers.v1.trace import AgentInfo, TraceTask
 
     data = task.data
-    system = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
-    user = [vf.UserMessage(content=data.prompt)] if isinstance(data.prompt, str) else data.prompt
-    prompt = [*system, *user]
     trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=data, key=task.key,
                                     hash=task.hash),
                      state=state_cls(type(task))(),
                      agent=AgentInfo(config=vf.AgentConfig(), name="flowrl"))
+    if reply is None:
+        return trace
+    prompt = prompt_messages(vf, data)
     for i, message in enumerate(prompt):
         trace.nodes.append(MessageNode(parent=i - 1 if i else None, message=message))
     trace.nodes.append(MessageNode(parent=len(prompt) - 1 if prompt else None,
@@ -286,18 +354,49 @@ def trace_of(vf: Any, task: Any, reply: str) -> Any:
     return trace
 
 
+def conversation_trace(vf: Any, task: Any, turns: list[dict[str, Any]]) -> Any:
+    """The trace verifiers leaves for a multi-turn episode (``extra_info["turns"]``): each
+    model turn committed as its harness commits one (``prepare_turn(trace, messages).commit``)
+    after the messages the model read before it, the environment's answers as user messages and
+    tools' as tool messages. What the model never read (the observation of an ended episode)
+    is not in it, as an unconsumed turn is not in verifiers'."""
+    from verifiers.v1.graph import prepare_turn
+
+    trace = trace_of(vf, task, None)
+    messages = prompt_messages(vf, task.data)
+    last = max((k for k, t in enumerate(turns) if t["role"] == "assistant"), default=-1)
+    for k, turn in enumerate(turns[:last + 1]):
+        content = turn.get("content", "")
+        if turn["role"] == "assistant":
+            reply = vf.AssistantMessage(content=content)
+            prepare_turn(trace, messages).commit(vf.Response(
+                id=f"turn-{k}", created=0, model="flowrl", message=reply, finish_reason="stop"))
+            messages.append(reply)
+        elif turn["role"] == "tool":
+            messages.append(vf.ToolMessage(tool_call_id=f"call-{k}", name=turn.get("name") or None,
+                                           content=content))
+        else:
+            messages.append(vf.UserMessage(content=content))
+    trace.is_completed = trace.ok = True
+    return trace
+
+
 async def score(data_source: str, solution_str: str, ground_truth: str,
                 extra_info: dict[str, Any] | None = None, **_: Any) -> dict[str, float]:
-    """verifiers' own score of a reply: ``Task.score`` over the reply's trace; the weighted sum
-    is the score, each reward's value is recorded under its name and each metric's under
-    ``metric/NAME`` (a reward that raises raises here: the worker records the item's error)."""
+    """verifiers' own score of a reply or a conversation: ``Task.score`` over its trace; the
+    weighted sum is the score, each reward's value is recorded under its name and each metric's
+    under ``metric/NAME`` (a reward that raises raises here, and so does an episode whose
+    environment failed, which verifiers does not score: the worker records the item's error)."""
     info = extra_info or {}
     if SPEC not in info:
         raise ValueError(f"data_source {data_source!r}: the prompt carries no verifiers spec "
                          f"(extra_info[{SPEC!r}])")
     vf = _library()
     task = environment(str(info[SPEC])).tasks[int(info["index"])]
-    trace = trace_of(vf, task, solution_str)
+    turns = info.get("turns") or []
+    if failed := [t["error"] for t in turns if t.get("error") and t["role"] == "user"]:
+        raise RuntimeError(f"the environment failed: {failed[0]}")
+    trace = conversation_trace(vf, task, turns) if turns else trace_of(vf, task, solution_str)
     await task.score(trace)
     rewards = {("reward/score" if name == "score" else name): r.score  # "score" is the total's
                for name, r in trace.rewards.items() if r is not None}

@@ -146,6 +146,8 @@ class Job:
             log=lambda text: print(f"!!! runner: {text}", flush=True))
         self.control = make_socket(self.zmq, zmq.ROUTER, bind=topology.control_address, curve=curve)
         self.control.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # restarted actors keep their name
+        self.control_codec: Codec[ToRunner] = Codec(
+            ToRunner, socket=f"[runner] control ROUTER {topology.control_address}")
         self.owner: Owner | None = None  # with [hosts], on the owner: the other hosts' runners
         self.member: Member | None = None  # with [hosts], elsewhere: the link to the owner
         is_owner = topology.run.host == owner(topology)
@@ -176,7 +178,7 @@ class Job:
             self.end("finished")
 
     async def listen(self) -> None:
-        codec: Codec[ToRunner] = Codec(ToRunner)
+        codec = self.control_codec
         while True:
             ident, *frames = await self.control.recv_multipart()
             relayed = self.owner is not None and ident.startswith(PREFIX)
@@ -258,6 +260,7 @@ class Job:
         latency percentiles among them), whether it is ready, how often it restarted and the
         pid of its process (one this runner started)."""
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
+                **({"rejected_frames": n} if (n := self.control_codec.rejected) else {}),
                 **{p.name: {"ready": p.ready, "restarts": p.restarts,
                             **({"restarts_by_cause": p.causes} if p.causes else {}),
                             **({"pid": p.process.pid} if p.process is not None else {}),

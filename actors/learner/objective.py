@@ -6,7 +6,6 @@ Everything here composes ``kernels/`` functions; the only state is the models pa
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,12 +150,12 @@ def correction(algo: AlgorithmConfig, old: torch.Tensor, behav: torch.Tensor,
 
 
 def loss_options(algo: AlgorithmConfig) -> dict:
-    """The options of ``algorithm.policy_loss`` that only it takes (verl's names): its row's
-    fields (``config/losses.py``); bypass_mode's are the correction's."""
-    options = algo.policy_loss.kernel_options()
+    """What the learner adds to the options of ``algorithm.policy_loss``'s row (which the
+    kernel hands its loss itself): a loss that corrects π_θ against μ itself (bypass_mode)
+    takes the correction's."""
     if algo.policy_loss.takes_correction:
-        options.update(loss_type=algo.correction.loss_type, **correction_options(algo))
-    return options
+        return dict(loss_type=algo.correction.loss_type, **correction_options(algo))
+    return {}
 
 
 def micro_batch_loss(
@@ -172,15 +171,12 @@ def micro_batch_loss(
     token_count: float,
     seq_count: int,
     norm_constant: float,
-    loss_code: str | Callable | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    """pg_loss + kl_loss_coef·kl_loss − entropy_coeff·entropy, aggregated over the mini-batch.
-    ``loss_code``: ``algorithm.policy_loss.code()`` where the caller loaded it once (a user's
-    own loss is read from its file)."""
+    """pg_loss + kl_loss_coef·kl_loss − entropy_coeff·entropy, aggregated over the mini-batch."""
     counts = dict(token_count=token_count, seq_count=seq_count, norm_constant=norm_constant)
     mask = corr.keep
     loss, raw = policy_loss(
-        algo.policy_loss.code() if loss_code is None else loss_code, lp, old, advantages, mask, clip_low=algo.clip_ratio_low,
+        algo.policy_loss, lp, old, advantages, mask, clip_low=algo.clip_ratio_low,
         clip_high=algo.clip_ratio_high, dual_clip=algo.clip_ratio_c or None, weights=corr.weights,
         loss_agg_mode=algo.loss_agg_mode, **counts, **loss_options(algo),
     )

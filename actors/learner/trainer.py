@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -151,10 +151,10 @@ class Trainer:
         # publish to have read the weights it is about to change)
         self.before_update: Callable[[], None] | None = None
         self.vision_tower = vision_tower(self.policy.model)  # None: a text model
-        # the loss and estimator to run: a built-in's name, or a user's function read from its
-        # file here, once (its hash checked against the topology's)
-        self.loss_code = self.algo.policy_loss.code()
-        self.estimator_code = self.algo.adv_estimator.code()
+        # the loss's and the estimator's code, loaded before the first step: a user's function
+        # is read from its file here, once per process (its hash checked against the topology's)
+        self.algo.policy_loss.load()
+        self.algo.adv_estimator.load()
 
     def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
         """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
@@ -284,7 +284,7 @@ class Trainer:
         s.batch_corr = (correction(algo, s.old, batch.behaviour_logprobs, mask) if s.need_old
                         else None)
         est = algo.adv_estimator
-        inputs = est.kernel_options()  # its options, and what it needs beyond the rewards
+        inputs: dict[str, Any] = {}  # what it needs beyond the rewards (its options: its row's)
         if s.otb:
             inputs.update(old_logprobs=s.old, sum_pi_squared=s.sum_pi_sq,
                           is_weights=s.batch_corr.weights if s.batch_corr is not None else None)
@@ -293,7 +293,7 @@ class Trainer:
             inputs.update(reward_components=components)
             s.metrics.update(_gdpo_metrics(keys, components))
         s.advantages, s.returns = compute_advantages(
-            self.estimator_code, rewards, mask, group_size=batch.group_size, values=s.values,
+            est, rewards, mask, group_size=batch.group_size, values=s.values,
             reward_baselines=batch.baseline_rewards, **inputs)
         if self.topo.teacher.path:  # on-policy distillation (kernels/distill.py)
             s.advantages, distill_metrics = distill(self.topo.teacher, batch, s.advantages)
@@ -365,7 +365,7 @@ class Trainer:
             algo, lp, entropy, mb, s.advantages[sl, :w], old_mb, corr,
             s.ref[sl, :w] if s.ref is not None else None, token_count=token_count,
             seq_count=seq_count, norm_constant=algo.loss_scale_factor
-            or float(s.sampling.max_tokens), loss_code=self.loss_code)
+            or float(s.sampling.max_tokens))
         loss.backward()
         n_tok = corr.keep.sum().double()  # (on the device: read once per step)
         s.tokens_seen = s.tokens_seen + n_tok

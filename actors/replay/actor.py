@@ -112,7 +112,8 @@ class ReplayServer:
         self.rounds = rounds
         self.setup = setup
         self.ctx = ctx
-        self.codec: Codec[ToReplay] = Codec(ToReplay)
+        self.codec: Codec[ToReplay] = Codec(ToReplay, socket="" if ctx is None else
+                                            f"[{ctx.name}] ROUTER {ctx.topology.replay.address}")
         # waiting requests: one per peer at most, since each peer waits for its answer
         self.prompt_waiters: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.batch_waiter: tuple[bytes, BatchRequest] | None = None
@@ -127,6 +128,8 @@ class ReplayServer:
         self.handed_back = 0  # prompts those samplers held, issued again to the others
         self.max_error_share = ctx.topology.reward.max_error_share if ctx is not None else 1.0
         self.aborted = False  # scoring failed past its bound: no batch is served any more
+        self.next_step = 0  # the learner step a batch request must be for: older ones were served
+        self.stale_refused = 0  # batch requests and version notices older than what was served
 
     async def abort(self, reason: str) -> None:
         """Scoring failed past reward.max_error_share: drop the failed groups (recorded), keep
@@ -171,6 +174,7 @@ class ReplayServer:
                 await self.record()  # what this batch consumed is on disk before it is sent
                 msg = TrainBatch(step=req.step, groups=groups, counters=state.counters(),
                                  stats=state.batch_stats)
+                self.next_step = req.step + 1
                 await self.sock.send_multipart([peer, encode(msg)])
         S = state.schedule
         for peer in list(self.prompt_waiters):
@@ -233,9 +237,17 @@ class ReplayServer:
                     state.accept(g)
                 if self.recorder.enabled and not self.flushing.locked():
                     tg.start_soon(self.record, WAL_ORDER[:2])
+            case BatchRequest(step=step) if step < self.next_step:
+                # an old request again (replayed): taking it would hand the learner's next batch
+                # to whoever sent it, and leave the learner waiting for ever
+                self.stale_refused += 1
+                await self.sock.send_multipart([peer, encode(ErrorReply(
+                    error=f"replay: the batch of step {step + 1} was served already"))])
             case BatchRequest() as req:
                 self.new_version(req.version)
                 self.batch_waiter = (peer, req)
+            case VersionUpdate(version=v) if v < state.version:
+                self.stale_refused += 1  # a notice older than one heard: it changes nothing
             case VersionUpdate(version=v):
                 self.new_version(v)
             case PublishRequest(version=v):
@@ -325,6 +337,7 @@ class ReplayServer:
                 await self.serve_waiting()
                 ctx.status.update(self.state.counters(), version=self.state.version,
                                   rejected_frames=self.codec.rejected,
+                                  stale_refused=self.stale_refused,
                                   samplers_silent=len(self.silent),
                                   reissued_silent=self.reissued_silent,
                                   reissued_restarted=self.reissued_restarted,

@@ -25,7 +25,7 @@ import zmq
 
 from actors.router.state import RouterState, RouterStatistics
 from actors.runtime.actor import ActorContext
-from actors.runtime.zmq_bridge import open_socket
+from actors.runtime.zmq_bridge import endpoint, open_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.routing import (
     Envelope,
@@ -57,12 +57,14 @@ class RouterLoop:
 
     def __init__(self, state: RouterState, clients: zmq.Socket, workers: zmq.Socket,
                  stop: zmq.Socket, status: dict, *, tick: float, worker_timeout: float,
-                 request_timeout: float) -> None:
+                 request_timeout: float, name: str = "router") -> None:
         self.state, self.clients, self.workers, self.stop = state, clients, workers, stop
         self.status = status  # the actor's status; this thread only overwrites rejected_frames
         self.tick, self.worker_timeout, self.request_timeout = tick, worker_timeout, request_timeout
-        self.client_codec: Codec[ToRouterFromClient] = Codec(ToRouterFromClient)
-        self.worker_codec: Codec[ToRouterFromWorker] = Codec(ToRouterFromWorker)
+        self.client_codec: Codec[ToRouterFromClient] = Codec(
+            ToRouterFromClient, socket=f"[{name}] clients ROUTER {endpoint(clients)}")
+        self.worker_codec: Codec[ToRouterFromWorker] = Codec(
+            ToRouterFromWorker, socket=f"[{name}] workers ROUTER {endpoint(workers)}")
         # refreshed every tick, read by the actor's task
         self.snapshot: RouterStatistics = state.statistics()
         self.status["rejected_frames"] = 0
@@ -101,10 +103,10 @@ class RouterLoop:
         for client, *frames in self.receive(self.clients, limit):
             try:
                 envelope = self.client_codec.decode(frames[0] if frames else b"")
-                if len(frames) != 2:
-                    self.client_codec.rejected += 1  # decoded, but not a whole request
-                    raise DecodeError(f"a request is an envelope and a body, got {len(frames)} "
-                                      "frames")
+                if len(frames) != 2:  # decoded, but not a whole request
+                    raise self.client_codec.refuse(
+                        f"a request is an envelope and a body, got {len(frames)} frames",
+                        "frame count")
             except DecodeError as exc:
                 self.count_rejected()
                 to_clients.append([client, encode(RouterError(error=f"router: {exc}"))])
@@ -117,9 +119,9 @@ class RouterLoop:
         for identity, *frames in self.receive(self.workers, BATCH):
             try:
                 msg = self.worker_codec.decode(frames[0] if frames else b"")
-                if len(frames) != (2 if isinstance(msg, Envelope) else 1):
-                    self.worker_codec.rejected += 1  # decoded, but not a whole message
-                    raise DecodeError(f"{type(msg).__name__} with {len(frames)} frames")
+                if len(frames) != (2 if isinstance(msg, Envelope) else 1):  # not whole
+                    raise self.worker_codec.refuse(f"{type(msg).__name__} with {len(frames)} "
+                                                   "frames", "frame count")
             except DecodeError as exc:
                 self.count_rejected()
                 to_workers.append([identity, encode(RouterError(error=f"router: {exc}"))])
@@ -195,7 +197,7 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
         stop_tx = stack.enter_context(open_socket(ctx.zmq, zmq.PAIR, connect=stop_address))
         loop = RouterLoop(RouterState(), clients, workers, stop_rx, ctx.status, tick=tick,
                           worker_timeout=max(5.0, 5 * ctx.topology.run.heartbeat_interval),
-                          request_timeout=cfg.request_timeout)
+                          request_timeout=cfg.request_timeout, name=ctx.name)
         shown: set[str] = set()  # status keys of the last snapshot: a worker that left is dropped
 
         async def publish_status() -> None:

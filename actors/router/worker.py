@@ -38,7 +38,7 @@ class PoolWorker:
         self.ctx, self.sock, self.pool = ctx, sock, pool
         self.capacity = max(1, capacity)
         self.drain_s = drain_s  # most time a stopping worker spends answering what it holds
-        self.codec: Codec[ToWorker] = Codec(ToWorker)
+        self.codec: Codec[ToWorker] = Codec(ToWorker, socket=f"[{ctx.name}] DEALER to the router")
         self.slots = anyio.Semaphore(self.capacity)
         self.done = 0  # requests answered
         self.in_flight = 0  # requests taken and not yet answered
@@ -96,7 +96,8 @@ class PoolWorker:
                     await self.slots.acquire()
                     tg.start_soon(self.handle, msg, frames[1])
                 case _:  # a RouterError, or an envelope without its body
-                    self.codec.rejected += 1  # counted with the frames that did not decode
+                    self.codec.refuse(f"{type(msg).__name__} with {len(frames)} frames",
+                                      "not a request")  # counted with those that did not decode
                     self.ctx.status["rejected_frames"] = self.codec.rejected
 
     async def drain(self) -> None:

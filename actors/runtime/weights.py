@@ -27,7 +27,7 @@ from actors.runtime.tensors import from_buffer
 from actors.runtime.transports.base import ReceiveInto, Receiver, Sender
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
 from actors.runtime.transports.table import TRANSPORTS, arrived_by
-from actors.runtime.zmq_bridge import AsyncSocket
+from actors.runtime.zmq_bridge import AsyncSocket, endpoint
 from messages.codec import Codec, DecodeError, encode
 from messages.control import ErrorReply
 from messages.weights import (
@@ -42,8 +42,10 @@ from messages.weights import (
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, sender: Sender) -> None:
+    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "") -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        self.codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights, socket=name and (
+            f"[{name}] weights ROUTER {endpoint(sock.socket)}"))
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
         sock.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sender = sender  # of a transport of transports.table.TRANSPORTS
@@ -54,6 +56,7 @@ class WeightsPublisher:
         self._polled = anyio.Event()  # set and replaced at every poll
         self.sent = 0  # weight messages sent, all pollers together
         self.failed = 0  # transfers a sampler did not complete (it polls again, or is gone)
+        self.unanswered = 0  # bad polls whose error reply was dropped (the peer was full or gone)
         self.transfers = 0  # GPU transports: transfers under way
         self._ended = anyio.Event()  # set and replaced at the end of every transfer
         self._tg: anyio.abc.TaskGroup | None = None  # serve's, while it runs
@@ -124,13 +127,12 @@ class WeightsPublisher:
                 self._tg = None
 
     async def _serve(self) -> None:
-        codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights)
         while True:
             peer, *frames = await self.sock.recv_multipart()
             try:
-                poll = codec.decode(frames[-1] if frames else b"")
+                poll = self.codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
-                await self.sock.send_multipart([peer, encode(ErrorReply(error=f"weights: {exc}"))])
+                self._say(peer, f"weights: {exc}")
                 continue
             if isinstance(poll, WeightsPoll):
                 self.sender.polled(peer, poll)
@@ -140,6 +142,17 @@ class WeightsPublisher:
                 self._polled = anyio.Event()
                 if self.version >= 0:
                     await self._answer()
+
+    def _say(self, peer: bytes, error: str) -> None:
+        """An error reply, or none when ``peer`` does not read them (its queue is full) or is
+        gone: with ROUTER_MANDATORY a send to a full peer waits, and a peer that never reads
+        would stop this loop and with it every sampler's weights."""
+        try:
+            self.sock.send_multipart_nowait([peer, encode(ErrorReply(error=error))])
+        except zmq.ZMQError as exc:  # zmq.Again (full) is one
+            if exc.errno not in (errno.EAGAIN, errno.EHOSTUNREACH):
+                raise
+            self.unanswered += 1
 
     async def wait_received(self, timeout_s: float) -> bool:
         """Wait until every sampler that ever polled has the newest weights (a subscriber polls

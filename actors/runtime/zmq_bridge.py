@@ -34,7 +34,7 @@ import zmq
 if TYPE_CHECKING:
     from actors.runtime.security import CurveKeys
 
-__all__ = ["AsyncSocket", "SocketStatistics", "make_socket", "open_socket"]
+__all__ = ["AsyncSocket", "SocketStatistics", "endpoint", "make_socket", "open_socket"]
 
 T = TypeVar("T")
 
@@ -275,3 +275,8 @@ def open_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def endpoint(sock: zmq.Socket) -> str:
+    """Where ``sock`` was last bound or connected (named in the log line of a frame it refuses)."""
+    return cast(bytes, sock.getsockopt(zmq.LAST_ENDPOINT)).decode(errors="replace")

@@ -79,7 +79,8 @@ class Sampler:
                  weights: WeightsSubscriber, scoring: ScoringClient) -> None:
         self.ctx, self.engine, self.rollout = ctx, engine, rollout
         self.replay, self.weights, self.scoring = replay, weights, scoring
-        self.codec: Codec[FromReplay] = Codec(FromReplay)
+        self.codec: Codec[FromReplay] = Codec(FromReplay,
+                                              socket=f"[{ctx.name}] DEALER to the replay buffer")
         self.slots = anyio.Semaphore(MAX_SCORING)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a restart is a new one
         self.groups = self.tokens = self.weight_loads = self.score_errors = self.rejected = 0

@@ -151,12 +151,17 @@ def to_text_outcome(value: Any) -> Outcome:
 def to_step_outcome(value: Any) -> Outcome:
     """An environment step's ``(observation, reward, done)`` (gymnasium's ``(observation,
     reward, terminated, truncated, info)`` too): the observation as text, the reward as the
-    score, ``done`` in ``extra``."""
+    score, ``done`` in ``extra``. An ``error`` in the info dict ends the episode with that error
+    (an environment whose own code failed past recovery, not a bad action)."""
     if not isinstance(value, tuple | list) or len(value) not in (3, 5):
         return Outcome(error=f"step returned {type(value).__name__}, not (observation, reward, "
                              "done)", failure="raised")
     observation, reward = value[0], value[1]
     done = bool(value[2]) or (len(value) == 5 and bool(value[3]))
+    info = value[4] if len(value) == 5 and isinstance(value[4], dict) else {}
+    if info.get("error"):
+        return Outcome(error=_text(info["error"])[:ERROR_CHARS], failure="raised",
+                       extra={"done": 1.0})
     scored = to_outcome(0.0 if reward is None else reward)
     if scored.error:
         return Outcome(error=f"step reward: {scored.error}", failure="raised")

@@ -43,7 +43,8 @@ class TeacherWorker(PoolWorker):
         self.cfg = ctx.topology.teacher
         super().__init__(ctx, sock, POOL, self.cfg.capacity, drain_s=DRAIN_S)
         self.model = model
-        self.body_codec: Codec[ToTeacherWorker] = Codec(ToTeacherWorker)
+        self.body_codec: Codec[ToTeacherWorker] = Codec(
+            ToTeacherWorker, socket=f"[{ctx.name}] request bodies from the router")
         self.lock = anyio.Lock()  # one forward at a time: the model's threads are shared
         self.forward = on_device(model.device, model.logprobs)
         self.errors = 0  # requests answered with an error

@@ -9,6 +9,7 @@ outside the mask, in float32 (float64 if the rewards are float64). Rows come gro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ from kernels.precision import at_least_float32
 
 @dataclass(frozen=True)
 class AdvantageParams:
-    """Settings of ``compute_advantages``; each estimator reads the ones it needs."""
+    """Settings of ``compute_advantages``; each estimator reads the ones it needs. The
+    estimator's options are its config row's fields under the same names (verl's)."""
 
     group_size: int
     """Samples per prompt (verl ``rollout.n``); consecutive rows form a group."""
@@ -31,8 +33,8 @@ class AdvantageParams:
     """gae: the lambda of GAE."""
     reward_baselines: torch.Tensor | None = None
     """remax: ``(N,)`` reward of a greedy sample of each row's prompt."""
-    norm_adv_by_std: bool = True
-    """grpo, grpo_passk and gdpo: divide by the group's std (verl ``norm_adv_by_std_in_grpo``)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """grpo, grpo_passk and gdpo: divide by the group's std (verl's name)."""
     eps: float | None = None
     """Added to the group std before dividing (None: verl's 1e-6), or to the denominator of the
     optimal token baselines (None: verl's 1e-8)."""
@@ -48,8 +50,8 @@ class AdvantageParams:
     """optimal_token_baseline(s): baseline 0 past the second-longest sample of a group (verl)."""
     reward_components: torch.Tensor | None = None
     """gdpo: ``(K, N)`` the K reward components of each sample (None: the one total reward)."""
-    reward_weights: tuple[float, ...] | None = None
-    """gdpo: weight of each of the K components in the sum (None: all 1)."""
+    gdpo_reward_weights: Sequence[float] | None = None
+    """gdpo: weight of each of the K components in the sum (None or empty: all 1)."""
 
     def eps_or(self, default: float) -> float:
         return default if self.eps is None else self.eps

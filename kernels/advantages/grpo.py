@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO and Dr.GRPO).
+"""Group-relative advantages (GRPO, Dr.GRPO, and GRPO scaled by the batch's std).
 
 Rewards arrive flat, group by group: the ``n`` samples of one prompt are consecutive. Each
 sample gets one scalar advantage, broadcast over that sample's response tokens.
@@ -11,12 +11,14 @@ import torch
 from kernels.advantages._common import (
     AdvantageParams,
     constant_groups,
+    grouped,
     sequence_scores,
     to_tokens,
 )
 from kernels.precision import at_least_float32
 
 GRPO_EPS = 1e-6  # verl's ``epsilon`` of compute_grpo_outcome_advantage
+BATCH_STD_EPS = 1e-4  # TRL's, added to the batch's std (GRPOTrainer, scale_rewards = "batch")
 
 
 def grpo_advantages(
@@ -66,11 +68,11 @@ def grpo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl ``grpo``: ``grpo_advantages`` of each sequence's total reward, on its tokens.
 
-    ``params.norm_adv_by_std=False`` gives Dr.GRPO. Returns equal the advantages (verl).
+    ``params.norm_adv_by_std_in_grpo=False`` gives Dr.GRPO. Returns equal the advantages (verl).
     """
     scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
     adv = grpo_advantages(
-        scores, params.group_size, norm_by_std=params.norm_adv_by_std,
+        scores, params.group_size, norm_by_std=params.norm_adv_by_std_in_grpo,
         eps=params.eps_or(GRPO_EPS),
     )  # (N,)
     adv = to_tokens(adv, response_mask)  # (N, T)
@@ -80,9 +82,31 @@ def grpo(
 def dr_grpo(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, params: AdvantageParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dr.GRPO: ``r - mean_g`` whatever ``norm_adv_by_std`` says (verl: grpo with
+    """Dr.GRPO: ``r - mean_g`` whatever ``norm_adv_by_std_in_grpo`` says (verl: grpo with
     ``norm_adv_by_std_in_grpo=False``)."""
     scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
     adv = grpo_advantages(scores, params.group_size, norm_by_std=False)  # (N,)
+    adv = to_tokens(adv, response_mask)  # (N, T)
+    return adv, adv
+
+
+def grpo_batch_std(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, params: AdvantageParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's GRPO with ``scale_rewards = "batch"`` (Lite PPO's normalisation):
+    ``(r - mean_g) / (std_batch + eps)``, each sequence's total reward against its group's
+    mean, divided by the unbiased std of every reward of the batch instead of its group's, so a
+    group whose rewards barely differ is not blown up to unit scale. ``eps`` defaults to TRL's
+    1e-4; a batch of one row has std 0, as in TRL.
+
+    A constant group gets exactly 0, as in grpo (TRL computes ``r - mean`` in the rewards'
+    dtype, so six float32 rewards of 0.3 give it ~1e-8 / std). Returns equal the advantages.
+    """
+    scores = sequence_scores(token_level_rewards, response_mask)  # (N,)
+    groups = grouped(scores, params.group_size)  # (G, n)
+    centred = groups - groups.mean(dim=-1, keepdim=True)  # (G, n)
+    centred = torch.where(constant_groups(groups), torch.zeros_like(centred), centred)
+    std = scores.std() if scores.numel() > 1 else scores.new_zeros(())  # (), unbiased
+    adv = (centred / (std + params.eps_or(BATCH_STD_EPS))).reshape(-1)  # (N,)
     adv = to_tokens(adv, response_mask)  # (N, T)
     return adv, adv

@@ -13,8 +13,8 @@ def grpo_passk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl ``grpo_passk``: the best sample gets ``r_max - r_second``, every other sample 0.
 
-    With ``norm_adv_by_std`` (the default, as in verl) that difference is divided by the
-    group's unbiased std ``+ eps``; ``norm_adv_by_std=False`` gives the bare difference. On a
+    With ``norm_adv_by_std_in_grpo`` (the default, as in verl) that difference is divided by the
+    group's unbiased std ``+ eps``; ``norm_adv_by_std_in_grpo=False`` gives the bare difference. On a
     tie for the best the first sample is credited, with 0 (the difference is 0). Needs groups
     of at least two. Returns equal the advantages.
     """
@@ -23,7 +23,7 @@ def grpo_passk(
     scores = grouped(sequence_scores(token_level_rewards, response_mask), params.group_size)
     top2 = scores.topk(2, dim=-1).values  # (G, 2)
     gap = top2[:, 0] - top2[:, 1]  # (G,)
-    if params.norm_adv_by_std:
+    if params.norm_adv_by_std_in_grpo:
         gap = gap / (scores.std(-1) + params.eps_or(GRPO_EPS))
     best = scores.argmax(-1)  # (G,) first index of the maximum
     adv = torch.zeros_like(scores).scatter(1, best[:, None], gap[:, None])  # (G, n)

@@ -7,24 +7,22 @@ verl groups rows by ``index`` (the prompt's uid) with any count per uid
 group has more rows than the others. The kernels here take ``(G, n)`` views, so a batch of
 unequal groups is cut into its groups, each of which is a batch of one group. Estimators that
 whiten or scale over the whole batch after the group step (reinforce_plus_plus_baseline, gdpo,
-gpg) are not split: they need equal groups (the config check names them).
+gpg) are not split: they need equal groups (the config check names them). Which is which is
+said by the estimator's row (``grouped``, ``unequal_groups``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.advantages._common import AdvantageParams
 
-# each group's advantages depend only on its own rows
-GROUP_LOCAL = frozenset({"grpo", "dr_grpo", "rloo", "opo", "grpo_passk",
-                         "optimal_token_baseline", "tir_optimal_token_baseline"})
-UNGROUPED = frozenset({"reinforce_plus_plus", "remax", "gae"})  # no group at all
-UNEQUAL_GROUPS = GROUP_LOCAL | UNGROUPED
-"""Estimators that take groups of unequal size."""
+if TYPE_CHECKING:
+    from kernels.advantages import EstimatorRow
 
 _PER_ROW = ("values", "reward_baselines", "old_logprobs", "sum_pi_squared", "is_weights")
 
@@ -39,16 +37,18 @@ def group_sizes(sizes: Sequence[int], rows: int) -> list[int]:
     return out
 
 
-def by_group(name: str, fn: Callable, token_level_rewards: torch.Tensor,
+def by_group(estimator: EstimatorRow, fn: Callable, token_level_rewards: torch.Tensor,
              response_mask: torch.Tensor, params: AdvantageParams, sizes: list[int]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fn`` over groups of the given ``sizes`` (rows group by group)."""
-    if name in UNGROUPED:
+    """``fn``, the function of ``estimator``, over groups of the given ``sizes`` (rows group by
+    group): once on the whole batch when it uses no group, group by group when each group's
+    advantages depend only on its own rows."""
+    if not estimator.grouped:
         return fn(token_level_rewards, response_mask, dataclasses.replace(params, group_size=1))
-    if name not in GROUP_LOCAL:
+    if not estimator.unequal_groups:
         raise ValueError(
-            f"{name} needs groups of equal size (it whitens or scales over the whole batch); "
-            f"got sizes {sizes}; estimators that take unequal groups: {sorted(UNEQUAL_GROUPS)}")
+            f"{estimator.name} needs groups of equal size (it whitens or scales over the whole "
+            f"batch); got sizes {sizes}")
     advantages, returns = [], []
     lo = 0
     for n in sizes:

@@ -76,6 +76,7 @@ def check(topology: Topology) -> None:
     _check_datasets(topology.task.datasets)
     _check_datasets(topology.validation.datasets, "validation.datasets")
     check_agent(topology.agent)
+    _check_verifiers_turns(topology)
     need(not topology.security.curve or zmq.has("curve"), "security.curve",
          "this libzmq was built without CURVE support (zmq.has('curve') is False)")
     LAUNCHERS[topology.run.launcher].check(topology)  # [hosts], or [ray]
@@ -160,6 +161,30 @@ def _check_datasets(datasets: Sequence[DatasetConfig],
              f"{d.path!r} has no data_source column (columns: {shown}); set data_source")
 
 
+def _check_verifiers_turns(t: Topology) -> None:
+    """A multi-turn verifiers environment plays its turns in the agent loop
+    (``agent.env.verifiers``), which then hosts every prompt's environment: each dataset must
+    be one (after ``_check_datasets`` loaded them)."""
+    need(not t.agent.env.verifiers or bool(t.task.datasets), "agent.env.verifiers",
+         "plays the prompts' verifiers environments: task.datasets must name them "
+         "(verifiers = {...})")
+    sets: list[tuple[str, Sequence[DatasetConfig]]] = [
+        ("task.datasets", t.task.datasets), ("validation.datasets", t.validation.datasets)]
+    for where, datasets in sets:
+        for i, d in enumerate(datasets):
+            key = f"{where}[{i}]"
+            if t.agent.env.verifiers:
+                need(d.verifiers is not None, key, "agent.env.verifiers plays each prompt's "
+                     "verifiers environment: every dataset must be verifiers = {...}")
+            elif d.verifiers is not None:
+                from actors.data import verifiers_env
+
+                loaded = verifiers_env.environment(verifiers_env.spec_of(d.verifiers))
+                need(not loaded.multi_turn, f"{key}.verifiers", f"{loaded.name} is multi-turn "
+                     f"(its {type(loaded.env).__name__} plays the turns): set "
+                     "agent.env.verifiers = true")
+
+
 def _check_sleep(s: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
     if s.sleep_idle_s > 0:
@@ -186,7 +211,8 @@ def _check_deterministic(t: Topology) -> None:
          f"{why}: a group served in several batches is not one place of the schedule; set 1")
     a = t.agent
     need(not a.enabled, "agent.rollout.path" if a.rollout.path else
-         "agent.env.path" if a.env.path else "agent.tools",
+         "agent.env.path" if a.env.path else "agent.env.verifiers" if a.env.verifiers else
+         "agent.tools",
          f"{why}: a multi-turn rollout sends each turn to the engine as its tool calls (or "
          "the agent's own code) finish, so which sequences share a batch is timing's")
     G, eta = t.learner.groups_per_step, t.algorithm.max_staleness

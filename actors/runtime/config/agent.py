@@ -52,10 +52,18 @@ class AgentEnv(_Section, frozen=True):
     reward: Literal["add", "replace"] = "add"
     """add: a sample's reward is the scorer's plus the sum of the environment's step rewards;
     replace: that sum alone (no scoring request is sent)."""
+    verifiers: bool = False
+    """Each prompt's own verifiers environment instead of a class in ``path``: its ``Env``'s
+    turns (``run``) answer the model, in a sandboxed child, and its rubric scores the whole
+    conversation (every dataset must be ``verifiers = {...}``; ``actors/data/verifiers_env.py``)."""
 
     def __post_init__(self) -> None:
         need(bool(self.name) or not self.path, "name", "must name the environment's class in path")
         need(not self.name or bool(self.path), "name", "needs agent.env.path")
+        need(not (self.verifiers and self.path), "verifiers",
+             "the prompts' verifiers environments replace agent.env.path: set one of them")
+        need(not self.verifiers or self.reward == "add", "reward",
+             "a verifiers environment's rubric scores the conversation: set add")
 
 
 class AgentRollout(_Section, frozen=True):
@@ -125,17 +133,20 @@ class AgentConfig(_Section, frozen=True):
         need_child_memory(self.memory_mb)
         need(not (self.tools and self.env.path), "env.path",
              "an environment replaces tools: set agent.tools or agent.env, not both")
+        need(not (self.tools and self.env.verifiers), "env.verifiers",
+             "an environment replaces tools: set agent.tools or agent.env, not both")
         names: dict[str, int] = {}
         for i, tool in enumerate(self.tools):
             name = tool.name or tool.builtin
             need(name not in names, f"tools[{i}].name",
                  f"{name!r} is already the name of agent.tools[{names.get(name)}]")
             names[name] = i
-        need(not self.rollout.path or not (self.tools or self.env.path), "rollout.path",
+        need(not self.rollout.path or not (self.tools or self.env.path or self.env.verifiers),
+             "rollout.path",
              "a rollout function replaces tools and environments: set one of agent.tools, "
              "agent.env, agent.rollout")
 
     @property
     def enabled(self) -> bool:
         """Tools, an environment or a rollout function are configured: rollouts are multi-turn."""
-        return bool(self.tools or self.env.path or self.rollout.path)
+        return bool(self.tools or self.env.path or self.env.verifiers or self.rollout.path)

@@ -142,23 +142,18 @@ class FilterGroups(_Section, frozen=True):
 
 class AlgorithmConfig(_Section, frozen=True):
     adv_estimator: EstimatorChoice = Grpo()
-    """The advantage estimator, by verl name, with its own options
-    (``[algorithm.adv_estimator]``, ``name = "gae"``, ``lam = 0.95``; a name alone is enough):
-    grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (adds a
-    greedy sample per prompt), gae (trains a critic), opo, grpo_passk, gpg,
-    optimal_token_baseline, tir_optimal_token_baseline (need π_old's forward: decoupled
-    correction), gdpo (needs gdpo_reward_keys), custom (your own: ``path``, ``function``,
-    ``kwargs``; docs/algorithms.md). Each estimator's options:
-    actors/runtime/config/estimators.py."""
+    """The advantage estimator, by name (verl's; a peer's where verl has none), with its own
+    options (``[algorithm.adv_estimator]``, ``name = "gae"``, ``lam = 0.95``; a name alone is
+    enough); custom is your own (``path``, ``function``, ``kwargs``; docs/algorithms.md). Each
+    estimator's row, with what it needs of the job (a greedy sample, a critic, π_old's forward)
+    and its options: actors/runtime/config/estimators.py."""
     n: PositiveInt = 8
     """Completions sampled per prompt (the group size; verl ``rollout.n``)."""
     policy_loss: PolicyLossChoice = Vanilla()
-    """The policy loss, by verl name, with its own options (``[algorithm.policy_loss]``,
-    ``name = "sapo"``, ``tau_pos = 1.0``; a name alone is enough): vanilla (PPO clip), gspo
-    (sequence ratio), reinforce (alias gpg), cispo, sapo, geo_mean (GMPO), clip_cov, kl_cov,
-    dppo_tv, dppo_kl, dro (needs dro_beta), bypass_mode (needs correction.mode = "bypass"),
-    custom (your own: ``path``, ``function``, ``kwargs``; docs/algorithms.md). Each loss's
-    options: actors/runtime/config/losses.py."""
+    """The policy loss, by name (verl's; a peer's where verl has none), with its own options
+    (``[algorithm.policy_loss]``, ``name = "sapo"``, ``tau_pos = 1.0``; a name alone is
+    enough); custom is your own (``path``, ``function``, ``kwargs``; docs/algorithms.md). Each
+    loss's row, with its traits and options: actors/runtime/config/losses.py."""
     clip_ratio_low: NonNegFloat = 0.2
     """PPO clip ε_low (geo_mean: a log-ratio range, GMPO uses 0.4; dppo_*: the divergence
     threshold for negative advantages)."""

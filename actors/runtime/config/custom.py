@@ -129,11 +129,25 @@ def _shape(value: Any) -> str:
     return f"a tensor of shape {tuple(shape)}" if shape is not None else type(value).__name__
 
 
+# what load_function returned, by its arguments: a row's code is read from its file once per
+# process, so a file edited while the run goes on neither changes nor stops the run
+_LOADED: dict[tuple[str, ...], UserFunction] = {}
+
+
 def load_function(key: str, path: str, function: str, sha256: str, kwargs: Mapping[str, Any],
                   role: str) -> UserFunction:
     """The function ``function`` of the file ``path``, checked against the hash the topology
-    recorded and against ``role``'s call; a ``UserCodeError`` naming ``key`` and the file when
-    it is not the same file, does not import, or does not fit."""
+    recorded and against ``role``'s call, the first time this process asks for it (then the
+    same function again); a ``UserCodeError`` naming ``key`` and the file when it is not the
+    same file, does not import, or does not fit."""
+    memo = (key, str(Path(path).resolve()), function, sha256, repr(sorted(kwargs.items())), role)
+    if memo not in _LOADED:
+        _LOADED[memo] = _load(key, path, function, sha256, kwargs, role)
+    return _LOADED[memo]
+
+
+def _load(key: str, path: str, function: str, sha256: str, kwargs: Mapping[str, Any],
+          role: str) -> UserFunction:
     now = file_sha256(path) if Path(path).is_file() else ""
     if not now:
         raise UserCodeError(f"{key}.path: no file {path}")

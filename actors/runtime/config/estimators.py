@@ -1,13 +1,15 @@
-"""The advantage estimators' options, ``[algorithm.adv_estimator]``: one Struct per estimator
-of ``kernels/advantages`` (the kernel is the estimator; this is its row in the config),
-selected by its ``name`` (a tagged union), each holding the options that estimator alone
-takes under verl's names, with their ranges and checks, and saying what it needs from the
-rest of the job (class attributes the learner, the sampler and the checks read instead of
-naming estimators): a greedy sample per prompt (remax), a critic (gae), π_old's forward before
-the advantages (the optimal token baselines), groups of at least two, groups of unequal size.
-``kernel_options`` gives ``compute_advantages`` its keyword arguments. Adding an estimator is
-its kernel file and its row here (``tests/test_config_estimators.py`` ties each row to its
-kernel).
+"""The advantage estimators, ``[algorithm.adv_estimator]``: one Struct per estimator of
+``kernels/advantages``, selected by its ``name`` (a tagged union). A row is the estimator's
+only registry: it holds the options that estimator alone takes under verl's names (with their
+ranges and checks), ``load``, which imports its kernel only when it is called (the config stays
+torch-free), and what it needs from the rest of the job (class attributes the learner, the
+sampler, the checks and the kernel read instead of naming estimators): a greedy sample per
+prompt (remax), a critic (gae), π_old's forward before the advantages (the optimal token
+baselines), groups of at least two, how it treats groups of unequal size. The kernel takes the
+row (``kernels.advantages.compute_advantages(row, ...)``) and its fields as they are: each is a
+field of ``AdvantageParams`` under the same name, except those a row says another part reads
+(``read_elsewhere``). Adding an estimator is its kernel file and its row here
+(``tests/test_config_estimators.py`` checks each row against the kernel).
 
 ``algorithm.adv_estimator = "rloo"`` (a name alone) still reads as ``{name = "rloo"}``, and the
 options' old flat keys (``algorithm.gamma``, ...) as that table's, with a one-line notice
@@ -15,6 +17,7 @@ options' old flat keys (``algorithm.gamma``, ...) as that table's, with a one-li
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -37,20 +40,26 @@ class EstimatorRow(_Section, frozen=True, tag_field="name"):
     critic: ClassVar[bool] = False  # the learner trains a value model
     old_forward: ClassVar[bool] = False  # needs π_old (and Σπ²) before the advantages
     min_group: ClassVar[int] = 1  # samples per prompt it needs (algorithm.n)
-    unequal_groups: ClassVar[bool] = True  # takes groups of unequal size (agent branches)
+    grouped: ClassVar[bool] = True  # uses the group (else each row alone: the whole batch at once)
+    # takes groups of unequal size (agent branches): a grouped estimator whose advantages
+    # depend only on each group's rows, run group by group; not one that whitens or scales
+    # over the whole batch
+    unequal_groups: ClassVar[bool] = True
+    read_elsewhere: ClassVar[tuple[str, ...]] = ()  # its fields the estimator does not take
 
     @property
     def name(self) -> str:
         return str(type(self).__struct_config__.tag)
 
-    def code(self) -> str | custom.UserFunction:
-        """What ``kernels.advantages.compute_advantages`` runs: a built-in's name, or the loaded
-        function of a ``custom`` row."""
-        return self.name
+    def load(self) -> Callable[..., Any]:
+        """The estimator's function, its module imported now (torch: only in the learner)."""
+        raise NotImplementedError(f"the {self.name} row names no function")
 
-    def kernel_options(self) -> dict:
-        """``compute_advantages``' keyword arguments from this row's options."""
-        return msgspec.structs.asdict(self)
+    def kernel_options(self) -> dict[str, Any]:
+        """The estimator's options: the row's fields under their names (``AdvantageParams``'),
+        but those another part reads."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items()
+                if k not in self.read_elsewhere}
 
     def reward_keys(self) -> list[str]:
         """The reward components it takes beside the reward, keys of the scorer's result dict
@@ -62,9 +71,6 @@ class _NormByStd(EstimatorRow, frozen=True):
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group's std (false is Dr.GRPO; verl ``norm_adv_by_std_in_grpo``)."""
 
-    def kernel_options(self) -> dict:
-        return {"norm_adv_by_std": self.norm_adv_by_std_in_grpo}
-
 
 class _Discounted(EstimatorRow, frozen=True):
     gamma: Fraction = 1.0
@@ -74,11 +80,34 @@ class _Discounted(EstimatorRow, frozen=True):
 class Grpo(_NormByStd, frozen=True, tag="grpo"):
     """GRPO: each sample's reward against its group's mean (and std)."""
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.grpo import grpo
+
+        return grpo
+
 
 class DrGrpo(EstimatorRow, frozen=True, tag="dr_grpo"):
     """Dr.GRPO: against the group's mean, no std."""
 
     min_group: ClassVar[int] = 2
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.grpo import dr_grpo
+
+        return dr_grpo
+
+
+class GrpoBatchStd(EstimatorRow, frozen=True, tag="grpo_batch_std"):
+    """GRPO scaled by the batch's std (TRL ``scale_rewards = "batch"``, Lite PPO): each
+    sample's reward against its group's mean, divided by the std of all the batch's rewards."""
+
+    min_group: ClassVar[int] = 2
+    unequal_groups: ClassVar[bool] = False  # scales over the whole batch
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.grpo import grpo_batch_std
+
+        return grpo_batch_std
 
 
 class Rloo(EstimatorRow, frozen=True, tag="rloo"):
@@ -86,9 +115,21 @@ class Rloo(EstimatorRow, frozen=True, tag="rloo"):
 
     min_group: ClassVar[int] = 2
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.rloo import rloo
+
+        return rloo
+
 
 class ReinforcePlusPlus(_Discounted, frozen=True, tag="reinforce_plus_plus"):
     """REINFORCE++: discounted returns, whitened over the batch."""
+
+    grouped: ClassVar[bool] = False
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.reinforce_plus_plus import reinforce_plus_plus
+
+        return reinforce_plus_plus
 
 
 class ReinforcePlusPlusBaseline(EstimatorRow, frozen=True, tag="reinforce_plus_plus_baseline"):
@@ -96,24 +137,39 @@ class ReinforcePlusPlusBaseline(EstimatorRow, frozen=True, tag="reinforce_plus_p
 
     unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.reinforce_plus_plus import reinforce_plus_plus_baseline
+
+        return reinforce_plus_plus_baseline
+
 
 class Remax(_Discounted, frozen=True, tag="remax"):
     """ReMax: against the reward of a greedy sample of the same prompt."""
 
     greedy_baseline: ClassVar[bool] = True
+    grouped: ClassVar[bool] = False
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.remax import remax
+
+        return remax
 
 
 class Gae(_Discounted, frozen=True, tag="gae"):
     """GAE with a critic (a value model the learner trains beside the policy)."""
 
     critic: ClassVar[bool] = True
+    grouped: ClassVar[bool] = False
+    read_elsewhere: ClassVar[tuple[str, ...]] = ("cliprange_value",)  # the critic's loss
     lam: Fraction = 1.0
     """GAE λ (verl's ``algorithm`` key ``lam``)."""
     cliprange_value: PositiveFinite = 0.5
     """Value clipping range of the critic loss (verl ``critic.cliprange_value``)."""
 
-    def kernel_options(self) -> dict:
-        return {"gamma": self.gamma, "lam": self.lam}
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.gae import gae
+
+        return gae
 
 
 class Opo(EstimatorRow, frozen=True, tag="opo"):
@@ -121,11 +177,21 @@ class Opo(EstimatorRow, frozen=True, tag="opo"):
 
     min_group: ClassVar[int] = 2
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.opo import opo
+
+        return opo
+
 
 class GrpoPassk(_NormByStd, frozen=True, tag="grpo_passk"):
     """GRPO pass@k: only the group's best sample gets an advantage."""
 
     min_group: ClassVar[int] = 2
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.passk import grpo_passk
+
+        return grpo_passk
 
 
 class Gpg(EstimatorRow, frozen=True, tag="gpg"):
@@ -133,11 +199,21 @@ class Gpg(EstimatorRow, frozen=True, tag="gpg"):
 
     unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.gpg import gpg
+
+        return gpg
+
 
 class OptimalTokenBaseline(EstimatorRow, frozen=True, tag="optimal_token_baseline"):
     """The optimal token baseline (needs π_old's forward: decoupled correction)."""
 
     old_forward: ClassVar[bool] = True
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.optimal_token_baseline import optimal_token_baseline
+
+        return optimal_token_baseline
 
 
 class TirOptimalTokenBaseline(EstimatorRow, frozen=True, tag="tir_optimal_token_baseline"):
@@ -145,20 +221,23 @@ class TirOptimalTokenBaseline(EstimatorRow, frozen=True, tag="tir_optimal_token_
 
     old_forward: ClassVar[bool] = True
 
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.optimal_token_baseline import tir_optimal_token_baseline
+
+        return tir_optimal_token_baseline
+
 
 class Gdpo(_NormByStd, frozen=True, tag="gdpo"):
     """GDPO: each reward component normalised within its group on its own, then summed."""
 
     unequal_groups: ClassVar[bool] = False  # normalises over the whole batch
+    read_elsewhere: ClassVar[tuple[str, ...]] = ("gdpo_reward_keys",)  # the learner's
     gdpo_reward_keys: list[str] = []
     """The reward components, keys of the scorer's result dict (``compute_score`` returning
     ``{"score": ..., "format_reward": ...}``; with several ``[[reward.functions]]``, each
     function's label holds its score), each normalised within its group on its own."""
     gdpo_reward_weights: list[Finite] = []
     """One weight per key in gdpo_reward_keys (empty: all 1.0)."""
-
-    def kernel_options(self) -> dict:
-        return {**super().kernel_options(), "reward_weights": self.gdpo_reward_weights or None}
 
     def reward_keys(self) -> list[str]:
         return self.gdpo_reward_keys
@@ -173,6 +252,11 @@ class Gdpo(_NormByStd, frozen=True, tag="gdpo"):
         if self.gdpo_reward_weights and len(self.gdpo_reward_weights) != len(keys):
             raise ValueError(f"gdpo_reward_weights needs one weight per key ({len(keys)}), or "
                              "none (all 1.0)")
+
+    def load(self) -> Callable[..., Any]:
+        from kernels.advantages.gdpo import gdpo
+
+        return gdpo
 
 
 class Custom(EstimatorRow, frozen=True, tag="custom"):
@@ -191,17 +275,18 @@ class Custom(EstimatorRow, frozen=True, tag="custom"):
     """The file's sha256: filled in when the topology is loaded and recorded with the run; the
     learner refuses the file when its content differs (so a rerun computes what the run did)."""
 
-    def code(self) -> custom.UserFunction:
+    def load(self) -> custom.UserFunction:
+        """The function, read from its file once per process (checked against the recorded
+        hash then), with ``kwargs`` bound: a custom row's options are its function's own."""
         return custom.load_function("algorithm.adv_estimator", self.path, self.function,
                                     self.sha256, self.kwargs, "adv_estimator")
 
-    def kernel_options(self) -> dict:
-        return {}  # bound to the function by code()
+    def kernel_options(self) -> dict[str, Any]:
+        return {}  # kwargs: bound to the function by load()
 
 
-EstimatorChoice = (Grpo | DrGrpo | Rloo | ReinforcePlusPlus | ReinforcePlusPlusBaseline | Remax
-                   | Gae | Opo | GrpoPassk | Gpg | OptimalTokenBaseline | TirOptimalTokenBaseline
-                   | Gdpo | Custom)
+EstimatorChoice = (Grpo | DrGrpo | GrpoBatchStd | Rloo | ReinforcePlusPlus
+                   | ReinforcePlusPlusBaseline | Remax | Gae | Opo | GrpoPassk | Gpg
+                   | OptimalTokenBaseline | TirOptimalTokenBaseline | Gdpo | Custom)
 ROWS: dict[str, type[EstimatorRow]] = {
     str(row.__struct_config__.tag): row for row in EstimatorChoice.__args__}  # type: ignore[attr-defined]
-UNEQUAL_GROUP_ESTIMATORS = tuple(sorted(n for n, r in ROWS.items() if r.unequal_groups))

@@ -31,7 +31,7 @@ from actors.runtime.config.constraints import (
     one_of,
 )
 from actors.runtime.config.engines import EngineChoice, HFOptions, VLLMOptions
-from actors.runtime.config.estimators import UNEQUAL_GROUP_ESTIMATORS
+from actors.runtime.config.estimators import ROWS as ESTIMATORS
 from actors.runtime.config.gpus import PlacedProcess
 from actors.runtime.config.placement import LearnerPlacement, SamplerPlacement
 from actors.runtime.config.pools import JudgeConfig, RewardModelConfig, check_models
@@ -162,7 +162,8 @@ class DatasetConfig(_Section, frozen=True):
     verifiers: VerifiersSource | None = None
     """A verifiers environment instead of a file (``verifiers = { id = "my_env" }`` or
     ``{ path = "my_env.py", args = { ... } }``): its tasks' prompts, its rubric as the reward
-    (data_source ``verifiers/NAME``); single-turn environments only, for now."""
+    (data_source ``verifiers/NAME``); a multi-turn one (its ``Env`` plays the turns) needs
+    ``agent.env.verifiers``."""
 
     def __post_init__(self) -> None:
         if sum(map(bool, (self.path, self.builtin, self.reasoning_gym, self.verifiers))) != 1:
@@ -582,7 +583,8 @@ class Topology(_Section, frozen=True):
             why = "train gives groups of unequal size, which "  # (samples on prompts of their own)
             need(a.adv_estimator.unequal_groups, "agent.rollout.branches",
                  f"{why}{a.adv_estimator.name} cannot take (it normalises over the whole "
-                 f"batch); set branches = \"last\" or one of {', '.join(UNEQUAL_GROUP_ESTIMATORS)}")
+                 f"batch); set branches = \"last\" or one of "
+                 f"{', '.join(n for n, row in ESTIMATORS.items() if row.unequal_groups)}")
             need(L.nproc_per_node * L.nnodes == 1, "agent.rollout.branches",
                  f"{why}learner ranks cannot share out evenly; set branches = \"last\"")
             need(not self.teacher.path, "agent.rollout.branches",

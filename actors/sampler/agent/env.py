@@ -9,7 +9,9 @@ as role/content dicts, ``data_source``, ``ground_truth``, ``extra_info``).
 
 A step that raises is an error observation the model reads, and the episode goes on; a step
 that hangs past ``agent.tool_timeout_s`` or crashes its child ends the episode (the child, and
-every object in it, is replaced), as does a reset that fails.
+every object in it, is replaced), as does a reset that fails, or a step that reports an error
+as done (gymnasium's info ``error``). ``agent.env.verifiers`` hosts each prompt's verifiers
+environment the same way (``actors/data/verifiers_episode.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from actors.sandbox.protocol import Call, FunctionSpec
 from messages.rollout import Prompt
 
 TOOLS_MODULE = "actors.sandbox.tools"
+VERIFIERS_MODULE = "actors.data.verifiers_episode"  # agent.env.verifiers: its episodes' class
 RESET, STEP, CLOSE = 0, 1, 2  # function indices in every lane
 
 
@@ -46,10 +49,14 @@ class EnvHost:
 
     def __init__(self, cfg: AgentConfig) -> None:
         env = cfg.env
-        kwargs = {"env_path": env.path, "env_module": "", "env_name": env.name,
-                  "env_kwargs": dict(env.kwargs)}
+        kwargs = ({"env_path": "", "env_module": VERIFIERS_MODULE, "env_name": "VerifiersEpisode",
+                   "env_kwargs": {"max_turns": cfg.max_turns}} if env.verifiers else
+                  {"env_path": env.path, "env_module": "", "env_name": env.name,
+                   "env_kwargs": dict(env.kwargs)})
+        # verifiers is imported as a child starts, off the clock of its first reset
+        preload = (VERIFIERS_MODULE, "verifiers.v1") if env.verifiers else ()
         specs = [FunctionSpec(module=TOOLS_MODULE, name="env_reset", kwargs=kwargs,
-                              returns="text"),
+                              returns="text", preload=preload),
                  FunctionSpec(module=TOOLS_MODULE, name="env_step", returns="step"),
                  FunctionSpec(module=TOOLS_MODULE, name="env_close", returns="text")]
         self.lanes = [Children(specs, size=1, timeout_s=cfg.tool_timeout_s,
@@ -97,7 +104,8 @@ class Episode:
         if o.error:
             self.host.errors += 1
             # a killed or dead child took the object with it: the episode cannot go on
-            return StepResult(f"Error: {o.error}", done=o.failure in ("timeout", "crash"),
+            done = o.failure in ("timeout", "crash") or bool(o.extra.get("done"))
+            return StepResult(f"Error: {o.error}", done=done,
                               error=o.error, failure=o.failure or "raised", latency_s=latency)
         return StepResult(o.text, o.score, bool(o.extra.get("done")), latency_s=latency)
 

@@ -164,7 +164,7 @@ class AgentLoop:
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: AgentConfig) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.tools = ToolBox(cfg) if cfg.tools else None
-        self.env = EnvHost(cfg) if cfg.env.path else None
+        self.env = EnvHost(cfg) if cfg.env.path or cfg.env.verifiers else None
         self.renderer = Renderer(tokenizer, "tool" if self.tools else "user",
                                  cfg.max_tool_response_tokens)
         self.parser: Parser | None = None

@@ -60,7 +60,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
     try:
         request = msgspec.json.decode(body, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # a string that is not UTF-8 raises the last, not one of msgspec's own errors
         raise BadRequest(f"bad request body: {exc}") from None
     if not 1 <= request.n <= 16:
         raise BadRequest("n: must be 1 to 16")
