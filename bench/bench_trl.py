@@ -35,7 +35,8 @@ run: seconds, samples/s (``steps × 32 / seconds``), the CPU the whole job used 
 mean reward of the first and last 5 steps, and the load average before and after; for flowrl
 also its step's parts (medians from step 3 on: the update, generation, the wait for the batch,
 the publish, the samplers' load of the weights, the learner's own time between steps) and the
-fixed cost per step (between steps, the publish included, plus the load).
+fixed cost per step (between steps plus the load; the publish runs beside the next step where
+the learner is one rank on a host transport, else between steps).
 """
 
 from __future__ import annotations
@@ -116,13 +117,13 @@ STEP_PARTS = ("update_actor", "gen", "wait_batch", "weight_publish", "weight_syn
 
 def breakdown(rows: list[dict]) -> dict[str, float]:
     """Medians from step 3 on of the step's parts (``timing_s/...``), and the fixed cost per
-    step: publish + sync + the learner's own time between steps (the publish included)."""
+    step: the learner's own time between steps plus the samplers' load of the weights."""
     def median(key: str) -> float:
         values = sorted(r[key] for r in rows[2:] if key in r) or [0.0]
         return values[len(values) // 2]
 
     out = {part: median(f"timing_s/{part}") for part in STEP_PARTS}
-    # between_steps holds the publish: fixed = between + the sampler's load of the weights
+    # between_steps holds the publish where it is not beside the next step (Learner.publish)
     out["fixed"] = out["between_steps"] + out["weight_sync"]
     return out
 
