@@ -128,10 +128,12 @@ class TreeLayout:
     """Where ``tree_attention`` reads and writes, for one ``tree`` (cached per tree: every layer
     of a forward, and its recomputation, asks for the same)."""
 
-    cells: torch.Tensor  # (Gp·P + C·(P+R),) the packed positions read, in one gather: first
+    queries: torch.Tensor  # (Gp·P + C·R,) the packed positions of the queries, in one gather:
     # the prefixes side by side, each padded to the longest P with its last token (causal
-    # attention keeps the padding from real queries); then each rest's keys, its group's prefix
-    # (padded) and itself, padded to the longest R (its queries are the last R of those)
+    # attention keeps the padding from real queries), then the rests, each padded to the
+    # longest R
+    keys: torch.Tensor  # (Gp·P + C·(P+R),) of the keys and values: the prefixes as above, then
+    # each rest's, its group's prefix (padded) and itself
     prefixes: int  # Gp, the groups with a prefix
     longest_prefix: int
     mask: torch.Tensor  # (C, 1, R, P+R) bool: the prefix's real cells, then causal over the rest
@@ -149,16 +151,17 @@ def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device) -> Tree
     P = max((b - a for a, b in prefixes), default=0)
     R = max(b - a for a, b, _, _ in rests)
     pick = [0] * tree[-1][-1]
-    cells = []
+    padded = []
     for n, (a, b) in enumerate(prefixes):
-        cells.extend([*range(a, b), *[b - 1] * (P - (b - a))])
+        padded.extend([*range(a, b), *[b - 1] * (P - (b - a))])
         for t in range(a, b):
             pick[t] = n * P + (t - a)
-    seen = []
+    queries, keys, seen = list(padded), list(padded), []
     for n, (a, b, pa, pb) in enumerate(rests):
+        own = [*range(a, b), *[b - 1] * (R - (b - a))]
+        queries.extend(own)
         # a group without a prefix: its prefix cells are masked out (any position will do)
-        cells.extend([*range(pa, pb), *[max(pb - 1, a)] * (P - (pb - pa)),
-                      *range(a, b), *[b - 1] * (R - (b - a))])
+        keys.extend([*range(pa, pb), *[max(pb - 1, a)] * (P - (pb - pa)), *own])
         seen.append([True] * (pb - pa) + [False] * (P - (pb - pa)))
         for t in range(a, b):
             pick[t] = len(prefixes) * P + n * R + (t - a)
@@ -169,8 +172,8 @@ def tree_layout(tree: tuple[tuple[int, ...], ...], device: torch.device) -> Tree
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device)
 
-    return TreeLayout(tensor(cells), len(prefixes), P, mask.unsqueeze(1).to(device), R,
-                      tensor(pick))
+    return TreeLayout(tensor(queries), tensor(keys), len(prefixes), P,
+                      mask.unsqueeze(1).to(device), R, tensor(pick))
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -180,24 +183,30 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     D) in; (1, T, Hq, D) out. The prefixes attend causally to themselves, side by side in one
     SDPA call (no mask); each row's rest, side by side in a second call, attends its group's
     prefix and itself causally (a mask of the prefix's real cells and a causal block): the
-    attention each row gets alone, prefix included, with no arithmetic across groups. Queries,
-    keys and values are read in one gather (their heads side by side): each op here runs once
-    per layer, forward and backward, and on a GPU their dispatch is the cost."""
+    attention each row gets alone, prefix included, with no arithmetic across groups. The
+    queries are read in one gather for both calls, the keys and values in another (their heads
+    side by side): each op here runs once per layer, forward and backward, and on a GPU their
+    dispatch is the cost."""
     lay = tree_layout(tuple(tree), query.device)
-    heads = (query.shape[1], key.shape[1], value.shape[1])
-    cells = torch.cat((query, key, value), dim=1)[0].index_select(1, lay.cells)  # (H, cells, D)
-    P, R = lay.longest_prefix, lay.longest_rest
+    P, R, Gp = lay.longest_prefix, lay.longest_rest, lay.prefixes
+    heads = (key.shape[1], value.shape[1])
+    q_pre, q_rest = query[0].index_select(1, lay.queries).split(
+        (Gp * P, lay.queries.numel() - Gp * P), dim=1)  # (Hq, cells, D) each
+    kv_pre, kv_rest = torch.cat((key, value), dim=1)[0].index_select(1, lay.keys).split(
+        (Gp * P, lay.keys.numel() - Gp * P), dim=1)  # (2·Hkv, cells, D) each
+
+    def side_by_side(t: torch.Tensor, width: int) -> torch.Tensor:
+        return t.unflatten(1, (-1, width)).transpose(0, 1)  # (H, cells, D) -> (rows, H, width, D)
+
     outs = []
     if P:
-        q, k, v = cells[:, :lay.prefixes * P].unflatten(1, (lay.prefixes, P)).transpose(0, 1) \
-            .split(heads, dim=1)  # (Gp, H, P, D) each
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
-                                             is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
+        out = F.scaled_dot_product_attention(
+            side_by_side(q_pre, P), *side_by_side(kv_pre, P).split(heads, dim=1),
+            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
         outs.append(out.transpose(1, 2).flatten(0, 1))
-    q, k, v = cells[:, lay.prefixes * P:].unflatten(1, (-1, P + R)).transpose(0, 1) \
-        .split(heads, dim=1)  # (C, H, P + R, D) each
-    out = F.scaled_dot_product_attention(q[:, :, P:], k, v, attn_mask=lay.mask, dropout_p=dropout,
-                                         scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
+    out = F.scaled_dot_product_attention(
+        side_by_side(q_rest, R), *side_by_side(kv_rest, P + R).split(heads, dim=1),
+        attn_mask=lay.mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
     outs.append(out.transpose(1, 2).flatten(0, 1))
     return torch.cat(outs).index_select(0, lay.pick).unsqueeze(0)  # (1, T, Hq, D)
 
