@@ -193,6 +193,7 @@ class WeightsSubscriber:
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
+        self.stale = 0  # weights messages of a version it had already received, dropped
         self.failed = 0  # GPU transfers failed in a row (0 after one that arrived)
         self.handing_off = -1  # the version whose worker transfer the engine has not ended
         self.into = into or ReceiveInto()  # (each receiver indexes its device)
@@ -240,6 +241,10 @@ class WeightsSubscriber:
             try:
                 header, parts = _bucket(codec, await self.sock.recv_multipart(copy=False))
                 if header.bucket != 0:  # the rest of a version given up on: not an answer
+                    poll = False
+                    continue
+                if header.version <= self.received:  # one it has, again (replayed): the learner
+                    self.stale += 1  # answers a poll once, with a newer one; not an answer
                     poll = False
                     continue
                 for i in range(1, header.buckets):
