@@ -290,11 +290,9 @@ def check_main(argv: list[str]) -> int:
         print(f"error: bad topology: {exc}", file=sys.stderr)
         return 2
     from actors.learner.memory import planned
-    from actors.runtime.config.gpus import visible_gpus
+    from actors.runtime.config.gpus import on_gpu, visible_gpus
 
-    setting = topology.learner.device
-    device = "cuda" if setting.startswith("cuda") or (setting == "auto" and visible_gpus()) \
-        else "cpu"
+    device = "cuda" if on_gpu(topology.learner.device, bool(visible_gpus())) else "cpu"
     print(f"ok: {args.topology} is ready to run (model {topology.model.path})")
     print(planned(topology, device))
     return 0

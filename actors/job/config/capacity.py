@@ -17,12 +17,12 @@ import struct
 from pathlib import Path
 
 from actors.data.vision import in_vision_tower
-from actors.runtime.config.placement import samplers_dtype
+from actors.runtime.config.placement import auto_dtype, samplers_dtype
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import TRANSPORTS
+from messages.tensor import ITEMSIZE
 
 SHM_DIR = Path("/dev/shm")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -106,9 +106,7 @@ def sent_dtype(topology, learner_on_gpu: bool) -> str:
         return L.weights_dtype
     if L.lora.rank > 0:
         return samplers_dtype(topology, gpu_visible=learner_on_gpu)
-    if L.dtype != "auto":
-        return L.dtype
-    return "bfloat16" if learner_on_gpu else topology.model.dtype
+    return auto_dtype(L.dtype, learner_on_gpu, topology.model.dtype)
 
 
 def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
@@ -129,7 +127,7 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
     model = Path(topology.model.path)
     count = adapter_count(model, L.lora.rank, L.lora.target_modules, L.lora.vision) \
         if L.lora.rank else None
-    version = (count or parameter_count(model)) * DTYPE_BYTES[dtype]  # LoRA: the adapters
+    version = (count or parameter_count(model)) * ITEMSIZE[dtype]  # LoRA: the adapters
     need = versions * version
     if shm_bytes < need:
         raise ConfigError(

@@ -6,14 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actors.runtime.config.engines import ENGINES, engine_gpus
-from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
+from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess, on_gpu
 from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import placement_problem
-
-
-def _wants_gpu(setting: str, gpus: Sequence[str]) -> bool:
-    return setting.startswith("cuda") or (setting == "auto" and bool(gpus))
 
 
 def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedProcess]:
@@ -25,7 +21,7 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
     learners = [n for n in names if n.startswith("learner-")]
     samplers = sorted((n for n in names if n.startswith("sampler-")),
                       key=lambda n: int(n.split("-")[1]))
-    if learners and _wants_gpu(L.device, gpus):
+    if learners and on_gpu(L.device, bool(gpus)):
         if not gpus:
             raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees no GPU "
                               "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
@@ -42,7 +38,7 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             for i, name in enumerate(_by_rank(learners)):
                 taken[name] = [gpus[i]]
     used = {g for v in taken.values() for g in v}
-    if samplers and _wants_gpu(S.device, gpus):
+    if samplers and on_gpu(S.device, bool(gpus)):
         width = engine_gpus(S.engine, S)
         if not gpus:
             raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
@@ -89,9 +85,9 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             share = int(SHARED_BUDGET / most * 100) / 100
             if share < MIN_SHARE:
                 # teachers, then samplers, are what wraps around onto used GPUs
-                on_gpu = [name, *sharing]
-                key = "teacher.replicas" if any(u.startswith("teacher") for u in on_gpu) \
-                    else "sampler.count" if any(u.startswith("sampler") for u in on_gpu) \
+                crowded = [name, *sharing]
+                key = "teacher.replicas" if any(u.startswith("teacher") for u in crowded) \
+                    else "sampler.count" if any(u.startswith("sampler") for u in crowded) \
                     else "learner.nproc_per_node"
                 raise ConfigError(f"{key}: {most} processes on GPU "
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "
@@ -151,7 +147,7 @@ def _place_teachers(topology, names: Sequence[str], gpus: Sequence[str],
     T = topology.teacher
     teachers = sorted((n for n in names if n.startswith("teacher-")),
                       key=lambda n: int(n.split("-")[1]))
-    if not teachers or not _wants_gpu(T.device, gpus):
+    if not teachers or not on_gpu(T.device, bool(gpus)):
         return
     if not gpus:
         raise ConfigError(f"teacher.device: {T.device} asked for, but the runner sees no GPU "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from actors.runtime.config.constraints import NonNegInt, PositiveInt, Share
+from actors.runtime.config.gpus import on_gpu, visible_gpus
 
 if TYPE_CHECKING:
     from actors.runtime.config import SamplerConfig
@@ -175,8 +176,5 @@ def auto_engine(device: str = "auto") -> str:
     runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
         return FALLBACK
-    if device.startswith("cuda"):  # (the placement check makes sure there is one)
-        return runnable[0]
-    from actors.runtime.config.gpus import visible_gpus
-
-    return runnable[0] if visible_gpus() else FALLBACK
+    # (a cuda setting has a GPU: the placement check makes sure; only auto asks for the list)
+    return runnable[0] if on_gpu(device, device == "auto" and bool(visible_gpus())) else FALLBACK

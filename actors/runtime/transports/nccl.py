@@ -159,20 +159,13 @@ def buckets_of(metas: list[TensorMeta], limit: int) -> list[list[TensorMeta]]:
     out: list[list[TensorMeta]] = [[]]
     size = 0
     for m in metas:
-        n = nbytes(m)
+        n = m.nbytes()
         if limit and out[-1] and size + n > limit:
             out.append([])
             size = 0
         out[-1].append(m)
         size += n
     return out
-
-
-def nbytes(m: TensorMeta) -> int:
-    n = torch.empty((), dtype=_TORCH[m.dtype]).element_size()
-    for d in m.shape:
-        n *= d
-    return n
 
 
 @dataclass
@@ -386,12 +379,12 @@ class BroadcastReceiver(Receiver):
         assert self.joined is not None
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets_of(header.tensors, g.bucket_bytes):
-            flat = torch.empty(sum(nbytes(m) for m in bucket), dtype=torch.uint8,
+            flat = torch.empty(sum(m.nbytes() for m in bucket), dtype=torch.uint8,
                                device=self.device)
             self.joined.broadcast(flat)
             offset = 0
             for m in bucket:
-                n = nbytes(m)
+                n = m.nbytes()
                 out[m.name] = flat[offset:offset + n].view(_TORCH[m.dtype]).view(m.shape)
                 offset += n
         self.joined.all_have(True, self.device)
