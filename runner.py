@@ -282,13 +282,13 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
     args = parser.parse_intermixed_args(argv)
     from actors.job.config.preflight import preflight
+    from actors.job.launch import bad_topology
 
     try:
         topology = load_topology(args.topology, args.overrides)
         preflight(topology)
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
+        return bad_topology(exc)
     from actors.learner.memory import planned
     from actors.runtime.config.gpus import on_gpu, visible_gpus
 
@@ -375,13 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         host.append('run.launcher="ray"')
         if args.ray != NO_ADDRESS:
             host.append(f"ray.address={json.dumps(args.ray)}")
+    from actors.job.launch import bad_topology, run_job
+
     try:
         topology = load_topology(args.topology, [*args.overrides, *host])
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
-    from actors.job.launch import run_job
-
+        return bad_topology(exc)
     return run_job(topology)
 
 
