@@ -42,8 +42,12 @@ from messages.weights import (
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "") -> None:
+    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "",
+                 status: dict | None = None) -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        self.status = status  # the actor's, whose rejected_frames this keeps current
+        if status is not None:
+            status["rejected_frames"] = 0
         self.codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights, socket=name and (
             f"[{name}] weights ROUTER {endpoint(sock.socket)}"))
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
@@ -127,6 +131,8 @@ class WeightsPublisher:
             try:
                 poll = self.codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
+                if self.status is not None:
+                    self.status["rejected_frames"] = self.codec.rejected
                 self._say(peer, f"weights: {exc}")
                 continue
             if isinstance(poll, WeightsPoll):
