@@ -340,9 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in VERBS:
         return VERBS[argv[0]][0](argv[1:])
-    if argv and argv[0] == "replay":  # the replay buffer is [replay]: the tool was renamed
-        print("error: 'replay' is now 'rerun' (runner.py rerun --step N)", file=sys.stderr)
-        return 2
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file "
                                       "(python runner.py TOPOLOGY [overrides]), or a verb.",

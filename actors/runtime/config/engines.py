@@ -138,8 +138,7 @@ class EngineRow:
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    # GPU to GPU beside the learner (BENCHMARKS.md "On one GPU"); vLLM's receiving side of it
-    # has not run on a GPU yet
+    # GPU to GPU beside the learner (BENCHMARKS.md "On one GPU")
     EngineRow(FALLBACK, adapters=True, profiled=True, beside_learner=True,
               preload=("actors.sampler.engines.hf",)),
     EngineRow("vllm", vllm_problem, continuous=True, prefer_on_gpu=True,

@@ -41,7 +41,7 @@ weights keep generating. With ``receiver = PYNCCL`` the engine's own workers rec
 buffers), straight into the running model through its layerwise reload; the learner then sends
 with vLLM's own trainer side (``nccl_common.trainer_init``, ``packed_nccl_broadcast_producer``),
 since vLLM's PyNccl communicator and a torch process group cannot share a group. vLLM's NCCL
-engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here. On a CPU the
+engine is CUDA-only (PyNccl): it cannot run on gloo. On a CPU the
 engine's workers receive with flowrl's own weight-transfer engine (``engines/vllm/transfer.py``),
 which speaks this module's torch protocol. How an engine's workers take the transfer is the
 engine's (``engines/vllm/receive.py``): this receiver hands it the group (``GroupBroadcast``).
