@@ -23,7 +23,7 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
     _place_learners(topology.learner, learners, gpus, taken)
     _place_samplers(topology.sampler, samplers, gpus, taken)
     _place_teachers(topology, names, gpus, taken)
-    _place_model_pools(topology, names, gpus, taken)
+    _place_served_models(topology, names, gpus, taken)
     placed = _shared(names, learners, taken)
     _check_transport(topology.learner, learners, samplers, taken)
     return placed
@@ -82,9 +82,9 @@ def _place_samplers(S, samplers: list[str], gpus: Sequence[str],
         taken[name] = [order[(start + k) % len(order)] for k in range(width)]
 
 
-def _place_model_pools(topology, names: Sequence[str], gpus: Sequence[str],
+def _place_served_models(topology, names: Sequence[str], gpus: Sequence[str],
                        taken: dict[str, list[str]]) -> None:
-    """Each model pool replica on the GPU its ``device`` names."""
+    """Each replica of a served model (``[[reward.models]]``) on the GPU its ``device`` names."""
     for name, (key, device) in served_devices(topology.reward).items():
         if name in names and device.startswith("cuda"):
             index = int(device.split(":")[1]) if ":" in device else 0
