@@ -282,19 +282,17 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-5")
     args = parser.parse_intermixed_args(argv)
     from actors.job.config.preflight import preflight
+    from actors.job.launch import bad_topology
 
     try:
         topology = load_topology(args.topology, args.overrides)
         preflight(topology)
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
+        return bad_topology(exc)
     from actors.learner.memory import planned
-    from actors.runtime.config.gpus import visible_gpus
+    from actors.runtime.config.gpus import on_gpu, visible_gpus
 
-    setting = topology.learner.device
-    device = "cuda" if setting.startswith("cuda") or (setting == "auto" and visible_gpus()) \
-        else "cpu"
+    device = "cuda" if on_gpu(topology.learner.device, bool(visible_gpus())) else "cpu"
     print(f"ok: {args.topology} is ready to run (model {topology.model.path})")
     print(planned(topology, device))
     return 0
@@ -342,9 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in VERBS:
         return VERBS[argv[0]][0](argv[1:])
-    if argv and argv[0] == "replay":  # the replay buffer is [replay]: the tool was renamed
-        print("error: 'replay' is now 'rerun' (runner.py rerun --step N)", file=sys.stderr)
-        return 2
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Run an async RL post-training job from a topology file "
                                       "(python runner.py TOPOLOGY [overrides]), or a verb.",
@@ -377,13 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         host.append('run.launcher="ray"')
         if args.ray != NO_ADDRESS:
             host.append(f"ray.address={json.dumps(args.ray)}")
+    from actors.job.launch import bad_topology, run_job
+
     try:
         topology = load_topology(args.topology, [*args.overrides, *host])
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
-    from actors.job.launch import run_job
-
+        return bad_topology(exc)
     return run_job(topology)
 
 

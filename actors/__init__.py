@@ -23,7 +23,8 @@ Libraries: what several actors, the runner or the offline tools import.
 - ``validation/``: validation prompts and their summaries.
 - ``offline/``: tools over a recorded run (``runner.py rerun``, ``inspect``, ``rescore``).
 - ``registry.py`` (the actor kinds), ``main.py`` (an actor process's entry point),
-  ``model_store.py`` (model paths, the embedded model).
+  ``model_store.py`` (model paths, the embedded model), ``model_shape.py`` (a decoder layer's
+  weight count).
 
 ``tests/test_structure.py`` keeps this map in step with the folders.
 """

@@ -17,6 +17,15 @@ ITEMSIZE = {
 }
 
 
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ``dtype`` and ``shape``: the one rule every sender and receiver
+    sizes buffers by (KeyError for a dtype not in ``DTYPES``)."""
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
 class TensorMeta(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Name, dtype and shape of a tensor whose bytes follow in a separate frame."""
 
@@ -25,10 +34,7 @@ class TensorMeta(msgspec.Struct, array_like=True, gc=False, frozen=True):
     shape: tuple[int, ...]
 
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes(self.dtype, self.shape)
 
 
 class Tensor(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -44,9 +50,7 @@ class Tensor(msgspec.Struct, array_like=True, gc=False, frozen=True):
             raise ValueError(f"unknown tensor dtype {self.dtype!r}")
         if any(d < 0 for d in self.shape):
             raise ValueError(f"negative tensor dimension in shape {self.shape}")
-        expected = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            expected *= d
+        expected = nbytes(self.dtype, self.shape)
         if len(self.data) != expected:
             raise ValueError(
                 f"tensor of dtype {self.dtype} and shape {self.shape} needs {expected} bytes, "

@@ -155,16 +155,7 @@ ROWS = [
     ("broken_toml", ["{d}/broken.toml", "model.path={model}", "run.dir={run}"], 2,
      "broken.toml: not valid TOML"),
     ("missing_topology", ["{d}/nope.toml", "run.dir={run}"], 2, "nope.toml does not exist"),
-    # a key of an old shape names its new one
-    ("old_pools_key", [*START, "reward.pools=[{{name='rm', path='{d}/reward_model'}}]"], 2,
-     "error: bad topology: reward.pools: renamed to reward.models"),
-    ("reward_model_function", [*START, "reward.functions=[{{builtin='reward_model', "
-                                       "path='{d}/reward_model'}}]"], 2,
-     "reward.functions[0].builtin: a reward model is a [[reward.models]] entry with kind = "
-     "\"reward_model\""),
     ("rerun_missing_run", ["rerun", "{run}", "--step", "1"], 2, "{run}"),
-    ("replay_renamed", ["replay", "{run}", "--step", "1"], 2,
-     "error: 'replay' is now 'rerun' (runner.py rerun --step N)"),
     ("attach_missing_run", ["attach", "reward", "--to", "{run}"], 2, "{run}"),
     ("check_subcommand", ["check", "topology.toml", "model.path={model}", *TINY,
                           "reward.functions=[{{path='{d}/syntax.py'}}]"], 2,

@@ -60,16 +60,14 @@ def test_what_an_estimator_needs_is_said_by_its_row():
                                                              "tir_optimal_token_baseline"]
 
 
-def test_verls_flat_keys_are_read_as_the_chosen_estimators_with_a_notice(capsys):
+def test_an_estimators_options_are_keys_of_its_table():
     t = decode_topology(apply_overrides({}, [
-        "algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.gamma=0.99",
-        "algorithm.norm_adv_by_std_in_grpo=false"]))
+        "algorithm.adv_estimator=gae", "algorithm.adv_estimator.lam=0.95",
+        "algorithm.adv_estimator.gamma=0.99"]))
     est = t.algorithm.adv_estimator
     assert (est.name, est.lam, est.gamma) == ("gae", 0.95, 0.99)
-    err = capsys.readouterr().err
-    assert "algorithm.lam is now algorithm.adv_estimator.lam" in err
-    assert ("algorithm.norm_adv_by_std_in_grpo is an option of adv_estimator grpo, grpo_passk, "
-            "gdpo" in err and "not read" in err)
+    with pytest.raises(ConfigError, match=r"^algorithm\.lam"):
+        decode_topology(apply_overrides({}, ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"]))
     plain = decode_topology(apply_overrides({}, ["algorithm.adv_estimator.norm_adv_by_std_in_grpo=false"]))
     assert plain.algorithm.adv_estimator.name == "grpo"  # a table without a name: the default's
     assert plain.algorithm.adv_estimator.kernel_options() == {"norm_adv_by_std_in_grpo": False}

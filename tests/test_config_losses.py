@@ -39,13 +39,12 @@ def test_a_rows_code_is_imported_only_when_loaded():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_flat_option_keys_are_read_as_the_chosen_losss_with_a_notice(capsys):
+def test_a_losss_options_are_keys_of_its_table():
     a = decode_topology(apply_overrides({}, [
-        "algorithm.policy_loss=sapo", "algorithm.tau_pos=1.3", "algorithm.dro_beta=0.5"]))
+        "algorithm.policy_loss=sapo", "algorithm.policy_loss.tau_pos=1.3"]))
     assert a.algorithm.policy_loss.name == "sapo" and a.algorithm.policy_loss.tau_pos == 1.3
-    err = capsys.readouterr().err
-    assert "algorithm.tau_pos is now algorithm.policy_loss.tau_pos" in err
-    assert "algorithm.dro_beta is an option of policy_loss dro " in err and "not read" in err
+    with pytest.raises(ConfigError, match=r"^algorithm\.tau_pos"):
+        decode_topology(apply_overrides({}, ["algorithm.policy_loss=sapo", "algorithm.tau_pos=1.3"]))
     table = decode_topology({"algorithm": {"policy_loss": {"name": "clip_cov",
                                                            "clip_cov_ratio": 0.01}}})
     assert table.algorithm.policy_loss.clip_cov_ratio == 0.01

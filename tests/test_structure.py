@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("actors", "messages", "kernels")
 SIZE_ALARM = 600  # actors/ and runner.py: a file past this likely holds a second concern
+FUNCTION_ALARM = 60  # actors/: a function past this is a list of phases that want names
 CONFIG = "actors.runtime.config"
 # what the config may import besides itself: libraries of its own floor (the weights transports'
 # table: names and rows, torch-free, its rows loading a transport's file only when called)
@@ -219,6 +220,27 @@ def test_each_module_says_its_one_concern_and_none_is_huge():
     long = {str(p.relative_to(ROOT)): n for p in product_files()
             if (n := len(p.read_text().splitlines())) > SIZE_ALARM}
     assert not long, f"over {SIZE_ALARM} lines (more than one concern?): {long}"
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of each function or method in ``source`` longer than ``limit`` lines."""
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno is not None
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_in_actors_is_a_long_list_of_phases():
+    """A function that runs through phases reads as its outline, each phase a named function
+    (``launch._run``, ``layout.place``, ``Policy.__init__``)."""
+    long = {f"{p.relative_to(ROOT)}:{name}": n for p in (ROOT / "actors").rglob("*.py")
+            for name, n in long_functions(p.read_text(), FUNCTION_ALARM)}
+    assert not long, f"functions over {FUNCTION_ALARM} lines: {long}"
+
+
+def test_the_long_function_finder_counts_the_lines_of_each_function():
+    body = "".join(f"        x{i} = {i}\n" for i in range(4))
+    source = f"class C:\n    def short(self):\n{body}\n    async def long(self):\n{body}{body}"
+    assert long_functions(source, 5) == [("long", 9)]
 
 
 def variant_homes() -> dict[str, tuple[Path, ...]]:

@@ -1,6 +1,6 @@
 """Weights travel in buckets: a version is several messages of at most ``bucket_bytes`` each,
 none dropped when the sampler's queue is full, assembled whole on the sampler's side; a broken
-bucket costs that version, not the channel."""
+bucket costs that version, not the channel; an older version sent again is not loaded."""
 
 from __future__ import annotations
 
@@ -91,6 +91,40 @@ async def test_a_broken_bucket_costs_its_version_not_the_channel(sockets):
                 await subscriber.wait_for(4)
                 version, got = subscriber.take()
                 assert version == 4 and torch.equal(got["layer6.weight"], tensors(4)[6][1])
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_an_older_version_sent_again_is_refused_not_loaded(sockets):
+    """A weights message of a version the sampler has (a replayed one: the learner answers each
+    poll once, with a newer version) is counted and dropped, whole with its buckets; it is no
+    answer, so no poll goes out for it, and the next version still arrives."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    polls: Codec[WeightsPoll] = Codec(WeightsPoll)
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as learner, \
+             make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
+            subscriber = WeightsSubscriber(sampler_sock)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(subscriber.serve)
+                peer, frame = await learner.recv_multipart()
+                await learner.send_multipart([peer, *bucket(3, 0, 1, tensors(3))])
+                await subscriber.wait_for(3)
+                assert subscriber.take()[0] == 3
+                peer, frame = await learner.recv_multipart()
+                assert polls.decode(frame).have_version == 3
+                await learner.send_multipart([peer, *bucket(2, 0, 2, tensors(2)[:3])])  # old
+                await learner.send_multipart([peer, *bucket(2, 1, 2, tensors(2)[3:])])
+                await learner.send_multipart([peer, *bucket(3, 0, 1, tensors(3))])  # again
+                await learner.send_multipart([peer, *bucket(4, 0, 1, tensors(4))])
+                await subscriber.wait_for(4)
+                version, got = subscriber.take()
+                assert version == 4 and torch.equal(got["layer6.weight"], tensors(4)[6][1])
+                assert subscriber.stale == 2 and subscriber.take() is None
+                peer, frame = await learner.recv_multipart()  # the poll after 4, none between
+                assert polls.decode(frame).have_version == 4
                 tg.cancel_scope.cancel()
     zctx.destroy(linger=0)
 

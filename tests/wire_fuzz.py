@@ -147,7 +147,7 @@ class WireFuzzer:
         self.replies: Codec[Any] = Codec(ToClient)
         self.zmq = zmq.Context()
         self.trained: list[int] = []  # prompt ids of trained groups, from the recording
-        self.served_step = self.version = 0  # from the metrics: what may be replayed as old
+        self.served_step = self.version = 0  # from the recording: what may be replayed as old
         self.next_read = 0.0
 
     @staticmethod
@@ -186,8 +186,13 @@ class WireFuzzer:
             t.outsider = self._socket(t.address, self.outsider_keys, f"outsider-{i}".encode())
             self.tally.outsider_connections += 1
 
-    def close(self) -> None:
-        self.zmq.destroy(linger=0)
+    def close(self, linger_s: float = 30.0) -> None:
+        """Close, once what was queued has left (at most ``linger_s``): a frame counted as sent
+        and dropped here would be missing from its actor's count. The outsider's never leave."""
+        for t in self.targets:
+            if t.outsider is not None:
+                t.outsider.close(linger=0)
+        self.zmq.destroy(linger=int(linger_s * 1000))
 
     def stop(self) -> None:
         self.stopped = True
@@ -245,16 +250,18 @@ class WireFuzzer:
     # ------------------------------------------------------------ the loop
 
     def refresh(self) -> None:
-        """What the recording says was trained and served (read every second at most)."""
+        """What the recording says was trained and served (read every half second at most):
+        the groups' fates, which the replay buffer writes before it sends their batch."""
         now = time.monotonic()
         if now < self.next_read:
             return
-        self.next_read = now + 1.0
-        batches = read_table(self.run_dir, "batches", ["step", "group_ids"]).to_pylist()
-        if batches:
-            self.trained = sorted({g for b in batches for g in b["group_ids"]})
-            self.served_step = max(b["step"] for b in batches)
-            self.version = self.served_step  # a version per step, at least this far
+        self.next_read = now + 0.5
+        fates = read_table(self.run_dir, "fates", ["group_id", "fate", "step"]).to_pylist()
+        trained = [f for f in fates if f["fate"] == "trained"]
+        if trained:
+            self.trained = sorted({f["group_id"] for f in trained})
+            self.served_step = max(f["step"] for f in trained)
+            self.version = self.served_step - 1  # the learner has published one per step before
 
     def send(self, target: Target, parts: list[bytes], sock: zmq.Socket | None = None) -> bool:
         try:

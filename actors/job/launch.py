@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import anyio
 import msgspec
@@ -121,6 +122,13 @@ def node_home(run_dir: Path, node_rank: int) -> Path:
     return run_dir if node_rank == 0 else run_dir / "nodes" / f"node{node_rank}"
 
 
+def bad_topology(exc: ConfigError) -> int:
+    """The runner's answer to a topology it refuses before starting anything: one line naming
+    the key, and exit status 2 (the status scripts tell a bad topology by)."""
+    print(f"error: bad topology: {exc}", file=sys.stderr)
+    return 2
+
+
 def run_job(topology: Topology) -> int:
     """Resolve ``topology``, take the run directory, start and supervise the job; its exit
     status (0 finished, 130 interrupted, 1 failed, 2 refused before starting)."""
@@ -134,8 +142,7 @@ def run_job(topology: Topology) -> int:
         print("=== checking the model, the data files and the user code", flush=True)
         preflight(topology)  # before anything is started or written: a bad input stops here
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
-        return 2
+        return bad_topology(exc)
     try:
         return _run(topology, launcher, own_sockets)
     finally:
@@ -146,13 +153,40 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
     try:
         topology, run_dir = resolve(topology, launcher=launcher)
     except ConfigError as exc:
-        print(f"error: bad topology: {exc}", file=sys.stderr)
+        return bad_topology(exc)
+    home = _runner_home(topology, run_dir)
+    lock = _lock(home, topology.run.host)
+    if lock is None:
         return 2
-    here = topology.run.host
-    node = topology.learner.node_rank
+    try:
+        try:
+            topology = _with_keys_and_placement(topology, run_dir, home, launcher)
+        except ConfigError as exc:
+            return bad_topology(exc)
+        mine = _prepare_run_dir(topology, run_dir, home)
+        if topology.learner.resume and home == run_dir and not resumable(run_dir):
+            return 2
+        _announce(topology, run_dir, mine)
+        return _supervise(topology, run_dir, home, launcher)
+    finally:
+        if own_sockets:
+            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
+        lock.close()
+
+
+def _runner_home(topology: Topology, run_dir: Path) -> Path:
+    """This runner's own folder: the run directory for the owner's runner, its node's folder
+    for a learner node k > 0, ``hosts/NAME`` for another host's."""
+    here, node = topology.run.host, topology.learner.node_rank
     home = node_home(run_dir, node) if node or here == owner(topology) \
         else run_dir / "hosts" / here
     home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def _lock(home: Path, here: str) -> TextIO | None:
+    """The lock of ``home``, held for the job's lifetime; None (the error printed) when another
+    runner holds it."""
     lock = open(home / ".runner.lock", "w")  # noqa: SIM115 - held for the job's lifetime
     try:
         # released by the kernel when this process dies, however it dies (kill -9 included)
@@ -160,87 +194,98 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
     except BlockingIOError:
         print(f"error: another runner is using {home}" + (f" (host {here})" if here else ""),
               file=sys.stderr)
-        return 2
-    try:
-        remove_stale_sockets(home, Path(topology.run.socket_dir))
-        try:
-            if home == run_dir:
-                topology = prepare_job_keys(topology, run_dir)
-            else:  # the owner's runner makes the job's keys: they must be the same everywhere
-                topology = wait_for_job_keys(topology, run_dir)
-        except ConfigError as exc:
-            print(f"error: bad topology: {exc}", file=sys.stderr)
-            return 2
-        try:
-            topology = with_placement(topology, home, launcher.gpus())
-        except ConfigError as exc:
-            print(f"error: bad topology: {exc}", file=sys.stderr)
-            return 2
-        (run_dir / LOGS).mkdir(exist_ok=True)
-        ranks = {p.name for p in learner_ranks(topology, home)}
-        placed = local_actors(topology)
-        mine = ranks if node else (
-            {f"{k}-{i}" for k, i in placed if k != "learner"} | (ranks if ("learner", 0) in placed
-                                                                 else set()))
-        for stale in (run_dir / LOGS).glob("*.traceback"):
-            if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
-                stale.unlink()
-        resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
-        tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
-        os.replace(tmp, resolved)
-        print(f"=== run directory: {run_dir}", flush=True)
-        print(f"=== model: {topology.model.path}", flush=True)
-        # records appended to: a last line a kill cut short is cut off (the owner's runner
-        # writes the metrics and checks the checkpoints)
-        for record in (STATUS, METRICS, VALIDATION) if home == run_dir else (STATUS,):
-            cut_torn_line(home / record)
-        if topology.learner.resume and home == run_dir and not resumable(run_dir):
-            return 2
-        resumed = latest_checkpoint(run_dir) if topology.learner.resume else None
-        if resumed is not None:  # the learner loads it; the replay buffer its recording
-            print(f"=== resuming from {resumed.name} ({resumed})", flush=True)
-        counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES
-                           if getattr(topology, k).count)  # (no teacher×0)
-        if node > 0:
-            counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
-        elif here:
-            counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
-        print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
-        if any(p.gpus for p in topology.placement):
-            print("=== placement: " + "; ".join(p.describe() for p in topology.placement),
-                  flush=True)
-        if waits := start_after(topology, topology.placement):
-            print("=== started in turn on shared GPUs (vLLM measures the free memory as it "
-                  "starts): " + "; ".join(f"{name} after {', '.join(before)}"
-                                         for name, before in waits.items()), flush=True)
-        try:
-            if node > 0:  # node 0 records the job: no sinks, no panel here
-                return anyio.run(Job(topology, run_dir, home=home, launcher=launcher).run,
-                                 backend="trio")
-            try:
-                metrics, view, resume = open_metrics(topology, run_dir)
-            except TrackerError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
-            job = Job(topology, run_dir, metrics, view, resume, home, launcher)
-        except zmq.ZMQError as exc:
-            print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
-                  + (f" (is a runner for host {here} already running, or is {here}'s address "
-                     "not one of this machine's?)" if here else ""), file=sys.stderr)
-            return 2
-        live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
-        if live is not None:
-            live.start()
-        try:
-            return anyio.run(job.run, backend="trio")
-        finally:
-            if live is not None and live.live.is_started:
-                live.close(job.outcome or "failed")
-    finally:
-        if own_sockets:
-            shutil.rmtree(topology.run.socket_dir, ignore_errors=True)
         lock.close()
+        return None
+    return lock
+
+
+def _with_keys_and_placement(topology: Topology, run_dir: Path, home: Path,
+                             launcher: Launcher) -> Topology:
+    """``topology`` with the job's keys and this runner's placement; ConfigError for either."""
+    remove_stale_sockets(home, Path(topology.run.socket_dir))
+    if home == run_dir:
+        topology = prepare_job_keys(topology, run_dir)
+    else:  # the owner's runner makes the job's keys: they must be the same everywhere
+        topology = wait_for_job_keys(topology, run_dir)
+    return with_placement(topology, home, launcher.gpus())
+
+
+def _prepare_run_dir(topology: Topology, run_dir: Path, home: Path) -> set[str]:
+    """Clear this runner's stale tracebacks, write the resolved topology the actors read and
+    cut a torn last line off the records appended to; returns the names of the processes this
+    runner starts."""
+    (run_dir / LOGS).mkdir(exist_ok=True)
+    ranks = {p.name for p in learner_ranks(topology, home)}
+    placed = local_actors(topology)
+    mine = ranks if topology.learner.node_rank else (
+        {f"{k}-{i}" for k, i in placed if k != "learner"} | (ranks if ("learner", 0) in placed
+                                                             else set()))
+    for stale in (run_dir / LOGS).glob("*.traceback"):
+        if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
+            stale.unlink()
+    resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
+    tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
+    os.replace(tmp, resolved)
+    print(f"=== run directory: {run_dir}", flush=True)
+    print(f"=== model: {topology.model.path}", flush=True)
+    # records appended to: a last line a kill cut short is cut off (the owner's runner
+    # writes the metrics and checks the checkpoints)
+    for record in (STATUS, METRICS, VALIDATION) if home == run_dir else (STATUS,):
+        cut_torn_line(home / record)
+    return mine
+
+
+def _announce(topology: Topology, run_dir: Path, mine: set[str]) -> None:
+    """Print what this runner is about to start: the checkpoint resumed from, the actors, the
+    placement on GPUs and the processes started in turn."""
+    here, node = topology.run.host, topology.learner.node_rank
+    resumed = latest_checkpoint(run_dir) if topology.learner.resume else None
+    if resumed is not None:  # the learner loads it; the replay buffer its recording
+        print(f"=== resuming from {resumed.name} ({resumed})", flush=True)
+    counts = ", ".join(f"{k}×{getattr(topology, k).count}" for k in NAMES
+                       if getattr(topology, k).count)  # (no teacher×0)
+    if node > 0:
+        counts = f"learner ranks of node {node} of {topology.learner.nnodes} only"
+    elif here:
+        counts = f"{', '.join(sorted(mine))} on host {here} (of {counts})"
+    print(f"=== actors: {counts}; max_staleness={topology.algorithm.max_staleness}", flush=True)
+    if any(p.gpus for p in topology.placement):
+        print("=== placement: " + "; ".join(p.describe() for p in topology.placement),
+              flush=True)
+    if waits := start_after(topology, topology.placement):
+        print("=== started in turn on shared GPUs (vLLM measures the free memory as it "
+              "starts): " + "; ".join(f"{name} after {', '.join(before)}"
+                                     for name, before in waits.items()), flush=True)
+
+
+def _supervise(topology: Topology, run_dir: Path, home: Path, launcher: Launcher) -> int:
+    """Open the metric sinks and the live panel (node 0 only: it records the job) and run the
+    supervisor until the job ends; its exit status."""
+    here = topology.run.host
+    try:
+        if topology.learner.node_rank > 0:  # node 0 records the job: no sinks, no panel here
+            return anyio.run(Job(topology, run_dir, home=home, launcher=launcher).run,
+                             backend="trio")
+        try:
+            metrics, view, resume = open_metrics(topology, run_dir)
+        except TrackerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        job = Job(topology, run_dir, metrics, view, resume, home, launcher)
+    except zmq.ZMQError as exc:
+        print(f"error: this runner cannot listen on {topology.control_address}: {exc}"
+              + (f" (is a runner for host {here} already running, or is {here}'s address "
+                 "not one of this machine's?)" if here else ""), file=sys.stderr)
+        return 2
+    live = next((s for s in metrics.sinks if isinstance(s, LiveView)), None)
+    if live is not None:
+        live.start()
+    try:
+        return anyio.run(job.run, backend="trio")
+    finally:
+        if live is not None and live.live.is_started:
+            live.close(job.outcome or "failed")
 
 
 def with_placement(topology: Topology, home: Path,

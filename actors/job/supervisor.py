@@ -178,22 +178,13 @@ class Job:
             self.end("finished")
 
     async def listen(self) -> None:
-        codec = self.control_codec
+        """Every message on the control socket: this runner's processes', attached workers',
+        and (relayed) other hosts' runners' and their actors'."""
         while True:
             ident, *frames = await self.control.recv_multipart()
-            relayed = self.owner is not None and ident.startswith(PREFIX)
-            name, host = ident.decode(errors="replace"), self.topo.run.host
-            if relayed:
-                assert self.owner is not None
-                p = self.owner.relayed(ident, frames)  # another host's runner, or its actor
-                if len(frames) == 2 and frames[0]:  # its actor's: [name, message]
-                    name, host = frames[0].decode(errors="replace"), name[len(PREFIX):]
-            else:
-                p = self.procs.get(name)
-                if self.member is not None:
-                    self.member.forward(ident, frames)
+            p, name, host, relayed = self._sender(ident, frames)
             try:
-                msg = codec.decode(frames[-1] if frames else b"")
+                msg = self.control_codec.decode(frames[-1] if frames else b"")
             except DecodeError:
                 continue
             match msg:
@@ -206,45 +197,69 @@ class Job:
             if p is None:
                 continue
             p.last_seen = time.monotonic()
-            match msg:
-                case Ready(status=status):
-                    p.ready = True
-                    p.status = status or p.status
-                    if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()
-                                                           if not q.attached):
-                        self.all_ready.set()
-                        print(f"=== job started: all {len(self.procs)} actors ready after "
-                              f"{time.monotonic() - self.started:.1f}s", flush=True)
-                        self.record_status("started")
-                case Heartbeat(status=status):
-                    p.status = status
-                    state = str(status.get("state", ""))
-                    if state != p.state[0]:
-                        p.state = (state, time.monotonic())
-                case StepReport() as report:
-                    self.step = max(self.step, report.step)
-                    self.metrics.write("train", report.step, report.metrics)
-                    if report.samples:
-                        self.metrics.write_samples(report.step, report.samples)
-                    self.record_status("step")
-                case ValidationReport() as report:
-                    self.validated.add(report.step)
-                    self.metrics.write("validation", report.step, report.metrics)
-                    self.record_status("validation", validation_step=report.step)
-                    if self.learner_done and report.step == self.topo.learner.total_steps:
-                        self.end("finished")
-                case Abort(reason=reason):
-                    p.status = {**p.status, "state": "stopping the job"}
-                    self.say(f"!!! {p.name}: {reason}")
-                    self.end(f"failed: {reason.splitlines()[0]}")
-                case Finished(detail=detail, status=status):
-                    p.finished = True
-                    p.status = status or p.status
-                    self.say(f"=== {p.name} finished: {detail}")
-                    if p.remote and BY_NAME[p.kind].ends_job:  # its own host's runner ends there
-                        self.work_done()
-                    if p.attached:
-                        self.processes.detach(p, "finished")
+            self._heard(p, msg)
+
+    def _sender(self, ident: bytes, frames: list[bytes]) -> tuple[Proc | None, str, str, bool]:
+        """Who sent ``frames``: its process (None: not one of the job's yet), its name, its
+        host, and whether another host's runner relayed it."""
+        relayed = self.owner is not None and ident.startswith(PREFIX)
+        name, host = ident.decode(errors="replace"), self.topo.run.host
+        if relayed:
+            assert self.owner is not None
+            p = self.owner.relayed(ident, frames)  # another host's runner, or its actor
+            if len(frames) == 2 and frames[0]:  # its actor's: [name, message]
+                name, host = frames[0].decode(errors="replace"), name[len(PREFIX):]
+        else:
+            p = self.procs.get(name)
+            if self.member is not None:
+                self.member.forward(ident, frames)
+        return p, name, host, relayed
+
+    def _heard(self, p: Proc, msg: Any) -> None:
+        """What a message from the job's process ``p`` changes."""
+        match msg:
+            case Ready(status=status):
+                self._ready(p, status)
+            case Heartbeat(status=status):
+                p.status = status
+                state = str(status.get("state", ""))
+                if state != p.state[0]:
+                    p.state = (state, time.monotonic())
+            case StepReport() as report:
+                self.step = max(self.step, report.step)
+                self.metrics.write("train", report.step, report.metrics)
+                if report.samples:
+                    self.metrics.write_samples(report.step, report.samples)
+                self.record_status("step")
+            case ValidationReport() as report:
+                self.validated.add(report.step)
+                self.metrics.write("validation", report.step, report.metrics)
+                self.record_status("validation", validation_step=report.step)
+                if self.learner_done and report.step == self.topo.learner.total_steps:
+                    self.end("finished")
+            case Abort(reason=reason):
+                p.status = {**p.status, "state": "stopping the job"}
+                self.say(f"!!! {p.name}: {reason}")
+                self.end(f"failed: {reason.splitlines()[0]}")
+            case Finished(detail=detail, status=status):
+                p.finished = True
+                p.status = status or p.status
+                self.say(f"=== {p.name} finished: {detail}")
+                if p.remote and BY_NAME[p.kind].ends_job:  # its own host's runner ends there
+                    self.work_done()
+                if p.attached:
+                    self.processes.detach(p, "finished")
+
+    def _ready(self, p: Proc, status: dict) -> None:
+        """``p`` is ready; the job has started once every process it started is."""
+        p.ready = True
+        p.status = status or p.status
+        if not self.all_ready.is_set() and all(q.ready for q in self.procs.values()
+                                               if not q.attached):
+            self.all_ready.set()
+            print(f"=== job started: all {len(self.procs)} actors ready after "
+                  f"{time.monotonic() - self.started:.1f}s", flush=True)
+            self.record_status("started")
 
     def send_topology(self, ident: bytes) -> None:
         """``topology.json`` to an attaching process (an answer it may miss: it asks again)."""

@@ -262,8 +262,7 @@ class Learner:
             self.ctx.status.update(step=policy.step, version=policy.version,
                                    reward=round(metrics["critic/score/mean"], 3),
                                    weights_sent=self.weights.sent,
-                                   weights_failed=self.weights.failed,
-                                   rejected_frames=self.codec.rejected + self.weights.codec.rejected)
+                                   weights_failed=self.weights.failed)
             if policy.step % self.cfg.save_every == 0 and policy.step < self.cfg.total_steps:
                 await self.flush_recording()  # every step a checkpoint holds is in the recording
                 await self.save()
@@ -372,7 +371,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
                          identity=ctx.name.encode(), curve=ctx.curve)
     remove_orphaned_shm()
     sender = TRANSPORTS[cfg.weights_transport].halves().sender.build(cfg, trainer.group.device)
-    weights = WeightsPublisher(weights_sock, sender, ctx.name)
+    weights = WeightsPublisher(weights_sock, sender, ctx.name, ctx.status)
     ctx.status["weights_transport"] = cfg.weights_transport
     learner = Learner(ctx, trainer, replay, weights, share, memory)
     if trainer.policy.resumed_from is not None:

@@ -48,7 +48,9 @@ import torch
 
 from actors.learner.packing import micro_limits
 from actors.learner.perf import VisionTower, head_dim_of, vision_tower
+from actors.runtime.config.placement import auto_dtype
 from kernels.lm_head_logprobs import KEEP_BYTES
+from messages.tensor import ITEMSIZE
 
 GB = 1e9  # the table's unit (a GPU's "141 GB" is 141e9 bytes)
 
@@ -215,10 +217,6 @@ def gpu_share(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
 
 
-def dtype_bytes(name: str) -> int:
-    return torch.finfo(getattr(torch, name)).bits // 8
-
-
 def base_config(model) -> Any:
     """The config of ``model``'s own architecture (with LoRA: the base model's)."""
     return (model.get_base_model() if hasattr(model, "get_base_model") else model).config
@@ -297,9 +295,9 @@ def planned(topology, device: str) -> str:
     config = AutoConfig.from_pretrained(resolve_model_path(model.path))
     cuda = device == "cuda"
     params = model.dtype
-    compute = (("bfloat16" if cuda else model.dtype) if L.dtype == "auto" else L.dtype)
+    compute = auto_dtype(L.dtype, cuda, model.dtype)
     rows, budget_tokens = micro_limits(
-        L, cuda, token_activation_bytes(config, dtype_bytes(compute)))
+        L, cuda, token_activation_bytes(config, ITEMSIZE[compute]))
     rows = min(rows, L.groups_per_step * topology.algorithm.n)  # a micro-batch is in one batch
     longest, source = longest_sequence(topology)
     if longest is not None and (not budget_tokens or rows * longest < budget_tokens):
@@ -312,7 +310,7 @@ def planned(topology, device: str) -> str:
                   " (no token budget: micro_batch_size x 1024 assumed)")
     a = topology.algorithm
     shape = dict(world=L.nproc_per_node * L.nnodes, offload=L.offload,
-                 param_bytes=dtype_bytes(params), compute_bytes=dtype_bytes(compute),
+                 param_bytes=ITEMSIZE[params], compute_bytes=ITEMSIZE[compute],
                  keep_gathered=(not cuda) if L.reshard_after_forward is None
                  else not L.reshard_after_forward,
                  reference=a.use_kl_loss or a.use_kl_in_reward,

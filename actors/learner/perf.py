@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.model_shape import layer_weights
+
 # dense bf16 peak FLOP/s per device, matched as a substring of torch's device name (longest
 # name first, so "H200" is not read as "H20"); verl's table, checked against the data sheets
 PEAK_FLOPS = {
@@ -68,12 +70,10 @@ def head_dim_of(config) -> int:
 def dense_parameters(config) -> int:
     """verl's dense ``N`` of a Qwen2/Llama-shaped config: per layer the SwiGLU MLP (3 matrices)
     and the attention projections (q, k, v, o), plus the embedding and the LM head."""
-    head_dim = head_dim_of(config)
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
-    mlp = config.hidden_size * config.intermediate_size * 3
-    attn = config.hidden_size * (q + 2 * kv + q)
-    return (mlp + attn) * config.num_hidden_layers + 2 * config.vocab_size * config.hidden_size
+    layer = layer_weights(config.hidden_size, config.intermediate_size,
+                          config.num_attention_heads, config.num_key_value_heads,
+                          head_dim_of(config))
+    return layer * config.num_hidden_layers + 2 * config.vocab_size * config.hidden_size
 
 
 def train_flops(config, lengths: list[int]) -> float:

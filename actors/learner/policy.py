@@ -99,63 +99,18 @@ class Policy:
         self.compute_dtype = compute_dtype(topology, self.device)  # forward and backward
         # sharded models keep their gathered parameters until backward (distributed.py)
         self.keep_gathered = distributed.keep_gathered(self.cfg.reshard_after_forward, self.device)
-        self.step = 0
-        state: dict = {}
-        if checkpoint == "latest":
-            ckpt = latest_checkpoint(run_dir) if self.cfg.resume else None
-        else:
-            ckpt = checkpoint
-        if ckpt is not None:
-            state = read_state(ckpt)
-            self.step = state["step"]
-        self.resumed_from = ckpt
-        self.tokenizer = AutoTokenizer.from_pretrained(base)
-        self.pad_id = self.tokenizer.pad_token_id
-        # a vision-language model's processor: the prompts' images to pixel tensors
-        self.processor = ImageProcessor(base) if is_vision_model(base) else None
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id
-        self.model = self._load(lambda: self._load_policy(base, ckpt), base,
-                                empty=lambda: self._with_adapter(PolicyModel.from_config(
-                                    AutoConfig.from_pretrained(base), dtype=self.dtype)))
-        # auto on a GPU: decided again for each micro-batch by what it needs (fit_checkpointing)
-        self.auto_checkpointing = (self.cfg.gradient_checkpointing == "auto"
-                                   and self.device.type == "cuda")
-        self.checkpointing = False
-        self._set_checkpointing(gradient_checkpointing(
-            self.cfg.gradient_checkpointing, self.device, lambda: self._checkpointing_need(
-                micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS)))
-        if topology.model.freeze_vision:
-            freeze_vision_tower(self.model)
-        self.model.train()
-        updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, betas=self.cfg.betas,
-                                           weight_decay=self.cfg.weight_decay,
-                                           fused=fused_adamw(self.device))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
-            self.cfg.lr_scheduler, self.cfg.warmup_steps, updates, self.cfg.min_lr_ratio))
+        ckpt, state = self._restore_point(checkpoint)
+        self._load_tokenizer(base)
+        self._load_model(base, ckpt)
+        self._make_optimizer()
         # the reference policy is the initial model; with LoRA it is the base without adapters.
         # It is never trained: held in the compute dtype (bf16 on a GPU), not model.dtype's fp32
         self.ref = None
         if self.keeps_reference:
-            self.ref = self._load(lambda: PolicyModel.from_pretrained(
-                base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
-            self.ref.requires_grad_(False)
+            self.ref = self._load_reference(base)
         self.critic = self.critic_optimizer = None
         if self.algo.adv_estimator.critic:
-            from actors.learner.critic import ValueModel
-            source = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else base
-            self.critic = distributed.load(
-                self.group, lambda: ValueModel(source, self.dtype),
-                lambda: ValueModel(source, self.dtype, weights=False),
-                compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered,
-                offload=self.cfg.offload)
-            if self.cfg.packing:
-                varlen_attention.choose(self.critic.body, self.device)
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
-                                                      betas=self.cfg.betas,
-                                                      fused=fused_adamw(self.device))
+            self._load_critic(base, ckpt)
         k = self.algo.kl_ctrl
         self.kl_ctrl = (FixedKLController(k.kl_coef) if k.type == "fixed"
                         else AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon))
@@ -166,6 +121,80 @@ class Policy:
         self.writer = int(self.group.sum_floats([os.getpid() if self.group.leader else 0])[0])
 
     # -- models ---------------------------------------------------------------------------------
+
+    def _restore_point(self, checkpoint: Path | Literal["latest"] | None) -> tuple[Path | None, dict]:
+        """The checkpoint this policy starts from (``latest``: the run's newest when
+        ``learner.resume``) and its saved state; sets ``step`` and ``resumed_from``."""
+        self.step = 0
+        state: dict = {}
+        if checkpoint == "latest":
+            ckpt = latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        else:
+            ckpt = checkpoint
+        if ckpt is not None:
+            state = read_state(ckpt)
+            self.step = state["step"]
+        self.resumed_from = ckpt
+        return ckpt, state
+
+    def _load_tokenizer(self, base: Path) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        self.pad_id = self.tokenizer.pad_token_id
+        # a vision-language model's processor: the prompts' images to pixel tensors
+        self.processor = ImageProcessor(base) if is_vision_model(base) else None
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+
+    def _load_model(self, base: Path, ckpt: Path | None) -> None:
+        """The trained model, its gradient checkpointing chosen and its vision tower frozen
+        when ``model.freeze_vision`` asks."""
+        self.model = self._load(lambda: self._load_policy(base, ckpt), base,
+                                empty=lambda: self._with_adapter(PolicyModel.from_config(
+                                    AutoConfig.from_pretrained(base), dtype=self.dtype)))
+        # auto on a GPU: decided again for each micro-batch by what it needs (fit_checkpointing)
+        self.auto_checkpointing = (self.cfg.gradient_checkpointing == "auto"
+                                   and self.device.type == "cuda")
+        self.checkpointing = False
+        self._set_checkpointing(gradient_checkpointing(
+            self.cfg.gradient_checkpointing, self.device, lambda: self._checkpointing_need(
+                micro_limits(self.cfg, cuda=True)[1] or GPU_TOKENS)))
+        if self.topo.model.freeze_vision:
+            freeze_vision_tower(self.model)
+        self.model.train()
+
+    def _make_optimizer(self) -> None:
+        """AdamW over the trainable parameters, and its learning-rate schedule over every
+        update of the run."""
+        updates = self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_mini_batches
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr, betas=self.cfg.betas,
+                                           weight_decay=self.cfg.weight_decay,
+                                           fused=fused_adamw(self.device))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
+            self.cfg.lr_scheduler, self.cfg.warmup_steps, updates, self.cfg.min_lr_ratio))
+
+    def _load_reference(self, base: Path):
+        ref = self._load(lambda: PolicyModel.from_pretrained(
+            base, dtype=self.compute_dtype), base, self.compute_dtype).eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _load_critic(self, base: Path, ckpt: Path | None) -> None:
+        """The value model (from the checkpoint's ``critic`` folder when it has one) and its
+        optimizer."""
+        from actors.learner.critic import ValueModel
+        source = ckpt / "critic" if ckpt is not None and (ckpt / "critic").is_dir() else base
+        self.critic = distributed.load(
+            self.group, lambda: ValueModel(source, self.dtype),
+            lambda: ValueModel(source, self.dtype, weights=False),
+            compute=self.compute_dtype, params=self.dtype, keep=self.keep_gathered,
+            offload=self.cfg.offload)
+        if self.cfg.packing:
+            varlen_attention.choose(self.critic.body, self.device)
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.cfg.critic_lr,
+                                                  betas=self.cfg.betas,
+                                                  fused=fused_adamw(self.device))
+
 
     def fit_checkpointing(self, tokens: int) -> None:
         """``learner.gradient_checkpointing = auto`` on a GPU: recompute activations in the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -74,6 +75,42 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
         return [x[key] for x in m if key in x]
 
     reward, length = series("critic/score/mean"), series("response_length/mean")
+    incarnations = {b["incarnation"] for b in run.batches.values()}
+    step_time = series("timing_s/step")
+    rows = [
+        ("run", str(run.run_dir)),
+        ("steps", f"{len(steps)} recorded ({span(steps)}); {len(incarnations)} incarnation(s)"),
+        ("wall time", f"{_wall_time(run):.1f} s (first prompt to last step); "
+                      f"{_mean(step_time):.2f} s per learner step"),
+        ("reward", f"first {reward[0]:.3f}, last {reward[-1]:.3f}; mean of first 5 "
+                   f"{_mean(reward[:5]):.3f}, last 5 {_mean(reward[-5:]):.3f}" if reward else "-"),
+        ("response length", f"first {length[0]:.1f}, last {length[-1]:.1f} tokens" if length else "-"),
+        *_group_rows(run),
+    ]
+    last = m[-1] if m else {}
+    if "agent/num_turns/mean" in last:  # a multi-turn run
+        rows += _multi_turn_rows(series, last)
+    for key in ("actor/entropy", "rollout_corr/kl", "rollout_corr/is_weight_mean",
+                "staleness/mean"):
+        if key in last:
+            rows.append((f"last {key}", f"{last[key]:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    print("=== run summary", file=out)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}", file=out)
+
+
+def _wall_time(run: RecordedRun) -> float:
+    """Seconds from the first prompt issued (or the first metric) to the last metric."""
+    prompts = read_table(run.run_dir, "prompts", ["time"])["time"].to_pylist()
+    metric_times = read_table(run.run_dir, "metrics", ["time"])["time"].to_pylist()
+    start = min(prompts) if prompts else min(metric_times, default=0.0)
+    return max(metric_times, default=start) - start
+
+
+def _group_rows(run: RecordedRun) -> list[tuple[str, str]]:
+    """The summary's rows about groups: recorded, trained, served, dropped (by reason) and
+    retired, and the samples whose reward failed."""
     fates: dict[int, dict[str, str]] = {}  # group -> fate -> reason (a reused group has several)
     for f in read_table(run.run_dir, "fates", ["group_id", "fate", "reason"]).to_pylist():
         fates.setdefault(f["group_id"], {})[f["fate"]] = f["reason"]
@@ -85,20 +122,7 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
     groups = run.groups()
     errors = Counter(e for g in groups.values() for e in g["reward_errors"] if e)
     n_samples = sum(len(g["rewards"]) for g in groups.values())
-    prompts = read_table(run.run_dir, "prompts", ["time"])["time"].to_pylist()
-    metric_times = read_table(run.run_dir, "metrics", ["time"])["time"].to_pylist()
-    start = min(prompts) if prompts else min(metric_times, default=0.0)
-    wall = max(metric_times, default=start) - start
-    incarnations = {b["incarnation"] for b in run.batches.values()}
-    step_time = series("timing_s/step")
-    rows = [
-        ("run", str(run.run_dir)),
-        ("steps", f"{len(steps)} recorded ({span(steps)}); {len(incarnations)} incarnation(s)"),
-        ("wall time", f"{wall:.1f} s (first prompt to last step); "
-                      f"{_mean(step_time):.2f} s per learner step"),
-        ("reward", f"first {reward[0]:.3f}, last {reward[-1]:.3f}; mean of first 5 "
-                   f"{_mean(reward[:5]):.3f}, last 5 {_mean(reward[-5:]):.3f}" if reward else "-"),
-        ("response length", f"first {length[0]:.1f}, last {length[-1]:.1f} tokens" if length else "-"),
+    return [
         ("groups", f"{len(groups)} recorded, {trained} trained ({serves} serves), "
                    f"{sum(dropped.values())} dropped"
                    + "".join(f"; dropped {k}: {v}" for k, v in sorted(dropped.items()))
@@ -107,26 +131,23 @@ def _summary(run: RecordedRun, out: TextIO) -> None:
                           + (f"; most common: {excerpt(errors.most_common(1)[0][0], 60)!r}"
                              if errors else "")),
     ]
-    last = m[-1] if m else {}
-    if "agent/num_turns/mean" in last:  # a multi-turn run
-        calls = series("agent/tool_calls")
-        rows.append(("multi-turn", f"turns per sample {last['agent/num_turns/mean']:.2f} "
-                                   f"(max {last['agent/num_turns/max']:.0f}) in the last step; "
-                                   f"tool calls {sum(calls):.0f}, failed "
-                                   f"{sum(series('agent/tool_errors')):.0f}, timed out "
-                                   f"{sum(series('agent/tool_timeouts')):.0f} over all steps"))
-        share = series("agent/tool_call_share")
-        rows.append(("samples calling a tool", f"first {share[0]:.3f}, last {share[-1]:.3f}; "
-                                               f"tool tokens {last['agent/tool_token_share']:.1%} "
-                                               "of the last step's responses"))
-    for key in ("actor/entropy", "rollout_corr/kl", "rollout_corr/is_weight_mean",
-                "staleness/mean"):
-        if key in last:
-            rows.append((f"last {key}", f"{last[key]:.4f}"))
-    width = max(len(k) for k, _ in rows)
-    print("=== run summary", file=out)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}", file=out)
+
+
+def _multi_turn_rows(series: Callable[[str], list[float]],
+                     last: dict[str, float]) -> list[tuple[str, str]]:
+    """The summary's rows of a multi-turn run: turns, tool calls and their failures."""
+    calls = series("agent/tool_calls")
+    share = series("agent/tool_call_share")
+    return [
+        ("multi-turn", f"turns per sample {last['agent/num_turns/mean']:.2f} "
+                       f"(max {last['agent/num_turns/max']:.0f}) in the last step; "
+                       f"tool calls {sum(calls):.0f}, failed "
+                       f"{sum(series('agent/tool_errors')):.0f}, timed out "
+                       f"{sum(series('agent/tool_timeouts')):.0f} over all steps"),
+        ("samples calling a tool", f"first {share[0]:.3f}, last {share[-1]:.3f}; "
+                                   f"tool tokens {last['agent/tool_token_share']:.1%} "
+                                   "of the last step's responses"),
+    ]
 
 
 def extremes(ordered: list[tuple], top: int) -> tuple[list[tuple], list[tuple]]:

@@ -165,24 +165,8 @@ def _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> 
             got = trainer.train_step(groups, *trace)
             return got, threads.finish()
 
-        source = f"checkpoint {ckpt}" if ckpt is not None else "the base model (no checkpoint ≤ " \
-            f"step {step - 1} left), fresh optimizer"
-        print(f"=== rerun of step {step} of {run.run_dir}", file=out)
-        print(f"=== learner rebuilt from {source}; threads={run.topology.learner.threads}", file=out)
-        ranks = run.topology.learner.nproc_per_node * run.topology.learner.nnodes
-        if ranks > 1:  # tests/test_ranks_jobs.py measured it: a few 1e-7 relative
-            print(f"=== the run's learner had {ranks} ranks, the rerun has one: their sums are "
-                  "taken in another order, so expect differences of float rounding", file=out)
-        if overrides:
-            print(f"=== overrides: {' '.join(overrides)}", file=out)
-        first: tuple[int, str] | None = None
-        for s in forward:
-            got, unlike = thread.submit(train, s, run.batch_groups(s)).result()
-            diff = first_difference(run.metrics.get(s, {}), got)
-            print(f"    rerun step {s} on the way: {'match' if diff is None else 'differs at ' + diff}"
-                  + (f" ({unlike})" if unlike else ""), file=out)
-            if diff is not None and first is None:
-                first = (s, diff)
+        _say_what_runs(run, step, ckpt, overrides, out)
+        first = _steps_on_the_way(thread, train, run, forward, out)
         trace: dict = {}
         got, unlike = thread.submit(train, step, batch, trace).result()
         if unlike:
@@ -199,6 +183,41 @@ def _rerun(run, step, forward, ckpt, batch, dumps, overrides, dump_dir, out) -> 
         first = (step, diff)
     if dumps:
         _dump(trainer, batch, trace, dumps, step, dump_dir, out)
+    return _verdict(run, step, recorded, got, first, out)
+
+
+def _say_what_runs(run, step: int, ckpt, overrides, out: TextIO) -> None:
+    """The rerun's header: the step, where the learner was rebuilt from, its threads, and
+    why a run with several ranks may differ by float rounding."""
+    source = f"checkpoint {ckpt}" if ckpt is not None else "the base model (no checkpoint ≤ " \
+        f"step {step - 1} left), fresh optimizer"
+    print(f"=== rerun of step {step} of {run.run_dir}", file=out)
+    print(f"=== learner rebuilt from {source}; threads={run.topology.learner.threads}", file=out)
+    ranks = run.topology.learner.nproc_per_node * run.topology.learner.nnodes
+    if ranks > 1:  # one process sums what the ranks reduced, in another order
+        print(f"=== the run's learner had {ranks} ranks, the rerun has one: their sums are "
+              "taken in another order, so expect differences of float rounding", file=out)
+    if overrides:
+        print(f"=== overrides: {' '.join(overrides)}", file=out)
+
+
+def _steps_on_the_way(thread, train, run, forward, out: TextIO) -> tuple[int, str] | None:
+    """Train the steps between the checkpoint and the step asked for, each compared with its
+    record; the first (step, quantity) that differs, or None."""
+    first: tuple[int, str] | None = None
+    for s in forward:
+        got, unlike = thread.submit(train, s, run.batch_groups(s)).result()
+        diff = first_difference(run.metrics.get(s, {}), got)
+        print(f"    rerun step {s} on the way: {'match' if diff is None else 'differs at ' + diff}"
+              + (f" ({unlike})" if unlike else ""), file=out)
+        if diff is not None and first is None:
+            first = (s, diff)
+    return first
+
+
+def _verdict(run, step: int, recorded: dict, got: dict, first: tuple[int, str] | None,
+             out: TextIO) -> int:
+    """The result line: a match (0), or the first differing quantity and where (1)."""
     if first is None:
         n = len(compared_names(recorded, got))
         print(f"\nresult: match — all {n} compared metrics of step {step} are identical", file=out)

@@ -119,42 +119,10 @@ def read_recording(run_dir: Path, reuse: int = 1, step: int | None = None,
     accepted = list(dict.fromkeys(
         read_table(run_dir, "groups", columns=["group_id"])["group_id"].to_pylist()))
 
-    # the lineage: for each step, the trained fates of the latest incarnation that served it
-    lineage: dict[int, tuple[str, list[tuple[int, int]]]] = {}
-    dropped: dict[int, str] = {}
-    retired: dict[int, int] = {}  # group id -> version it was retired at
-    for f in read_table(run_dir, "fates", columns=["group_id", "fate", "reason", "step",
-                                                   "position", "version",
-                                                   "incarnation"]).to_pylist():
-        if f["fate"] == "dropped":
-            dropped[f["group_id"]] = f["reason"]
-        elif f["fate"] == "retired":
-            retired[f["group_id"]] = f["version"]
-        elif f["fate"] == "trained":
-            inc, rows = lineage.get(f["step"], ("", []))
-            if inc != f["incarnation"]:
-                rows = []
-                lineage[f["step"]] = (f["incarnation"], rows)
-            rows.append((f["position"], f["group_id"]))
-    serves: dict[int, list[tuple[int, int]]] = {}  # group id -> its (step, position)s, in order
-    for s in sorted(lineage):
-        for pos, gid in sorted(lineage[s][1]):
-            serves.setdefault(gid, []).append((s, pos))
-
-    trained = reused = n_retired = 0
-    reusable: list[tuple[tuple[int, int], int, int]] = []  # (last serve, group id, serves)
-    redo: list[tuple[tuple[int, int], int]] = []  # (first serve, group id) of lost steps only
-    for gid, ss in serves.items():
-        done = [sp for sp in ss if sp[0] <= step]
-        if done:
-            trained += 1
-            reused += len(done) - 1
-            if gid in retired and retired[gid] <= version:
-                n_retired += 1
-            elif len(done) < reuse:  # retired after the checkpoint: it will be again if stale
-                reusable.append((done[-1], gid, len(done)))
-        elif gid not in dropped:
-            redo.append((ss[0], gid))
+    lineage, dropped, retired = _fates(run_dir)
+    serves = _serves(lineage)
+    trained, reused, n_retired, reusable, redo = _tally(serves, dropped, retired, step, version,
+                                                        reuse)
     redo.sort()
     reusable.sort()
     trained_ids = {gid for gid, ss in serves.items() if ss[0][0] <= step}
@@ -174,3 +142,62 @@ def read_recording(run_dir: Path, reuse: int = 1, step: int | None = None,
         reusable=[(groups[gid], n) for _, gid, n in reusable],
         requeued=[(*where[pid], pid) for pid in sorted(where) if pid not in accepted_set],
         redone=len(redo), missing_steps=tuple(s for s in range(1, step + 1) if s not in lineage))
+
+
+Lineage = dict[int, tuple[str, list[tuple[int, int]]]]  # step -> (incarnation, [(position, group id)])
+
+
+def _fates(run_dir: Path) -> tuple[Lineage, dict[int, str], dict[int, int]]:
+    """The recorded fates: the lineage (for each step, the trained fates of the latest
+    incarnation that served it), the dropped groups with their reasons, and the retired ones
+    with the version each was retired at."""
+    lineage: Lineage = {}
+    dropped: dict[int, str] = {}
+    retired: dict[int, int] = {}  # group id -> version it was retired at
+    for f in read_table(run_dir, "fates", columns=["group_id", "fate", "reason", "step",
+                                                   "position", "version",
+                                                   "incarnation"]).to_pylist():
+        if f["fate"] == "dropped":
+            dropped[f["group_id"]] = f["reason"]
+        elif f["fate"] == "retired":
+            retired[f["group_id"]] = f["version"]
+        elif f["fate"] == "trained":
+            inc, rows = lineage.get(f["step"], ("", []))
+            if inc != f["incarnation"]:
+                rows = []
+                lineage[f["step"]] = (f["incarnation"], rows)
+            rows.append((f["position"], f["group_id"]))
+    return lineage, dropped, retired
+
+
+def _serves(lineage: Lineage) -> dict[int, list[tuple[int, int]]]:
+    """Group id -> its (step, position)s in the lineage, in order."""
+    serves: dict[int, list[tuple[int, int]]] = {}
+    for s in sorted(lineage):
+        for pos, gid in sorted(lineage[s][1]):
+            serves.setdefault(gid, []).append((s, pos))
+    return serves
+
+
+def _tally(serves: dict[int, list[tuple[int, int]]], dropped: dict[int, str],
+           retired: dict[int, int], step: int, version: int, reuse: int
+           ) -> tuple[int, int, int, list[tuple[tuple[int, int], int, int]],
+                      list[tuple[tuple[int, int], int]]]:
+    """As of checkpoint ``step`` (``version``): the groups trained, their extra serves, those
+    retired, those that may be served again ((last serve, group id, serves)) and those whose
+    every serve was lost ((first serve, group id): trained again)."""
+    trained = reused = n_retired = 0
+    reusable: list[tuple[tuple[int, int], int, int]] = []  # (last serve, group id, serves)
+    redo: list[tuple[tuple[int, int], int]] = []  # (first serve, group id) of lost steps only
+    for gid, ss in serves.items():
+        done = [sp for sp in ss if sp[0] <= step]
+        if done:
+            trained += 1
+            reused += len(done) - 1
+            if gid in retired and retired[gid] <= version:
+                n_retired += 1
+            elif len(done) < reuse:  # retired after the checkpoint: it will be again if stale
+                reusable.append((done[-1], gid, len(done)))
+        elif gid not in dropped:
+            redo.append((ss[0], gid))
+    return trained, reused, n_retired, reusable, redo

@@ -46,9 +46,9 @@ _NOBLOCK, _MORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int
 class RouterLoop:
     """The router's sockets served by a blocking loop in a thread of its own.
 
-    Routing is pure message plumbing, and in the trio task each wake-up cost about twice the CPU
-    of a blocking ``zmq.poll`` (measured in ``bench/bench_router.py``: re-arming epoll, cancel
-    scopes, the ``AsyncSocket`` retry path). So the thread owns the sockets and the
+    Routing is pure message plumbing, and in the trio task each wake-up pays for more than a
+    blocking ``zmq.poll`` does (re-arming epoll, cancel scopes, the ``AsyncSocket`` retry path;
+    ``bench/bench_router.py`` compares the two). So the thread owns the sockets and the
     ``RouterState``; the actor's task only starts it, publishes its status and stops it. Every
     wake-up takes all ready messages of a socket (up to ``BATCH``) and sends what they produce
     before polling again; sends never wait (a ROUTER drops a message for a full or unknown peer,

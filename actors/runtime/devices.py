@@ -10,7 +10,8 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from actors.runtime.config.gpus import DEVICE_ENV, process_share
+from actors.runtime.config.gpus import DEVICE_ENV, auto_device, process_share
+from actors.runtime.config.placement import auto_dtype
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -25,8 +26,7 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     placed = os.environ.get(DEVICE_ENV)
     if placed and setting != "cpu":  # the runner placed this process: cuda:0 of what it sees
         setting = placed
-    if setting == "auto":
-        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    setting = auto_device(setting, torch.cuda.is_available())
     if setting == "cuda":
         setting = f"cuda:{local_rank}"
     device = torch.device(setting)
@@ -60,10 +60,8 @@ class CudaMemory:
 
 
 def resolve_dtype(setting: str, device: torch.device, model_dtype: str) -> torch.dtype:
-    """``auto`` → bfloat16 on a GPU, ``model.dtype`` on a CPU (where bf16 matmuls are slow)."""
-    if setting == "auto":
-        setting = "bfloat16" if device.type == "cuda" else model_dtype
-    return getattr(torch, setting)
+    """``setting`` as a torch dtype, ``auto`` answered for ``device`` (``auto_dtype``)."""
+    return getattr(torch, auto_dtype(setting, device.type == "cuda", model_dtype))
 
 
 def indexed(device: torch.device | str) -> torch.device:

@@ -136,8 +136,8 @@ class TableWriter:
         self.rows: list[dict[str, Any]] = []
         self.lock = threading.Lock()  # rows may be appended by one thread and flushed by another
         self.writing = threading.Lock()  # one flush at a time: parts are numbered in order
-        # dictionary-encode the names and labels only: trying it on token ids, log-probs and
-        # encoded messages (all but unique) made a groups part ~4x slower to write
+        # dictionary-encode the names and labels only: token ids, log-probs and encoded
+        # messages are all but unique, so a dictionary of them only slows the write
         self.dictionary = [f.name for f in self.schema if not _bulk(f.type)]
         self.seq = 0
         self.written = 0  # rows flushed so far
@@ -219,8 +219,8 @@ def group_row(group: ScoredGroup) -> dict[str, Any]:
         "reward_errors": [s.reward_error for s in group.samples],
         "finish_reasons": [s.finish_reason for s in group.samples],
         "policy_versions": versions,
-        # numpy views, not lists: pyarrow copies them in bulk (tolist + list conversion cost
-        # about 10x more, in the replay buffer's event loop; bench/bench_recording.py)
+        # numpy views, not lists: pyarrow copies them in bulk, where tolist and a list
+        # conversion would run per element in the replay buffer's event loop
         "response_ids": [np.frombuffer(s.response_ids.data, dtype=np.int32)
                          for s in group.samples],
         "behaviour_logprobs": [np.frombuffer(s.behaviour_logprobs.data, dtype=np.float32)

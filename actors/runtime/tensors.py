@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from messages.tensor import Tensor, TensorMeta
+from messages.tensor import Tensor, TensorMeta, nbytes
 
 _TORCH = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -36,14 +36,11 @@ def from_buffer(dtype: str, shape: tuple[int, ...], data) -> torch.Tensor:
         raise ValueError(f"unknown tensor dtype {dtype!r}")
     if any(d < 0 for d in shape):  # torch would raise RuntimeError, which callers do not expect
         raise ValueError(f"negative tensor dimension in shape {tuple(shape)}")
-    n = 1
-    for d in shape:
-        n *= d
     buf = memoryview(data).cast("B")
-    itemsize = torch.empty((), dtype=_TORCH[dtype]).element_size()
-    if buf.nbytes != n * itemsize:
-        raise ValueError(f"tensor {dtype}{list(shape)} needs {n * itemsize} bytes, got {buf.nbytes}")
-    if n == 0:
+    need = nbytes(dtype, tuple(shape))
+    if buf.nbytes != need:
+        raise ValueError(f"tensor {dtype}{list(shape)} needs {need} bytes, got {buf.nbytes}")
+    if 0 in shape:
         return torch.empty(shape, dtype=_TORCH[dtype])
     with warnings.catch_warnings():  # received frames are read-only; callers copy, never write
         warnings.simplefilter("ignore", UserWarning)

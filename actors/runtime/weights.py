@@ -42,8 +42,12 @@ from messages.weights import (
 class WeightsPublisher:
     """Learner side: holds the newest published weights and answers pollers that lack them."""
 
-    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "") -> None:
+    def __init__(self, sock: AsyncSocket, sender: Sender, name: str = "",
+                 status: dict | None = None) -> None:
         self.sock = sock  # a ROUTER the samplers connect to
+        self.status = status  # the actor's, whose rejected_frames this keeps current
+        if status is not None:
+            status["rejected_frames"] = 0
         self.codec: Codec[ToLearnerWeights] = Codec(ToLearnerWeights, socket=name and (
             f"[{name}] weights ROUTER {endpoint(sock.socket)}"))
         # a full peer makes a send wait (not drop a bucket); a gone one fails it (EHOSTUNREACH)
@@ -132,6 +136,8 @@ class WeightsPublisher:
             try:
                 poll = self.codec.decode(frames[-1] if frames else b"")
             except DecodeError as exc:
+                if self.status is not None:
+                    self.status["rejected_frames"] = self.codec.rejected
                 self._say(peer, f"weights: {exc}")
                 continue
             if isinstance(poll, WeightsPoll):
@@ -198,6 +204,7 @@ class WeightsSubscriber:
         self._newest: tuple[int, WeightsSource] | None = None  # received, not taken
         self._arrived = anyio.Event()  # set and replaced at every arrival
         self.error = ""  # the last malformed weights message, for the actor's status
+        self.stale = 0  # weights messages of a version it had already received, dropped
         self.failed = 0  # GPU transfers failed in a row (0 after one that arrived)
         self.handing_off = -1  # the version whose worker transfer the engine has not ended
         self.into = into or ReceiveInto()  # (each receiver indexes its device)
@@ -245,6 +252,10 @@ class WeightsSubscriber:
             try:
                 header, parts = _bucket(codec, await self.sock.recv_multipart(copy=False))
                 if header.bucket != 0:  # the rest of a version given up on: not an answer
+                    poll = False
+                    continue
+                if header.version <= self.received:  # one it has, again (replayed): the learner
+                    self.stale += 1  # answers a poll once, with a newer one; not an answer
                     poll = False
                     continue
                 for i in range(1, header.buckets):

@@ -228,7 +228,7 @@ class Sampler:
             multi_version_samples=self.multi_version, rejected_prompts=self.rejected,
             scoring=self.scoring_now(), score_resent=s.resent, score_failed=s.failed,
             val_groups=self.val_groups, in_flight=self.in_flight, draining=self.holdings.draining,
-            score_late=s.late, rejected_frames=s.rejected)
+            score_late=s.late, rejected_frames=s.rejected, weights_stale=self.weights.stale)
         if self.rollout.agent is not None:
             self.ctx.status.update(self.rollout.agent.statistics())
         for key, value in (("weights_error", self.weights.error),

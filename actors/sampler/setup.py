@@ -58,7 +58,7 @@ def adapter_limits(topo) -> AdapterLimits | None:
 
 
 def prompts_in_flight(setting: int, *, gpu: bool) -> int:
-    """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, as measured there; 64 on a GPU)."""
+    """``sampler.max_concurrent_prompts`` (0: 8 on a CPU, 64 on a GPU)."""
     return setting or (64 if gpu else 8)
 
 

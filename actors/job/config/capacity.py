@@ -12,17 +12,20 @@ with LoRA, the adapters' parameter count (a version is the adapters alone).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from actors.data.vision import in_vision_tower
-from actors.runtime.config.placement import samplers_dtype
+from actors.model_shape import layer_weights
+from actors.runtime.config.placement import auto_dtype, samplers_dtype
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import TRANSPORTS
+from messages.tensor import ITEMSIZE
 
 SHM_DIR = Path("/dev/shm")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -30,26 +33,14 @@ def parameter_count(model_dir: Path) -> int:
     or estimated from config.json (a decoder-only transformer) when it has none."""
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        total = 0
-        for f in files:
-            with open(f, "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            for name, info in header.items():
-                if name != "__metadata__":
-                    n = 1
-                    for d in info["shape"]:
-                        n *= d
-                    total += n
-        return total
+        return sum(math.prod(shape) for _, shape in _tensor_shapes(files))
     c = json.loads((model_dir / "config.json").read_text())
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     inter = c.get("intermediate_size", 4 * h)
     heads = c.get("num_attention_heads", 1)
     kv = c.get("num_key_value_heads", heads)
     head_dim = c.get("head_dim") or h // heads
-    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    per_layer = attention + 3 * h * inter + 2 * h
+    per_layer = layer_weights(h, inter, heads, kv, head_dim) + 2 * h  # and its two norms
     embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
     return layers * per_layer + embed + h
 
@@ -61,16 +52,21 @@ def matrix_shapes(model_dir: Path) -> dict[str, tuple[int, int]] | None:
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not files:
         return None
-    shapes: dict[str, tuple[int, int]] = {}
+    return {name.removesuffix(".weight"): (shape[0], shape[1])
+            for name, shape in _tensor_shapes(files)
+            if name.endswith(".weight") and len(shape) == 2}
+
+
+def _tensor_shapes(files: list[Path]) -> Iterator[tuple[str, list[int]]]:
+    """(name, shape) of every tensor the safetensors ``files`` hold, read from their headers
+    alone (8 bytes of header length, then the JSON header)."""
     for f in files:
         with open(f, "rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
         for name, info in header.items():
-            shape: list[int] = list(info.get("shape", [])) if isinstance(info, dict) else []
-            if name.endswith(".weight") and len(shape) == 2:
-                shapes[name.removesuffix(".weight")] = (shape[0], shape[1])
-    return shapes
+            if name != "__metadata__" and isinstance(info, dict):
+                yield name, list(info.get("shape", []))
 
 
 def linear_modules(model_dir: Path) -> set[str] | None:
@@ -106,9 +102,7 @@ def sent_dtype(topology, learner_on_gpu: bool) -> str:
         return L.weights_dtype
     if L.lora.rank > 0:
         return samplers_dtype(topology, gpu_visible=learner_on_gpu)
-    if L.dtype != "auto":
-        return L.dtype
-    return "bfloat16" if learner_on_gpu else topology.model.dtype
+    return auto_dtype(L.dtype, learner_on_gpu, topology.model.dtype)
 
 
 def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
@@ -129,7 +123,7 @@ def check_shm(topology, learner_on_gpu: bool = False, shm_dir: Path = SHM_DIR,
     model = Path(topology.model.path)
     count = adapter_count(model, L.lora.rank, L.lora.target_modules, L.lora.vision) \
         if L.lora.rank else None
-    version = (count or parameter_count(model)) * DTYPE_BYTES[dtype]  # LoRA: the adapters
+    version = (count or parameter_count(model)) * ITEMSIZE[dtype]  # LoRA: the adapters
     need = versions * version
     if shm_bytes < need:
         raise ConfigError(

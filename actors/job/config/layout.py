@@ -6,73 +6,98 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actors.runtime.config.engines import ENGINES, engine_gpus
-from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess
+from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess, on_gpu
 from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import placement_problem
-
-
-def _wants_gpu(setting: str, gpus: Sequence[str]) -> bool:
-    return setting.startswith("cuda") or (setting == "auto" and bool(gpus))
 
 
 def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedProcess]:
     """The placement of the processes ``names`` (this runner's: ``learner-0``,
     ``learner-0.rankR``, ``sampler-I``, ``reward-I``, ...) on ``gpus``; raises ConfigError
     naming the key of a layout that cannot work."""
-    L, S = topology.learner, topology.sampler
     taken: dict[str, list[str]] = {}  # process -> its GPUs
     learners = [n for n in names if n.startswith("learner-")]
     samplers = sorted((n for n in names if n.startswith("sampler-")),
                       key=lambda n: int(n.split("-")[1]))
-    if learners and _wants_gpu(L.device, gpus):
-        if not gpus:
-            raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees no GPU "
-                              "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
-        if ":" in L.device:  # cuda:N, one rank (checked)
-            index = int(L.device.split(":")[1])
-            if index >= len(gpus):
-                raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees "
-                                  f"{len(gpus)} GPU(s)")
-            taken[learners[0]] = [gpus[index]]
-        else:
-            if len(learners) > len(gpus):
-                raise ConfigError(f"learner.nproc_per_node: {len(learners)} ranks need one GPU "
-                                  f"each, but the runner sees {len(gpus)} GPU(s)")
-            for i, name in enumerate(_by_rank(learners)):
-                taken[name] = [gpus[i]]
-    used = {g for v in taken.values() for g in v}
-    if samplers and _wants_gpu(S.device, gpus):
-        width = engine_gpus(S.engine, S)
-        if not gpus:
-            raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
-                              "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
-        if width > len(gpus):
-            raise ConfigError(f"sampler.{ENGINES[S.engine].ranks}: {width} GPUs per sampler, but "
-                              f"the runner sees {len(gpus)} GPU(s)")
-        if ":" in S.device:
-            index = int(S.device.split(":")[1])
-            if index + width > len(gpus):
-                raise ConfigError(f"sampler.device: {S.device} with {width} GPUs per sampler "
-                                  f"needs GPUs {index}..{index + width - 1}, but the runner sees "
-                                  f"{len(gpus)}")
-            for name in samplers:
-                taken[name] = list(gpus[index:index + width])
-        else:
-            free = [g for g in gpus if g not in used]
-            # samplers take the free GPUs in order, then start again from the first GPU
-            order = free + [g for g in gpus if g in used] if len(free) >= width else list(gpus)
-            for i, name in enumerate(samplers):
-                start = (i * width) % len(order)
-                taken[name] = [order[(start + k) % len(order)] for k in range(width)]
+    _place_learners(topology.learner, learners, gpus, taken)
+    _place_samplers(topology.sampler, samplers, gpus, taken)
     _place_teachers(topology, names, gpus, taken)
-    for name, (key, device) in served_devices(topology.reward).items():  # model pools' replicas
+    _place_served_models(topology, names, gpus, taken)
+    placed = _shared(names, learners, taken)
+    _check_transport(topology.learner, learners, samplers, taken)
+    return placed
+
+
+def _place_learners(L, learners: list[str], gpus: Sequence[str],
+                    taken: dict[str, list[str]]) -> None:
+    """One GPU per learner rank, in rank order (``cuda:N``: that GPU, for one rank)."""
+    if not learners or not on_gpu(L.device, bool(gpus)):
+        return
+    if not gpus:
+        raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees no GPU "
+                          "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+    if ":" in L.device:  # cuda:N, one rank (checked)
+        index = int(L.device.split(":")[1])
+        if index >= len(gpus):
+            raise ConfigError(f"learner.device: {L.device} asked for, but the runner sees "
+                              f"{len(gpus)} GPU(s)")
+        taken[learners[0]] = [gpus[index]]
+        return
+    if len(learners) > len(gpus):
+        raise ConfigError(f"learner.nproc_per_node: {len(learners)} ranks need one GPU "
+                          f"each, but the runner sees {len(gpus)} GPU(s)")
+    for i, name in enumerate(_by_rank(learners)):
+        taken[name] = [gpus[i]]
+
+
+def _place_samplers(S, samplers: list[str], gpus: Sequence[str],
+                    taken: dict[str, list[str]]) -> None:
+    """Each sampler its engine's width of GPUs: the GPUs no learner took first, then again
+    from the first GPU (``cuda:N``: every sampler on the GPUs from N)."""
+    if not samplers or not on_gpu(S.device, bool(gpus)):
+        return
+    used = {g for v in taken.values() for g in v}
+    width = engine_gpus(S.engine, S)
+    if not gpus:
+        raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
+                          "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+    if width > len(gpus):
+        raise ConfigError(f"sampler.{ENGINES[S.engine].ranks}: {width} GPUs per sampler, but "
+                          f"the runner sees {len(gpus)} GPU(s)")
+    if ":" in S.device:
+        index = int(S.device.split(":")[1])
+        if index + width > len(gpus):
+            raise ConfigError(f"sampler.device: {S.device} with {width} GPUs per sampler "
+                              f"needs GPUs {index}..{index + width - 1}, but the runner sees "
+                              f"{len(gpus)}")
+        for name in samplers:
+            taken[name] = list(gpus[index:index + width])
+        return
+    free = [g for g in gpus if g not in used]
+    # samplers take the free GPUs in order, then start again from the first GPU
+    order = free + [g for g in gpus if g in used] if len(free) >= width else list(gpus)
+    for i, name in enumerate(samplers):
+        start = (i * width) % len(order)
+        taken[name] = [order[(start + k) % len(order)] for k in range(width)]
+
+
+def _place_served_models(topology, names: Sequence[str], gpus: Sequence[str],
+                       taken: dict[str, list[str]]) -> None:
+    """Each replica of a served model (``[[reward.models]]``) on the GPU its ``device`` names."""
+    for name, (key, device) in served_devices(topology.reward).items():
         if name in names and device.startswith("cuda"):
             index = int(device.split(":")[1]) if ":" in device else 0
             if index >= len(gpus):
                 raise ConfigError(f"{key}: {device} asked for, but the runner sees {len(gpus)} "
                                   "GPU(s)")
             taken[name] = [gpus[index]]
+
+
+def _shared(names: Sequence[str], learners: list[str],
+            taken: dict[str, list[str]]) -> list[PlacedProcess]:
+    """Each process with its GPUs, its share of a GPU it shares, and who it shares with;
+    ConfigError when a share would fall under ``MIN_SHARE``."""
     # learner ranks see every GPU of the node's ranks (NCCL peer-to-peer needs the peer visible)
     ranks_gpus = [taken[n][0] for n in _by_rank(learners) if n in taken]
     users: dict[str, list[str]] = {}
@@ -89,9 +114,9 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
             share = int(SHARED_BUDGET / most * 100) / 100
             if share < MIN_SHARE:
                 # teachers, then samplers, are what wraps around onto used GPUs
-                on_gpu = [name, *sharing]
-                key = "teacher.replicas" if any(u.startswith("teacher") for u in on_gpu) \
-                    else "sampler.count" if any(u.startswith("sampler") for u in on_gpu) \
+                crowded = [name, *sharing]
+                key = "teacher.replicas" if any(u.startswith("teacher") for u in crowded) \
+                    else "sampler.count" if any(u.startswith("sampler") for u in crowded) \
                     else "learner.nproc_per_node"
                 raise ConfigError(f"{key}: {most} processes on GPU "
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "
@@ -99,14 +124,20 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
                                   f"{MIN_SHARE:.0%}): use fewer samplers or more GPUs")
         placed.append(PlacedProcess(name, list(on), share, sharing,
                                     ranks_gpus if name in learners and len(learners) > 1 else []))
-    sender = next((n for n in learners if ".rank" not in n), None)  # rank 0: it sends
-    if sender is not None:  # (on this runner: a learner node k > 0 places its ranks only)
-        for name in samplers:
-            problem = placement_problem(L.weights_transport, sender, taken.get(sender, []),
-                                        name, taken.get(name, []))
-            if problem is not None:
-                raise ConfigError(f"learner.weights_transport: {problem}")
     return placed
+
+
+def _check_transport(L, learners: list[str], samplers: list[str],
+                     taken: dict[str, list[str]]) -> None:
+    """The weights transport can reach every sampler from where learner rank 0 sends."""
+    sender = next((n for n in learners if ".rank" not in n), None)  # rank 0: it sends
+    if sender is None:  # (on this runner: a learner node k > 0 places its ranks only)
+        return
+    for name in samplers:
+        problem = placement_problem(L.weights_transport, sender, taken.get(sender, []),
+                                    name, taken.get(name, []))
+        if problem is not None:
+            raise ConfigError(f"learner.weights_transport: {problem}")
 
 
 def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str]]:
@@ -151,7 +182,7 @@ def _place_teachers(topology, names: Sequence[str], gpus: Sequence[str],
     T = topology.teacher
     teachers = sorted((n for n in names if n.startswith("teacher-")),
                       key=lambda n: int(n.split("-")[1]))
-    if not teachers or not _wants_gpu(T.device, gpus):
+    if not teachers or not on_gpu(T.device, bool(gpus)):
         return
     if not gpus:
         raise ConfigError(f"teacher.device: {T.device} asked for, but the runner sees no GPU "

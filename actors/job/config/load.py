@@ -8,7 +8,6 @@ whichever way the value came in.
 from __future__ import annotations
 
 import re
-import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -87,74 +86,39 @@ def _key_path_message(msg: str, data: Any = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
-# the estimators' and losses' options before each owned its own: algorithm.K is now
-# algorithm.adv_estimator.K or algorithm.policy_loss.K (read so, with a notice, for one release)
-FLAT_KEYS = {"adv_estimator": ("norm_adv_by_std_in_grpo", "gdpo_reward_keys",
-                               "gdpo_reward_weights", "gamma", "lam", "cliprange_value"),
-             "policy_loss": ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb",
-                             "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")}
 ROWS: dict[str, tuple[Mapping[str, type[msgspec.Struct]], str]] = {
     "adv_estimator": (ESTIMATOR_ROWS, AlgorithmConfig().adv_estimator.name),
     "policy_loss": (LOSS_ROWS, AlgorithmConfig().policy_loss.name)}
 # tables a name alone may stand for (``policy_loss = "sapo"`` is ``{name = "sapo"}``)
 NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS}
-_noticed: set[str] = set()
-
-
-def _notice(line: str) -> None:
-    """A deprecation notice, once per process (the runner's load: actors read the new shape)."""
-    if line not in _noticed:
-        _noticed.add(line)
-        print(f"!!! deprecated: {line}", file=sys.stderr, flush=True)
 
 
 def _named_table(algorithm: dict[str, Any], key: str) -> None:
-    """``algorithm.KEY = "name"`` is ``{name = "name"}``; a flat option of the chosen row goes
-    into its table (an option of another row was never read, and is still not: said so)."""
+    """``algorithm.KEY = "name"`` is ``{name = "name"}``; a table without a name is the
+    default's, and a name no row has is refused naming the key."""
     rows, default = ROWS[key]
     table = algorithm.get(key)
-    flat = {k: algorithm.pop(k) for k in FLAT_KEYS[key] if k in algorithm}
-    if isinstance(table, str) or (table is None and flat):
-        table = algorithm[key] = {"name": default if table is None else table}
+    if isinstance(table, str):
+        table = algorithm[key] = {"name": table}
     if not isinstance(table, dict):  # absent, or not a table (msgspec names that)
         return
-    name = table.setdefault("name", default)  # a table without a name: the default's options
+    name = table.setdefault("name", default)
     if name not in rows:
         mine = (f" (a function of your own from a file: name = \"custom\", function = "
                 f"{name!r})" if "path" in table else "")
         raise ConfigError(f"algorithm.{key}.name: {name!r} is not one of {', '.join(rows)}{mine}")
-    for option, value in flat.items():
-        if option in rows[name].__struct_fields__:
-            table.setdefault(option, value)
-            _notice(f"algorithm.{option} is now algorithm.{key}.{option} (read so until the "
-                    "next release)")
-        else:
-            owners = [n for n, r in rows.items() if option in r.__struct_fields__]
-            _notice(f"algorithm.{option} is an option of {key} {', '.join(owners)} "
-                    f"(algorithm.{key}.{option}), not of {name!r}: not read")
 
 
-def _old_shape(data: dict[str, Any]) -> None:
-    """A key in an older shape names its new shape, or is read as it (the estimators' and the
-    policy losses' flat options)."""
+def _named_tables(data: dict[str, Any]) -> None:
+    """The estimator's and the policy loss's tables, each a row's name and its options."""
     if isinstance(data.get("algorithm"), dict):
         for key in ROWS:
             _named_table(data["algorithm"], key)
-    reward = data.get("reward")
-    if not isinstance(reward, dict):
-        return
-    if "pools" in reward:
-        raise ConfigError("reward.pools: renamed to reward.models")
-    functions = reward.get("functions")
-    for i, fn in enumerate(functions if isinstance(functions, list) else []):
-        if isinstance(fn, dict) and fn.get("builtin") == "reward_model":
-            raise ConfigError(f"reward.functions[{i}].builtin: a reward model is a "
-                              '[[reward.models]] entry with kind = "reward_model"')
 
 
 def decode_topology(data: dict[str, Any]) -> Topology:
     """Validate a raw dict into a Topology; errors name the full key path."""
-    _old_shape(data)
+    _named_tables(data)
     try:
         topology = msgspec.convert(data, Topology)
     except msgspec.ValidationError as exc:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from actors.runtime.config.constraints import NonNegInt, PositiveInt, Share
+from actors.runtime.config.gpus import on_gpu, visible_gpus
 
 if TYPE_CHECKING:
     from actors.runtime.config import SamplerConfig
@@ -137,8 +138,7 @@ class EngineRow:
 
 FALLBACK = "hf"  # auto's choice where no engine preferred on a GPU runs; a judge pool's default
 ENGINES: dict[str, EngineRow] = {row.name: row for row in (
-    # GPU to GPU beside the learner (BENCHMARKS.md "On one GPU"); vLLM's receiving side of it
-    # has not run on a GPU yet
+    # GPU to GPU beside the learner (BENCHMARKS.md "On one GPU")
     EngineRow(FALLBACK, adapters=True, profiled=True, beside_learner=True,
               preload=("actors.sampler.engines.hf",)),
     EngineRow("vllm", vllm_problem, continuous=True, prefer_on_gpu=True,
@@ -175,8 +175,5 @@ def auto_engine(device: str = "auto") -> str:
     runnable = [name for name in candidates if ENGINES[name].problem() is None]
     if not runnable:
         return FALLBACK
-    if device.startswith("cuda"):  # (the placement check makes sure there is one)
-        return runnable[0]
-    from actors.runtime.config.gpus import visible_gpus
-
-    return runnable[0] if visible_gpus() else FALLBACK
+    # (a cuda setting has a GPU: the placement check makes sure; only auto asks for the list)
+    return runnable[0] if on_gpu(device, device == "auto" and bool(visible_gpus())) else FALLBACK

@@ -73,6 +73,20 @@ class PlacedProcess(msgspec.Struct, frozen=True, omit_defaults=True):
         return f"{self.name}: {where}"
 
 
+def auto_device(setting: str, gpu_visible: bool) -> str:
+    """A ``device`` key with ``auto`` answered: ``cuda`` when a GPU is visible, else ``cpu``;
+    any other setting as named. The one place the rule lives: the runner asks whether a GPU is
+    visible without torch (``visible_gpus``), a computing process asks torch."""
+    if setting == "auto":
+        return "cuda" if gpu_visible else "cpu"
+    return setting
+
+
+def on_gpu(setting: str, gpu_visible: bool) -> bool:
+    """Whether a process with ``device = setting`` computes on a GPU (``auto_device``)."""
+    return auto_device(setting, gpu_visible).startswith("cuda")
+
+
 def visible_gpus(env: Mapping[str, str] | None = None,
                  run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
     """The GPUs this runner may hand out, without torch: ``CUDA_VISIBLE_DEVICES`` when set

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from actors.runtime.config.constraints import Device, NonNegInt, Port, PositiveFloat, PositiveInt
+from actors.runtime.config.gpus import on_gpu
 from actors.runtime.config.schema_base import ActorCommon, need
 
 
@@ -55,15 +56,20 @@ class SamplerPlacement(ActorCommon, frozen=True):
     """The engine's dtype (auto: bfloat16 on a GPU, model.dtype on a CPU)."""
 
 
+def auto_dtype(setting: str, gpu: bool, model_dtype: str) -> str:
+    """A ``dtype`` key with ``auto`` answered for a process on a GPU (``gpu``) or not: bfloat16
+    on a GPU, ``model.dtype`` on a CPU (where bf16 matmuls are slow); any other as named."""
+    if setting == "auto":
+        return "bfloat16" if gpu else model_dtype
+    return setting
+
+
 def samplers_dtype(topology: Any, gpu_visible: bool) -> str:
-    """The dtype the samplers' engines compute in: ``sampler.dtype``, or for ``auto`` what
-    ``devices.resolve_dtype`` makes of it (bfloat16 on a GPU, ``model.dtype`` on a CPU);
-    ``gpu_visible``: whether ``sampler.device = "auto"`` would find a GPU."""
+    """The dtype the samplers' engines compute in: ``sampler.dtype`` with ``auto`` answered as
+    ``devices.resolve_dtype`` answers it; ``gpu_visible``: whether ``sampler.device = "auto"``
+    would find a GPU."""
     S = topology.sampler
-    if S.dtype != "auto":
-        return S.dtype
-    on_gpu = S.device.startswith("cuda") or (S.device == "auto" and gpu_visible)
-    return "bfloat16" if on_gpu else topology.model.dtype
+    return auto_dtype(S.dtype, on_gpu(S.device, gpu_visible), topology.model.dtype)
 
 
 def check_placement(topology: Any) -> None:

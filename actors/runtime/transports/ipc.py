@@ -1,5 +1,4 @@
-"""``ipc``: CUDA IPC on one host (written against torch 2.13 and vLLM 0.32; needs a GPU, so
-it has not run here: no CPU stand-in exists for CUDA IPC handles).
+"""``ipc``: CUDA IPC on one host (needs a GPU: there is no CPU stand-in for CUDA IPC handles).
 
 The learner gathers a version on its GPU (``Policy.snapshot(dtype, device)``) and sends, per
 tensor, the CUDA IPC handle torch's own ``reduce_tensor`` makes (msgspec ``CudaIpcHandle``: the

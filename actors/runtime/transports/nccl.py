@@ -41,7 +41,7 @@ weights keep generating. With ``receiver = PYNCCL`` the engine's own workers rec
 buffers), straight into the running model through its layerwise reload; the learner then sends
 with vLLM's own trainer side (``nccl_common.trainer_init``, ``packed_nccl_broadcast_producer``),
 since vLLM's PyNccl communicator and a torch process group cannot share a group. vLLM's NCCL
-engine is CUDA-only (PyNccl): it cannot run on gloo, so that path has not run here. On a CPU the
+engine is CUDA-only (PyNccl): it cannot run on gloo. On a CPU the
 engine's workers receive with flowrl's own weight-transfer engine (``engines/vllm/transfer.py``),
 which speaks this module's torch protocol. How an engine's workers take the transfer is the
 engine's (``engines/vllm/receive.py``): this receiver hands it the group (``GroupBroadcast``).
@@ -159,20 +159,13 @@ def buckets_of(metas: list[TensorMeta], limit: int) -> list[list[TensorMeta]]:
     out: list[list[TensorMeta]] = [[]]
     size = 0
     for m in metas:
-        n = nbytes(m)
+        n = m.nbytes()
         if limit and out[-1] and size + n > limit:
             out.append([])
             size = 0
         out[-1].append(m)
         size += n
     return out
-
-
-def nbytes(m: TensorMeta) -> int:
-    n = torch.empty((), dtype=_TORCH[m.dtype]).element_size()
-    for d in m.shape:
-        n *= d
-    return n
 
 
 @dataclass
@@ -386,12 +379,12 @@ class BroadcastReceiver(Receiver):
         assert self.joined is not None
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets_of(header.tensors, g.bucket_bytes):
-            flat = torch.empty(sum(nbytes(m) for m in bucket), dtype=torch.uint8,
+            flat = torch.empty(sum(m.nbytes() for m in bucket), dtype=torch.uint8,
                                device=self.device)
             self.joined.broadcast(flat)
             offset = 0
             for m in bucket:
-                n = nbytes(m)
+                n = m.nbytes()
                 out[m.name] = flat[offset:offset + n].view(_TORCH[m.dtype]).view(m.shape)
                 offset += n
         self.joined.all_have(True, self.device)

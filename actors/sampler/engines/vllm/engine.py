@@ -27,7 +27,7 @@ Weight updates: ``load_weights`` matches on the typed source the weights transpo
 from zmq are written to one here first), loaded by the worker extension into the running model
 (``collective_rpc``); or a GPU transfer (nccl, ipc) that vLLM's own weight-transfer engine in
 the worker receives (``init_weight_transfer_engine``, ``start_weight_update``,
-``update_weights``, ``finish_weight_update``), written against vLLM 0.32 and not run here.
+``update_weights``, ``finish_weight_update``).
 ``weight_update = "between_batches"`` waits until no request is running (new ones wait for the
 load; the learner's broadcast of a GPU transfer waits with it) and resets the prefix cache (its
 blocks hold keys computed with the old weights); ``"in_flight"`` pauses the engine keeping its
