@@ -161,6 +161,12 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
     return value if isinstance(value, int) else 1
 
 
+def sampler_engine(sampler: SamplerConfig) -> str:
+    """The engine the samplers run: ``sampler.engine``, with ``auto`` answered for
+    ``sampler.device`` (``auto_engine``)."""
+    return sampler.engine if sampler.engine != "auto" else auto_engine(sampler.device)
+
+
 def auto_engine(device: str = "auto") -> str:
     """``sampler.engine = "auto"`` for samplers on ``device`` (``sampler.device``): the first
     engine preferred on a GPU that can run, when the samplers compute on a GPU (``cuda``,
