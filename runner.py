@@ -292,7 +292,8 @@ def check_main(argv: list[str]) -> int:
     from actors.learner.memory import planned
     from actors.runtime.config.gpus import on_gpu, visible_gpus
 
-    device = "cuda" if on_gpu(topology.learner.device, bool(visible_gpus())) else "cpu"
+    setting = topology.learner.device  # (nvidia-smi is asked for auto only)
+    device = "cuda" if on_gpu(setting, setting == "auto" and bool(visible_gpus())) else "cpu"
     print(f"ok: {args.topology} is ready to run (model {topology.model.path})")
     print(planned(topology, device))
     return 0

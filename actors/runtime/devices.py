@@ -26,7 +26,8 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     placed = os.environ.get(DEVICE_ENV)
     if placed and setting != "cpu":  # the runner placed this process: cuda:0 of what it sees
         setting = placed
-    setting = auto_device(setting, torch.cuda.is_available())
+    if setting == "auto":  # (torch's check touches the CUDA driver: asked for auto only)
+        setting = auto_device(setting, torch.cuda.is_available())
     if setting == "cuda":
         setting = f"cuda:{local_rank}"
     device = torch.device(setting)

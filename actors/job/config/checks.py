@@ -17,7 +17,7 @@ from actors.data.vision import is_vision_model
 from actors.job.config.agent_checks import check_agent
 from actors.job.launchers.table import LAUNCHERS
 from actors.registry import KINDS
-from actors.runtime.config.engines import ENGINES, EngineRow, auto_engine
+from actors.runtime.config.engines import ENGINES, EngineRow, sampler_engine
 from actors.runtime.config.estimators import Custom as CustomEstimator
 from actors.runtime.config.losses import Custom as CustomLoss
 from actors.runtime.config.placement import check_placement
@@ -46,7 +46,7 @@ def check(topology: Topology) -> None:
              f"{_engines(lambda r: r.continuous)}): the {s.engine} engine loads weights between "
              "batches")
     if s.profile_batches:
-        engine = s.engine if s.engine != "auto" else auto_engine(s.device)
+        engine = sampler_engine(s)
         need(ENGINES[engine].profiled, "sampler.profile_batches",
              f"the {engine} engine's batches are not profiled here (engines that are: "
              f"{_engines(lambda r: r.profiled, ', ')}); vLLM has its own profiler "
@@ -58,7 +58,7 @@ def check(topology: Topology) -> None:
     if L.lora.rank > 0:
         _check_adapters(topology)
     if L.weights_transport != "auto":
-        engine = s.engine if s.engine != "auto" else auto_engine(s.device)
+        engine = sampler_engine(s)
         problem = transport_problem(L.weights_transport, engine=engine,
                                     weights_address=L.weights_address, learner_device=L.device,
                                     sampler_device=s.device)
@@ -88,7 +88,7 @@ def _check_adapters(topology: Topology) -> None:
     from actors.job.config.capacity import linear_modules
 
     L, s = topology.learner, topology.sampler
-    engine = s.engine if s.engine != "auto" else auto_engine(s.device)
+    engine = sampler_engine(s)
     need(ENGINES[engine].adapters, "sampler.engine",
          f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
          f"(engines that can: {_engines(lambda r: r.adapters, ', ')})")
@@ -199,7 +199,7 @@ def _check_deterministic(t: Topology) -> None:
     """What a fixed schedule cannot fix (``run.deterministic``, ``actors/replay/schedule.py``),
     each refused in one line."""
     why = "run.deterministic"
-    engine = t.sampler.engine if t.sampler.engine != "auto" else auto_engine(t.sampler.device)
+    engine = sampler_engine(t.sampler)
     need(not ENGINES[engine].continuous, why,
          f"the {engine} engine batches requests as they arrive, and a sequence's numbers "
          f"depend on its batch; use an engine that generates one batch at a time "

@@ -21,7 +21,7 @@ from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config.algorithm import AlgorithmConfig
 from actors.runtime.config.constraints import refusal
 from actors.runtime.config.custom import file_sha256
-from actors.runtime.config.engines import ENGINES, auto_engine, engine_gpus
+from actors.runtime.config.engines import ENGINES, engine_gpus, sampler_engine
 from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
 from actors.runtime.config.estimators import Custom as CustomEstimator
 from actors.runtime.config.gpus import visible_gpus
@@ -134,8 +134,7 @@ def _derived(topology: Topology) -> Topology:
     if s.score_timeout_s == 0:
         timeout = topology.router.request_timeout + topology.reward.timeout_s + 10.0
         s = msgspec.structs.replace(s, score_timeout_s=timeout)
-    if s.engine == "auto":
-        s = msgspec.structs.replace(s, engine=auto_engine(s.device))
+    s = msgspec.structs.replace(s, engine=sampler_engine(s))
     L = topology.learner  # auto: shm on one host, zmq across hosts (or nodes of a cluster),
     # the engine's own choice when it shares the learner's GPU (ipc for hf)
     across = bool(topology.hosts) or LAUNCHERS[topology.run.launcher].across_nodes

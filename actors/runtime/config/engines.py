@@ -88,8 +88,8 @@ class VLLMOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     """Context length (prompt + response) the engine accepts (0: the model's); a longer prompt
     is rejected and dropped (replay/dropped_rejected)."""
     enforce_eager: bool | None = None
-    """No torch.compile / CUDA graphs (unset: true on a CPU, where compiling took 75-115 s per
-    start and was not faster for small batches; false on a GPU: CUDA graphs on)."""
+    """No torch.compile / CUDA graphs (unset: true on a CPU, where compiling costs each start
+    more than it saves small batches; false on a GPU: CUDA graphs on)."""
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt's n completions (and of repeated prompts)."""
     enable_chunked_prefill: bool | None = None
@@ -159,6 +159,12 @@ def engine_gpus(name: str, sampler: SamplerConfig) -> int:
     for key in ENGINES[name].ranks.split(".") if ENGINES[name].ranks else ():
         value = getattr(value, key)
     return value if isinstance(value, int) else 1
+
+
+def sampler_engine(sampler: SamplerConfig) -> str:
+    """The engine the samplers run: ``sampler.engine``, with ``auto`` answered for
+    ``sampler.device`` (``auto_engine``)."""
+    return sampler.engine if sampler.engine != "auto" else auto_engine(sampler.device)
 
 
 def auto_engine(device: str = "auto") -> str:
