@@ -56,3 +56,6 @@ if [ "$TESTS" = 1 ]; then
   fi
 fi
 .venv/bin/python -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', f'torch {v}: expected 2.13.0+cpu'"
+# the embedded model converted once (into $FLOWRL_CACHE or ~/.cache/flowrl), here rather than by
+# whichever job or test first asks for it
+.venv/bin/python -c "from actors.model_store import resolve_model_path; resolve_model_path('default')"

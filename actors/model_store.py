@@ -7,7 +7,9 @@ tokenizer, chat template) that every actor loads; later loads reuse that directo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -80,7 +82,11 @@ def resolve_model_path(path: str) -> Path:
             print(f"=== converting the embedded SmolLM2-135M-Instruct (GGUF) into {out}, once "
                   "(about 30 s)", flush=True)
             started = time.monotonic()
-            convert_gguf(default_gguf_path(), out)
+            # without the conversion's progress bars (transformers' and the GGUF reader's own
+            # tqdm), so that a command whose answer is one line on stderr (``runner.py check``)
+            # keeps it one line on its first run; an error still propagates
+            with contextlib.redirect_stderr(io.StringIO()):
+                convert_gguf(default_gguf_path(), out)
             print(f"=== converted in {time.monotonic() - started:.0f} s", flush=True)
         return out
     local = model_dir(path)

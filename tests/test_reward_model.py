@@ -103,12 +103,10 @@ def test_bad_reward_model_paths_are_config_errors(reward_model, tmp_path, socket
     check(entry(causal),
           r"reward.models\[0\].path: .*LlamaForCausalLM, not a ...ForSequenceClassification")
     check(entry(reward_model, "batch_size=0"), r"reward.models\[0\].batch_size: must be >= 1")
-    # the old way (a rule worker's function) names the new one
+    # a reward model is a [[reward.models]] entry, not a rule worker's builtin
     check(f'reward.functions=[{{builtin="reward_model", path="{reward_model}"}}]',
-          r'reward.functions\[0\].builtin: a reward model is a \[\[reward.models\]\] entry with '
-          r'kind = "reward_model"')
-    check(f'reward.pools=[{{name="rm", path="{reward_model}"}}]',
-          "reward.pools: renamed to reward.models")
+          r"reward.functions\[0\].builtin: 'reward_model' is not one of ")
+    check(f'reward.pools=[{{name="rm", path="{reward_model}"}}]', "reward.pools: unknown key")
 
 
 @pytest.mark.anyio

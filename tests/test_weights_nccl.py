@@ -103,12 +103,14 @@ async def test_versions_a_failing_receiver_and_a_restarted_sampler(sockets, tmp_
                 procs[0].wait()
                 procs.append(start(address, tmp_path))
                 await until(publisher, lambda: len(publisher.have) == 2)
-                await until(publisher, lambda: publisher.have[list(publisher.have)[1]] >= 3)
+                restarted = list(publisher.have)[1]
+                await until(publisher, lambda: publisher.have[restarted] >= 3)
                 assert same(await reports.received(tmp_path, procs[1], 3), 3)
                 await publisher.publish(4, tensors(4), bucket_bytes=BUCKET)  # the dead one's
-                await until(publisher, lambda: publisher.have[list(publisher.have)[1]] >= 4)
+                await until(publisher, lambda: publisher.have[restarted] >= 4)
                 assert same(await reports.received(tmp_path, procs[1], 4), 4)
                 assert sender.groups_made == 3 and len(sender.peers) == 1  # the dead one dropped
+                assert list(publisher.have) == [restarted]  # and not waited for at the end
                 tg.cancel_scope.cancel()
             publisher.close()
     finally:
