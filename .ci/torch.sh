@@ -51,7 +51,8 @@ print(f'$VENV: torch {v}, transformers {transformers.__version__}')"
     [ -x "$VENV/bin/python" ] || { echo "no $VENV: run bash .ci/torch.sh setup $2 first" >&2; exit 2; }
     "$VENV/bin/python" -c "import torch, transformers; \
 print(f'torch {torch.__version__}, transformers {transformers.__version__}')"
-    "$VENV/bin/python" -m pytest -q "${TESTS[@]}"
+    # the slow ones of these files too (compiling the decode step): the torch versions' point
+    "$VENV/bin/python" -m pytest -q -m "not gpu and not vllm and not ray" "${TESTS[@]}"
     ;;
   *) usage ;;
 esac

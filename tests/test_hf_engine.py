@@ -213,6 +213,7 @@ def test_a_worker_thread_gets_the_graph_trees_state_compiled_decode_replays_thro
     assert seen == {"before": False, "after": True, "container": "TreeManagerContainer"}
 
 
+@pytest.mark.slow  # inductor's C++ compile, tens of seconds on a fresh machine (no cache)
 @pytest.mark.anyio
 async def test_compiled_decoding_keeps_one_static_cache_per_shape_and_compiles_once(tiny_model):
     """transformers makes a new static cache at every ``generate``: new tensors, and CUDA graph
