@@ -25,7 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from actors.runtime.tensors import _TORCH
-from actors.runtime.transports.nccl import TorchGroup, buckets_of, nbytes
+from actors.runtime.transports.nccl import TorchGroup, buckets_of
 from actors.sampler.engines.vllm.receive import GLOO_BACKEND
 from actors.sampler.engines.vllm.worker import FlowrlWorkerExtension
 from messages.tensor import TensorMeta
@@ -90,11 +90,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True)]
         try:
             for bucket in buckets_of(metas, self.bucket_bytes):
-                flat = torch.empty(sum(nbytes(m) for m in bucket), dtype=torch.uint8)
+                flat = torch.empty(sum(m.nbytes() for m in bucket), dtype=torch.uint8)
                 self.group.broadcast(flat)
                 weights, offset = [], 0
                 for m in bucket:
-                    n = nbytes(m)
+                    n = m.nbytes()
                     weights.append((m.name, flat[offset:offset + n].view(_TORCH[m.dtype])
                                     .view(m.shape)))
                     offset += n
