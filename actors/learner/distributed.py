@@ -395,7 +395,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
         grads = [p.grad.to_local() for p in params if p.grad is not None]
     else:
         grads = [p.grad for p in params if p.grad is not None]
-        if len({(g.device, g.dtype, type(g)) for g in grads}) > 1 \
+        if len({(g.device, g.dtype) for g in grads}) > 1 \
                 or any(hasattr(g, "to_local") for g in grads):  # DTensors over several ranks
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not grads:
