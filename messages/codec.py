@@ -39,6 +39,8 @@ def rejection_kind(reason: str) -> str:
         return "truncated"
     if "malformed" in reason:
         return "not msgpack"
+    if "Invalid UTF-8" in reason:  # msgspec >= 0.23 (earlier ones raise UnicodeDecodeError)
+        return "not utf-8"
     if "at `$.type`" in reason or "missing required field `type`" in reason:
         return "wrong type"
     if reason.startswith("Expected `object`") and " - at `$" not in reason:
@@ -73,8 +75,8 @@ class Codec(Generic[T]):
             return self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise self.refuse(str(exc)) from None
-        except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec's own error
-            # types do not cover it): it would escape every caller's ``except DecodeError``
+        except UnicodeDecodeError as exc:  # a string that is not UTF-8 (msgspec < 0.23: its own
+            # error types do not cover it): it would escape every caller's ``except DecodeError``
             raise self.refuse(f"a string is not UTF-8: {exc}", "not utf-8") from None
 
     def refuse(self, reason: str, kind: str = "") -> DecodeError:

@@ -137,7 +137,8 @@ def flipped(draw) -> bytes:
     return bytes(frame)
 
 
-# a tag and a field that are not UTF-8 (msgspec raises UnicodeDecodeError for them, not its own)
+# a tag and a field that are not UTF-8 (msgspec < 0.23 raises UnicodeDecodeError for them, not
+# its own DecodeError)
 NOT_UTF8 = [b"\x81\xa4type\xa4\xf0\x28\x8c\x28",
             b"\x82\xa4type\xa9Heartbeat\xa5actor\xa2\xff\xfe",
             b"\x83\xa4type\xadPromptRequest\xabmax_prompts\x01\xabincarnation\xa2\xff\xfe"]
