@@ -12,7 +12,7 @@ learner's compute.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,25 +26,39 @@ from actors.runtime.cores import (
     Share,
     table_path,
 )
+from actors.runtime.transports.sources import WeightsSource
 from actors.sampler.engines.base import Engine, GenerateRequest, Generation
 
 
 class LendingEngine:
-    """``engine`` with its idle time lent; everything else is the engine's own."""
+    """``engine`` with its idle time lent; everything else is the engine's own (each member of
+    ``Engine`` forwarded by name, so mypy checks the wrapper against the protocol too)."""
 
     def __init__(self, engine: Engine, share: Share) -> None:
         self.engine, self.share = engine, share
 
-    def __getattr__(self, name: str) -> Any:  # version, continuous, weight_sync_s, watch, ...
-        return getattr(self.engine, name)
+    @property
+    def continuous(self) -> bool:
+        return self.engine.continuous
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def weight_sync_s(self) -> float:
+        return self.engine.weight_sync_s
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         with self.share.lender.working():
             return await self.engine.generate(requests)
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    async def load_weights(self, version: int, source: WeightsSource) -> None:
         with self.share.lender.working():
-            await self.engine.load_weights(version, tensors)
+            await self.engine.load_weights(version, source)
+
+    async def watch(self) -> None:
+        await self.engine.watch()
 
     async def aclose(self) -> None:
         try:
@@ -53,7 +67,8 @@ class LendingEngine:
             self.share.close()
 
     def statistics(self) -> dict[str, Any]:
-        own = self.engine.statistics() if hasattr(self.engine, "statistics") else {}
+        statistics = getattr(self.engine, "statistics", None)  # an engine's own, where it has some
+        own = statistics() if statistics is not None else {}
         return {**own, "lent_s": round(self.share.lender.lent_s, 1)}
 
 
@@ -70,4 +85,4 @@ def lend_idle(engine: Engine, run_dir: Any, index: int, count: int, threads: int
         borrower = Borrower(table, LEARNERS, threads, rank=index, ranks=count)
         borrower.attach(model)
     lender = Lender(table, SAMPLERS[index % len(SAMPLERS)], threads)
-    return LendingEngine(engine, Share(table, lender, borrower))  # type: ignore[return-value]
+    return LendingEngine(engine, Share(table, lender, borrower))

@@ -18,7 +18,7 @@ a group leaves as soon as its own completions are done.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +29,7 @@ from messages.rollout import SamplingParams
 
 if TYPE_CHECKING:
     from actors.runtime.config import SamplerConfig
+    from actors.runtime.transports.sources import WeightsSource
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,25 @@ class Rejected(Exception):
 
 
 class Engine(Protocol):
-    continuous: bool
-    """True: concurrent calls share the engine's batches (submit prompts one by one); False:
-    one call is one batch (submit a whole batch at once)."""
-    version: int
-    """Policy version of the weights loaded now (-1 before the first ``load_weights``)."""
-    weight_sync_s: float
-    """Seconds generation has stood still for weight loads, all loads together."""
+    """What a sampler needs of an engine. Every engine is checked against it by mypy where it is
+    started (``registry.STARTS`` returns ``Engine``), so a signature that drifts fails the type
+    check instead of a job. Its figures are properties: the engine sets them, the sampler reads."""
+
+    @property
+    def continuous(self) -> bool:
+        """True: concurrent calls share the engine's batches (submit prompts one by one); False:
+        one call is one batch (submit a whole batch at once)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights loaded now (-1 before the first ``load_weights``)."""
+        ...
+
+    @property
+    def weight_sync_s(self) -> float:
+        """Seconds generation has stood still for weight loads, all loads together."""
+        ...
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[list[Generation]]:
         """The ``n`` completions of every request, in request order. Cancelling the call ends
@@ -88,9 +101,11 @@ class Engine(Protocol):
         engine will never accept."""
         ...
 
-    async def load_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Make ``tensors`` (names as the model's ``named_parameters``) the weights of
-        ``version``; tokens generated from then on carry it."""
+    async def load_weights(self, version: int, source: WeightsSource) -> None:
+        """Make ``source`` (tensors named as the model's ``named_parameters``, a file of them, a
+        transfer the engine's workers receive, or LoRA adapters) the weights of ``version``;
+        tokens generated from then on carry it. An engine raises for a kind of source it
+        cannot take."""
         ...
 
     async def watch(self) -> None:
