@@ -44,6 +44,7 @@ import functools
 import importlib.util
 import os
 from types import ModuleType
+from typing import Literal, overload
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -51,6 +52,22 @@ from torch.autograd.function import once_differentiable
 IMPLS = ("naive", "chunked", "triton")
 KEEP_BYTES = 512 << 20  # the chunked path keeps the probabilities when they take at most this
 IMPL_ENV = "FLOWRL_LOGPROB_IMPL"
+
+
+@overload
+def lm_head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+    temperature: float = ..., chunk_size: int = ..., with_entropy: Literal[False] = ...,
+    with_sum_pi_squared: Literal[False] = ..., impl: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def lm_head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+    temperature: float = ..., chunk_size: int = ..., with_entropy: bool = ...,
+    with_sum_pi_squared: bool = ..., impl: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def lm_head_logprobs(

@@ -200,12 +200,14 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     outs = []
     if P:
+        k_pre, v_pre = side_by_side(kv_pre, P).split(heads, dim=1)
         out = F.scaled_dot_product_attention(
-            side_by_side(q_pre, P), *side_by_side(kv_pre, P).split(heads, dim=1),
+            side_by_side(q_pre, P), k_pre, v_pre,
             dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)  # (Gp, Hq, P, D)
         outs.append(out.transpose(1, 2).flatten(0, 1))
+    k_rest, v_rest = side_by_side(kv_rest, P + R).split(heads, dim=1)
     out = F.scaled_dot_product_attention(
-        side_by_side(q_rest, R), *side_by_side(kv_rest, P + R).split(heads, dim=1),
+        side_by_side(q_rest, R), k_rest, v_rest,
         attn_mask=lay.mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)  # (C, Hq, R, D)
     outs.append(out.transpose(1, 2).flatten(0, 1))
     return torch.cat(outs).index_select(0, lay.pick).unsqueeze(0)  # (1, T, Hq, D)

@@ -206,7 +206,8 @@ def _exported_env(vf: Any, module: ModuleType, label: str) -> Any:
         config = config_cls()
     except Exception as exc:
         raise ValueError(f"{label}: {config_cls.__name__}() failed: {_one_line(exc)}") from None
-    env = classes[0].__new__(classes[0])
+    cls: Any = classes[0]  # a verifiers Env subclass (untyped here)
+    env = cls.__new__(cls)
     env.config = config
     return env
 

@@ -14,6 +14,7 @@ tool tokens (its budget ran out in a tool's answer), and a reward there would co
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -59,14 +60,15 @@ class RolloutBatch:
 
     def to(self, device: torch.device) -> RolloutBatch:
         """The same batch with every tensor on ``device``."""
-        return RolloutBatch(**{f.name: (v.to(device) if isinstance(
-            v := getattr(self, f.name), torch.Tensor | VisionRows) else v) for f in fields(self)})
+        moved: dict[str, Any] = {f.name: (v.to(device) if isinstance(
+            v := getattr(self, f.name), torch.Tensor | VisionRows) else v) for f in fields(self)}
+        return RolloutBatch(**moved)
 
     def rows(self, index: slice) -> RolloutBatch:
         """Rows ``index`` with the width trimmed to their longest sequence."""
         width = (max(self.lengths[index]) if self.lengths
                  else int(self.attention_mask[index].sum(1).max()))
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.dim() == 2:
@@ -130,7 +132,7 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         own = torch.ones(len(r)) if s.loss_mask is None else from_wire(s.loss_mask).float()
         mask[i, len(p) - 1 : end - 1] = own
         behav[i, len(p) - 1 : end - 1] = lp
-        if teacher is not None:
+        if teacher is not None and s.teacher_logprobs is not None:  # all or none (has_teacher)
             teacher[i, len(p) - 1 : end - 1] = from_wire(s.teacher_logprobs).float()
         at = own.nonzero()
         if len(at):  # the last token the model generated itself (tool tokens may follow it)

@@ -21,6 +21,7 @@ from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import is_sharded
 from actors.learner.packing import pack
 from actors.runtime.config import AlgorithmConfig
+from actors.runtime.config.estimators import Gae
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs
@@ -206,7 +207,10 @@ def _kept(value: torch.Tensor | float) -> torch.Tensor | float:
 def critic_loss(algo: AlgorithmConfig, values: torch.Tensor, old_values: torch.Tensor,
                 returns: torch.Tensor, mask: torch.Tensor, *, token_count: float,
                 seq_count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    clip = algo.adv_estimator.cliprange_value  # (a critic's estimator: gae)
+    if not isinstance(algo.adv_estimator, Gae):  # the one estimator with a critic
+        raise TypeError(f"a critic's loss under adv_estimator {algo.adv_estimator.name!r}, "
+                        "which has no critic")
+    clip = algo.adv_estimator.cliprange_value
     loss, raw = value_loss(values, old_values, returns, mask, cliprange_value=clip,
                            loss_agg_mode=algo.loss_agg_mode, token_count=token_count,
                            seq_count=seq_count)

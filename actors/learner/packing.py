@@ -110,7 +110,7 @@ def refine(parts: list[slice], lengths: list[int], count: int) -> list[slice]:
         splittable = [p for p in parts if p.stop - p.start > 1]
         if not splittable:
             raise ValueError(f"cannot cut {len(parts)} micro-batches into {count}: too few rows")
-        p = max(splittable, key=lambda s: sum(lengths[s]))
+        p = max(splittable, key=lambda s: sum(lengths[s.start:s.stop]))
         half, run, cut = sum(lengths[p]) / 2, 0, p.start + 1
         for i in range(p.start, p.stop - 1):
             run += lengths[i]
@@ -171,9 +171,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         keep = attention_mask.bool()  # right padding: each row's tokens come first
         offsets = torch.cumsum(lengths, 0) - lengths  # (B,)
         cols = torch.arange(input_ids.shape[1], device=input_ids.device)
-        positions = cols.expand_as(input_ids)[keep]  # (T,) 0.. for each row
+        row_positions = cols.expand_as(input_ids)[keep]  # (T,) 0.. for each row
         return PackedRows(input_ids=input_ids[keep].unsqueeze(0),
-                          position_ids=positions.unsqueeze(0), offsets=offsets, lengths=lengths)
+                          position_ids=row_positions.unsqueeze(0), offsets=offsets,
+                          lengths=lengths)
     rows, width = input_ids.shape
     lengths_host = list(lengths) or attention_mask.sum(1).tolist()
     flat: list[int] = []  # where each packed token is in input_ids.flatten()

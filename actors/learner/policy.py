@@ -108,7 +108,8 @@ class Policy:
         self.ref = None
         if self.keeps_reference:
             self.ref = self._load_reference(base)
-        self.critic = self.critic_optimizer = None
+        self.critic: torch.nn.Module | None = None  # the value model, with a critic's estimator
+        self.critic_optimizer: torch.optim.Optimizer | None = None
         if self.algo.adv_estimator.critic:
             self._load_critic(base, ckpt)
         k = self.algo.kl_ctrl
@@ -337,7 +338,9 @@ class Policy:
         with torch.no_grad():
             for name, module in core.named_modules():
                 if isinstance(module, LoraLayer):
-                    delta = module.get_delta_weight(module.active_adapters[0])
+                    # every concrete LoRA layer defines it; PEFT's LoraLayer base declares none
+                    delta = module.get_delta_weight(  # type: ignore[attr-defined]
+                        module.active_adapters[0])
                     merged[f"{name}.weight"] = module.get_base_layer().weight + delta
             out = []
             for name, p in core.named_parameters():

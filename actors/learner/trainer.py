@@ -85,11 +85,11 @@ class Aborted(Exception):
 def batch_sampling(groups: list[ScoredGroup]) -> SamplingParams:
     """The sampling parameters every group of a batch was generated with (they must agree: the
     log-probs of a batch are recomputed at one temperature)."""
-    found = {g.sampling for g in groups}
-    if None in found:
+    if any(g.sampling is None for g in groups):
         raise ValueError("a group without its sampling parameters (ScoredGroup.sampling); "
                          "recordings made before groups carried them are read through "
                          "actors/offline/recorded.py, which fills them in")
+    found = {g.sampling for g in groups if g.sampling is not None}
     if len(found) != 1:
         raise ValueError(f"the groups of one batch were sampled with different parameters: "
                          f"{sorted(map(str, found))}")
@@ -116,8 +116,8 @@ class StepState:
     metrics: dict[str, float] = field(default_factory=dict)
     seq_kl: float = 0.0  # the KL penalty's mean, with use_kl_in_reward
     batch_corr: Correction | None = None  # the batch-wide correction (need_old)
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
+    advantages: torch.Tensor = field(init=False)  # (N, W-1), from the advantages phase on
+    returns: torch.Tensor = field(init=False)  # (N, W-1), the estimator's (a critic's targets)
     old_seen: torch.Tensor = field(init=False)  # the PPO old log-probs used
     current: torch.Tensor = field(init=False)  # π_θ in the first epoch's forward passes
     sums: dict = field(default_factory=dict)  # metric -> its token-weighted sum (on the device)
@@ -149,7 +149,7 @@ class Trainer:
         self.on_first_batch: Callable[[int, int], None] | None = None
         # called before each optimizer update of the policy (the learner's wait for its last
         # publish to have read the weights it is about to change)
-        self.before_update: Callable[[], None] | None = None
+        self.before_update: Callable[[], object] | None = None
         self.vision_tower = vision_tower(self.policy.model)  # None: a text model
         # the loss's and the estimator's code, loaded before the first step: a user's function
         # is read from its file here, once per process (its hash checked against the topology's)
@@ -332,12 +332,12 @@ class Trainer:
                 distributed.optimizer_step(self.policy.optimizer)
                 self._updated = True
                 self.policy.scheduler.step()
-                if self.policy.critic is not None:
+                critic, critic_optimizer = self.policy.critic, self.policy.critic_optimizer
+                if critic is not None and critic_optimizer is not None:  # both, or neither
                     with s.times("update_critic"):
-                        distributed.clip_grad_norm_(list(self.policy.critic.parameters()),
-                                                    cfg.max_grad_norm)
-                        distributed.optimizer_step(self.policy.critic_optimizer)
-                        self.policy.critic_optimizer.zero_grad(set_to_none=True)
+                        distributed.clip_grad_norm_(list(critic.parameters()), cfg.max_grad_norm)
+                        distributed.optimizer_step(critic_optimizer)
+                        critic_optimizer.zero_grad(set_to_none=True)
         s.times.end("update_actor")
         s.times.seconds["update_actor"] -= s.times.seconds.get("update_critic", 0.0)
         self.policy.optimizer.zero_grad(set_to_none=True)
@@ -371,7 +371,7 @@ class Trainer:
         s.tokens_seen = s.tokens_seen + n_tok
         for k, v in m.items():
             s.sums[k] = s.sums.get(k, 0.0) + v * n_tok
-        if self.policy.critic is not None:
+        if self.policy.critic is not None and s.values is not None:  # both, or neither
             with s.times("update_critic"):
                 v_new = critic_values(self.policy.critic, mb)
                 vloss, vm = critic_loss(algo, v_new, s.values[sl, :w], s.returns[sl, :w],

@@ -56,7 +56,7 @@ def freeze_vision_tower(model) -> int:
 def image_samples(groups: list[ScoredGroup], tokenizer, count: int) -> list[ImageSample]:
     """The first sample of each of the first ``count`` groups whose prompt has images, with
     its decoded answer and reward: what the trackers show of a step (``run.image_samples``)."""
-    out = []
+    out: list[ImageSample] = []
     for g in groups:
         if len(out) == count:
             break

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
+from messages.control import StatusValue
 from messages.routing import Envelope
 
 
@@ -42,10 +44,10 @@ class RouterStatistics:
     failed: int  # requests given up after max_failures workers failed them
     unserved_pools: tuple[str, ...]  # pools with requests waiting and no live worker
 
-    def status(self) -> dict[str, int | float | str | dict[str, int | float | str | bool]]:
+    def status(self) -> dict[str, StatusValue]:
         """As an actor status: the totals, plus one entry per worker, ``worker/NAME`` (a prefix,
         so no worker's name can shadow a total)."""
-        out: dict[str, int | float | str | dict[str, int | float | str | bool]] = {
+        out: dict[str, StatusValue] = {
             "workers": len(self.workers), "in_flight": self.in_flight, "pending": self.pending,
             "answered": self.answered, "resent": self.resent, "duplicates": self.duplicates,
             "resubmitted": self.resubmitted, "failed": self.failed}
@@ -163,7 +165,7 @@ class RouterState:
         del self.by_client[(entry.client, entry.client_request_id)]
         return entry
 
-    def pick(self, pool: str, avoid: set[bytes] = frozenset()) -> Worker | None:
+    def pick(self, pool: str, avoid: AbstractSet[bytes] = frozenset()) -> Worker | None:
         """The live worker of ``pool`` with the fewest requests in flight and room for one more.
 
         Workers in ``avoid`` (those that already failed this request) are chosen only when no

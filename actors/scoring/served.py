@@ -31,7 +31,9 @@ from messages.reward import ScoreResult
 class ServedModelScorer(Protocol):
     """What scores with a kind's model (``RewardModel``, ``Judge``)."""
 
-    children: Children | None  # where user code of the kind runs (a judge's parser), if any
+    @property
+    def children(self) -> Children | None: ...  # where user code of the kind runs (a judge's
+    # parser), if any
 
     async def load(self, device: Any) -> None: ...
 

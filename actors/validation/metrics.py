@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,7 @@ def bootstrap_metric(data: Sequence[Any], subset_size: int,
     return out
 
 
-def majority_value(data: Sequence[dict[str, Any]]) -> float:
+def majority_value(data: Iterable[dict[str, Any]]) -> float:
     """The value of the first sample whose answer is the most frequent (verl ``calc_maj_val``)."""
     votes: dict[Any, list[float]] = defaultdict(list)
     for d in data:

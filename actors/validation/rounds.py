@@ -85,7 +85,7 @@ class ValidationRounds:
         r = self.active
         if r is None or not r.waiting:
             return -1, []
-        out = []
+        out: list[Prompt] = []
         while r.waiting and len(out) < max_prompts:
             p = r.waiting.popleft()
             r.out[p.prompt_id] = (sampler, p)

@@ -211,7 +211,7 @@ class AgentLoop:
         """Nothing to serve beside the sampler's work (the endpoint strategy serves HTTP)."""
         task_status.started()
 
-    def group_prompt(self, ids: list[int], completions: list[AgentGeneration]) -> list[int]:
+    def group_prompt(self, ids: list[int], completions: list[Generation]) -> list[int]:
         """Every sample follows the prompt's own tokens."""
         return ids
 

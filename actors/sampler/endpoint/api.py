@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -57,7 +57,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
 
 
-def decode_body(body: bytes, kind: type[msgspec.Struct]) -> Any:
+Request = TypeVar("Request", ChatRequest, CompletionRequest)
+
+
+def decode_body(body: bytes, kind: type[Request]) -> Request:
     try:
         request = msgspec.json.decode(body, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:

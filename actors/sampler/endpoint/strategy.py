@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -97,7 +98,7 @@ class Batcher:
         batch = [s for s in self.pending if (s.request.params, s.request.n) == (like.params, like.n)]
         self.pending = [s for s in self.pending if s not in batch]
         try:
-            results: list[list[Generation]] | list[Exception] = \
+            results: Sequence[list[Generation] | Exception] = \
                 await self.engine.generate([s.request for s in batch])
         except Exception as exc:  # Rejected, or a bad setting: every caller of the batch hears it
             results = [exc] * len(batch)
