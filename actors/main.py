@@ -16,7 +16,8 @@ import msgspec
 from actors.registry import BY_NAME
 from actors.runtime.actor import exit_process, hold_stop_signals, run_actor
 from actors.runtime.config import Topology
-from actors.runtime.ranks import Rank, rank_label
+from actors.runtime.config.names import ProcessName
+from actors.runtime.ranks import Rank
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import job_keys
 
@@ -33,8 +34,8 @@ def main(argv: list[str]) -> int:
     topology = msgspec.json.decode(path.read_bytes(), type=Topology)
     body = BY_NAME[kind].body()
     rank = Rank.from_env().rank if kind == "learner" else 0  # the runner's RANK for each rank
-    return run_actor(kind, index, topology, run_dir, body, name=rank_label(kind, index, rank),
-                     curve=job_keys(topology))
+    return run_actor(kind, index, topology, run_dir, body,
+                     name=str(ProcessName(kind, index, rank)), curve=job_keys(topology))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from actors.job.trackers import TrackerError
 from actors.registry import NAMES
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.config.names import ProcessName
 from actors.runtime.ranks import free_port
 from actors.runtime.recording import damaged_parts
 from actors.runtime.rundir import (
@@ -217,9 +218,9 @@ def _prepare_run_dir(topology: Topology, run_dir: Path, home: Path) -> set[str]:
     (run_dir / LOGS).mkdir(exist_ok=True)
     ranks = {p.name for p in learner_ranks(topology, home)}
     placed = local_actors(topology)
+    others = {str(ProcessName(k, i)) for k, i in placed if k != "learner"}
     mine = ranks if topology.learner.node_rank else (
-        {f"{k}-{i}" for k, i in placed if k != "learner"} | (ranks if ("learner", 0) in placed
-                                                             else set()))
+        others | (ranks if ("learner", 0) in placed else set()))
     for stale in (run_dir / LOGS).glob("*.traceback"):
         if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
             stale.unlink()
@@ -295,7 +296,8 @@ def with_placement(topology: Topology, home: Path,
     work, or for a /dev/shm too small for the weights (``capacity.check_shm``)."""
     names = [p.name for p in job_procs(topology, home).values() if not p.remote]
     placed = place(topology, names, visible_gpus() if gpus is None else gpus)
-    check_shm(topology, learner_on_gpu=any(p.gpus for p in placed if p.name.startswith("learner")))
+    check_shm(topology, learner_on_gpu=any(p.gpus for p in placed
+                                           if ProcessName.parse(p.name).kind == "learner"))
     return msgspec.structs.replace(topology, placement=placed)
 
 

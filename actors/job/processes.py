@@ -33,8 +33,9 @@ from actors.job.launchers.table import LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
 from actors.runtime.config import Topology
+from actors.runtime.config.names import ProcessName
 from actors.runtime.config.pools import reward_processes
-from actors.runtime.ranks import node_ranks, rank_label
+from actors.runtime.ranks import node_ranks
 from actors.runtime.rundir import EXIT_DISK_FULL, LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue
 
@@ -92,7 +93,7 @@ class Proc:
 
     @property
     def name(self) -> str:
-        return self.attached or rank_label(self.kind, self.index, self.rank)
+        return self.attached or str(ProcessName(self.kind, self.index, self.rank))
 
     def row(self, now: float) -> ActorRow:
         return ActorRow(self.name, self.kind, self.ready, self.restarts, now - self.last_seen,
@@ -245,7 +246,8 @@ def job_procs(topology: Topology, home: Path) -> dict[str, Proc]:
     if topology.learner.node_rank == 0:  # served models' replicas (config/pools.py): reward
         R = topology.reward  # processes after the rule workers, on the owner's host
         for i in range(R.count, reward_processes(R)):
-            procs[f"reward-{i}"] = Proc("reward", i, host=owner(topology), remote=not is_owner)
+            procs[str(ProcessName("reward", i))] = Proc("reward", i, host=owner(topology),
+                                                        remote=not is_owner)
     return procs
 
 

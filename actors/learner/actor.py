@@ -35,12 +35,13 @@ from actors.learner.trainer import Aborted, Trainer
 from actors.learner.vision import image_samples
 from actors.runtime.actor import ActorContext, run_compute
 from actors.runtime.config.gpus import process_share
+from actors.runtime.config.names import ProcessName
 from actors.runtime.config.placement import samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import CudaMemory, on_device
 from actors.runtime.memory_lending import MemoryBorrower, holder_slot, lenders_among
 from actors.runtime.profiling import profile_dir, profiled
-from actors.runtime.ranks import Rank, rank_label
+from actors.runtime.ranks import Rank
 from actors.runtime.recording import Recorder
 from actors.runtime.rundir import remove_partial
 from actors.runtime.transports.shm import remove_orphaned_shm
@@ -348,7 +349,8 @@ def borrow_memory(ctx: ActorContext, device: torch.device, rank: Rank) -> Memory
     own = process_share()
     if device.type != "cuda" or topo.sampler.sleep_idle_s <= 0 or not own:
         return None
-    me = next((p for p in topo.placement if p.name == rank_label("learner", 0, rank.rank)), None)
+    name = str(ProcessName("learner", 0, rank.rank))
+    me = next((p for p in topo.placement if p.name == name), None)
     lenders = lenders_among(me.shared_with) if me is not None else []
     if not lenders:
         return None

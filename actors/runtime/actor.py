@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from actors.runtime.config import Topology
+from actors.runtime.config.names import ProcessName
 from actors.runtime.rundir import EXIT_DISK_FULL, DiskFull, traceback_file
 from actors.runtime.security import CurveKeys, HandshakeRefused, ZapHandler
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
@@ -67,7 +68,7 @@ class ActorContext:
 
     @property
     def name(self) -> str:
-        return self.label or f"{self.kind}-{self.index}"
+        return self.label or str(ProcessName(self.kind, self.index))
 
     async def report(self, message: msgspec.Struct) -> None:
         """Send a control message (StepReport, Finished, ...) to the runner, if there is one."""

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
+from actors.runtime.config.names import of_kind
 from actors.runtime.cores import MEMORY_HELD, MEMORY_LENT, CoreTable
 
 MIB = 1 << 20
@@ -44,13 +45,12 @@ def lender_slot(sampler_index: int) -> int:
 
 def lenders_among(names: Sequence[str]) -> list[int]:
     """The slots of the samplers among ``names`` (a placement's ``shared_with``: sampler-I)."""
-    return [lender_slot(int(n.split("-")[1])) for n in names if n.startswith("sampler-")]
+    return [lender_slot(p.index) for p in of_kind("sampler", names)]
 
 
 def holders_among(names: Sequence[str]) -> list[int]:
     """The slots of the learner ranks among ``names`` (learner-0 is rank 0, learner-0.rankR)."""
-    return [holder_slot(int(n.rsplit(".rank", 1)[1]) if ".rank" in n else 0) for n in names
-            if n.startswith("learner-")]
+    return [holder_slot(p.rank) for p in of_kind("learner", names)]
 
 
 def holder_slot(rank: int) -> int:

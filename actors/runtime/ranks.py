@@ -67,12 +67,6 @@ def node_ranks(nproc_per_node: int, nnodes: int, node_rank: int, master_addr: st
                  master_port=master_port) for local in range(nproc_per_node)]
 
 
-def rank_label(kind: str, index: int, rank: int) -> str:
-    """The actor name of a rank: ``learner-0`` for rank 0 (it speaks for the group),
-    ``learner-0.rank3`` for the others."""
-    return f"{kind}-{index}" if rank == 0 else f"{kind}-{index}.rank{rank}"
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the rendezvous port of a single-node group)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

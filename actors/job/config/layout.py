@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from actors.runtime.config.engines import ENGINES, engine_gpus
 from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess, on_gpu
+from actors.runtime.config.names import ProcessName, of_kind
 from actors.runtime.config.pools import served_devices
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import placement_problem
@@ -17,9 +18,8 @@ def place(topology, names: Sequence[str], gpus: Sequence[str]) -> list[PlacedPro
     ``learner-0.rankR``, ``sampler-I``, ``reward-I``, ...) on ``gpus``; raises ConfigError
     naming the key of a layout that cannot work."""
     taken: dict[str, list[str]] = {}  # process -> its GPUs
-    learners = [n for n in names if n.startswith("learner-")]
-    samplers = sorted((n for n in names if n.startswith("sampler-")),
-                      key=lambda n: int(n.split("-")[1]))
+    learners = [str(p) for p in of_kind("learner", names)]
+    samplers = [str(p) for p in sorted(of_kind("sampler", names))]
     _place_learners(topology.learner, learners, gpus, taken)
     _place_samplers(topology.sampler, samplers, gpus, taken)
     _place_teachers(topology, names, gpus, taken)
@@ -115,9 +115,9 @@ def _shared(names: Sequence[str], learners: list[str],
             if share < MIN_SHARE:
                 # teachers, then samplers, are what wraps around onto used GPUs
                 crowded = [name, *sharing]
-                key = "teacher.replicas" if any(u.startswith("teacher") for u in crowded) \
-                    else "sampler.count" if any(u.startswith("sampler") for u in crowded) \
-                    else "learner.nproc_per_node"
+                kinds = {ProcessName.parse(u).kind for u in crowded}
+                key = "teacher.replicas" if "teacher" in kinds \
+                    else "sampler.count" if "sampler" in kinds else "learner.nproc_per_node"
                 raise ConfigError(f"{key}: {most} processes on GPU "
                                   f"{','.join(g for g in on if len(users[g]) == most)} would "
                                   f"get {share:.0%} of its memory each (at least "
@@ -130,7 +130,7 @@ def _shared(names: Sequence[str], learners: list[str],
 def _check_transport(L, learners: list[str], samplers: list[str],
                      taken: dict[str, list[str]]) -> None:
     """The weights transport can reach every sampler from where learner rank 0 sends."""
-    sender = next((n for n in learners if ".rank" not in n), None)  # rank 0: it sends
+    sender = next((n for n in learners if ProcessName.parse(n).rank == 0), None)  # it sends
     if sender is None:  # (on this runner: a learner node k > 0 places its ranks only)
         return
     for name in samplers:
@@ -150,8 +150,8 @@ def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str
     and the other processes on it once they are ready (a learner's ranks together: they meet
     in one rendezvous). Processes on GPUs of their own start at once, as before."""
     row = ENGINES.get(topology.sampler.engine)
-    measuring = [p for p in placed if p.name.startswith("sampler-") and p.gpus and p.shared_with
-                 and row is not None and row.measures_memory]
+    measuring = [p for p in placed if ProcessName.parse(p.name).kind == "sampler" and p.gpus
+                 and p.shared_with and row is not None and row.measures_memory]
     after: dict[str, list[str]] = {}
     for i, p in enumerate(measuring):  # (placed in sampler order)
         if before := [q.name for q in measuring[:i] if set(q.gpus) & set(p.gpus)]:
@@ -161,7 +161,7 @@ def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str
             continue
         if before := [q.name for q in measuring if set(q.gpus) & set(p.gpus)]:
             after[p.name] = before
-    ranks = [p.name for p in placed if p.name.startswith("learner-")]
+    ranks = [p.name for p in placed if ProcessName.parse(p.name).kind == "learner"]
     gang = sorted({n for r in ranks for n in after.get(r, [])})
     for r in ranks if gang else ():
         after[r] = gang
@@ -169,9 +169,7 @@ def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str
 
 
 def _by_rank(learners: list[str]) -> list[str]:
-    def rank(name: str) -> int:
-        return int(name.rsplit(".rank", 1)[1]) if ".rank" in name else 0
-    return sorted(learners, key=rank)
+    return sorted(learners, key=lambda name: ProcessName.parse(name).rank)
 
 
 def _place_teachers(topology, names: Sequence[str], gpus: Sequence[str],
@@ -180,8 +178,7 @@ def _place_teachers(topology, names: Sequence[str], gpus: Sequence[str],
     their GPU; otherwise they take the GPUs no learner rank or sampler has, in order, then share
     from the first GPU again (a memory share each)."""
     T = topology.teacher
-    teachers = sorted((n for n in names if n.startswith("teacher-")),
-                      key=lambda n: int(n.split("-")[1]))
+    teachers = [str(p) for p in sorted(of_kind("teacher", names))]
     if not teachers or not on_gpu(T.device, bool(gpus)):
         return
     if not gpus:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.config.gpus import PlacedProcess
+from actors.runtime.config.names import ProcessName
 
 HOST_SHARE = 0.001  # of a KIND.host resource per process: a node's resource serves them all
 
@@ -38,7 +39,7 @@ def plan_bundles(topology: Topology, names: Sequence[str], placed: Mapping[str, 
     nodes: dict[int, list[str]] = {}  # learner node -> its ranks, in rank order
     others: Wanted = []
     for name in names:
-        kind = name.split("-")[0]
+        kind = ProcessName.parse(name).kind
         host = host_resource(topology, kind, name)
         if host and host not in have:
             raise ConfigError(f"{kind}.host: no node of the Ray cluster has the resource "
@@ -76,7 +77,7 @@ def host_resource(topology: Topology, kind: str, name: str) -> str:
     host = getattr(topology, kind).host
     if isinstance(host, list):
         index = learner_node(topology, name) if kind == "learner" else \
-            int(name.split("-")[1].split(".")[0])
+            ProcessName.parse(name).index
         return host[index] if index < len(host) else ""
     return host
 
@@ -84,8 +85,7 @@ def host_resource(topology: Topology, kind: str, name: str) -> str:
 def learner_node(topology: Topology, name: str) -> int:
     """The learner node of rank process ``name`` (``learner-0`` or ``learner-0.rankR``): node
     k holds ranks k·nproc_per_node .. (k+1)·nproc_per_node − 1, as torchrun numbers them."""
-    _, _, rank = name.partition(".rank")
-    return int(rank or 0) // topology.learner.nproc_per_node
+    return ProcessName.parse(name).rank // topology.learner.nproc_per_node
 
 
 def summed(resources: Iterable[dict[str, float]]) -> dict[str, float]:

@@ -33,6 +33,7 @@ from actors.runtime.config.constraints import (
     matching,
 )
 from actors.runtime.config.engines import ENGINES, FALLBACK, EngineName
+from actors.runtime.config.names import ProcessName
 from actors.runtime.config.schema_base import _Section, need
 
 RULES_POOL = "reward"  # the rule workers' pool
@@ -206,7 +207,8 @@ def served_devices(reward: Any) -> dict[str, tuple[str, str]]:
     out = {}
     for i in range(reward.count, reward_processes(reward)):
         model, _ = model_replica(reward, i)  # type: ignore[misc]
-        out[f"reward-{i}"] = (f"reward.models[{reward.models.index(model)}].device", model.device)
+        key = f"reward.models[{reward.models.index(model)}].device"
+        out[str(ProcessName("reward", i))] = (key, model.device)
     return out
 
 
