@@ -1,11 +1,16 @@
-"""Every advantage estimator and every policy loss trains in a whole job (the tiny model, three
-steps): an estimator whose inputs come from the sampler (remax's greedy completion) or the
-reward worker (gdpo's reward keys) is exercised by the actors that make them, not by the
-learner alone (tests/test_learner.py takes a step of each on made-up groups).
+"""The advantage estimators and policy losses whose traits change what the actors do train in a
+whole job (the tiny model, three steps): an estimator whose inputs come from the sampler
+(remax's greedy completion) or the reward worker (gdpo's reward keys), one with a critic to
+train and checkpoint (gae), one that needs π_old's forward before the advantages (the optimal
+token baselines), a loss that corrects π_θ against μ itself (bypass mode). Each is exercised by
+the actors that make its inputs, not by the learner alone. A variant that differs only in its
+function is the learner's alone: tests/test_learner.py takes a step of every one through the
+same trainer a job runs, on made-up groups, and a job would add nothing but its minutes.
 
 The names come from the config's rows; a row whose options all have defaults needs no case (it
 runs by its name alone), one that needs an option without a case fails
-``test_every_variant_has_a_case_that_decodes``. Behind ``-m slow`` (run by CI): one job per variant."""
+``test_every_variant_has_a_case_that_decodes``. Behind ``-m slow`` (run by CI): one job per
+variant that has such a trait."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.runtime.config.estimators import ROWS as ESTIMATORS
+from actors.runtime.config.estimators import EstimatorRow
 from actors.runtime.config.losses import ROWS as LOSSES
 from tests.jobs import ROOT, actor_pids, balanced, command, metrics, status_lines
 from tests.learner_cases import OPTIONS
@@ -41,6 +47,19 @@ VARIANTS = [("adv_estimator", n) for n in ESTIMATORS if n != "custom"] + \
            [("policy_loss", n) for n in LOSSES if n not in ("vanilla", "custom")]
 
 
+def changes_the_actors(key: str, name: str) -> bool:
+    """Whether the variant's row has a trait that another actor, or the learner beyond its
+    function, acts on (the rows' own ClassVars, read as the actors read them)."""
+    if key == "policy_loss":
+        return LOSSES[name].takes_correction
+    row = ESTIMATORS[name]
+    takes_components = row.reward_keys is not EstimatorRow.reward_keys  # the scorer's dict keys
+    return row.greedy_baseline or row.critic or row.old_forward or takes_components
+
+
+IN_JOBS = [(k, n) for k, n in VARIANTS if changes_the_actors(k, n)]
+
+
 def test_every_variant_has_a_case_that_decodes():
     """A row needing an option it has no default for (dro's dro_beta) needs a case in
     tests/learner_cases.py; the others have one by their name alone."""
@@ -51,8 +70,15 @@ def test_every_variant_has_a_case_that_decodes():
         assert chosen.name == name or (key, name) == ("adv_estimator", "grpo")
 
 
+def test_the_variants_in_jobs_are_those_with_traits():
+    """The selection reads the rows: if it ever picked none of a kind, no job would run it."""
+    assert {k for k, _ in IN_JOBS} == {"adv_estimator", "policy_loss"}
+    assert {"remax", "gae", "gdpo", "optimal_token_baseline", "bypass_mode"} <= {n for _, n in IN_JOBS}
+    assert ("policy_loss", "gspo") not in IN_JOBS and ("adv_estimator", "rloo") not in IN_JOBS
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("key", "name"), VARIANTS, ids=[f"{k}={n}" for k, n in VARIANTS])
+@pytest.mark.parametrize(("key", "name"), IN_JOBS, ids=[f"{k}={n}" for k, n in IN_JOBS])
 def test_the_variant_trains_in_a_whole_job(tiny_model, tmp_path, key, name):
     (tmp_path / "reward.py").write_text(REWARD)
     run_dir = tmp_path / "run"
