@@ -119,8 +119,8 @@ OPTIONS = {
 # a row no case above chooses (and not the default's, nor a user's own, tested on its own) by
 # its name alone: a variant whose options all have defaults needs no line here to take a step
 # (and a job, if its traits change what the actors do: tests/test_variants_job.py); one that
-# needs an option gets a case above. A loss
-# takes two epochs: on-policy most losses have PPO's gradient, the second epoch is off-policy
+# needs an option gets a case above. A loss takes two epochs: on-policy most losses have PPO's
+# gradient, the second epoch is off-policy
 for _key, _rows, _more in (("adv_estimator", ESTIMATORS, []),
                            ("policy_loss", LOSSES, ["learner.ppo_epochs=2"])):
     for _name, _row in _rows.items():
