@@ -62,6 +62,7 @@ def test_a_job_trains_through_hostile_frames_on_every_socket(tiny_model, tmp_pat
     last = status_lines(run_dir)[-1]
     assert tally.outsider_connections >= 5, said
     assert all(last[a].get("auth_refused", 0) > 0 for a in ("replay-0", "router-0", "learner-0")), said
+    assert last.get("auth_refused", 0) > 0, said  # the runner's control socket's, its own field
 
     # each kind of rejection said once per socket (the interval is a minute), naming the socket
     lines = re.findall(r"^(\[[\w-]+\] .+?): rejected a frame \(([\w -]+)\)", log.read_text(),

@@ -276,6 +276,9 @@ class Job:
         pid of its process (one this runner started)."""
         line = {"event": event, "step": self.step, "time": time.time(), **fields,
                 **({"rejected_frames": n} if (n := self.control_codec.rejected) else {}),
+                # CURVE handshakes of unknown keys on the control socket (as each actor reports
+                # its own): frames that never reached decoding, counted nowhere else
+                **({"auth_refused": n} if self.zap is not None and (n := self.zap.refused) else {}),
                 **{p.name: {"ready": p.ready, "restarts": p.restarts,
                             **({"restarts_by_cause": p.causes} if p.causes else {}),
                             **({"pid": p.process.pid} if p.process is not None else {}),
