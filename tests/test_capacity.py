@@ -5,7 +5,8 @@ publish."""
 from __future__ import annotations
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.job.config.capacity import check_shm, parameter_count, sent_dtype
 from actors.job.config.load import apply_overrides, decode_topology
@@ -27,6 +28,17 @@ def test_the_parameter_count_is_the_models(tiny_model, tmp_path):
     assert parameter_count(tiny_model) == exact
     # without safetensors files: estimated from config.json (the same architecture here)
     (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())
+    assert parameter_count(tmp_path) == exact
+
+
+def test_a_config_setting_head_dim_is_counted_with_its_heads_width(tmp_path):
+    """Qwen3's and Gemma's heads are not ``hidden // heads`` wide: the config's head_dim rules."""
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, vocab_size=128)
+    with torch.device("meta"):
+        exact = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    config.save_pretrained(tmp_path)
     assert parameter_count(tmp_path) == exact
 
 

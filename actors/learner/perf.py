@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.model_shape import layer_weights
+from actors.model_shape import head_width, layer_weights
 
 # dense bf16 peak FLOP/s per device, matched as a substring of torch's device name (longest
 # name first, so "H200" is not read as "H20"); verl's table, checked against the data sheets
@@ -64,7 +64,8 @@ def peak_of(name: str) -> float | None:
 
 def head_dim_of(config) -> int:
     """Width of one attention head (``head_dim`` when the config sets it)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_width(config.hidden_size, config.num_attention_heads,
+                      getattr(config, "head_dim", None))
 
 
 def dense_parameters(config) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from actors.data.vision import in_vision_tower
-from actors.model_shape import layer_weights
+from actors.model_shape import head_width, layer_weights
 from actors.runtime.config.placement import auto_dtype, samplers_dtype
 from actors.runtime.config.schema_base import ConfigError
 from actors.runtime.transports.table import TRANSPORTS
@@ -39,7 +39,7 @@ def parameter_count(model_dir: Path) -> int:
     inter = c.get("intermediate_size", 4 * h)
     heads = c.get("num_attention_heads", 1)
     kv = c.get("num_key_value_heads", heads)
-    head_dim = c.get("head_dim") or h // heads
+    head_dim = head_width(h, heads, c.get("head_dim"))
     per_layer = layer_weights(h, inter, heads, kv, head_dim) + 2 * h  # and its two norms
     embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
     return layers * per_layer + embed + h
