@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from actors.runtime.config.losses import ROWS, Custom, Gspo, Reinforce, Sapo
-from kernels.aggregate import aggregate
+from actors.runtime.config.losses import ROWS, Custom, Reinforce, Sapo
+from kernels.aggregate import AGG_MODES, aggregate
 from kernels.policy_losses import policy_loss
 from kernels.policy_losses.vanilla import ppo_clip_loss
 from kernels.value_loss import value_loss
@@ -40,7 +40,6 @@ def _call(name, lp, old, adv, mask, **kw):
 
 
 def test_the_rows_traits():
-    assert Gspo.usual_agg_mode == Sapo.usual_agg_mode == "seq-mean-token-mean"
     assert ROWS["gpg"]().load() is Reinforce().load()
     assert [n for n in LOSSES if ROWS[n].takes_correction] == ["bypass_mode"]
 
@@ -260,6 +259,19 @@ def test_value_loss_aggregation_and_errors():
 
 
 # the further losses of verl 0.9.1 (tests/test_verl_parity.py compares them with verl) -----------
+
+
+def test_sapo_aggregates_as_verl_whatever_the_mode():
+    """verl's SAPO takes seq-mean-token-mean whatever loss_agg_mode says; so does ours (the
+    same config gives the same loss), and the mode it was handed does not change it."""
+    lp, old, adv, mask = _case()  # rows of unequal length: the modes differ
+    got = {m: _call("sapo", lp, old, adv, mask, loss_agg_mode=m)[0].item() for m in AGG_MODES}
+    assert len(set(got.values())) == 1, got
+    tau = torch.where(adv > 0, 1.0, 1.05)  # the row's tau_pos and tau_neg
+    gate = torch.sigmoid(tau * (torch.exp(lp - old) - 1.0)) * 4.0 / tau
+    want = aggregate(-gate * adv, mask, "seq-mean-token-mean").item()
+    assert got["token-mean"] == pytest.approx(want, rel=1e-6)
+    assert aggregate(-gate * adv, mask, "token-mean").item() != pytest.approx(want, rel=1e-3)
 
 
 def test_sapo_gate_is_ppo_at_ratio_one_and_fades_away_from_it():

@@ -22,15 +22,14 @@ Deliberate differences (each also in the docstring of the kernel concerned):
    (``test_constant_groups_get_exact_zeros``).
 2. OPO on a group without a single response token: baseline 0 here, 0/0 = NaN in verl. No
    such group is compared.
-3. SAPO honours ``loss_agg_mode``; verl always uses seq-mean-token-mean. Compared with that.
-4. An empty mask (no response token in the batch) gives NaN / 0.0 metrics and a zero loss
+3. An empty mask (no response token in the batch) gives NaN / 0.0 metrics and a zero loss
    here, and whitening a single response token gives 0; verl raises (masked_var,
    compute_is_metrics) or returns NaN. Not compared.
-5. ``rollout_is_eff_sample_size`` when every IS weight is 0 (IcePop rejecting all): 0 here,
+4. ``rollout_is_eff_sample_size`` when every IS weight is 0 (IcePop rejecting all): 0 here,
    ZeroDivisionError in verl. Not reached by the batches below.
-6. verl's ``vanilla`` always applies the dual clip ``clip_ratio_c`` (default 3.0); ours
+5. verl's ``vanilla`` always applies the dual clip ``clip_ratio_c`` (default 3.0); ours
    only when ``dual_clip`` is given. Compared with ``dual_clip = clip_ratio_c``.
-7. GMPO (``geo_mean``) divides by ``seq_count`` when given (the mini-batch's row count, so
+6. GMPO (``geo_mean``) divides by ``seq_count`` when given (the mini-batch's row count, so
    micro-batch losses add up to the mini-batch's); verl ignores its global batch info and
    always takes the micro-batch's row mean. Compared without ``seq_count``.
 
@@ -313,9 +312,9 @@ def verl_actor_config(clip_low, clip_high, *, clip_c=CLIP_C, batch_info=None, ta
 def _loss_cases():
     counted = {"token_count": 97, "seq_count": 21, "norm_constant": 16.0}
     for name, ours, theirs, low, high in LOSSES:
-        modes = {"sapo": ["seq-mean-token-mean"], "geo_mean": ["token-mean"]}.get(name, AGG_MODES)
+        modes = {"geo_mean": ["token-mean"]}.get(name, AGG_MODES)
         for mode in modes:
-            for counts in ({}, counted) if name != "geo_mean" else ({},):  # difference 7
+            for counts in ({}, counted) if name != "geo_mean" else ({},):  # difference 6
                 for weighted in (False, True):
                     yield pytest.param(name, ours, theirs, low, high, mode, counts, weighted,
                                        id=f"{name}-{ours}-{mode}-{bool(counts)}-w{weighted}")

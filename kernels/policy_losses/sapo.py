@@ -33,12 +33,13 @@ def sapo_loss(
     ``tau`` is ``tau_pos`` for tokens with ``A > 0`` and ``tau_neg`` otherwise (verl actor
     ``tau_pos`` / ``tau_neg``, defaults 1.0 / 1.05: a steeper gate for negative advantages).
 
-    verl always aggregates SAPO with ``seq-mean-token-mean``, whatever ``loss_agg_mode`` says;
-    that is the default here, and another mode is honoured (a deliberate difference). The clip
-    ranges and ``dual_clip`` are accepted for a uniform signature and ignored.
+    The loss aggregates with ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says, as verl's
+    does (a job's ``algorithm.loss_agg_mode`` still aggregates its entropy and KL terms): the
+    same config gives verl's numbers. The clip ranges and ``dual_clip`` are accepted for a
+    uniform signature and ignored.
     ``actor/pg_clipfrac`` is 0.
     """
-    del clip_low, clip_high, dual_clip  # the gate replaces clipping
+    del clip_low, clip_high, dual_clip, loss_agg_mode  # the gate replaces clipping; verl's mode
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {tau_pos}, {tau_neg}")
     lp, old = masked_inputs(logprobs, old_logprobs, mask)  # (B, T) each
@@ -51,6 +52,6 @@ def sapo_loss(
     )  # (B, T)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # (B, T)
     per_token = -gate * advantages  # (B, T)
-    loss, per_token = weighted_loss(per_token, mask, weights, loss_agg_mode, token_count,
+    loss, per_token = weighted_loss(per_token, mask, weights, "seq-mean-token-mean", token_count,
                                     seq_count, norm_constant)
     return loss, pg_metrics(per_token, mask, None, log_ratio)

@@ -40,8 +40,6 @@ class PolicyLossRow(_Section, frozen=True, tag_field="name"):
 
     clip_is_ratio: ClassVar[bool] = True  # clip_ratio_low/high bound a ratio (so low < 1)
     takes_correction: ClassVar[bool] = False  # corrects π_θ against μ itself (bypass mode)
-    # the aggregation (algorithm.loss_agg_mode) it is usually run with (verl); the user chooses
-    usual_agg_mode: ClassVar[str] = "token-mean"
 
     def weights_in_loss(self, correction: CorrectionConfig) -> bool:
         """Whether the loss multiplies by the correction's IS weights of π_θ/μ (else they
@@ -72,8 +70,6 @@ class Vanilla(PolicyLossRow, frozen=True, tag="vanilla"):
 
 class Gspo(PolicyLossRow, frozen=True, tag="gspo"):
     """GSPO: the sequence-level ratio."""
-
-    usual_agg_mode: ClassVar[str] = "seq-mean-token-mean"
 
     def load(self) -> Callable[..., Any]:
         from kernels.policy_losses.gspo import gspo_loss
@@ -109,9 +105,7 @@ class Cispo(PolicyLossRow, frozen=True, tag="cispo"):
 
 
 class Sapo(PolicyLossRow, frozen=True, tag="sapo"):
-    """SAPO: a soft gate in place of the clip."""
-
-    usual_agg_mode: ClassVar[str] = "seq-mean-token-mean"  # verl forces it
+    """SAPO: a soft gate in place of the clip (its loss aggregates as verl's does: the kernel)."""
 
     tau_pos: PositiveFloat = 1.0
     """Temperature of the gate for positive advantages (verl ``actor.tau_pos``)."""
