@@ -29,8 +29,7 @@ import pytest
 
 from actors.job.config.load import load_topology
 from actors.job.launchers.table import LAUNCHERS
-from actors.runtime.config import ConfigError
-from actors.runtime.config.schema import RunConfig
+from actors.runtime.config import ConfigError, RunConfig
 from runner import main
 from tests.jobs import (
     ROOT,

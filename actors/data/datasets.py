@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from actors.data.files import DataFileError, PassOrder, jsonl_rows
 from actors.data.tasks import TASKS, Task
 from actors.data.vision import PLACEHOLDER, ImageError, check_images
-from actors.runtime.config.schema import DatasetConfig, TaskConfig
+from actors.runtime.config import DatasetConfig, TaskConfig
 from messages.rollout import ChatMessage, Prompt
 
 _MASK = (1 << 64) - 1

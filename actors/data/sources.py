@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from actors.data.datasets import make_mixture
 from actors.data.tasks import TASKS, Task
-from actors.runtime.config.schema import TaskConfig
+from actors.runtime.config import TaskConfig
 
 
 def make_task(config: TaskConfig, seed: int) -> Task:

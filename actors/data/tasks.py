@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from actors.runtime.config.schema import TaskConfig
+from actors.runtime.config import TaskConfig
 from messages.rollout import ChatMessage, Prompt
 
 

@@ -32,7 +32,7 @@ from messages.control import Heartbeat, StatusValue, Stop
 
 if TYPE_CHECKING:
     from actors.job.processes import Proc
-    from actors.runtime.config.schema import Topology
+    from actors.runtime.config import Topology
     from actors.runtime.security import CurveKeys
     from actors.runtime.zmq_bridge import AsyncSocket
 

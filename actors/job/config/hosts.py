@@ -29,7 +29,7 @@ import socket
 import msgspec
 
 from actors.registry import NAMES
-from actors.runtime.config.schema import Topology
+from actors.runtime.config import Topology
 from actors.runtime.config.schema_base import ConfigError, need
 
 PORTS = {"replay.address": 0, "router.address": 1, "router.worker_address": 2,

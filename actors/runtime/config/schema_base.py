@@ -49,3 +49,12 @@ def need_child_memory(memory_mb: int) -> None:
     """A sandboxed child's ``memory_mb`` (reward functions', tools'): 0 or enough for Python."""
     need(memory_mb == 0 or memory_mb >= 128, "memory_mb",
          "must be >= 128 (a Python child needs that much address space) or 0 (no limit)")
+
+
+def never_restarted(restart: str) -> None:
+    """The replay buffer's and the learner's ``restart``: the two stateful actors resume
+    together or not at all (the replay buffer rebuilds itself as of the learner's checkpoint,
+    which only holds when both start from it)."""
+    need(restart == "never", "restart",
+         "must be \"never\": restarted alone it would not match the other's state; when it "
+         "dies the job stops, and starting it again with the same run.dir resumes exactly")
