@@ -18,11 +18,7 @@ from actors.runtime.config.constraints import (
     matching,
     one_of,
 )
-from actors.runtime.config.schema_base import (
-    ConfigError,
-    _Section,
-    need,
-)
+from actors.runtime.config.schema_base import ConfigError, _Section, need
 from actors.runtime.config.sources import ReasoningGymSource, VerifiersSource
 
 BUILTIN_TASKS = ("arithmetic", "repeat_letter", "calculator")

@@ -23,13 +23,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from actors.runtime.config import custom
-from actors.runtime.config.constraints import (
-    FilePath,
-    Finite,
-    Fraction,
-    PositiveFinite,
-    PythonName,
-)
+from actors.runtime.config.constraints import FilePath, Finite, Fraction, PositiveFinite, PythonName
 from actors.runtime.config.schema_base import _Section
 
 

@@ -16,12 +16,7 @@ from actors.runtime.config.constraints import (
     PositiveFloat,
     PositiveInt,
 )
-from actors.runtime.config.schema_base import (
-    ActorCommon,
-    _Section,
-    need,
-    never_restarted,
-)
+from actors.runtime.config.schema_base import ActorCommon, _Section, need, never_restarted
 from actors.runtime.transports.table import TransportChoice
 
 

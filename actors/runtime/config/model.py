@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from actors.runtime.config.constraints import (
-    ModelPath,
-)
-from actors.runtime.config.schema_base import (
-    _Section,
-)
+from actors.runtime.config.constraints import ModelPath
+from actors.runtime.config.schema_base import _Section
 
 
 class ModelConfig(_Section, frozen=True):

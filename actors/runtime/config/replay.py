@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from actors.runtime.config.constraints import (
-    NonNegFloat,
-    NonNegInt,
-    PositiveInt,
-)
-from actors.runtime.config.schema_base import (
-    ActorCommon,
-    never_restarted,
-)
+from actors.runtime.config.constraints import NonNegFloat, NonNegInt, PositiveInt
+from actors.runtime.config.schema_base import ActorCommon, never_restarted
 
 
 class ReplayConfig(ActorCommon, frozen=True):

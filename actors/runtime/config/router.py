@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from actors.runtime.config.constraints import (
-    PositiveFinite,
-)
-from actors.runtime.config.schema_base import (
-    ActorCommon,
-)
+from actors.runtime.config.constraints import PositiveFinite
+from actors.runtime.config.schema_base import ActorCommon
 
 
 class RouterConfig(ActorCommon, frozen=True):

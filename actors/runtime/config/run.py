@@ -11,10 +11,7 @@ from actors.runtime.config.constraints import (
     PositiveFloat,
     PositiveInt,
 )
-from actors.runtime.config.schema_base import (
-    _Section,
-    need,
-)
+from actors.runtime.config.schema_base import _Section, need
 
 
 class RunConfig(_Section, frozen=True):

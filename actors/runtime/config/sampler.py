@@ -14,10 +14,7 @@ from actors.runtime.config.constraints import (
     Share,
 )
 from actors.runtime.config.engines import EngineChoice, HFOptions, VLLMOptions
-from actors.runtime.config.schema_base import (
-    ActorCommon,
-    Restart,
-)
+from actors.runtime.config.schema_base import ActorCommon, Restart
 
 
 # the keys of where it computes (checked by placement.check_placement)

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from actors.runtime.config.constraints import (
-    FilePath,
-    matching,
-)
-from actors.runtime.config.schema_base import (
-    _Section,
-    need,
-)
+from actors.runtime.config.constraints import FilePath, matching
+from actors.runtime.config.schema_base import _Section, need
 
 
 class SecurityConfig(_Section, frozen=True):

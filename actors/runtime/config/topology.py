@@ -15,10 +15,7 @@ from actors.runtime.config.reward import RewardConfig
 from actors.runtime.config.router import RouterConfig
 from actors.runtime.config.run import RunConfig
 from actors.runtime.config.sampler import SamplerConfig
-from actors.runtime.config.schema_base import (
-    _Section,
-    need,
-)
+from actors.runtime.config.schema_base import _Section, need
 from actors.runtime.config.security import SecurityConfig
 from actors.runtime.config.teacher import TeacherConfig
 
