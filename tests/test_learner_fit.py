@@ -70,6 +70,7 @@ dist.all_gather_into_tensor(out, torch.arange(4.0))  # what publishing offloaded
 norm = torch.tensor([9.0])
 dist.all_reduce(norm)  # what clip_grad_norm_ over offloaded gradients runs
 print(out.tolist(), norm.item())
+dist.destroy_process_group()  # (left to the interpreter's exit, gloo's threads may abort it)
 """
 
 
