@@ -24,6 +24,7 @@ def test_a_name_that_is_not_a_process_name_is_refused(name):
 
 
 def test_of_kind_keeps_the_order_and_passes_over_other_names():
-    names = ["learner-0.rank1", "sampler-3", "my-worker", "learner-0", "sampler-1"]
+    names = ["learner-0.rank1", "sampler-3", "my-worker", "learner-0", "sampler-attached-7",
+             "sampler-1"]
     assert of_kind("learner", names) == [ProcessName("learner", 0, 1), ProcessName("learner", 0)]
     assert [str(p) for p in sorted(of_kind("sampler", names))] == ["sampler-1", "sampler-3"]

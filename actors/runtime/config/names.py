@@ -44,6 +44,15 @@ class ProcessName:
 
 
 def of_kind(kind: str, names: Iterable[str]) -> list[ProcessName]:
-    """The processes of ``kind`` among ``names``, in their order (other names, attached ones
-    included, are passed over unparsed)."""
-    return [ProcessName.parse(n) for n in names if n.startswith(f"{kind}-")]
+    """The processes of ``kind`` among ``names``, in their order (other names are passed over,
+    and so is a name that is not a process name, as a worker attached by hand may have:
+    ``sampler-attached-PID``)."""
+    out = []
+    for name in names:
+        try:
+            parts = ProcessName.parse(name)
+        except ValueError:  # an attached worker's own name
+            continue
+        if parts.kind == kind:
+            out.append(parts)
+    return out
