@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,15 +63,13 @@ def bypass_mode_loss(
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
     )
+    counts: dict[str, Any] = dict(loss_agg_mode=loss_agg_mode, token_count=token_count,
+                                  seq_count=seq_count, norm_constant=norm_constant)
     if loss_type == "reinforce":
         loss, metrics = reinforce_loss(logprobs, old_logprobs, advantages, corr.keep,
-                                       weights=corr.weights, loss_agg_mode=loss_agg_mode,
-                                       token_count=token_count, seq_count=seq_count,
-                                       norm_constant=norm_constant)
+                                       weights=corr.weights, **counts)
     else:
         loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, corr.keep,
                                       clip_low=clip_low, clip_high=clip_high,
-                                      dual_clip=dual_clip, loss_agg_mode=loss_agg_mode,
-                                      token_count=token_count, seq_count=seq_count,
-                                      norm_constant=norm_constant)
+                                      dual_clip=dual_clip, **counts)
     return loss, {**metrics, **corr.metrics}
