@@ -32,8 +32,9 @@ class ServedModelScorer(Protocol):
     """What scores with a kind's model (``RewardModel``, ``Judge``)."""
 
     @property
-    def children(self) -> Children | None: ...  # where user code of the kind runs (a judge's
-    # parser), if any
+    def children(self) -> Children | None:
+        """Where user code of the kind runs (a judge's parser), if any."""
+        ...
 
     async def load(self, device: Any) -> None: ...
 
