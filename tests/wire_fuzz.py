@@ -50,7 +50,14 @@ from messages.codec import Codec, DecodeError, encode
 from messages.control import ToRunner
 from messages.reward import ScoreReply, ScoreResult, ToRewardWorker
 from messages.rollout import BatchRequest, GroupsDone, ToReplay, VersionUpdate
-from messages.routing import Envelope, ToClient, ToRouterFromClient, ToRouterFromWorker
+from messages.routing import (
+    Envelope,
+    ToClient,
+    ToRouterFromClient,
+    ToRouterFromWorker,
+    ToWorker,
+    WorkerBye,
+)
 from messages.weights import ToLearnerWeights
 from tests.helpers import CASES, routed, sample_group, score_request
 
@@ -108,6 +115,7 @@ class Tally:
     group_replays: int = 0  # trained groups sent again
     stale: int = 0  # batch requests of served steps and old version notices
     score_replays: int = 0  # answered score replies sent again to the router's workers socket
+    score_replays_seen: int = 0  # of those, the ones the router has certainly read (a barrier)
     outsider: int = 0  # frames queued on sockets with an unknown key (none may be decoded)
     outsider_connections: int = 0  # their connections (each one a handshake the job refuses)
     dropped: int = 0  # frames a full socket did not take (never sent: not counted anywhere)
@@ -145,6 +153,8 @@ class WireFuzzer:
         self.frames = [encode(m) for _, m in CASES]  # real frames of every type, grown by captures
         self.body_rejected = reads_last(ToRewardWorker)  # a reward worker's rule for a body
         self.replies: Codec[Any] = Codec(ToClient)
+        self.to_worker: Codec[Any] = Codec(ToWorker)
+        self.barriers: dict[str, int] = {}  # a barrier's name: the score replays sent before it
         self.zmq = zmq.Context()
         self.trained: list[int] = []  # prompt ids of trained groups, from the recording
         self.served_step = self.version = 0  # from the recording: what may be replayed as old
@@ -285,6 +295,19 @@ class WireFuzzer:
                 if t.name == "router clients" and len(parts) == 2 and \
                         self.replies.decode(parts[0]).request_id < 0:  # a garbage body's
                     self.tally.bodies_answered += 1
+                if t.name == "router workers":
+                    self.passed_barrier(parts)
+
+    def passed_barrier(self, parts: list[bytes]) -> None:
+        """A barrier's ack from the router: every frame sent before it on that connection has
+        been read (one pipe, in order), so the score replays sent before it were counted."""
+        try:
+            msg = self.to_worker.decode(parts[0])
+        except DecodeError:
+            return
+        if isinstance(msg, WorkerBye) and msg.name in self.barriers:
+            self.tally.score_replays_seen = max(self.tally.score_replays_seen,
+                                                self.barriers.pop(msg.name))
 
     def step(self, burst: int = 64) -> None:
         """One burst: damaged frames to every target, a garbage body and the replays."""
@@ -309,6 +332,11 @@ class WireFuzzer:
                 tally.group_replays += what == "group"
                 tally.stale += what == "stale"
                 tally.score_replays += what == "score"
+        # a barrier behind them: a bye from a worker the router never knew, which it acks (the
+        # job may end before it reads the last bursts; only the replays it read must be counted)
+        name = f"barrier-{self.seed}-{tally.score_replays}"
+        if self.send(self.targets[2], [encode(WorkerBye(name))]):
+            self.barriers[name] = tally.score_replays
         self.drain()
 
     def probe(self) -> None:
@@ -338,7 +366,8 @@ def summary(tally: Tally) -> dict[str, Any]:
     return {"sent": tally.total(), "rejected_expected": dict(tally.bad), "by_kind": dict(tally.kinds),
             "bodies": tally.bodies, "bodies_answered": tally.bodies_answered,
             "group_replays": tally.group_replays, "stale": tally.stale,
-            "score_replays": tally.score_replays, "outsider": tally.outsider,
+            "score_replays": tally.score_replays, "score_replays_seen": tally.score_replays_seen,
+            "outsider": tally.outsider,
             "outsider_connections": tally.outsider_connections,
             "dropped_full": tally.dropped, "captured": tally.captured}
 
@@ -377,6 +406,7 @@ def audit(run_dir: Path, tally: Tally, rc: int) -> dict[str, bool]:
         "old batch requests and notices refused": replay.get("stale_refused") == tally.stale,
         "trained groups sent again refused": replay.get("rejected", 0) >= tally.group_replays
         and (own_copies > 0 or replay.get("rejected", 0) == tally.group_replays),
-        "answered score replies refused": router.get("duplicates", 0) >= tally.score_replays
-        and (router.get("resent", 0) > 0 or router.get("duplicates", 0) == tally.score_replays),
+        # each replay the router read (those before its last acked barrier at least) refused
+        "answered score replies refused": router.get("duplicates", 0) >= tally.score_replays_seen
+        > 0 and (router.get("resent", 0) > 0 or router.get("duplicates", 0) <= tally.score_replays),
     }

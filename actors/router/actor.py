@@ -88,7 +88,8 @@ class RouterLoop:
             to_workers: list[list[bytes]] = []
             to_clients: list[list[bytes]] = []
             for sock, _ in ready:
-                if sock is self.stop:
+                if sock is self.stop:  # the counters as they stand, for the last report
+                    self.snapshot = state.statistics()
                     return
                 if sock is self.workers:
                     self.from_workers(to_workers, to_clients)
@@ -200,21 +201,25 @@ async def router_actor(ctx: ActorContext, *, task_status) -> None:
                           request_timeout=cfg.request_timeout, name=ctx.name)
         shown: set[str] = set()  # status keys of the last snapshot: a worker that left is dropped
 
+        def publish() -> None:
+            stats = loop.snapshot.status()
+            for gone in shown - set(stats):
+                ctx.status.pop(gone, None)
+            shown.clear()
+            shown.update(stats)
+            ctx.status.update(stats)
+
         async def publish_status() -> None:
             """Per-worker statistics sort latency histories: refreshed on a timer, not per message."""
             while True:
-                stats = loop.snapshot.status()
-                for gone in shown - set(stats):
-                    ctx.status.pop(gone, None)
-                shown.clear()
-                shown.update(stats)
-                ctx.status.update(stats)
+                publish()
                 await anyio.sleep(tick)
 
         async def serve() -> None:
             try:
                 await anyio.to_thread.run_sync(loop.run)
             finally:
+                publish()  # the snapshot the loop took as it stopped: the last report's counts
                 tg.cancel_scope.cancel()  # the loop only returns when told to stop
 
         async def stop_on_cancel() -> None:
