@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -98,6 +99,14 @@ def test_rerun_dumps_per_token_tensors(run_dir, tmp_path):
     assert pq.read_table(tmp_path / "step_2_dump.parquet").num_rows == len(behav)
 
 
+def write_part(part: Path, table) -> None:
+    """``table`` in place of recording part ``part``, named as the writer names a part (its
+    CRC-32 in its name: a part changed under its old name reads as damage)."""
+    pq.write_table(table, part)
+    part.rename(part.with_name(f"{part.name.rsplit('-', 1)[0]}-"
+                               f"{zlib.crc32(part.read_bytes()):08x}.parquet"))
+
+
 def rewrite_group(run: Path, gid: int, change) -> None:
     """Record group ``gid`` of ``run`` again as ``change`` makes it (a recording altered on
     purpose, for what compares recordings to find)."""
@@ -107,7 +116,7 @@ def rewrite_group(run: Path, gid: int, change) -> None:
         for row in rows:
             if row["group_id"] == gid:
                 row["message"] = msgspec.msgpack.encode(change(decode_group(row["message"])))
-        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+        write_part(part, type(table).from_pylist(rows, schema=table.schema))
 
 
 def test_corrupted_recording_names_the_first_difference(run_dir, tmp_path):
@@ -350,7 +359,7 @@ def test_diff_of_a_run_and_a_changed_copy_names_the_first_token_and_metric(run_d
             if row["step"] == 5:
                 row["metrics"] = [(k, v + 1 if k == "actor/pg_loss" else v)
                                   for k, v in row["metrics"]]
-        pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+        write_part(part, type(table).from_pylist(rows, schema=table.schema))
     out = io.StringIO()
     assert diff(run_dir, other, out=out) == 1
     assert "differ first at step 5: metric actor/pg_loss: " in out.getvalue(), out.getvalue()

@@ -41,6 +41,7 @@ from actors.runtime.config import Topology
 from actors.runtime.devices import cap_memory, resolve_device, resolve_dtype
 from actors.runtime.ranks import Rank
 from actors.runtime.rundir import (
+    CHECKSUMS,
     PARTIAL_PREFIX,
     STATE_FILE,
     DiskFull,
@@ -458,7 +459,7 @@ class Policy:
             torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / STATE_FILE).write_text(json.dumps({
                 "step": self.step, "version": self.version, "kl_coef": self.kl_ctrl.value,
-                "ranks": self.group.world}))
+                "ranks": self.group.world, "checksums": CHECKSUMS}))
         self.group.barrier()  # every rank's shards are in tmp
         if lead:
             write_checksums(tmp)  # (every rank's files: the folder is on a shared filesystem)

@@ -1,10 +1,13 @@
 """Every run is a recording: append-only parquet tables under ``RUN_DIR/record/``.
 
-Each table is a directory of part files, ``record/<table>/part-<incarnation>-<seq>.parquet``;
+Each table is a directory of part files, ``record/<table>/part-<incarnation>-<seq>-<crc>.parquet``;
 each part holds the rows of one flush as one row group and is written to a temporary name and
 renamed, so a run killed at any moment leaves only whole parts: the table reads back up to the
 last flush. ``incarnation`` is the writing process's start time in nanoseconds (zero-padded),
-so parts sort in the order they were written across restarts and resumes.
+so parts sort in the order they were written across restarts and resumes. ``crc`` is the whole
+file's CRC-32: parquet checksums its pages but not its footer, where a changed bit can read
+back as other rows without an error (parts named without one, from before, are read by their
+page checksums alone).
 
 Tables (who writes them, when they are flushed):
 
@@ -38,8 +41,10 @@ checkpoint it resumed from are trained again).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -164,12 +169,12 @@ class TableWriter:
 
     def _write(self, rows: list[dict[str, Any]]) -> Path:
         table = pa.Table.from_pylist(rows, schema=self.schema)
-        final = self.dir / f"part-{INCARNATION}-{self.seq:06d}.parquet"
-        tmp = final.with_name(f".{final.name}.tmp")
+        tmp = self.dir / f".part-{INCARNATION}-{self.seq:06d}.parquet.tmp"
         try:
             pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
                            use_dictionary=self.dictionary, write_page_checksum=True)
             with open(tmp, "rb+") as f:
+                crc = zlib.crc32(f.read())
                 os.fsync(f.fileno())
         except Exception as exc:
             tmp.unlink(missing_ok=True)
@@ -177,6 +182,7 @@ class TableWriter:
                 raise DiskFull(self.dir, f"the recording's {self.table} table",
                                table.nbytes) from exc
             raise
+        final = self.dir / f"part-{INCARNATION}-{self.seq:06d}-{crc:08x}.parquet"
         os.replace(tmp, final)
         self.seq += 1
         self.written += len(rows)
@@ -247,10 +253,18 @@ class RecordingDamaged(ValueError):
     disk since it was written (each page carries a CRC-32)."""
 
 
+NAMED_CRC = re.compile(r"part-\d+-\d+-([0-9a-f]{8})\.parquet")
+
+
 def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """One part file, its pages checked against their checksums; RecordingDamaged names it."""
+    """One part file, checked against the CRC-32 in its name and its pages against theirs;
+    RecordingDamaged names it."""
     name = f"{RECORD_DIR}/{path.parent.name}/{path.name}"
     schema = SCHEMAS.get(path.parent.name)
+    named = NAMED_CRC.fullmatch(path.name)
+    if named is not None and zlib.crc32(path.read_bytes()) != int(named.group(1), 16):
+        raise RecordingDamaged(f"{name} is damaged (not what was written: its CRC-32 differs "
+                               "from the one in its name)")
     try:
         table = pq.read_table(path, columns=columns, page_checksum_verification=True)
         # the footer's schema carries no checksum: a changed name or type is damage too

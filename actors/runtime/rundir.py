@@ -158,10 +158,18 @@ def write_checksums(folder: Path) -> None:
 def damage(checkpoint: Path) -> str | None:
     """What is wrong with ``checkpoint`` on disk, in a few words (the first file found
     wrong), or None when each file is as it was written. A checkpoint without ``CHECKSUMS``
-    (written before there were any) is checked for its state file only."""
+    is checked for its state file, which names the checksums file where one was written with
+    it (a checkpoint written before there were any names none)."""
     listed = Path(checkpoint) / CHECKSUMS
     if not listed.exists():
-        return None if (Path(checkpoint) / STATE_FILE).is_file() else f"{STATE_FILE} is missing"
+        state = Path(checkpoint) / STATE_FILE
+        if not state.is_file():
+            return f"{STATE_FILE} is missing"
+        try:
+            named = json.loads(state.read_text()).get("checksums")
+        except (OSError, ValueError, AttributeError) as exc:
+            return f"{STATE_FILE} cannot be read ({exc})"
+        return f"{CHECKSUMS} is missing" if named else None
     try:
         written = json.loads(listed.read_text())
     except (OSError, ValueError) as exc:
