@@ -290,7 +290,7 @@ def check_main(argv: list[str]) -> int:
     except ConfigError as exc:
         return bad_topology(exc)
     from actors.learner.memory import planned
-    from actors.runtime.config.gpus import on_gpu, visible_gpus
+    from actors.runtime.config import on_gpu, visible_gpus
 
     setting = topology.learner.device  # (nvidia-smi is asked for auto only)
     device = "cuda" if on_gpu(setting, setting == "auto" and bool(visible_gpus())) else "cpu"

@@ -15,8 +15,7 @@ import msgspec
 
 from actors.registry import BY_NAME
 from actors.runtime.actor import exit_process, hold_stop_signals, run_actor
-from actors.runtime.config import Topology
-from actors.runtime.config.names import ProcessName
+from actors.runtime.config import ProcessName, Topology
 from actors.runtime.ranks import Rank
 from actors.runtime.rundir import TOPOLOGY
 from actors.runtime.security import job_keys

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from actors.router.worker import PoolWorker, serve, worker_socket
 from actors.runtime.actor import ActorContext
-from actors.runtime.config.pools import RULES_POOL, model_replica
+from actors.runtime.config import RULES_POOL, model_replica
 from actors.runtime.zmq_bridge import AsyncSocket
 from actors.scoring.items import items_of
 from actors.scoring.scorer import Scoring, job_rules

@@ -47,7 +47,7 @@ async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     model = resolve_model_path(args.model)
     if args.engine == "vllm":
-        from actors.runtime.config.engines import VLLMOptions
+        from actors.runtime.config import VLLMOptions
         from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
 
         engine = await VLLMEngine.start(model, "float32", 0, VLLMSettings(VLLMOptions(

@@ -257,7 +257,7 @@ async def main_async(args) -> None:
     import torch
 
     from actors.model_store import resolve_model_path
-    from actors.runtime.config.engines import VLLMOptions
+    from actors.runtime.config import VLLMOptions
     from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
 
     torch.set_num_threads(args.threads)

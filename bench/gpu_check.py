@@ -447,7 +447,7 @@ class Check:
                                           or out.stderr.strip()[-300:])
 
     def sleep_lending(self) -> tuple[str, str]:
-        from actors.runtime.config.engines import vllm_problem
+        from actors.runtime.config import vllm_problem
 
         if (problem := vllm_problem()) is not None:
             return "skip", f"needs vLLM ({problem.split(';')[0]})"
@@ -460,7 +460,7 @@ class Check:
         import trio
 
         from actors.model_store import resolve_model_path
-        from actors.runtime.config.engines import VLLMOptions
+        from actors.runtime.config import VLLMOptions
         from actors.runtime.cores import CoreTable
         from actors.runtime.devices import CudaMemory
         from actors.runtime.memory_lending import (

@@ -88,8 +88,7 @@ def test_attach_pool_names_a_pool_of_the_job(tiny_model, tmp_path):
     serves no model pool, is an error naming ``--pool`` and what the job has."""
     from actors.job.attach import attached_index
     from actors.job.config.load import apply_overrides, decode_topology
-    from actors.runtime.config import ConfigError
-    from actors.runtime.config.pools import model_replica
+    from actors.runtime.config import ConfigError, model_replica
 
     rm = build_tiny_reward_model(tmp_path / "rm")
     topology = decode_topology(apply_overrides({}, [

@@ -160,7 +160,7 @@ def test_in_flight_updates_need_a_continuous_engine():
 def test_profiled_batches_need_an_engine_torch_profiles(monkeypatch):
     import dataclasses
 
-    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.config import ENGINES
 
     # (vLLM installed or not: its own availability check is another test's)
     monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
@@ -273,7 +273,7 @@ def test_a_deterministic_run_refuses_what_no_fixed_schedule_can_place(overrides,
 def test_a_deterministic_run_refuses_a_continuous_engine(monkeypatch):
     import dataclasses
 
-    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.config import ENGINES
 
     monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
     with pytest.raises(ConfigError, match=r"run.deterministic: the vllm engine batches requests "

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from actors.job.config.load import apply_overrides, decode_topology, load_topology
-from actors.runtime.config import ConfigError
-from actors.runtime.config.custom import UserCodeError
+from actors.runtime.config import ConfigError, UserCodeError
 from actors.runtime.config.estimators import Grpo
 from actors.runtime.config.losses import Vanilla
 from actors.sandbox.preflight import check_function

@@ -12,8 +12,7 @@ import pytest
 import trio
 
 from actors.data.chat import ChatTokenizer
-from actors.runtime.config import AgentConfig, AgentRollout
-from actors.runtime.config.engines import VLLMOptions, vllm_problem
+from actors.runtime.config import AgentConfig, AgentRollout, VLLMOptions, vllm_problem
 from actors.sampler.endpoint.strategy import EndpointRollout
 from actors.sampler.engines.vllm.engine import VLLMSettings
 from messages.rollout import ChatMessage, Prompt, SamplingParams

@@ -190,7 +190,7 @@ def test_adapters_go_out_in_the_samplers_dtype(tiny_model):
     weights keep the learner's compute dtype; an explicit setting wins."""
     from actors.job.config.capacity import sent_dtype
     from actors.learner.actor import weights_dtype
-    from actors.runtime.config.placement import samplers_dtype
+    from actors.runtime.config import samplers_dtype
 
     model = f"model.path={tiny_model}"
     lora = topology(model, "learner.lora.rank=4", "sampler.dtype=bfloat16", "learner.dtype=float32")

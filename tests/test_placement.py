@@ -12,8 +12,7 @@ import pytest
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.job.launch import with_placement
 from actors.job.supervisor import Job
-from actors.runtime.config import ConfigError
-from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.config import ConfigError, visible_gpus
 
 
 def topology(sockets: str, *extra: str):

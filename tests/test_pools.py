@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology
-from actors.runtime.config import ConfigError
-from actors.runtime.config.pools import model_replica, reward_processes, score_targets
+from actors.runtime.config import ConfigError, model_replica, reward_processes, score_targets
 from actors.scoring.combine import combine
 from actors.scoring.items import ScoreItem
 from actors.scoring.judge import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology
-from actors.runtime.config.engines import vllm_problem
+from actors.runtime.config import vllm_problem
 from actors.scoring.served import ServedScoring
 from tests.test_pools import items
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.runtime.config.names import ProcessName, of_kind
+from actors.runtime.config import ProcessName, of_kind
 
 
 @pytest.mark.parametrize("name, parts", [

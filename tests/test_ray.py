@@ -101,7 +101,7 @@ def test_the_bundles_on_a_made_up_cluster_of_gpu_nodes():
     over two GPUs takes them whole; a host adds a share of its resource, and a host the cluster
     lacks is refused naming the key."""
     from actors.job.launchers.ray_plan import HOST_SHARE, plan_bundles
-    from actors.runtime.config.gpus import PlacedProcess
+    from actors.runtime.config import PlacedProcess
 
     t = load_topology(ROOT / "topology.toml", [
         'run.launcher="ray"', "learner.nnodes=2", "learner.nproc_per_node=2", "sampler.count=2",
@@ -133,7 +133,8 @@ def test_a_process_sees_the_gpus_ray_assigned_it():
     placement's (the cluster's as one machine), the device the first of them; a memory share
     and the torchrun variables carry over; a process without GPUs keeps the placement's cpu."""
     from actors.job.launchers.ray_host import device_env
-    from actors.runtime.config.gpus import DEVICE_ENV, SHARE_ENV, PlacedProcess
+    from actors.runtime.config import DEVICE_ENV, PlacedProcess
+    from actors.runtime.config.gpus import SHARE_ENV
 
     rank1 = {**PlacedProcess("learner-0.rank1", gpus=["1"], visible=["0", "1"]).env(), "RANK": "1"}
     assert rank1[DEVICE_ENV] == "cuda:1"  # the runner's own: the second of its node's GPUs

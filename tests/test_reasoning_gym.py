@@ -13,7 +13,7 @@ import pytest
 
 from actors.data.reasoning_gym import ReasoningGymTask
 from actors.offline.rerun import rerun
-from actors.runtime.config.sources import ReasoningGymSource
+from actors.runtime.config import ReasoningGymSource
 from actors.runtime.recording import decode_group, read_table
 from actors.scoring.rules import BUILTINS, extract_answer, scorer_of
 from tests.jobs import ROOT, balanced, command, metrics, validations

@@ -15,8 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from actors.reward import reward_actor
 from actors.router.actor import router_actor
 from actors.runtime.actor import ActorContext, serve_actor
-from actors.runtime.config import ConfigError
-from actors.runtime.config.pools import score_targets
+from actors.runtime.config import ConfigError, score_targets
 from actors.runtime.zmq_bridge import make_socket
 from actors.sampler.scoring_client import ScoringClient
 from actors.scoring.items import ScoreItem, items_of

@@ -10,7 +10,7 @@ import anyio
 import pytest
 import torch
 
-from actors.runtime.config.pools import score_targets
+from actors.runtime.config import score_targets
 from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher
 from actors.scoring.items import items_of

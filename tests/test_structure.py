@@ -155,6 +155,22 @@ def config_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     return out
 
 
+# the config's modules a module outside it may import directly: those the config's own table
+# imports (the weights transports import devices), which its package would make a circle
+CONFIG_FLOOR = {"actors.runtime.devices"}
+
+
+def test_outside_the_config_its_package_is_the_one_way_in():
+    """A module outside ``actors/runtime/config`` imports the config's names from its package
+    (``from actors.runtime.config import X``), never from one of its modules."""
+    graph = import_graph()
+    found = sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
+                   if t.startswith(f"{CONFIG}.") and not m.startswith(CONFIG)
+                   and m not in CONFIG_FLOOR)
+    assert not found, found
+    assert "actors.runtime.config.gpus" in graph["actors.runtime.devices"]  # (the check sees)
+
+
 def test_the_config_imports_no_actor_package():
     """Configuration is the lowest floor: a section's options, a variant's row and a check live
     in ``actors/runtime/config`` (or a torch-free table of its floor), never in an actor's
@@ -250,7 +266,7 @@ def variant_homes() -> dict[str, tuple[Path, ...]]:
     registry; a transport's receiving half may be in an engine whose workers receive it; an
     estimator's or a loss's own file is its kernel, outside ``actors/``, its row
     in the config)."""
-    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.config import ENGINES
     from actors.runtime.config.estimators import ROWS as ESTIMATORS
     from actors.runtime.config.losses import ROWS as LOSSES
     from actors.runtime.transports.table import TRANSPORTS
@@ -312,7 +328,7 @@ def test_rows_name_code_as_code():
     """A table's row holds a function (importing its variant when called, where a light actor
     must not import torch), which mypy and go-to-definition follow; never ``module:function``."""
     from actors.registry import KINDS
-    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.config import ENGINES
     from actors.runtime.transports.table import TRANSPORTS
     from actors.sampler.engines.registry import STARTS
 

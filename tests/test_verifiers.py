@@ -24,8 +24,7 @@ import pytest
 from actors.data.verifiers_env import VerifiersTask, environment, spec_of
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
-from actors.runtime.config import DatasetConfig
-from actors.runtime.config.sources import VerifiersSource
+from actors.runtime.config import DatasetConfig, VerifiersSource
 from actors.runtime.recording import decode_group, read_table
 from actors.scoring.items import ScoreItem
 from actors.scoring.rules import scorer_of

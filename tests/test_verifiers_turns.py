@@ -23,9 +23,8 @@ import pytest
 from actors.data.verifiers_env import VerifiersTask, environment, prompt_messages, spec_of
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
-from actors.runtime.config import ConfigError, DatasetConfig
-from actors.runtime.config.agent import AgentConfig, AgentEnv
-from actors.runtime.config.sources import VerifiersSource
+from actors.runtime.config import AgentConfig, ConfigError, DatasetConfig, VerifiersSource
+from actors.runtime.config.agent import AgentEnv
 from actors.runtime.recording import decode_group, read_table
 from actors.runtime.tensors import from_wire
 from actors.sampler.agent.loop import AgentLoop

@@ -17,7 +17,7 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.learner.trainer import Trainer
-from actors.runtime.config.engines import VLLMOptions, vllm_problem
+from actors.runtime.config import VLLMOptions, vllm_problem
 from actors.sampler.engines.base import GenerateRequest, Rejected
 from actors.sampler.engines.vllm.engine import VLLMSettings
 from messages.rollout import ChatMessage, SamplingParams

@@ -67,7 +67,7 @@ def test_another_expansion_by_vllm_than_the_samplers_is_an_error():
 
 def vision_problem() -> str | None:
     """Why vLLM cannot load Qwen2.5-VL here (None: it can)."""
-    from actors.runtime.config.engines import vllm_problem
+    from actors.runtime.config import vllm_problem
 
     if (problem := vllm_problem()) is not None:
         return str(problem)
@@ -90,7 +90,7 @@ def test_vllm_behaviour_logprobs_with_images_equal_the_learners(tmp_path):
     from actors.learner.batch import build_batch
     from actors.learner.objective import response_logprobs
     from actors.model_store import PolicyModel
-    from actors.runtime.config.engines import VLLMOptions
+    from actors.runtime.config import VLLMOptions
     from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
     from tests.test_vision import as_groups
     from tests.test_vllm import TOLERANCE

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.runtime.config.engines import vllm_problem
+from actors.runtime.config import vllm_problem
 from tests.jobs import (
     ROOT,
     actor_pids,

@@ -16,7 +16,7 @@ import trio
 from actors.data.chat import ChatTokenizer
 from actors.learner.batch import build_batch
 from actors.learner.objective import response_logprobs
-from actors.runtime.config.engines import vllm_problem
+from actors.runtime.config import vllm_problem
 from actors.runtime.transports.sources import AdapterWeights
 from actors.sampler.engines.base import AdapterLimits, GenerateRequest
 from actors.sampler.engines.vllm.engine import VLLMSettings

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.runtime.config.engines import vllm_problem
+from actors.runtime.config import vllm_problem
 
 pytestmark = pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))
 

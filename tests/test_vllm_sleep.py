@@ -13,8 +13,7 @@ import pytest
 import trio
 
 from actors.job.config.load import apply_overrides, decode_topology
-from actors.runtime.config import ConfigError
-from actors.runtime.config.engines import vllm_problem
+from actors.runtime.config import ConfigError, vllm_problem
 from actors.sampler.engines.vllm.engine import VLLMEngine, VLLMSettings
 from actors.sampler.engines.vllm.sleep import SleepPolicy
 

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from actors.job.config.load import apply_overrides, decode_topology, shares_learners_gpu
-from actors.runtime.config import ConfigError, LearnerConfig, SamplerConfig
-from actors.runtime.config.engines import ENGINES, auto_engine
+from actors.runtime.config import ENGINES, ConfigError, LearnerConfig, SamplerConfig
+from actors.runtime.config.engines import auto_engine
 from actors.runtime.transports.table import TRANSPORTS, resolve_transport
 from tests.jobs import ROOT, command, metrics, status_lines
 

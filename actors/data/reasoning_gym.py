@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from actors.data.tasks import Task
-from actors.runtime.config.sources import ReasoningGymSource
+from actors.runtime.config import ReasoningGymSource
 
 INSTALL = "pip install 'flowrl[envs]' (reasoning-gym==0.1.25)"
 PREFIX = "reasoning_gym/"  # the data sources of its prompts

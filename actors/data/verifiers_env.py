@@ -47,8 +47,7 @@ from typing import Any
 
 from actors.data.files import PassOrder
 from actors.data.tasks import Task
-from actors.runtime.config import DatasetConfig
-from actors.runtime.config.sources import VerifiersSource
+from actors.runtime.config import DatasetConfig, VerifiersSource
 from messages.rollout import ChatMessage, Prompt
 
 INSTALL = "pip install 'flowrl[verifiers]' (verifiers==0.4.0)"

@@ -39,9 +39,7 @@ from actors.job.processes import job_procs, learner_ranks
 from actors.job.supervisor import Job
 from actors.job.trackers import TrackerError
 from actors.registry import NAMES
-from actors.runtime.config import ConfigError, Topology
-from actors.runtime.config.gpus import visible_gpus
-from actors.runtime.config.names import ProcessName
+from actors.runtime.config import ConfigError, ProcessName, Topology, visible_gpus
 from actors.runtime.ranks import free_port
 from actors.runtime.recording import damaged_parts
 from actors.runtime.rundir import (

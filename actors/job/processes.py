@@ -32,9 +32,7 @@ from actors.job.launchers.base import (
 from actors.job.launchers.table import LAUNCHERS
 from actors.job.liveview import ActorRow
 from actors.registry import BY_NAME, NAMES
-from actors.runtime.config import Topology
-from actors.runtime.config.names import ProcessName
-from actors.runtime.config.pools import reward_processes
+from actors.runtime.config import ProcessName, Topology, reward_processes
 from actors.runtime.ranks import node_ranks
 from actors.runtime.rundir import EXIT_DISK_FULL, LOGS, TOPOLOGY, traceback_file
 from messages.control import StatusValue

@@ -34,9 +34,7 @@ from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.learner.vision import image_samples
 from actors.runtime.actor import ActorContext, run_compute
-from actors.runtime.config.gpus import process_share
-from actors.runtime.config.names import ProcessName
-from actors.runtime.config.placement import samplers_dtype
+from actors.runtime.config import ProcessName, process_share, samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import CudaMemory, on_device
 from actors.runtime.memory_lending import MemoryBorrower, holder_slot, lenders_among

@@ -48,7 +48,7 @@ import torch
 
 from actors.learner.packing import micro_limits
 from actors.learner.perf import VisionTower, head_dim_of, vision_tower
-from actors.runtime.config.placement import auto_dtype
+from actors.runtime.config import auto_dtype
 from kernels.lm_head_logprobs import KEEP_BYTES
 from messages.tensor import ITEMSIZE
 
@@ -212,7 +212,7 @@ def gradient_checkpointing(setting: bool | str, device: torch.device,
 def gpu_share(device: torch.device) -> float:
     """Bytes of ``device`` this process may use: its memory times the runner's share for the
     process (the whole GPU when it has it alone)."""
-    from actors.runtime.config.gpus import process_share
+    from actors.runtime.config import process_share
 
     return torch.cuda.get_device_properties(device).total_memory * (process_share() or 1.0)
 

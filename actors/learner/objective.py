@@ -20,8 +20,7 @@ from actors.data.vision_inputs import (
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import is_sharded
 from actors.learner.packing import pack
-from actors.runtime.config import AlgorithmConfig
-from actors.runtime.config.estimators import Gae
+from actors.runtime.config import AlgorithmConfig, Gae
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
 from kernels.lm_head_logprobs import lm_head_logprobs

@@ -101,7 +101,7 @@ def _user_code(algorithm: dict, mini: Path) -> dict[str, str]:
     """Copy the files of the run's own loss and estimator (``name = "custom"``) into the bundle
     (``code/KEY/NAME.py``); their names there, by key. A file that changed since the run is
     refused here, as the rerun would refuse it."""
-    from actors.runtime.config.custom import file_sha256
+    from actors.runtime.config import file_sha256
 
     code = {}
     for key in ("policy_loss", "adv_estimator"):

@@ -19,8 +19,7 @@ import anyio
 import torch
 
 from actors.data.chat import ChatTokenizer
-from actors.runtime.config import Topology
-from actors.runtime.config.pools import RULES_POOL, score_targets
+from actors.runtime.config import RULES_POOL, Topology, score_targets
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.sampler.endpoint.strategy import EndpointGeneration

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TextIO
 
 from actors.offline.recorded import OfflineError, open_run, span
-from actors.runtime.config.custom import UserCodeError
+from actors.runtime.config import UserCodeError
 from actors.runtime.rundir import STATE_FILE, checkpoints, read_state
 
 EXCLUDED_PREFIXES = ("timing_s/", "perf/", "replay/")

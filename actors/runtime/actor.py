@@ -30,8 +30,7 @@ import anyio.lowlevel
 import msgspec
 import zmq
 
-from actors.runtime.config import Topology
-from actors.runtime.config.names import ProcessName
+from actors.runtime.config import ProcessName, Topology
 from actors.runtime.rundir import EXIT_DISK_FULL, DiskFull, traceback_file
 from actors.runtime.security import CurveKeys, HandshakeRefused, ZapHandler
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket

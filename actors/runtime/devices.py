@@ -10,6 +10,8 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+# (the config's own modules, not its package: the weights transports, which the config's
+# table names, import this module)
 from actors.runtime.config.gpus import DEVICE_ENV, auto_device, process_share
 from actors.runtime.config.placement import auto_dtype
 

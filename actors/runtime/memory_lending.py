@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
-from actors.runtime.config.names import of_kind
+from actors.runtime.config import of_kind
 from actors.runtime.cores import MEMORY_HELD, MEMORY_LENT, CoreTable
 
 MIB = 1 << 20

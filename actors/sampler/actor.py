@@ -43,7 +43,7 @@ import zmq
 
 from actors.data.chat import ChatTokenizer
 from actors.runtime.actor import ActorContext
-from actors.runtime.config.pools import score_targets
+from actors.runtime.config import score_targets
 from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from actors.runtime.config.pools import RULES_POOL
+from actors.runtime.config import RULES_POOL
 from actors.runtime.zmq_bridge import AsyncSocket
 from actors.scoring.combine import combine
 from messages.codec import Codec, DecodeError, encode

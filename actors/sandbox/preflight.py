@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from actors.runtime.config.custom import ROLES, call_problem
+from actors.runtime.config import ROLES, call_problem
 from actors.sandbox.protocol import describe
 
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -31,8 +31,7 @@ from typing import Any
 
 import msgspec
 
-from actors.runtime.config.engines import ENGINES
-from actors.runtime.config.pools import JudgeConfig
+from actors.runtime.config import ENGINES, JudgeConfig
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem

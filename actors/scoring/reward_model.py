@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from actors.runtime.config.pools import RewardModelConfig
+from actors.runtime.config import RewardModelConfig
 from actors.sandbox.protocol import Outcome
 from actors.scoring.items import ScoreItem
 from messages.rollout import ChatMessage

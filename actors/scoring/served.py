@@ -17,8 +17,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from actors.runtime.config import Topology
-from actors.runtime.config.pools import JudgeConfig, RewardModelConfig, ServedModel
+from actors.runtime.config import JudgeConfig, RewardModelConfig, ServedModel, Topology
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Outcome
 from actors.scoring.batching import Batcher

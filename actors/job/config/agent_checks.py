@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.runtime.config.agent import AgentConfig
-from actors.runtime.config.schema_base import need
+from actors.runtime.config import AgentConfig, need
 
 
 def check_agent(A: AgentConfig) -> None:

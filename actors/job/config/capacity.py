@@ -20,8 +20,7 @@ from pathlib import Path
 
 from actors.data.vision import in_vision_tower
 from actors.model_shape import head_width, layer_weights
-from actors.runtime.config.placement import auto_dtype, samplers_dtype
-from actors.runtime.config.schema_base import ConfigError
+from actors.runtime.config import ConfigError, auto_dtype, samplers_dtype
 from actors.runtime.transports.table import TRANSPORTS
 from messages.tensor import ITEMSIZE
 

@@ -17,14 +17,21 @@ from actors.data.vision import is_vision_model
 from actors.job.config.agent_checks import check_agent
 from actors.job.launchers.table import LAUNCHERS
 from actors.registry import KINDS
-from actors.runtime.config import DatasetConfig, Topology
-from actors.runtime.config.engines import ENGINES, EngineRow, sampler_engine
-from actors.runtime.config.estimators import Custom as CustomEstimator
-from actors.runtime.config.losses import Custom as CustomLoss
-from actors.runtime.config.placement import check_placement
-from actors.runtime.config.pools import check_served
-from actors.runtime.config.schema_base import ActorCommon, ConfigError, need
-from actors.runtime.config.teacher import check_teacher
+from actors.runtime.config import (
+    ENGINES,
+    ActorCommon,
+    ConfigError,
+    CustomEstimator,
+    CustomLoss,
+    DatasetConfig,
+    EngineRow,
+    Topology,
+    check_placement,
+    check_served,
+    check_teacher,
+    need,
+    sampler_engine,
+)
 from actors.runtime.transports.table import transport_problem
 
 

@@ -29,8 +29,7 @@ import socket
 import msgspec
 
 from actors.registry import NAMES
-from actors.runtime.config import Topology
-from actors.runtime.config.schema_base import ConfigError, need
+from actors.runtime.config import ConfigError, Topology, need
 
 PORTS = {"replay.address": 0, "router.address": 1, "router.worker_address": 2,
          "learner.weights_address": 3}

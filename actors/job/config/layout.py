@@ -5,11 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from actors.runtime.config.engines import ENGINES, engine_gpus
-from actors.runtime.config.gpus import MIN_SHARE, SHARED_BUDGET, PlacedProcess, on_gpu
-from actors.runtime.config.names import ProcessName, of_kind
-from actors.runtime.config.pools import served_devices
-from actors.runtime.config.schema_base import ConfigError
+from actors.runtime.config import (
+    ENGINES,
+    MIN_SHARE,
+    SHARED_BUDGET,
+    ConfigError,
+    PlacedProcess,
+    ProcessName,
+    engine_gpus,
+    of_kind,
+    on_gpu,
+    served_devices,
+)
 from actors.runtime.transports.table import placement_problem
 
 

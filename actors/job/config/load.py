@@ -18,17 +18,23 @@ import msgspec
 from actors.job.config.checks import check
 from actors.job.launchers.table import LAUNCHERS
 from actors.model_store import DEFAULT_MODEL
-from actors.runtime.config import LearnerConfig, SamplerConfig, Topology
-from actors.runtime.config.algorithm import AlgorithmConfig
-from actors.runtime.config.constraints import refusal
-from actors.runtime.config.custom import file_sha256
-from actors.runtime.config.engines import ENGINES, engine_gpus, sampler_engine
-from actors.runtime.config.estimators import ROWS as ESTIMATOR_ROWS
-from actors.runtime.config.estimators import Custom as CustomEstimator
-from actors.runtime.config.gpus import visible_gpus
-from actors.runtime.config.losses import ROWS as LOSS_ROWS
-from actors.runtime.config.losses import Custom as CustomLoss
-from actors.runtime.config.schema_base import ConfigError
+from actors.runtime.config import (
+    ENGINES,
+    ESTIMATOR_ROWS,
+    LOSS_ROWS,
+    AlgorithmConfig,
+    ConfigError,
+    CustomEstimator,
+    CustomLoss,
+    LearnerConfig,
+    SamplerConfig,
+    Topology,
+    engine_gpus,
+    file_sha256,
+    refusal,
+    sampler_engine,
+    visible_gpus,
+)
 from actors.runtime.transports.table import resolve_transport
 
 

@@ -39,10 +39,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from actors.runtime.config import Topology
-from actors.runtime.config.estimators import Custom as CustomEstimator
-from actors.runtime.config.losses import Custom as CustomLoss
-from actors.runtime.config.schema_base import ConfigError
+from actors.runtime.config import ConfigError, CustomEstimator, CustomLoss, Topology
 
 PREFLIGHT_TIMEOUT_S = 120.0  # per child call: importing torch-heavy user code, loading a tokenizer
 _MODULE = "actors.sandbox.preflight"

@@ -20,8 +20,7 @@ from typing import Any
 import msgspec
 from msgspec import inspect as mi
 
-from actors.runtime.config import Topology
-from actors.runtime.config.constraints import BIG
+from actors.runtime.config import BIG, Topology
 
 
 @dataclass(frozen=True)

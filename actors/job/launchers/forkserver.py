@@ -220,7 +220,7 @@ def zygote(path: str) -> None:
     engine's modules, the llama architecture), then fork a fork server for each runner that
     asks on the unix socket ``path`` (``FromZygote``), until killed."""
     from actors.registry import BY_NAME, NAMES
-    from actors.runtime.config.engines import ENGINES, FALLBACK
+    from actors.runtime.config import ENGINES, FALLBACK
 
     own = {k: v for k, v in os.environ.items() if k not in VOLATILE}  # (imports may add keys)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -18,8 +18,7 @@ import trio
 from actors.job.config.hosts import resolve_addresses
 from actors.job.launchers.base import ACTOR_ENV, ENTRY, ROOT, Child, Launcher
 from actors.job.launchers.forkserver import ForkServer
-from actors.runtime.config import Topology
-from actors.runtime.config.gpus import visible_gpus
+from actors.runtime.config import Topology, visible_gpus
 
 
 class LocalLauncher(Launcher):
@@ -63,7 +62,7 @@ def preload(topology: Topology) -> tuple[list[str], str, list[str]]:
     """What the fork server imports for ``topology``'s actors: the body of each kind the job has,
     the model's architecture, and the sampler's engine's modules (its row's ``preload``)."""
     from actors.registry import NAMES
-    from actors.runtime.config.engines import ENGINES
+    from actors.runtime.config import ENGINES
 
     kinds = [k for k in NAMES if k == "learner" or getattr(topology, k).count]
     row = ENGINES.get(topology.sampler.engine) if topology.sampler.count else None

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from actors.job.config.hosts import NAME, PORTS, _get
 from actors.registry import NAMES
-from actors.runtime.config import Topology
-from actors.runtime.config.schema_base import need
+from actors.runtime.config import Topology, need
 
 
 def check_ray(topology: Topology) -> None:

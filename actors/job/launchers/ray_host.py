@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from actors.runtime.config.gpus import DEVICE_ENV
+from actors.runtime.config import DEVICE_ENV
 
 PR_SET_PDEATHSIG = 1
 ROOT = Path(__file__).resolve().parents[3]  # the tree on this node (a Ray working_dir too)

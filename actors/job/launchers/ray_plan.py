@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from actors.runtime.config import ConfigError, Topology
-from actors.runtime.config.gpus import PlacedProcess
-from actors.runtime.config.names import ProcessName
+from actors.runtime.config import ConfigError, PlacedProcess, ProcessName, Topology
 
 HOST_SHARE = 0.001  # of a KIND.host resource per process: a node's resource serves them all
 

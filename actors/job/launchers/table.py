@@ -55,7 +55,7 @@ def _check_ray(topology: Topology) -> None:
 
 
 def _ray_problem() -> str | None:
-    from actors.runtime.config.ray import ray_problem
+    from actors.runtime.config import ray_problem
 
     return ray_problem()
 

@@ -47,7 +47,7 @@ from transformers import (
 from actors.data.vision import ImageProcessor, is_vision_model
 from actors.model_store import PolicyModel
 from actors.runtime.actor import run_compute
-from actors.runtime.config.engines import Decode
+from actors.runtime.config import Decode
 from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.profiling import profiled
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from actors.runtime.config.engines import ENGINES, engine_gpus
+from actors.runtime.config import ENGINES, engine_gpus
 from actors.runtime.transports.base import ReceiveInto
 
 if TYPE_CHECKING:

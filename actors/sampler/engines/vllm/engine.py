@@ -63,7 +63,7 @@ import torch
 import trio
 
 from actors.data.vision import decode
-from actors.runtime.config.gpus import process_share
+from actors.runtime.config import process_share
 from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
