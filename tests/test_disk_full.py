@@ -75,3 +75,30 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(smal
             "(fewer than learner.keep_checkpoints") in more.stdout + more.stderr
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
+
+
+@pytest.mark.slow  # two tiny two-rank jobs, about half a minute
+def test_a_full_disk_under_two_learner_ranks_stops_in_one_line_and_resumes(small_disk, tmp_path):
+    """With two ranks (a sharded learner: the optimizer's state written by both) the job stops
+    as with one: one line, the last good checkpoint intact, nothing half-written; the same
+    command resumes. (Several ranks never prune an older checkpoint to make room: they would
+    have to agree on it; they stop instead.)"""
+    model = build_tiny_model(tmp_path / "model")
+    run = small_disk / "run"
+    job = command(model, run, "learner.total_steps=4", "learner.save_every=2",
+                  "learner.nproc_per_node=2")
+    first = subprocess.run([*job, "learner.total_steps=2"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    whole = run / "checkpoints" / "step_2"
+    fill(small_disk, sum(f.stat().st_size for f in whole.rglob("*") if f.is_file()) // 3)
+    full = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = full.stdout + full.stderr
+    assert full.returncode != 0, out[-3000:]
+    assert f"no space left in {run}/checkpoints for checkpoint step_4" in out, out[-3000:]
+    assert damage(whole) is None and not list((run / "checkpoints").glob(".tmp_step_*"))
+    (small_disk / "filler").unlink()
+    again = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert damage(run / "checkpoints" / "step_4") is None
