@@ -77,12 +77,12 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(smal
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
 
-@pytest.mark.slow  # two tiny two-rank jobs, about half a minute
+@pytest.mark.slow  # three tiny two-rank jobs, about half a minute
 def test_a_full_disk_under_two_learner_ranks_stops_in_one_line_and_resumes(small_disk, tmp_path):
-    """With two ranks (a sharded learner: the optimizer's state written by both) the job stops
-    as with one: one line, the last good checkpoint intact, nothing half-written; the same
-    command resumes. (Several ranks never prune an older checkpoint to make room: they would
-    have to agree on it; they stop instead.)"""
+    """With two ranks (a sharded learner: the optimizer's state written by both) as with one:
+    with no older checkpoint to remove the job stops in one line, the last good checkpoint
+    intact and nothing half-written, and the same command resumes; with one, the leader
+    removes it before the next checkpoint is written and the job trains on."""
     model = build_tiny_model(tmp_path / "model")
     run = small_disk / "run"
     job = command(model, run, "learner.total_steps=4", "learner.save_every=2",
@@ -102,3 +102,13 @@ def test_a_full_disk_under_two_learner_ranks_stops_in_one_line_and_resumes(small
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
     assert damage(run / "checkpoints" / "step_4") is None
+    # full again, with an older checkpoint than the newest: the leader removes it before the
+    # next is written (the ranks never have to agree mid-write), and the job trains on
+    fill(small_disk, sum(f.stat().st_size for f in whole.rglob("*") if f.is_file()) // 3)
+    more = subprocess.run([*job, "learner.total_steps=6"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert (f"no space left in {run}/checkpoints for step_6: removed step_2 to make room "
+            "(fewer than learner.keep_checkpoints") in more.stdout + more.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]

@@ -402,6 +402,10 @@ class Policy:
         final = checkpoint_dir(self.run_dir, self.step)
         tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{self.writer}"
         lead = self.group.leader
+        if lead:  # (the others wait for it at the write's first barrier)
+            while shutil.disk_usage(self.run_dir).free < self._checkpoint_bytes() and \
+                    self._make_room(final, ahead=True):
+                pass
         while True:
             try:
                 self._write_checkpoint(tmp, lead)
@@ -411,13 +415,9 @@ class Policy:
                     raise
                 if lead:
                     shutil.rmtree(tmp, ignore_errors=True)
-                room = self._make_room()
-                if room is None:
+                if not self._make_room(final):
                     raise DiskFull(final.parent, f"checkpoint {final.name}",
                                    self._checkpoint_bytes()) from exc
-                print(f"[learner] no space left in {final.parent} for {final.name}: removed "
-                      f"{room} to make room (fewer than learner.keep_checkpoints = "
-                      f"{self.cfg.keep_checkpoints} are kept)", file=sys.stderr, flush=True)
         if lead:
             if final.exists():
                 shutil.rmtree(final)
@@ -464,15 +464,20 @@ class Policy:
         if lead:
             write_checksums(tmp)  # (every rank's files: the folder is on a shared filesystem)
 
-    def _make_room(self) -> str | None:
-        """On one rank, remove the oldest checkpoint but the newest (the one a resume would
-        take) and name it; None when there is none such (or the ranks are several: they would
-        have to agree)."""
+    def _make_room(self, final: Path, ahead: bool = False) -> bool:
+        """Remove the oldest checkpoint but the newest (the one a resume would take), saying
+        so; False when there is none such. ``ahead``: on the leader before the checkpoint is
+        written, where the disk has less room than the newest checkpoint takes, so several
+        ranks prune as one does. Not ``ahead`` (a write that ran out of space), on one rank
+        only: several would have to agree mid-write; they stop instead."""
         found = checkpoints(self.run_dir)
-        if self.group.world > 1 or len(found) < 2:
-            return None
+        if (self.group.world > 1 and not ahead) or len(found) < 2:
+            return False
         shutil.rmtree(found[0][1], ignore_errors=True)
-        return found[0][1].name
+        print(f"[learner] no space left in {final.parent} for {final.name}: removed "
+              f"{found[0][1].name} to make room (fewer than learner.keep_checkpoints = "
+              f"{self.cfg.keep_checkpoints} are kept)", file=sys.stderr, flush=True)
+        return True
 
     def _checkpoint_bytes(self) -> int:
         """About what a checkpoint takes: the newest one's files, or the weights and two
