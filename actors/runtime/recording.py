@@ -250,7 +250,8 @@ def parts(run_dir: Path, table: str) -> list[Path]:
 
 class RecordingDamaged(ValueError):
     """A part file of the recording that cannot be read whole: cut short, or bytes changed on
-    disk since it was written (each page carries a CRC-32)."""
+    disk since it was written (the whole file's CRC-32 is in its name, each page carries its
+    own)."""
 
 
 NAMED_CRC = re.compile(r"part-\d+-\d+-([0-9a-f]{8})\.parquet")
