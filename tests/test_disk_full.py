@@ -81,3 +81,29 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(smal
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
+
+
+def test_a_recording_flush_on_a_full_disk_says_so_and_loses_no_row(small_disk):
+    """The recording's writer on a full disk: one line naming its table's folder and the space
+    needed, no half-written part, the rows kept; the next flush, once there is room, writes
+    them (the actor exits with that line on it, as the learner does for a checkpoint)."""
+    from actors.runtime.recording import TableWriter, read_table
+    from actors.runtime.rundir import RECORD_DIR, DiskFull
+
+    run = small_disk / "run"
+    writer = TableWriter(run, "metrics")
+    writer.append({"step": 1, "metrics": {"loss": 1.0}})
+    writer.flush()
+    fill(small_disk, 0)
+    writer.append({"step": 2, "metrics": {"loss": 2.0, "kl": 0.5}})
+    with pytest.raises(DiskFull) as caught:
+        writer.flush()
+    assert str(caught.value).startswith(
+        f"no space left in {run / RECORD_DIR / 'metrics'} for the recording's metrics table "
+        "(it needs about ")
+    assert [p.name for p in (run / RECORD_DIR / "metrics").iterdir()
+            if not p.name.startswith("part-")] == []  # no temp file left
+    assert read_table(run, "metrics")["step"].to_pylist() == [1]
+    (small_disk / "filler").unlink()
+    writer.flush()
+    assert read_table(run, "metrics")["step"].to_pylist() == [1, 2]
