@@ -402,10 +402,10 @@ class Policy:
         final = checkpoint_dir(self.run_dir, self.step)
         tmp = final.parent / f"{PARTIAL_PREFIX}{self.step}_{self.writer}"
         lead = self.group.leader
-        if lead:  # (the others wait for it at the write's first barrier)
-            while shutil.disk_usage(self.run_dir).free < self._checkpoint_bytes() and \
-                    self._make_room(final, ahead=True):
-                pass
+        # (the others wait for the first rank at the write's first barrier)
+        while lead and len(checkpoints(self.run_dir)) > 1 and \
+                shutil.disk_usage(self.run_dir).free < self._checkpoint_bytes():
+            self._make_room(final, ahead=True)
         while True:
             try:
                 self._write_checkpoint(tmp, lead)
