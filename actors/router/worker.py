@@ -21,7 +21,7 @@ import anyio.abc
 import zmq
 
 from actors.runtime.actor import ActorContext
-from actors.runtime.security import handshake_monitor, watch_handshake
+from actors.runtime.security import handshake_monitor, handshake_refused, watch_handshake
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Finished
@@ -139,8 +139,15 @@ async def serve(ctx: ActorContext, worker: PoolWorker, monitor: AsyncSocket | No
         finally:
             stopping.set()
 
-    await worker.sock.send_multipart([encode(WorkerHello(name=ctx.name, pool=worker.pool,
-                                                         capacity=worker.capacity))])
+    hello = [encode(WorkerHello(name=ctx.name, pool=worker.pool, capacity=worker.capacity))]
+    if monitor is None:
+        await worker.sock.send_multipart(hello)
+    else:  # a refused key leaves the socket no peer to queue the hello for: watched meanwhile
+        assert ctx.curve is not None
+        async with anyio.create_task_group() as first:
+            first.start_soon(handshake_refused, monitor, address, ctx.curve.public)
+            await worker.sock.send_multipart(hello)
+            first.cancel_scope.cancel()
     task_status.started()
     try:
         with worker.sock:

@@ -237,11 +237,16 @@ def handshake_monitor(sock: AsyncSocket) -> AsyncSocket:
     return AsyncSocket(sock.socket.get_monitor_socket(events))
 
 
-async def watch_handshake(monitor: AsyncSocket, address: str, public: bytes) -> None:
+async def handshake_refused(monitor: AsyncSocket, address: str, public: bytes) -> None:
     """Raise :class:`HandshakeRefused` once the monitored socket's handshake with ``address``
-    fails; closes ``monitor`` when it returns."""
+    fails (``monitor`` stays open: cancelled, it can be watched again)."""
+    while True:
+        event = int(parse_monitor_message(await monitor.recv_multipart())["event"])
+        if event in FAILURES:
+            raise HandshakeRefused(f"{address} " + FAILURES[event].format(key=public.decode()[:8]))
+
+
+async def watch_handshake(monitor: AsyncSocket, address: str, public: bytes) -> None:
+    """:func:`handshake_refused`, closing ``monitor`` when it returns."""
     with monitor:
-        while True:
-            event = int(parse_monitor_message(await monitor.recv_multipart())["event"])
-            if event in FAILURES:
-                raise HandshakeRefused(f"{address} " + FAILURES[event].format(key=public.decode()[:8]))
+        await handshake_refused(monitor, address, public)
