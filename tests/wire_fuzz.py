@@ -32,6 +32,7 @@ what is captured, follows the job's timing).
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import time
@@ -60,6 +61,8 @@ from messages.routing import (
 )
 from messages.weights import ToLearnerWeights
 from tests.helpers import CASES, routed, sample_group, score_request
+
+SETTLE_S = 1.0  # frames sent this long before the fuzzer stopped were read by the job's end
 
 HUGE = [b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xffabc", b"\xdd\xff\xff\xff\xff\x01",
         b"\xdf\xff\xff\xff\xff\xa4type", b"\xc5\xff\xff", b"\x81\xa4type\xdb\x7f\xff\xff\xffab"]
@@ -120,6 +123,12 @@ class Tally:
     outsider_connections: int = 0  # their connections (each one a handshake the job refuses)
     dropped: int = 0  # frames a full socket did not take (never sent: not counted anywhere)
     captured: int = 0  # real frames received from the job
+    # the counts above as they stood SETTLE_S before the fuzzer stopped: what each actor must
+    # have read by the job's end (the last second's frames may still be queued when it stops)
+    settled: Counter = field(default_factory=Counter)
+
+    def counts(self) -> Counter:
+        return Counter({**self.bad, "stale": self.stale})
 
     def total(self) -> int:
         return sum(self.bad.values()) + self.bodies + self.group_replays + self.stale \
@@ -349,12 +358,19 @@ class WireFuzzer:
         self.connect()
         self.probe()
         bursts = 0
+        history: collections.deque[tuple[float, Counter]] = collections.deque()
         while not self.stopped and not until():
             self.refresh()
             self.step()
             bursts += 1
             if bursts % 50 == 0:
                 self.reconnect_outsider()
+            now = time.monotonic()
+            history.append((now, self.tally.counts()))
+            while len(history) > 1 and history[1][0] <= now - SETTLE_S:
+                history.popleft()
+        if history and history[0][0] <= time.monotonic() - SETTLE_S:
+            self.tally.settled = history[0][1]
         deadline = time.monotonic() + 5.0  # the last answers (the garbage bodies' replies)
         while self.tally.bodies_answered < self.tally.bodies and time.monotonic() < deadline:
             self.drain()
@@ -374,9 +390,11 @@ def summary(tally: Tally) -> dict[str, Any]:
 
 def audit(run_dir: Path, tally: Tally, rc: int) -> dict[str, bool]:
     """The checks of a fuzzed job, from what it recorded: it finished, no actor restarted,
-    nothing was lost or trained twice, and each actor counted exactly the frames sent to it
-    that it must reject (``rejected`` groups and router ``duplicates`` may also count the job's
-    own late copies, so those are exact only when nothing was re-sent or re-issued)."""
+    nothing was lost or trained twice, and each actor counted the frames sent to it that it
+    must reject: every one sent by ``SETTLE_S`` before the fuzzer stopped, and none more than
+    were sent (the job may end before it reads the last second's; ``rejected`` groups and
+    router ``duplicates`` may also count the job's own late copies, so those are exact only
+    when nothing was re-sent or re-issued)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [json.loads(x) for x in (run_dir / "status.jsonl").read_text().splitlines()][-1]
     replay, router, learner = last["replay-0"], last["router-0"], last["learner-0"]
@@ -384,7 +402,11 @@ def audit(run_dir: Path, tally: Tally, rc: int) -> dict[str, bool]:
     batches = read_table(run_dir, "batches", ["step", "group_ids"]).to_pylist()
     trained = [g for b in batches for g in b["group_ids"]]
     own_copies = replay.get("reissued_silent", 0) + replay.get("reissued_restarted", 0)
-    bad = tally.bad
+    sent = tally.counts()
+
+    def within(counted: int, *names: str) -> bool:
+        """Every frame sent by SETTLE_S before the end counted, and none more than was sent."""
+        return sum(tally.settled[n] for n in names) <= counted <= sum(sent[n] for n in names)
     return {
         "job finished (exit 0)": rc == 0 and last.get("outcome") == "finished",
         "no actor restarted": all(v.get("restarts", 0) == 0 for v in last.values()
@@ -394,16 +416,17 @@ def audit(run_dir: Path, tally: Tally, rc: int) -> dict[str, bool]:
             for r in rows),
         "each step one batch": sorted(b["step"] for b in batches) == [r["step"] for r in rows],
         "no group trained twice": len(trained) == len(set(trained)),
-        "replay counted each frame sent to it": replay.get("rejected_frames") == bad["replay"],
-        "router counted each frame sent to it": router.get("rejected_frames")
-        == bad["router clients"] + bad["router workers"],
-        "learner counted each frame sent to it": learner.get("rejected_frames")
-        == bad["learner weights"],
-        "runner counted each frame sent to it": last.get("rejected_frames", 0)
-        == bad["runner control"],
+        "replay counted each frame sent to it": within(replay.get("rejected_frames", 0),
+                                                       "replay"),
+        "router counted each frame sent to it": within(router.get("rejected_frames", 0),
+                                                       "router clients", "router workers"),
+        "learner counted each frame sent to it": within(learner.get("rejected_frames", 0),
+                                                        "learner weights"),
+        "runner counted each frame sent to it": within(last.get("rejected_frames", 0),
+                                                       "runner control"),
         "reward workers counted each garbage body": sum(r.get("rejected_bodies", 0)
                                                         for r in rewards) == tally.bodies,
-        "old batch requests and notices refused": replay.get("stale_refused") == tally.stale,
+        "old batch requests and notices refused": within(replay.get("stale_refused", 0), "stale"),
         "trained groups sent again refused": replay.get("rejected", 0) >= tally.group_replays
         and (own_copies > 0 or replay.get("rejected", 0) == tally.group_replays),
         # each replay the router read (those before its last acked barrier at least) refused
