@@ -170,11 +170,15 @@ class TableWriter:
     def _write(self, rows: list[dict[str, Any]]) -> Path:
         table = pa.Table.from_pylist(rows, schema=self.schema)
         tmp = self.dir / f".part-{INCARNATION}-{self.seq:06d}.parquet.tmp"
+        sink = pa.BufferOutputStream()  # in memory first: its CRC-32 goes in its name
+        pq.write_table(table, sink, row_group_size=max(1, len(rows)),
+                       use_dictionary=self.dictionary, write_page_checksum=True)
+        data = sink.getvalue()
+        crc = zlib.crc32(data)
         try:
-            pq.write_table(table, tmp, row_group_size=max(1, len(rows)),
-                           use_dictionary=self.dictionary, write_page_checksum=True)
-            with open(tmp, "rb+") as f:
-                crc = zlib.crc32(f.read())
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
                 os.fsync(f.fileno())
         except Exception as exc:
             tmp.unlink(missing_ok=True)
@@ -263,11 +267,15 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
     name = f"{RECORD_DIR}/{path.parent.name}/{path.name}"
     schema = SCHEMAS.get(path.parent.name)
     named = NAMED_CRC.fullmatch(path.name)
-    if named is not None and zlib.crc32(path.read_bytes()) != int(named.group(1), 16):
-        raise RecordingDamaged(f"{name} is damaged (not what was written: its CRC-32 differs "
-                               "from the one in its name)")
+    source: Path | pa.BufferReader = path
+    if named is not None:  # read once: checked whole, then parsed from memory
+        data = path.read_bytes()
+        if zlib.crc32(data) != int(named.group(1), 16):
+            raise RecordingDamaged(f"{name} is damaged (not what was written: its CRC-32 "
+                                   "differs from the one in its name)")
+        source = pa.BufferReader(data)
     try:
-        table = pq.read_table(path, columns=columns, page_checksum_verification=True)
+        table = pq.read_table(source, columns=columns, page_checksum_verification=True)
         # the footer's schema carries no checksum: a changed name or type is damage too
         wrong = [f for f in table.schema if schema is not None and (
             schema.get_field_index(f.name) < 0 or schema.field(f.name).type != f.type)]
