@@ -51,7 +51,7 @@ from actors.job.processes import Proc, Processes, job_procs
 from actors.registry import BY_NAME
 from actors.runtime.config import Topology
 from actors.runtime.cores import remove_table
-from actors.runtime.rundir import STATUS, TOPOLOGY
+from actors.runtime.rundir import STATUS, TOPOLOGY, remove_partial
 from actors.runtime.security import ZapHandler, job_keys
 from actors.runtime.zmq_bridge import make_socket
 from messages.codec import Codec, DecodeError, encode
@@ -390,6 +390,16 @@ class Job:
             for _, process in live:
                 getattr(process, action)()
 
+    def reaped_every_learner_rank(self) -> bool:
+        """Every rank of the learner was this runner's child and has exited: a checkpoint
+        half-written when the job stopped (a rank out of space while another still wrote into
+        the temp folder) will never be finished, so its room can be given back now."""
+        ranks = [p for p in self.processes.of_kind("learner") if not p.attached]
+        L = self.topo.learner
+        return (len(ranks) == L.nproc_per_node * L.nnodes
+                and all(not p.remote and p.process is not None
+                        and p.process.returncode is not None for p in ranks))
+
     async def run(self) -> int:
         try:
             async with trio.open_nursery() as outer:
@@ -407,6 +417,8 @@ class Job:
                     with trio.CancelScope(shield=True):
                         await self.shutdown()
                         remove_table(self.run_dir)  # this host's core table (actors/runtime/cores.py)
+                        if self.reaped_every_learner_rank():
+                            remove_partial(self.run_dir)  # (a full disk wants that room back)
                         await trio.sleep(0.1)  # the last reports of the actors just reaped
                         if self.member is not None:
                             await self.member.closing()

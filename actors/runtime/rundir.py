@@ -59,7 +59,7 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 CHECKSUMS = "checksums.json"  # in a checkpoint: each other file's [size, CRC-32]
 DAMAGED = ".damaged"  # the suffix of a checkpoint set aside as damaged
-PARTIAL_PREFIX = ".tmp_step_"  # a checkpoint being written; left behind only by a kill
+PARTIAL_PREFIX = ".tmp_step_"  # a checkpoint being written; left behind only by a killed runner
 _NAME = re.compile(r"step_(\d+)")
 
 
