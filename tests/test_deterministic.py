@@ -63,7 +63,9 @@ def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_m
     recorded, while the next batch is generating (the runner restarts them; the batch goes out
     again whole, with the same version and seed), then the runner and every actor to SIGKILL
     at once after step 3 (a checkpoint at step 2); the same command resumes it, training step 3
-    again. B agrees with A bit for bit."""
+    again. B agrees with A bit for bit. (On a loaded machine the kill may land only after the
+    last step's checkpoint: the resume then has the last validation alone to do, whose weights
+    the learner must hold out until a sampler has polled for them.)"""
     run_job(tiny_model, tmp_path / "a")
     run_dir = tmp_path / "b"
     cmd = command(tiny_model, run_dir, *FAST, *DETERMINISTIC)

@@ -203,3 +203,41 @@ async def test_a_gone_sampler_is_not_waited_for_at_the_end(sockets):
             learner_sock.socket.disable_monitor()
             monitor.close(linger=0)
     zctx.destroy(linger=0)
+
+
+@pytest.mark.anyio
+async def test_the_last_weights_are_waited_for_until_a_sampler_starts_polling(sockets):
+    """A learner resumed with no step left to train publishes the last weights before any
+    sampler polls; the last validation needs them, so ``wait_received(first=True)`` holds until
+    a sampler that connects later has them (without ``first`` it returns at once: nobody is
+    waited for, and a job whose learner left then waits for that validation forever)."""
+    zctx = zmq.Context()
+    address = f"ipc://{sockets}/weights"
+    with anyio.fail_after(60):
+        with make_socket(zctx, zmq.ROUTER, bind=address) as learner_sock:
+            publisher = WeightsPublisher(learner_sock, ZmqSender())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.serve)
+                await publisher.publish(3, tensors(3))
+                assert await publisher.wait_received(timeout_s=30)  # at once: nobody polled
+                waited: list[bool] = []
+                returned = anyio.Event()
+
+                async def wait_first() -> None:
+                    waited.append(await publisher.wait_received(timeout_s=30, first=True))
+                    returned.set()
+
+                tg.start_soon(wait_first)
+                await anyio.wait_all_tasks_blocked()
+                assert waited == []  # no sampler yet: still waiting
+                with make_socket(zctx, zmq.DEALER, connect=address) as sock:
+                    late = WeightsSubscriber(sock)
+                    async with anyio.create_task_group() as its_own:
+                        its_own.start_soon(late.serve)
+                        await late.wait_for(3)
+                        await returned.wait()
+                        its_own.cancel_scope.cancel()
+                    late.close()
+                assert waited == [True] and publisher.have == {next(iter(publisher.have)): 3}
+                tg.cancel_scope.cancel()
+    zctx.destroy(linger=0)

@@ -270,7 +270,7 @@ class Learner:
         if V.datasets and V.every > 0:  # the last step is validated: its weights must arrive
             self.ctx.status["state"] = "sending the last weights"
             with self.lending():  # the last validation generates meanwhile
-                await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S)
+                await self.weights.wait_received(FINAL_WEIGHTS_TIMEOUT_S, first=True)
 
     async def finish(self) -> None:
         """At exit, whatever ended the loop: the recording, and a checkpoint of the last step."""

@@ -160,10 +160,16 @@ class WeightsPublisher:
                 raise
             self.unanswered += 1
 
-    async def wait_received(self, timeout_s: float) -> bool:
+    async def wait_received(self, timeout_s: float, first: bool = False) -> bool:
         """Wait until every sampler that ever polled has the newest weights (a subscriber polls
         again as soon as it receives a version), at most ``timeout_s`` (a dead one never will);
-        True when all have them. Run ``serve`` beside it."""
+        True when all have them. Run ``serve`` beside it.
+
+        ``first``: before that, with no bound, until some sampler has them: what comes next
+        needs them (the last validation), and a learner resumed with no step left to train
+        publishes before any sampler has started to poll."""
+        while first and not any(v >= self.version for v in self.have.values()):
+            await self._polled.wait()
         with anyio.move_on_after(timeout_s):
             while any(v < self.version for v in self.have.values()):
                 await self._polled.wait()
