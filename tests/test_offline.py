@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import zlib
 from pathlib import Path
 
@@ -373,6 +374,12 @@ def test_a_bundle_of_a_step_reruns_exactly_in_another_directory(run_dir, tmp_pat
     out = tmp_path / "step5.tar"
     res = runner("bundle", str(copy), "--step", "5", "-o", str(out))
     assert res.returncode == 0 and f"wrote {out}" in res.stdout, res.stderr[-2000:]
+    with tarfile.open(out) as tar:  # its parts carry their CRC-32, as a run's own do
+        named = [m.name for m in tar.getmembers() if m.name.endswith(".parquet")]
+        for name in named:
+            data = tar.extractfile(name).read()  # type: ignore[union-attr]
+            assert Path(name).name.endswith(f"-{zlib.crc32(data):08x}.parquet"), name
+    assert len(named) == 3, named  # batches, metrics, groups
     shutil.rmtree(copy)  # nothing of the run is left but the file
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import TextIO
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from actors.model_store import DEFAULT_MODEL, model_dir
 from actors.offline.recorded import OfflineError, open_run, span
 from actors.offline.rerun import checkpoint_before, rerun
-from actors.runtime.recording import SCHEMAS, last_by, read_table
+from actors.runtime.recording import SCHEMAS, last_by, part_file, read_table
 from actors.runtime.rundir import CHECKPOINTS, RECORD_DIR, TOPOLOGY
 
 MANIFEST = "bundle.json"
@@ -77,9 +76,8 @@ def bundle(run_dir: str | Path, step: int, out_file: str | Path) -> Path:
             rows = [row for k, row in last_by(read_table(run.run_dir, table), key).items()
                     if k in keep]
             (mini / RECORD_DIR / table).mkdir()
-            pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS[table]),
-                           mini / RECORD_DIR / table / "part-0-000000.parquet",
-                           write_page_checksum=True)
+            data, name = part_file(pa.Table.from_pylist(rows, schema=SCHEMAS[table]), 0, 0)
+            (mini / RECORD_DIR / table / name).write_bytes(data)
         (mini / TOPOLOGY).write_text(json.dumps(topology))
         if ckpt is not None:
             shutil.copytree(ckpt, mini / CHECKPOINTS / ckpt.name)

@@ -170,11 +170,7 @@ class TableWriter:
     def _write(self, rows: list[dict[str, Any]]) -> Path:
         table = pa.Table.from_pylist(rows, schema=self.schema)
         tmp = self.dir / f".part-{INCARNATION}-{self.seq:06d}.parquet.tmp"
-        sink = pa.BufferOutputStream()  # in memory first: its CRC-32 goes in its name
-        pq.write_table(table, sink, row_group_size=max(1, len(rows)),
-                       use_dictionary=self.dictionary, write_page_checksum=True)
-        data = sink.getvalue()
-        crc = zlib.crc32(data)
+        data, name = part_file(table, INCARNATION, self.seq, self.dictionary)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -186,11 +182,22 @@ class TableWriter:
                 raise DiskFull(self.dir, f"the recording's {self.table} table",
                                table.nbytes) from exc
             raise
-        final = self.dir / f"part-{INCARNATION}-{self.seq:06d}-{crc:08x}.parquet"
+        final = self.dir / name
         os.replace(tmp, final)
         self.seq += 1
         self.written += len(rows)
         return final
+
+
+def part_file(table: pa.Table, incarnation: int, seq: int,
+              dictionary: bool | list[str] = True) -> tuple[pa.Buffer, str]:
+    """A part's bytes (parquet, each page checksummed; one row group) and its file name,
+    which carries their CRC-32 (``read_part`` checks it)."""
+    sink = pa.BufferOutputStream()  # in memory first: its CRC-32 goes in its name
+    pq.write_table(table, sink, row_group_size=max(1, table.num_rows),
+                   use_dictionary=dictionary, write_page_checksum=True)
+    data = sink.getvalue()
+    return data, f"part-{incarnation}-{seq:06d}-{zlib.crc32(data):08x}.parquet"
 
 
 class Recorder:
