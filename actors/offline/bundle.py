@@ -76,7 +76,7 @@ def bundle(run_dir: str | Path, step: int, out_file: str | Path) -> Path:
             rows = [row for k, row in last_by(read_table(run.run_dir, table), key).items()
                     if k in keep]
             (mini / RECORD_DIR / table).mkdir()
-            data, name = part_file(pa.Table.from_pylist(rows, schema=SCHEMAS[table]), 0, 0)
+            data, name = part_file(pa.Table.from_pylist(rows, schema=SCHEMAS[table]), "0", 0)
             (mini / RECORD_DIR / table / name).write_bytes(data)
         (mini / TOPOLOGY).write_text(json.dumps(topology))
         if ckpt is not None:

@@ -189,7 +189,7 @@ class TableWriter:
         return final
 
 
-def part_file(table: pa.Table, incarnation: int, seq: int,
+def part_file(table: pa.Table, incarnation: str, seq: int,
               dictionary: bool | list[str] = True) -> tuple[pa.Buffer, str]:
     """A part's bytes (parquet, each page checksummed; one row group) and its file name,
     which carries their CRC-32 (``read_part`` checks it)."""
