@@ -176,6 +176,9 @@ def test_checkpoint_resume_restores_weights_and_step(tiny_model, tmp_path, extra
     t.policy.save_checkpoint()
     r = make_trainer(tiny_model, tmp_path, *extra)
     assert r.policy.step == 1 and r.policy.resumed_from is not None
+    assert r.policy.scheduler.get_last_lr() == t.policy.scheduler.get_last_lr()  # bit for bit
+    assert [g["lr"] for g in r.policy.optimizer.param_groups] == \
+        [g["lr"] for g in t.policy.optimizer.param_groups]
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-6
     if t.policy.critic is not None:
@@ -187,6 +190,25 @@ def test_checkpoint_resume_restores_weights_and_step(tiny_model, tmp_path, extra
     r.train_step(groups)
     pa, pb = params(t), params(r)
     assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) < 1e-5
+
+
+def test_a_resume_with_another_learning_rate_trains_with_it(tiny_model, tmp_path):
+    """The checkpoint's optimizer and schedule hold the rate they were made with; the
+    topology's wins (at the schedule's place the checkpoint holds), for the critic's too."""
+    schedule = ["algorithm.adv_estimator=gae", "learner.lr_scheduler=cosine",
+                "learner.warmup_steps=1", "learner.total_steps=4"]
+    t = make_trainer(tiny_model, tmp_path, *schedule)
+    t.train_step(make_groups(t))
+    t.train_step(make_groups(t, seed=1))
+    t.policy.save_checkpoint()
+    r = make_trainer(tiny_model, tmp_path, *schedule, "learner.lr=0.25", "learner.critic_lr=0.5")
+    at = r.policy.scheduler.lr_lambdas[0](2)
+    assert r.policy.scheduler.last_epoch == 2 and 0 < at < 1
+    assert [g["lr"] for g in r.policy.optimizer.param_groups] == [0.25 * at]
+    assert r.policy.scheduler.get_last_lr() == [0.25 * at]
+    assert [g["lr"] for g in r.policy.critic_optimizer.param_groups] == [0.5]
+    r.train_step(make_groups(r, seed=2))
+    assert r.policy.scheduler.get_last_lr() == [0.25 * r.policy.scheduler.lr_lambdas[0](3)]
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")

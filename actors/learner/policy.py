@@ -289,9 +289,24 @@ class Policy:
     def _load_training_state(self, ckpt: Path, state: dict) -> None:
         self._load_optimizer(ckpt, "optimizer", self.model, self.optimizer)
         self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
+        self._configured_lr()
         if self.critic_optimizer is not None:
             self._load_optimizer(ckpt, "critic_optimizer", self.critic, self.critic_optimizer)
+            for group in self.critic_optimizer.param_groups:
+                group["lr"] = self.cfg.critic_lr
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
+
+    def _configured_lr(self) -> None:
+        """The topology's learning rate over the checkpoint's (its optimizer and schedule hold
+        the one they were made with): a resume with ``learner.lr`` changed trains on with the
+        new rate, at the schedule's place the checkpoint holds. Unchanged, the rate is the same
+        product as the schedule's own step computes."""
+        sched = self.scheduler
+        sched.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
+        for group, at in zip(self.optimizer.param_groups, sched.lr_lambdas, strict=True):
+            group["initial_lr"] = self.cfg.lr
+            group["lr"] = self.cfg.lr * at(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _load_optimizer(self, ckpt: Path, name: str, model, optimizer) -> None:
         """The sharded state (``NAME/``, any number of ranks), or the one-file state of
