@@ -9,11 +9,14 @@ is every other job test's.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.jobs import (
     FAST,
@@ -58,7 +61,16 @@ def assert_same(a: Path, b: Path) -> None:
     assert [r["step"] for r in validations(b)] == [0, 2, 4]
 
 
-def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory) -> Path:
+    """Run A: straight through, the run the others are compared with."""
+    run_dir = tmp_path_factory.mktemp("deterministic") / "a"
+    run_job(tiny_model, run_dir)
+    return run_dir
+
+
+def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_model, straight,
+                                                                          tmp_path):
     """Run A goes straight through. Run B loses both its samplers to SIGKILL once a step is
     recorded, while the next batch is generating (the runner restarts them; the batch goes out
     again whole, with the same version and seed), then the runner and every actor to SIGKILL
@@ -66,7 +78,6 @@ def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_m
     again. B agrees with A bit for bit. (On a loaded machine the kill may land only after the
     last step's checkpoint: the resume then has the last validation alone to do, whose weights
     the learner must hold out until a sampler has polled for them.)"""
-    run_job(tiny_model, tmp_path / "a")
     run_dir = tmp_path / "b"
     cmd = command(tiny_model, run_dir, *FAST, *DETERMINISTIC)
     with (tmp_path / "log").open("w") as log:
@@ -93,4 +104,22 @@ def test_two_deterministic_runs_agree_through_a_sampler_kill_and_a_resume(tiny_m
     assert (run_dir / "checkpoints" / "step_2").is_dir()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert_same(tmp_path / "a", run_dir)
+    assert_same(straight, run_dir)
+
+
+def test_diff_names_a_learning_rate_changed_on_resume_at_the_step_it_moved(tiny_model, straight,
+                                                                          tmp_path):
+    """A change made mid-run is found where it was made: run A's copy, resumed from its
+    checkpoint of step 2 with another ``learner.lr``, parts from A first at step 3's learning
+    rate (its batch and everything the step computes before its update agree)."""
+    changed = tmp_path / "c"
+    shutil.copytree(straight, changed)
+    shutil.rmtree(changed / "checkpoints" / "step_4")  # the newest is step 2's
+    res = subprocess.run(command(tiny_model, changed, *DETERMINISTIC, "learner.lr=1e-3"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0 and "resuming from step_2" in res.stdout, \
+        res.stdout[-3000:] + res.stderr[-3000:]
+    res = subprocess.run([sys.executable, "runner.py", "diff", str(straight), str(changed)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "differ first at step 3: metric actor/lr: 0.003 / 0.001" in res.stdout, res.stdout
