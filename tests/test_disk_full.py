@@ -56,7 +56,7 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(smal
     full = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = full.stdout + full.stderr
     assert full.returncode != 0, out[-3000:]
-    assert f"no space left in {run}/" in out and "MiB are free): free some and run the same " \
+    assert f"no space left in {run}/" in out and "are free): free some and run the same " \
            "command again to resume" in out, out[-3000:]
     assert "!!! restarting" not in out  # a restart would find no more room
     lines = {line for line in out.splitlines() if "no space left in" in line}
@@ -81,6 +81,39 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_resumes(smal
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
+
+@pytest.mark.slow  # three tiny jobs and two stopped ones, under a minute
+def test_a_disk_full_before_a_checkpoint_is_due_stops_the_job_and_the_same_command_resumes(
+        small_disk, tmp_path):
+    """No checkpoint due: a disk full at the job's start stops the runner in one line; one
+    with room for the start alone stops the job at the first write that finds none (a
+    recording's flush, a record); neither restarts anything nor prints a traceback, and once
+    room is freed the same command resumes from the last checkpoint, every step recorded once."""
+    model = build_tiny_model(tmp_path / "model")
+    run = small_disk / "run"
+    job = command(model, run, "learner.total_steps=4", "learner.save_every=2")
+    first = subprocess.run([*job, "learner.total_steps=2"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for leave in (0, 64 << 10):
+        fill(small_disk, leave)
+        full = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = full.stdout + full.stderr
+        lines = sorted({line for line in out.splitlines() if "no space left in" in line})
+        print(leave, "\n".join(lines))
+        assert full.returncode != 0, out[-3000:]
+        assert any(line.startswith("error: ") and f"no space left in {run}" in line and
+                   line.endswith("free some and run the same command again to resume")
+                   for line in lines), out[-3000:]
+        assert "!!! restarting" not in out and "Traceback" not in out, out[-3000:]
+        assert damage(run / "checkpoints" / "step_2") is None
+        (small_disk / "filler").unlink()
+    again = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming from step_2" in again.stdout
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    from actors.runtime.recording import last_by, read_table
+    assert sorted(last_by(read_table(run, "metrics"), "step")) == [1, 2, 3, 4]
 
 
 def test_a_recording_flush_on_a_full_disk_says_so_and_loses_no_row(small_disk):

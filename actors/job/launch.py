@@ -49,8 +49,10 @@ from actors.runtime.rundir import (
     STATUS,
     TOPOLOGY,
     VALIDATION,
+    DiskFull,
     cut_torn_line,
     latest_checkpoint,
+    out_of_space,
     remove_stale_sockets,
     set_aside_damaged,
 )
@@ -167,6 +169,12 @@ def _run(topology: Topology, launcher: Launcher, own_sockets: bool) -> int:
             return 2
         _announce(topology, run_dir, mine)
         return _supervise(topology, run_dir, home, launcher)
+    except OSError as exc:  # the runner's own files (the topology, keys, records) at the start
+        if isinstance(exc, DiskFull) or not out_of_space(exc, run_dir):
+            raise
+        print(f"error: {DiskFull(run_dir, 'the job files the runner writes', None)}",
+              file=sys.stderr)
+        return 1
     finally:
         if own_sockets:
             shutil.rmtree(topology.run.socket_dir, ignore_errors=True)

@@ -71,11 +71,16 @@ class DiskFull(OSError):
     runner shows; the actor exits with ``EXIT_DISK_FULL`` and the job stops (a restart would
     find no more room), and the same command resumes once space is freed."""
 
-    def __init__(self, folder: Path, what: str, needed: int) -> None:
+    def __init__(self, folder: Path, what: str, needed: int | None) -> None:
         free = shutil.disk_usage(folder).free if folder.exists() else 0
-        super().__init__(f"no space left in {folder} for {what} (it needs about "
-                         f"{needed / 2**20:,.1f} MiB, {free / 2**20:,.1f} MiB are free): free "
-                         f"some and run the same command again to resume")
+        need = f"it needs about {_amount(needed)}, " if needed is not None else ""
+        super().__init__(f"no space left in {folder} for {what} ({need}{_amount(free)} are "
+                         f"free): free some and run the same command again to resume")
+
+
+def _amount(size: int) -> str:
+    """Bytes as a person reads them: MiB from one up, KiB below."""
+    return f"{size / 2**20:,.1f} MiB" if size >= 2**20 else f"{size / 2**10:,.0f} KiB"
 
 
 def out_of_space(exc: BaseException, folder: Path) -> bool:
