@@ -286,3 +286,14 @@ def test_a_job_trains_with_a_loss_from_a_file_and_reruns_exactly(tiny_model, tmp
         "my_loss.py changed since the topology was loaded" in line
     # on purpose: the new file (the same computation here: the run sets negative_scale)
     assert rerun('algorithm.policy_loss.sha256=""').returncode == 0
+    # a resume with the file edited trains on with it, and says so once
+    more = subprocess.run(command(tiny_model, run_dir, "learner.total_steps=3", "algorithm.n=4",
+                                  f"algorithm.policy_loss.path={files / 'my_loss.py'}", *LOSS,
+                                  "algorithm.policy_loss.kwargs={negative_scale=0.5}"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert more.returncode == 0, more.stdout[-4000:] + more.stderr[-4000:]
+    said = [line for line in more.stdout.splitlines() if "changed since this run's last" in line]
+    assert len(said) == 1 and said[0].startswith(
+        f"=== algorithm.policy_loss.path: {files / 'my_loss.py'} changed since this run's last "
+        "start (sha256 "), more.stdout[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]

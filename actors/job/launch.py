@@ -231,16 +231,34 @@ def _prepare_run_dir(topology: Topology, run_dir: Path, home: Path) -> set[str]:
         if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
             stale.unlink()
     resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
+    before = _user_code(resolved)
     tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
     os.replace(tmp, resolved)
     print(f"=== run directory: {run_dir}", flush=True)
+    for key, (path, sha) in _user_code(resolved).items():
+        if key in before and before[key][1] != sha:
+            print(f"=== {key}.path: {path} changed since this run's last start (sha256 "
+                  f"{before[key][1][:12]}... then, {sha[:12]}... now): the steps from here on "
+                  f"compute with the new code, and a rerun of an earlier step too (it runs "
+                  f"the file as it is now)", flush=True)
     print(f"=== model: {topology.model.path}", flush=True)
     # records appended to: a last line a kill cut short is cut off (the owner's runner
     # writes the metrics and checks the checkpoints)
     for record in (STATUS, METRICS, VALIDATION) if home == run_dir else (STATUS,):
         cut_torn_line(home / record)
     return mine
+
+
+def _user_code(resolved: Path) -> dict[str, tuple[str, str]]:
+    """``{key: (path, sha256)}`` of each user code file the resolved topology at ``resolved``
+    records (a custom loss or estimator); empty when there is none or no such file."""
+    try:
+        algorithm = msgspec.json.decode(resolved.read_bytes()).get("algorithm", {})
+    except (OSError, msgspec.DecodeError, AttributeError):
+        return {}
+    return {f"algorithm.{key}": (row["path"], row["sha256"]) for key, row in algorithm.items()
+            if isinstance(row, dict) and row.get("sha256") and row.get("path")}
 
 
 def _announce(topology: Topology, run_dir: Path, mine: set[str]) -> None:
