@@ -31,12 +31,12 @@ Decode = Literal["eager", "inductor"]
 
 class HFOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     decode: Decode = "eager"
-    """How generate decodes (sampler.engine = hf): eager (a growing KV cache), or inductor: a
-    static KV cache, one per batch shape, whose decode step torch.compile compiles once per
-    shape into fused kernels (on a GPU replayed as CUDA graphs). Either way each prompt's cache
-    is computed once for its n samples. Compiled decoding pads prompts to a multiple of 64
-    tokens so a job's batches share a few shapes; its first batches of each shape pay the
-    compile (tens of seconds)."""
+    """How generate decodes (sampler.engine = hf): eager (a growing KV cache, each prompt's
+    cache computed once for its n samples), or inductor: a static KV cache, one per batch
+    shape, whose decode step torch.compile compiles once per shape into fused kernels (on a GPU
+    replayed as CUDA graphs). Compiled decoding pads prompts to a multiple of 64 tokens so a
+    job's batches share a few shapes; its first batches of each shape pay the compile (tens of
+    seconds)."""
 
 
 # [sampler.vllm]
