@@ -231,12 +231,16 @@ def _prepare_run_dir(topology: Topology, run_dir: Path, home: Path) -> set[str]:
         if stale.stem in mine:  # (another host's or node's are not this runner's to remove)
             stale.unlink()
     resolved = home / TOPOLOGY  # actors read it: replace it whole, never half-written
-    before = _user_code(resolved)
+    try:
+        before = _user_code(resolved.read_bytes())
+    except OSError:  # a first start
+        before = {}
+    written = msgspec.json.format(msgspec.json.encode(topology))
     tmp = resolved.with_name(f".topology.json.{os.getpid()}.tmp")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(topology)))
+    tmp.write_bytes(written)
     os.replace(tmp, resolved)
     print(f"=== run directory: {run_dir}", flush=True)
-    for key, (path, sha) in _user_code(resolved).items():
+    for key, (path, sha) in _user_code(written).items():
         if key in before and before[key][1] != sha:
             print(f"=== {key}.path: {path} changed since this run's last start (sha256 "
                   f"{before[key][1][:12]}... then, {sha[:12]}... now): the steps from here on "
@@ -250,12 +254,12 @@ def _prepare_run_dir(topology: Topology, run_dir: Path, home: Path) -> set[str]:
     return mine
 
 
-def _user_code(resolved: Path) -> dict[str, tuple[str, str]]:
-    """``{key: (path, sha256)}`` of each user code file the resolved topology at ``resolved``
-    records (a custom loss or estimator); empty when there is none or no such file."""
+def _user_code(resolved: bytes) -> dict[str, tuple[str, str]]:
+    """``{key: (path, sha256)}`` of each user code file a resolved topology (its JSON)
+    records (a custom loss or estimator); empty when there is none or it cannot be read."""
     try:
-        algorithm = msgspec.json.decode(resolved.read_bytes()).get("algorithm", {})
-    except (OSError, msgspec.DecodeError, AttributeError):
+        algorithm = msgspec.json.decode(resolved).get("algorithm", {})
+    except (msgspec.DecodeError, AttributeError):
         return {}
     return {f"algorithm.{key}": (row["path"], row["sha256"]) for key, row in algorithm.items()
             if isinstance(row, dict) and row.get("sha256") and row.get("path")}
