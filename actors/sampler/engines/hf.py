@@ -21,6 +21,8 @@ and matching stop strings); prompts arrive as token ids and completions leave as
 from __future__ import annotations
 
 import collections
+import ctypes
+import sys
 import threading
 import time
 import typing
@@ -251,8 +253,22 @@ def graph_trees_here() -> None:
     local.tree_manager_containers = {}
     local.tree_manager_locks = collections.defaultdict(threading.Lock)
     # (autograd's threads copy what is stashed in the thread-local state)
-    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
-    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+    stash_in_tls("tree_manager_containers", local.tree_manager_containers)
+    stash_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+
+def stash_in_tls(key: str, obj: object) -> None:
+    """``torch._C._stash_obj_in_tls`` holding a reference of its own to ``obj``, on every torch.
+    On some releases (2.11 among them) it keeps the object without taking a reference (it
+    steals the caller's) and drops one when the thread's state is destroyed: a thread that stashes and then exits (a
+    worker thread idle too long) frees the object while the thread's ``local`` still holds it,
+    and the second release corrupts the heap (a crash much later, anywhere). Torch's own module
+    stashes only in the main thread, which never exits. The reference torch did not take is
+    taken here, so the thread's end releases each reference once."""
+    before = sys.getrefcount(obj)
+    torch._C._stash_obj_in_tls(key, obj)
+    if sys.getrefcount(obj) == before:  # stolen, not taken
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class HFEngine:
