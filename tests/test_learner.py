@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -147,6 +148,24 @@ def test_every_option_takes_a_finite_step(tiny_model, tmp_path, name, default_st
     elif name in NEW_NAMES:
         reference = default_step(*(o for o in OPTIONS[name] if o.startswith("learner.")))
         assert m["actor/grad_norm"] != reference["actor/grad_norm"], "the option changed nothing"
+
+
+def test_a_batch_with_no_token_to_train_is_a_step_that_moves_nothing(tiny_model, tmp_path):
+    """Every response masked out (a multi-turn episode whose budget went to the environment's
+    first observation before the model wrote): the step is taken, its gradient zero, the
+    advantages' extremes nan (there are none), and the weights are as they were."""
+    t = make_trainer(tiny_model, tmp_path, "learner.lr=0.1")
+    groups = make_groups(t)
+    for g in groups:
+        for k, smp in enumerate(g.samples):
+            g.samples[k] = msgspec.structs.replace(smp, loss_mask=to_wire(
+                torch.zeros(smp.loss_mask.shape, dtype=torch.int8)))
+    before = params(t)
+    m = t.train_step(groups)
+    assert m["actor/grad_norm"] == 0.0
+    assert math.isnan(m["critic/advantages/max"]) and math.isnan(m["critic/advantages/min"])
+    after = params(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_lora_snapshot_is_the_merged_base_model(tiny_model, tmp_path):

@@ -432,8 +432,10 @@ class Trainer:
         metrics.update({
             "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
             "critic/score/min": float(batch.scores.min()),
-            "critic/advantages/mean": float(adv_at.mean()), "critic/advantages/max": float(adv_at.max()),
-            "critic/advantages/min": float(adv_at.min()),
+            # (nan for a batch with no token to train: every response cut before the model wrote)
+            "critic/advantages/mean": float(adv_at.mean()),
+            "critic/advantages/max": float(adv_at.max()) if adv_at.numel() else math.nan,
+            "critic/advantages/min": float(adv_at.min()) if adv_at.numel() else math.nan,
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float(batch.truncated.float().mean()),
             "actor/grad_norm": sum(grad_norms) / len(grad_norms),
