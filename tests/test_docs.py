@@ -86,6 +86,14 @@ def test_every_toml_block_is_a_topology(where, block, tmp_path, monkeypatch):
         if VERIFIERS_DIR.is_dir() and str(VERIFIERS_DIR) not in sys.path:
             sys.path.append(str(VERIFIERS_DIR))
         pytest.importorskip("verifiers.v1", reason="verifiers: bash .ci/setup.sh --tests")
+    app = openenv_app(data)
+    if app:  # the check finds the module of an OpenEnv app and the library: stand-ins for both
+        if OPENENV_DIR.is_dir() and str(OPENENV_DIR) not in sys.path:
+            sys.path.append(str(OPENENV_DIR))
+        pytest.importorskip("openenv", reason="openenv-core: bash .ci/setup.sh --tests")
+        module = tmp_path / (app.partition(":")[0].replace(".", "/") + ".py")
+        module.parent.mkdir(parents=True, exist_ok=True)
+        module.write_text("")
     for name in files_named(data):
         if name in environments:
             (tmp_path / name).write_text((ROOT / "tests" / "verifiers_addition.py").read_text())
@@ -99,6 +107,12 @@ def test_every_toml_block_is_a_topology(where, block, tmp_path, monkeypatch):
 
 
 VERIFIERS_DIR = ROOT / ".venv" / "verifiers-0.4.0"  # where .ci/setup.sh --tests installs it
+OPENENV_DIR = ROOT / ".venv" / "openenv-0.3.0"  # the same for openenv-core
+
+
+def openenv_app(data: dict) -> str:
+    """The ``agent.env.openenv.app`` a block names ("" when none)."""
+    return str(data.get("agent", {}).get("env", {}).get("openenv", {}).get("app", ""))
 
 
 def verifiers_files(data: object) -> set[str]:

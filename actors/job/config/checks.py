@@ -218,8 +218,7 @@ def _check_deterministic(t: Topology) -> None:
          f"{why}: a group served in several batches is not one place of the schedule; set 1")
     a = t.agent
     need(not a.enabled, "agent.rollout.path" if a.rollout.path else
-         "agent.env.path" if a.env.path else "agent.env.verifiers" if a.env.verifiers else
-         "agent.tools",
+         a.env.key if a.env.enabled else "agent.tools",
          f"{why}: a multi-turn rollout sends each turn to the engine as its tool calls (or "
          "the agent's own code) finish, so which sequences share a batch is timing's")
     G, eta = t.learner.groups_per_step, t.algorithm.max_staleness

@@ -17,6 +17,7 @@ from actors.runtime.config.agent import (
     AgentEnv,
     AgentRollout,
     AgentTool,
+    OpenEnvSource,
 )
 from actors.runtime.config.algorithm import (
     AlgorithmConfig,
@@ -92,7 +93,7 @@ __all__ = [
     "CorrectionConfig", "CustomEstimator", "CustomLoss", "DEVICE_ENV", "DatasetConfig",
     "Decode", "ENGINES", "ESTIMATOR_ROWS", "EngineRow", "FALLBACK", "FilterGroups", "Gae",
     "JudgeConfig", "KLControl", "LOSS_ROWS", "LearnerConfig", "LoraConfig", "MIN_SHARE",
-    "ModelConfig", "PlacedProcess", "ProcessName", "ROLES", "RULES_POOL", "ReasoningGymSource",
+    "ModelConfig", "OpenEnvSource", "PlacedProcess", "ProcessName", "ROLES", "RULES_POOL", "ReasoningGymSource",
     "RejectionRule", "ReplayConfig", "RewardConfig", "RewardFunction", "RewardModelConfig",
     "RouterConfig", "RunConfig", "SHARED_BUDGET", "SamplerConfig", "SecurityConfig",
     "ServedModel", "TaskConfig", "Topology", "UserCodeError", "VLLMOptions",

@@ -41,6 +41,40 @@ class AgentTool(_Section, frozen=True):
         need(bool(self.builtin or self.name), "name", "must name the tool's function in path")
 
 
+class OpenEnvSource(_Section, frozen=True):
+    """An OpenEnv environment server (``[agent.env.openenv]``; openenv-core, the ``openenv``
+    extra): each episode a session of its own over the library's client."""
+
+    url: str = ""
+    """A running server's address (``http://host:port``; its ``/ws`` sessions); set this or
+    ``app``."""
+    app: str = ""
+    """The server's ASGI app, ``package.module:attribute`` (what ``uvicorn`` takes, importable
+    from where the runner is started): each sampler serves it itself on a port of its own, and
+    starts it again if it dies."""
+    action_key: PythonName = "message"
+    """The action is ``{action_key: the model's turn}`` (the field of the environment's action
+    type that holds text: ``message`` for echo and textarena, ``code`` for coding)."""
+    observation_key: str = ""
+    """The observation's field the model reads ("": its only field when it has one that is
+    text, else all its fields as JSON)."""
+    reset_kwargs: dict[str, str | int | float | bool] = {}
+    """Keyword arguments of every episode's ``reset`` (``seed``, an environment's own)."""
+
+    def __post_init__(self) -> None:
+        need(not (self.url and self.app), "url", "set either url or app (one of them)")
+        need(not self.url or self.url.startswith(("http://", "https://", "ws://", "wss://")),
+             "url", f"{self.url!r} is not an http:// or ws:// address")
+        module, _, attribute = self.app.partition(":")
+        need(not self.app or (all(p.isidentifier() for p in module.split("."))
+                              and attribute.isidentifier()),
+             "app", f"{self.app!r} is not package.module:attribute")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url or self.app)
+
+
 class AgentEnv(_Section, frozen=True):
     path: FilePath = ""
     """A Python file holding the environment class: ``reset(prompt) -> observation`` and
@@ -52,6 +86,9 @@ class AgentEnv(_Section, frozen=True):
     reward: Literal["add", "replace"] = "add"
     """add: a sample's reward is the scorer's plus the sum of the environment's step rewards;
     replace: that sum alone (no scoring request is sent)."""
+    openenv: OpenEnvSource = OpenEnvSource()
+    """An OpenEnv environment server instead of a class in ``path``: reset and step over its
+    client, one session per episode, in a sandboxed child (``actors/data/openenv_episode.py``)."""
     verifiers: bool = False
     """Each prompt's own verifiers environment instead of a class in ``path``: its ``Env``'s
     turns (``run``) answer the model, in a sandboxed child, and its rubric scores the whole
@@ -64,6 +101,20 @@ class AgentEnv(_Section, frozen=True):
              "the prompts' verifiers environments replace agent.env.path: set one of them")
         need(not self.verifiers or self.reward == "add", "reward",
              "a verifiers environment's rubric scores the conversation: set add")
+        need(not (self.openenv.enabled and (self.path or self.verifiers)), "openenv",
+             "an OpenEnv server replaces agent.env.path and agent.env.verifiers: set one of them")
+
+    @property
+    def enabled(self) -> bool:
+        """An environment is configured: a class, the prompts' verifiers environments or an
+        OpenEnv server."""
+        return bool(self.path or self.verifiers or self.openenv.enabled)
+
+    @property
+    def key(self) -> str:
+        """The key that configures it, for a message naming it."""
+        return ("agent.env.path" if self.path else "agent.env.verifiers" if self.verifiers
+                else "agent.env.openenv")
 
 
 class AgentRollout(_Section, frozen=True):
@@ -131,9 +182,7 @@ class AgentConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         need_child_memory(self.memory_mb)
-        need(not (self.tools and self.env.path), "env.path",
-             "an environment replaces tools: set agent.tools or agent.env, not both")
-        need(not (self.tools and self.env.verifiers), "env.verifiers",
+        need(not (self.tools and self.env.enabled), self.env.key.removeprefix("agent."),
              "an environment replaces tools: set agent.tools or agent.env, not both")
         names: dict[str, int] = {}
         for i, tool in enumerate(self.tools):
@@ -141,7 +190,7 @@ class AgentConfig(_Section, frozen=True):
             need(name not in names, f"tools[{i}].name",
                  f"{name!r} is already the name of agent.tools[{names.get(name)}]")
             names[name] = i
-        need(not self.rollout.path or not (self.tools or self.env.path or self.env.verifiers),
+        need(not self.rollout.path or not (self.tools or self.env.enabled),
              "rollout.path",
              "a rollout function replaces tools and environments: set one of agent.tools, "
              "agent.env, agent.rollout")
@@ -149,4 +198,4 @@ class AgentConfig(_Section, frozen=True):
     @property
     def enabled(self) -> bool:
         """Tools, an environment or a rollout function are configured: rollouts are multi-turn."""
-        return bool(self.tools or self.env.path or self.env.verifiers or self.rollout.path)
+        return bool(self.tools or self.env.enabled or self.rollout.path)

@@ -11,7 +11,9 @@ A step that raises is an error observation the model reads, and the episode goes
 that hangs past ``agent.tool_timeout_s`` or crashes its child ends the episode (the child, and
 every object in it, is replaced), as does a reset that fails, or a step that reports an error
 as done (gymnasium's info ``error``). ``agent.env.verifiers`` hosts each prompt's verifiers
-environment the same way (``actors/data/verifiers_episode.py``).
+environment the same way (``actors/data/verifiers_episode.py``), and ``agent.env.openenv`` a
+session with an OpenEnv server (``actors/data/openenv_episode.py``; the server its ``app``
+names is served by this host, ``env_server.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from dataclasses import dataclass
 
 from actors.data.chat import as_dicts
 from actors.runtime.config import AgentConfig
+from actors.sampler.agent.env_server import EnvServer
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec
 from messages.rollout import Prompt
 
 TOOLS_MODULE = "actors.sandbox.tools"
 VERIFIERS_MODULE = "actors.data.verifiers_episode"  # agent.env.verifiers: its episodes' class
+OPENENV_MODULE = "actors.data.openenv_episode"  # agent.env.openenv: its episodes' class
 RESET, STEP, CLOSE = 0, 1, 2  # function indices in every lane
 
 
@@ -48,13 +52,25 @@ class EnvHost:
     """Lanes of one child each, holding episodes' environment objects."""
 
     def __init__(self, cfg: AgentConfig) -> None:
-        env = cfg.env
-        kwargs = ({"env_path": "", "env_module": VERIFIERS_MODULE, "env_name": "VerifiersEpisode",
-                   "env_kwargs": {"max_turns": cfg.max_turns}} if env.verifiers else
-                  {"env_path": env.path, "env_module": "", "env_name": env.name,
-                   "env_kwargs": dict(env.kwargs)})
-        # verifiers is imported as a child starts, off the clock of its first reset
-        preload = (VERIFIERS_MODULE, "verifiers.v1") if env.verifiers else ()
+        env, openenv = cfg.env, cfg.env.openenv
+        self.server = EnvServer(openenv.app) if openenv.app else None
+        if env.verifiers:
+            kwargs = {"env_path": "", "env_module": VERIFIERS_MODULE,
+                      "env_name": "VerifiersEpisode", "env_kwargs": {"max_turns": cfg.max_turns}}
+        elif openenv.enabled:
+            kwargs = {"env_path": "", "env_module": OPENENV_MODULE, "env_name": "OpenEnvEpisode",
+                      "env_kwargs": {
+                          "url": self.server.url if self.server else openenv.url,
+                          "action_key": openenv.action_key,
+                          "observation_key": openenv.observation_key,
+                          "reset_kwargs": dict(openenv.reset_kwargs),
+                          "timeout_s": cfg.tool_timeout_s}}
+        else:
+            kwargs = {"env_path": env.path, "env_module": "", "env_name": env.name,
+                      "env_kwargs": dict(env.kwargs)}
+        # the library is imported as a child starts, off the clock of its first reset
+        preload = ((VERIFIERS_MODULE, "verifiers.v1") if env.verifiers else
+                   (OPENENV_MODULE, "openenv.core.generic_client") if openenv.enabled else ())
         specs = [FunctionSpec(module=TOOLS_MODULE, name="env_reset", kwargs=kwargs,
                               returns="text", preload=preload),
                  FunctionSpec(module=TOOLS_MODULE, name="env_step", returns="step"),
@@ -69,6 +85,8 @@ class EnvHost:
         self.steps = self.errors = 0
 
     def episode(self) -> Episode:
+        if self.server is not None:
+            self.server.keep_up()
         lane = min(range(len(self.lanes)), key=self._open.__getitem__)
         self._open[lane] += 1
         return Episode(self, lane, f"{self._prefix}-{next(self._ids)}")
@@ -76,6 +94,8 @@ class EnvHost:
     async def aclose(self) -> None:
         for lane in self.lanes:
             await lane.aclose()
+        if self.server is not None:
+            self.server.close()
 
 
 class Episode:

@@ -164,7 +164,7 @@ class AgentLoop:
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer, cfg: AgentConfig) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.tools = ToolBox(cfg) if cfg.tools else None
-        self.env = EnvHost(cfg) if cfg.env.path or cfg.env.verifiers else None
+        self.env = EnvHost(cfg) if cfg.env.enabled else None
         self.renderer = Renderer(tokenizer, "tool" if self.tools else "user",
                                  cfg.max_tool_response_tokens)
         self.parser: Parser | None = None
@@ -181,7 +181,7 @@ class AgentLoop:
     @property
     def env_reward_only(self) -> bool:
         """The environment's rewards are the samples' rewards: no scoring request is sent."""
-        return bool(self.cfg.env.path) and self.cfg.env.reward == "replace"
+        return self.env is not None and self.cfg.env.reward == "replace"
 
     def statistics(self) -> dict[str, int | str]:
         """Counters since start, for the sampler's status (a vision-language policy's
@@ -193,7 +193,9 @@ class AgentLoop:
             return {"tool_calls": s.calls, "tool_errors": s.errors, "tool_timeouts": s.timeouts,
                     "tool_crashes": s.crashes, **images, **broken}
         assert self.env is not None
-        return {"env_steps": self.env.steps, "env_errors": self.env.errors, **images}
+        server = ({"env_server_restarts": self.env.server.restarts}
+                  if self.env.server is not None else {})
+        return {"env_steps": self.env.steps, "env_errors": self.env.errors, **server, **images}
 
     async def start(self) -> None:
         """Build the tools' schemas (in a child); raises when a tool does not load."""
