@@ -26,6 +26,7 @@ from actors.runtime.config import ConfigError
 from actors.runtime.recording import decode_group, read_table
 from actors.sampler.agent.env import EnvHost
 from actors.sampler.agent.env_server import EnvServer
+from actors.sampler.agent.loop import AgentLoop
 from messages.rollout import ChatMessage, Prompt
 from tests.jobs import ROOT, balanced, command, metrics
 
@@ -160,6 +161,69 @@ async def test_a_served_app_that_dies_is_started_again(monkeypatch):
     finally:
         await host.aclose()
     assert host.server.process.poll() is not None  # gone with the host
+
+
+@pytest.mark.anyio
+async def test_a_server_that_never_answers_is_a_timeout_recorded(monkeypatch):
+    """A socket that takes connections and never answers: the reset is killed with its child
+    at ``agent.tool_timeout_s`` and comes back as a timeout (the agent loop then records it and
+    lets the model answer alone)."""
+    import socket
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # the children's library
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    host = EnvHost(agent(f"agent.env.openenv.url='http://127.0.0.1:{silent.getsockname()[1]}'",
+                         "agent.tool_timeout_s=2"))
+    try:
+        episode = host.episode()
+        first = await episode.reset(Prompt(0, [], "g", ""))
+        assert first.done and first.failure == "timeout" and first.error, first
+        await episode.close()
+    finally:
+        await host.aclose()
+        silent.close()
+
+
+@pytest.mark.anyio
+async def test_an_episode_whose_served_app_died_is_played_again(monkeypatch, tmp_path):
+    """The server dies during an episode's second turn: that episode is played once more from
+    its start on the server started again, and the sample is the second play's (no error in
+    it); counted in the sampler's status."""
+    from actors.data.chat import ChatTokenizer
+    from tests.test_agent import EOS, ScriptedEngine, run_loop
+    from tests.tiny_model import build_tiny_model
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    tok = ChatTokenizer(build_tiny_model(tmp_path / "model"))
+    cfg = agent(f"agent.env.openenv.app={APP}", "agent.max_turns=3")
+    holder: dict = {}
+
+    def script(context: str) -> str:
+        # (the tiny tokenizer has no capitals: "Lower." reads "<pad>ower<pad>")
+        if "ower" in context and not holder.get("killed"):  # once, after the first guess
+            holder["killed"] = True
+            holder["loop"].env.server.process.kill()
+            holder["loop"].env.server.process.wait()
+        return "9" + EOS if "ower" not in context else "7" + EOS
+
+    engine = ScriptedEngine(tok, script)
+    original = AgentLoop.__init__
+
+    def keep(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        holder["loop"] = self
+
+    monkeypatch.setattr(AgentLoop, "__init__", keep)
+    loop, _, out = await run_loop(tok, engine, cfg, [Prompt(0, [ChatMessage("user", "go")],
+                                                            "guess", "")], n=1)
+    ((played,),) = out
+    assert [t.content for t in played.turns if t.role == "user"] == [
+        "Guess a digit from 0 to 9.", "Lower.", "Right."]
+    assert not any(t.error for t in played.turns) and played.env_reward == 1.0
+    stats = loop.statistics()
+    assert stats["env_server_restarts"] == 1 and stats["env_episodes_retried"] == 1, stats
 
 
 @pytest.mark.parametrize("override, message", [

@@ -83,6 +83,7 @@ class EnvHost:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{time.time_ns()}"
         self.steps = self.errors = 0
+        self.retried = 0  # episodes played again after the served app died under them
 
     def episode(self) -> Episode:
         if self.server is not None:
@@ -105,6 +106,13 @@ class Episode:
         self.host, self.lane, self.instance = host, lane, instance
         self.child = host.lanes[lane]  # the lane's one child, which holds the episode's object
         self.closed = False
+        # the served app this episode's session is with (none: a class, or a server at a url)
+        self.process = host.server.process if host.server is not None else None
+        self.server_lost = False  # a call failed because that server had died
+
+    def _failed(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            self.server_lost = True
 
     async def reset(self, prompt: Prompt) -> StepResult:
         row = {"messages": as_dicts(prompt.messages), "data_source": prompt.data_source,
@@ -112,6 +120,7 @@ class Episode:
         started = time.monotonic()
         (o,) = await self.child.call(Call(RESET, [{"instance": self.instance, "prompt": row}], 1))
         if o.error:
+            self._failed()
             return StepResult(f"Error: {o.error}", done=True, error=o.error,
                               failure=o.failure or "raised", latency_s=time.monotonic() - started)
         return StepResult(o.text, latency_s=time.monotonic() - started)
@@ -123,6 +132,7 @@ class Episode:
         latency = time.monotonic() - started
         if o.error:
             self.host.errors += 1
+            self._failed()
             # a killed or dead child took the object with it: the episode cannot go on
             done = o.failure in ("timeout", "crash") or bool(o.extra.get("done"))
             return StepResult(f"Error: {o.error}", done=done,

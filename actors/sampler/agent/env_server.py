@@ -5,7 +5,7 @@ The sampler opens the listening socket and hands it to the server (uvicorn's ``f
 address is known and taking connections before the server has imported its app: a session
 opened early waits in the socket's backlog, never refused, and no readiness poll is needed.
 A server that has died is started again on the same socket when the next episode begins
-(``restarts`` counts them); the episodes it held fail as a crashed environment's do. It is
+(``restarts`` counts them); the agent loop plays the episodes it held once more. It is
 started from the sampler's event loop (its main thread), whose end the kernel's parent-death
 signal follows.
 """

@@ -193,7 +193,8 @@ class AgentLoop:
             return {"tool_calls": s.calls, "tool_errors": s.errors, "tool_timeouts": s.timeouts,
                     "tool_crashes": s.crashes, **images, **broken}
         assert self.env is not None
-        server = ({"env_server_restarts": self.env.server.restarts}
+        server = ({"env_server_restarts": self.env.server.restarts,
+                   "env_episodes_retried": self.env.retried}
                   if self.env.server is not None else {})
         return {"env_steps": self.env.steps, "env_errors": self.env.errors, **server, **images}
 
@@ -244,6 +245,18 @@ class AgentLoop:
 
     async def episode(self, prompt: Prompt, prompt_ids: list[int], gen: Rounds | Direct,
                       budget: int) -> AgentGeneration:
+        """One sample's episode; played once more, from its start, when the environment server
+        the sampler serves died under it (the new server knows nothing of its session)."""
+        played, lost = await self._episode(prompt, prompt_ids, gen, budget)
+        if lost:
+            assert self.env is not None
+            self.env.retried += 1
+            played, _ = await self._episode(prompt, prompt_ids, gen, budget)
+        return played
+
+    async def _episode(self, prompt: Prompt, prompt_ids: list[int], gen: Rounds | Direct,
+                       budget: int) -> tuple[AgentGeneration, bool]:
+        """The episode, and whether its environment's server died under it."""
         t = Transcript()
         images = tuple(prompt.images)  # every turn's request carries the prompt's images
         env = self.env.episode() if self.env is not None else None
@@ -291,7 +304,8 @@ class AgentLoop:
                     await env.close()
         env_reward = None if env is None else sum(
             x.reward or 0.0 for x in t.turns if x.role == "assistant")
-        return t.generation(finish, self.engine.version, env_reward)
+        return (t.generation(finish, self.engine.version, env_reward),
+                env is not None and env.server_lost)
 
     def _observe(self, t: Transcript, answers: list[tuple[str, Turn]], last_token: int,
                  budget: int) -> str:
