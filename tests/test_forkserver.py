@@ -144,3 +144,31 @@ def test_a_runner_beside_the_sessions_zygote_forks_its_server_from_it(tiny_model
         kill_runner_alone(proc, run_dir, server)
     finally:
         reap(proc)
+
+
+STARTS_A_ZYGOTE = """
+import subprocess, sys
+zygote = subprocess.Popen([sys.executable, "-m", "actors.job.launchers.forkserver", "--zygote",
+                           sys.argv[1]], stdout=subprocess.PIPE, text=True)
+assert zygote.stdout.readline().strip() == "zygote ready"
+print(zygote.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_zygote_ends_with_the_process_that_started_it(tmp_path):
+    """A test worker that crashes (or is killed) leaves no zygote holding its imports."""
+    starter = subprocess.Popen([sys.executable, "-c", STARTS_A_ZYGOTE, str(tmp_path / "z")],
+                               cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout is not None
+        zygote = int(starter.stdout.readline())
+        assert b"--zygote" in args_of(zygote)
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while args_of(zygote):  # the kernel's signal comes as its starter ends: no event here
+            assert time.monotonic() < deadline, "the zygote outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        reap(starter)

@@ -31,6 +31,7 @@ session; any other starts its fork server afresh, as without one.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
@@ -45,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.job.launchers.base import ENTRY  # the module a forked process runs
+
+PR_SET_PDEATHSIG = 1
 
 
 def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> None:
@@ -218,10 +221,15 @@ VOLATILE = frozenset({"PYTEST_CURRENT_TEST", ZYGOTE_ENV, "_", "SHLVL", "PWD", "O
 def zygote(path: str) -> None:
     """Import what every job's fork server imports (every actor kind's body, the CPU's
     engine's modules, the llama architecture), then fork a fork server for each runner that
-    asks on the unix socket ``path`` (``FromZygote``), until killed."""
+    asks on the unix socket ``path`` (``FromZygote``), until killed or until the process that
+    started it ends (a test session whose worker crashed leaves no zygote behind)."""
     from actors.registry import BY_NAME, NAMES
     from actors.runtime.config import ENGINES, FALLBACK
 
+    starter = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != starter:  # it ended before the call
+        return
     own = {k: v for k, v in os.environ.items() if k not in VOLATILE}  # (imports may add keys)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for kind in NAMES:
