@@ -24,6 +24,21 @@ def command(model: Path, run_dir: Path, *overrides: str) -> list[str]:
             f"run.dir={run_dir}", *TINY, *overrides]
 
 
+def trained_groups(model: Path, run_dir: Path, steps: int, *overrides: str,
+                   env: dict[str, str] | None = None) -> list:
+    """Train a tiny job of ``steps`` steps (a checkpoint each) to its end and return the groups
+    it recorded, once its metrics show every step with the counters balanced."""
+    from actors.runtime.recording import decode_group, read_table
+
+    res = subprocess.run(command(model, run_dir, f"learner.total_steps={steps}",
+                                 "learner.save_every=1", *overrides),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and all(map(balanced, rows))
+    return [decode_group(r["message"]) for r in read_table(run_dir, "groups").to_pylist()]
+
+
 def start_job(model: Path, run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
     with log.open("w") as out:  # a file, not a pipe: the status tables never block the runner
         return subprocess.Popen(command(model, run_dir, *FAST, *overrides), cwd=ROOT, stdout=out,

@@ -23,12 +23,11 @@ from actors.data.openenv_episode import observation_text
 from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
 from actors.runtime.config import ConfigError
-from actors.runtime.recording import decode_group, read_table
 from actors.sampler.agent.env import EnvHost
 from actors.sampler.agent.env_server import EnvServer
 from actors.sampler.agent.loop import AgentLoop
 from messages.rollout import ChatMessage, Prompt
-from tests.jobs import ROOT, balanced, command, metrics
+from tests.jobs import ROOT, trained_groups
 
 OE_DIR = ROOT / ".venv" / "openenv-0.3.0"
 if OE_DIR.is_dir() and str(OE_DIR) not in sys.path:
@@ -264,15 +263,9 @@ def test_a_job_trains_on_a_server_it_serves_and_reruns_exactly(tiny_model, tmp_p
     """The environment's rewards alone (``reward = "replace"``), from a server each sampler
     serves itself."""
     run_dir = tmp_path / "run"
-    res = subprocess.run(command(
-        tiny_model, run_dir, "learner.total_steps=3", "learner.save_every=1",
-        f"agent.env.openenv.app={APP}", "agent.env.reward=replace", "agent.max_turns=3",
-        "agent.processes=2", "sampler.max_tokens=48"),
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(balanced(r) for r in rows)
-    groups = [decode_group(r["message"]) for r in read_table(run_dir, "groups").to_pylist()]
+    groups = trained_groups(tiny_model, run_dir, 3, f"agent.env.openenv.app={APP}",
+                            "agent.env.reward=replace", "agent.max_turns=3", "agent.processes=2",
+                            "sampler.max_tokens=48", env=ENV)
     samples = [s for g in groups for s in g.samples]
     assert samples and all(s.turns and s.turns[0].role == "user" for s in samples)
     # the server's first observation, then the model's guesses and its answers

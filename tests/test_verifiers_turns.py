@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-import subprocess
 from contextlib import asynccontextmanager
 
 import anyio
@@ -25,14 +24,13 @@ from actors.job.config.load import apply_overrides, decode_topology
 from actors.offline.rerun import rerun
 from actors.runtime.config import AgentConfig, ConfigError, DatasetConfig, VerifiersSource
 from actors.runtime.config.agent import AgentEnv
-from actors.runtime.recording import decode_group, read_table
 from actors.runtime.tensors import from_wire
 from actors.sampler.agent.loop import AgentLoop
 from actors.scoring.items import items_of
 from actors.scoring.scorer import Scoring
 from messages.reward import Response, ScoreRequest
 from messages.rollout import SamplingParams
-from tests.jobs import ROOT, balanced, command, metrics, validations
+from tests.jobs import trained_groups, validations
 from tests.test_agent import EOS, ScriptedEngine
 from tests.test_verifiers import ENV, check
 
@@ -243,18 +241,13 @@ def test_what_flowrl_cannot_run_is_refused_naming_the_key(tmp_path, overrides, m
 @pytest.mark.slow  # a minute and a half on two cores: past what the fast suite may add
 def test_a_job_trains_and_validates_on_a_multi_turn_environment(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    res = subprocess.run(command(
-        tiny_model, run_dir, "learner.total_steps=3", "learner.save_every=1",
+    groups = trained_groups(
+        tiny_model, run_dir, 3,
         f'task.datasets=[{{verifiers={{path="{FIXTURE}", args={{size=32}}}}}}]',
         "agent.env.verifiers=true", "agent.max_turns=3", "agent.processes=1",
         "sampler.max_tokens=32", 'sampler.stop=[" "]',  # a space ends a turn: several a game
         f'validation.datasets=[{{verifiers={{path="{FIXTURE}", args={{split="test", size=4}}}}}}]',
-        "validation.every=3", "validation.n=2"),
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(balanced(r) for r in rows)
-    groups = [decode_group(r["message"]) for r in read_table(run_dir, "groups").to_pylist()]
+        "validation.every=3", "validation.n=2", env=ENV)
     samples = [s for g in groups for s in g.samples]
     assert {g.prompt.data_source for g in groups} == {"verifiers/verifiers_guess"}
     assert all(not s.reward_error for s in samples)
