@@ -12,6 +12,7 @@ processes.
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -120,6 +121,34 @@ def test_what_the_model_reads_of_an_observation():
     assert observation_text({"board": [1, 2], "message": "go"}, "message") == "go"
     with pytest.raises(KeyError, match="no field 'text'.*its fields: board, message"):
         observation_text({"board": [1], "message": "go"}, "text")
+
+
+@pytest.mark.anyio
+async def test_a_prompts_own_reset_arguments_win(server):
+    """``extra_info.reset_kwargs`` of a dataset row (a table there: JSON text on the wire, as
+    every nested extra_info value) updates ``agent.env.openenv.reset_kwargs``: its seed picks
+    the digit for every sample of its group. One that is not a table is the reset's error."""
+    host = EnvHost(agent(f"agent.env.openenv.url='{server.url}'",
+                         "agent.env.openenv.reset_kwargs={seed=3}"))
+
+    async def reward_of(extra_info: dict, guess: str) -> float:
+        episode = host.episode()
+        first = await episode.reset(Prompt(0, [], "g", "", extra_info=extra_info))
+        assert not first.error, first
+        step = await episode.step(guess)
+        await episode.close()
+        return step.reward
+
+    try:
+        assert await reward_of({}, "3") == 1.0
+        assert await reward_of({"reset_kwargs": json.dumps({"seed": 5})}, "5") == 1.0
+        assert await reward_of({"reset_kwargs": json.dumps({"seed": 5})}, "3") == 0.0
+        episode = host.episode()
+        bad = await episode.reset(Prompt(0, [], "g", "", extra_info={"reset_kwargs": "[5]"}))
+        assert bad.done and "extra_info['reset_kwargs'] is a list" in bad.error, bad
+        await episode.close()
+    finally:
+        await host.aclose()
 
 
 @pytest.mark.anyio

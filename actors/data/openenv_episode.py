@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 INSTALL = "pip install 'flowrl[openenv]' (openenv-core==0.3.0)"
+RESET_KWARGS = "reset_kwargs"  # a prompt's own reset arguments, in its extra_info
 
 
 def observation_text(observation: dict[str, Any], key: str = "") -> str:
@@ -56,8 +57,16 @@ class OpenEnvEpisode:
 
     def reset(self, prompt: dict[str, Any]) -> str:
         """The server's first observation (the prompt is the dataset's: the model reads it
-        before this)."""
-        result = self.client.reset(**self.reset_kwargs)
+        before this). The reset's arguments are ``reset_kwargs`` updated by the prompt's own
+        (``extra_info["reset_kwargs"]``, a table in the dataset's row): a row that names its seed or puzzle gives every sample
+        of its group the same one, as GRPO's group baseline assumes."""
+        own = prompt.get("extra_info", {}).get(RESET_KWARGS, {})
+        if isinstance(own, str):  # a nested value travels as JSON text (``datasets.py``)
+            own = json.loads(own)
+        if not isinstance(own, dict):
+            raise TypeError(f"the prompt's extra_info[{RESET_KWARGS!r}] is a "
+                            f"{type(own).__name__}, not a table of reset arguments")
+        result = self.client.reset(**{**self.reset_kwargs, **own})
         return observation_text(result.observation, self.observation_key)
 
     def step(self, action: str) -> tuple[str, float, bool]:

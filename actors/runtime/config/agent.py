@@ -59,7 +59,9 @@ class OpenEnvSource(_Section, frozen=True):
     """The observation's field the model reads ("": its only field when it has one that is
     text, else all its fields as JSON)."""
     reset_kwargs: dict[str, str | int | float | bool] = {}
-    """Keyword arguments of every episode's ``reset`` (``seed``, an environment's own)."""
+    """Keyword arguments of every episode's ``reset`` (``seed``, an environment's own); a
+    prompt's ``extra_info.reset_kwargs`` adds to them and wins (a seed or puzzle per row, the
+    same for every sample of its group)."""
 
     def __post_init__(self) -> None:
         need(not (self.url and self.app), "url", "set either url or app (one of them)")
