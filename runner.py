@@ -383,4 +383,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # without the interpreter's teardown once the command is done (its output flushed): at
+    # that teardown pyarrow's and torch's native threads could end the process with SIGABRT
+    # ("terminate called without an active exception") after its work and its answer
+    from actors.runtime.actor import exit_process
+
+    exit_process(main())

@@ -211,12 +211,13 @@ async def serve_actor(ctx: ActorContext, body: Body, control_address: str | None
 
 
 def exit_process(code: int) -> NoReturn:
-    """End this actor process with ``code`` as a normal exit does (its other threads joined, the
-    atexit handlers run, buffered output flushed), without the interpreter's teardown after
-    that: its last garbage collections walk every object torch and transformers created (a
-    second or more per process on a small machine, at every stop of every actor), and the
-    process's memory is freed whole anyway. ``run_actor`` has closed what the actor opened (its
-    sockets, recording, engines) before this is called.
+    """End this process (an actor, or a command of ``runner.py``) with ``code`` as a normal
+    exit does (its other threads joined, the atexit handlers run, buffered output flushed),
+    without the interpreter's teardown after that: its last garbage collections walk every
+    object torch and transformers created (a second or more per process on a small machine, at
+    every stop of every actor), native libraries' threads can abort it there, and the process's
+    memory is freed whole anyway. ``run_actor`` has closed what the actor opened (its sockets,
+    recording, engines) before this is called.
 
     The first two steps are the interpreter's own, in its order: ``threading._shutdown`` runs
     the threading exit hooks (an executor left open wakes its workers there) and then joins the
