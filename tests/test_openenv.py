@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
 import pytest
@@ -33,16 +35,22 @@ from tests.jobs import ROOT, trained_groups
 OE_DIR = ROOT / ".venv" / "openenv-0.3.0"
 if OE_DIR.is_dir() and str(OE_DIR) not in sys.path:
     sys.path.append(str(OE_DIR))
-pytest.importorskip("openenv.core.generic_client",
-                    reason="openenv-core is an optional extra: bash .ci/setup.sh --tests installs it")
+pytest.importorskip("openenv.core.generic_client", reason="openenv-core is an optional extra: "
+                                                         "bash .ci/setup.sh --tests installs it")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
     os.environ.get("PYTHONPATH"), str(ROOT), str(OE_DIR)]))}
 APP = "tests.openenv_guess:app"
 
 
 @pytest.fixture
-def server(monkeypatch):
+def library_path(monkeypatch):
+    """The library and the tests' app on the path of every process started here (the server,
+    the sandboxed children)."""
     monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+
+
+@pytest.fixture
+def server(library_path):
     served = EnvServer(APP)
     yield served
     served.close()
@@ -50,6 +58,16 @@ def server(monkeypatch):
 
 def agent(*overrides: str):
     return decode_topology(apply_overrides({}, ["agent.processes=2", *overrides])).agent
+
+
+@asynccontextmanager
+async def hosted(*overrides: str) -> AsyncIterator[EnvHost]:
+    """An environment host for the agent section of ``overrides``, closed after."""
+    host = EnvHost(agent(*overrides))
+    try:
+        yield host
+    finally:
+        await host.aclose()
 
 
 # easy (the digit), hard (the digit inside text, after another), malformed (no digit), empty
@@ -96,16 +114,14 @@ async def test_steps_equal_the_librarys_own(server):
         await episode.close()
         ours[key] = steps
 
-    hosts = [EnvHost(agent(f"agent.env.openenv.url='{server.url}'",
-                           f"agent.env.openenv.reset_kwargs={{seed={seed}}}")) for seed in SEEDS]
-    try:
+    async with AsyncExitStack() as stack:
+        hosts = [await stack.enter_async_context(hosted(
+            f"agent.env.openenv.url='{server.url}'",
+            f"agent.env.openenv.reset_kwargs={{seed={seed}}}")) for seed in SEEDS]
         async with anyio.create_task_group() as tg:
             for k, host in enumerate(hosts):
                 for e, actions in enumerate(episodes(k)):
                     tg.start_soon(play, host, (k, e), actions)
-    finally:
-        for host in hosts:
-            await host.aclose()
     theirs = {(k, e): await anyio.to_thread.run_sync(library_steps, server.url, seed, actions)
               for k, seed in enumerate(SEEDS) for e, actions in enumerate(episodes(k))}
     assert sum(len(v) - 1 for v in ours.values()) == 60
@@ -116,7 +132,8 @@ async def test_steps_equal_the_librarys_own(server):
 
 def test_what_the_model_reads_of_an_observation():
     assert observation_text({"message": "Higher."}) == "Higher."
-    assert observation_text({"board": [1, 2], "message": "go"}) == '{"board": [1, 2], "message": "go"}'
+    assert observation_text({"board": [1, 2], "message": "go"}) == \
+        '{"board": [1, 2], "message": "go"}'
     assert observation_text({"n": 3}) == '{"n": 3}'
     assert observation_text({"board": [1, 2], "message": "go"}, "message") == "go"
     with pytest.raises(KeyError, match="no field 'text'.*its fields: board, message"):
@@ -128,10 +145,7 @@ async def test_a_prompts_own_reset_arguments_win(server):
     """``extra_info.reset_kwargs`` of a dataset row (a table there: JSON text on the wire, as
     every nested extra_info value) updates ``agent.env.openenv.reset_kwargs``: its seed picks
     the digit for every sample of its group. One that is not a table is the reset's error."""
-    host = EnvHost(agent(f"agent.env.openenv.url='{server.url}'",
-                         "agent.env.openenv.reset_kwargs={seed=3}"))
-
-    async def reward_of(extra_info: dict, guess: str) -> float:
+    async def reward_of(host: EnvHost, extra_info: dict, guess: str) -> float:
         episode = host.episode()
         first = await episode.reset(Prompt(0, [], "g", "", extra_info=extra_info))
         assert not first.error, first
@@ -139,41 +153,35 @@ async def test_a_prompts_own_reset_arguments_win(server):
         await episode.close()
         return step.reward
 
-    try:
-        assert await reward_of({}, "3") == 1.0
-        assert await reward_of({"reset_kwargs": json.dumps({"seed": 5})}, "5") == 1.0
-        assert await reward_of({"reset_kwargs": json.dumps({"seed": 5})}, "3") == 0.0
+    async with hosted(f"agent.env.openenv.url='{server.url}'",
+                      "agent.env.openenv.reset_kwargs={seed=3}") as host:
+        assert await reward_of(host, {}, "3") == 1.0
+        assert await reward_of(host, {"reset_kwargs": json.dumps({"seed": 5})}, "5") == 1.0
+        assert await reward_of(host, {"reset_kwargs": json.dumps({"seed": 5})}, "3") == 0.0
         episode = host.episode()
         bad = await episode.reset(Prompt(0, [], "g", "", extra_info={"reset_kwargs": "[5]"}))
         assert bad.done and "extra_info['reset_kwargs'] is a list" in bad.error, bad
         await episode.close()
-    finally:
-        await host.aclose()
 
 
 @pytest.mark.anyio
 async def test_a_refused_action_is_an_error_the_model_reads(server):
     """An action under a field the environment's action type lacks: the server's validation
     error, as the step's error; the episode goes on."""
-    host = EnvHost(agent(f"agent.env.openenv.url='{server.url}'",
-                         "agent.env.openenv.action_key=code"))
-    try:
+    async with hosted(f"agent.env.openenv.url='{server.url}'",
+                      "agent.env.openenv.action_key=code") as host:
         episode = host.episode()
         assert (await episode.reset(Prompt(0, [], "g", ""))).text == "Guess a digit from 0 to 9."
         step = await episode.step("7")
         assert step.failure == "raised" and not step.done and "message" in step.error, step
         assert host.errors == 1
         await episode.close()
-    finally:
-        await host.aclose()
 
 
 @pytest.mark.anyio
-async def test_a_served_app_that_dies_is_started_again(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
-    host = EnvHost(agent(f"agent.env.openenv.app={APP}"))
-    assert host.server is not None
-    try:
+async def test_a_served_app_that_dies_is_started_again(library_path):
+    async with hosted(f"agent.env.openenv.app={APP}") as host:
+        assert host.server is not None
         before = host.episode()
         assert (await before.reset(Prompt(0, [], "g", ""))).text == "Guess a digit from 0 to 9."
         host.server.process.kill()
@@ -186,36 +194,30 @@ async def test_a_served_app_that_dies_is_started_again(monkeypatch):
         assert (await after.reset(Prompt(0, [], "g", ""))).text == "Guess a digit from 0 to 9."
         assert (await after.step("7")).reward == 1.0
         await after.close()
-    finally:
-        await host.aclose()
     assert host.server.process.poll() is not None  # gone with the host
 
 
 @pytest.mark.anyio
-async def test_a_server_that_never_answers_is_a_timeout_recorded(monkeypatch):
+async def test_a_server_that_never_answers_is_a_timeout_recorded(library_path):
     """A socket that takes connections and never answers: the reset is killed with its child
     at ``agent.tool_timeout_s`` and comes back as a timeout (the agent loop then records it and
     lets the model answer alone)."""
     import socket
 
-    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])  # the children's library
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    host = EnvHost(agent(f"agent.env.openenv.url='http://127.0.0.1:{silent.getsockname()[1]}'",
-                         "agent.tool_timeout_s=2"))
-    try:
-        episode = host.episode()
-        first = await episode.reset(Prompt(0, [], "g", ""))
-        assert first.done and first.failure == "timeout" and first.error, first
-        await episode.close()
-    finally:
-        await host.aclose()
-        silent.close()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        async with hosted(f"agent.env.openenv.url='http://127.0.0.1:{silent.getsockname()[1]}'",
+                          "agent.tool_timeout_s=2") as host:
+            episode = host.episode()
+            first = await episode.reset(Prompt(0, [], "g", ""))
+            assert first.done and first.failure == "timeout" and first.error, first
+            await episode.close()
 
 
 @pytest.mark.anyio
-async def test_an_episode_whose_served_app_died_is_played_again(monkeypatch, tmp_path):
+async def test_an_episode_whose_served_app_died_is_played_again(library_path, monkeypatch,
+                                                                 tmp_path):
     """The server dies during an episode's second turn: that episode is played once more from
     its start on the server started again, and the sample is the second play's (no error in
     it); counted in the sampler's status."""
@@ -223,7 +225,6 @@ async def test_an_episode_whose_served_app_died_is_played_again(monkeypatch, tmp
     from tests.test_agent import EOS, ScriptedEngine, run_loop
     from tests.tiny_model import build_tiny_model
 
-    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
     tok = ChatTokenizer(build_tiny_model(tmp_path / "model"))
     cfg = agent(f"agent.env.openenv.app={APP}", "agent.max_turns=3")
     holder: dict = {}

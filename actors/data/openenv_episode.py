@@ -58,8 +58,9 @@ class OpenEnvEpisode:
     def reset(self, prompt: dict[str, Any]) -> str:
         """The server's first observation (the prompt is the dataset's: the model reads it
         before this). The reset's arguments are ``reset_kwargs`` updated by the prompt's own
-        (``extra_info["reset_kwargs"]``, a table in the dataset's row): a row that names its seed or puzzle gives every sample
-        of its group the same one, as GRPO's group baseline assumes."""
+        (``extra_info["reset_kwargs"]``, a table in the dataset's row): a row that names its
+        seed or puzzle gives every sample of its group the same one, as GRPO's group baseline
+        assumes."""
         own = prompt.get("extra_info", {}).get(RESET_KWARGS, {})
         if isinstance(own, str):  # a nested value travels as JSON text (``datasets.py``)
             own = json.loads(own)

@@ -260,11 +260,11 @@ def graph_trees_here() -> None:
 def stash_in_tls(key: str, obj: object) -> None:
     """``torch._C._stash_obj_in_tls`` holding a reference of its own to ``obj``, on every torch.
     On some releases (2.11 among them) it keeps the object without taking a reference (it
-    steals the caller's) and drops one when the thread's state is destroyed: a thread that stashes and then exits (a
-    worker thread idle too long) frees the object while the thread's ``local`` still holds it,
-    and the second release corrupts the heap (a crash much later, anywhere). Torch's own module
-    stashes only in the main thread, which never exits. The reference torch did not take is
-    taken here, so the thread's end releases each reference once."""
+    steals the caller's) and drops one when the thread's state is destroyed: a thread that
+    stashes and then exits (a worker thread idle too long) frees the object while the thread's
+    ``local`` still holds it, and the second release corrupts the heap (a crash much later,
+    anywhere). Torch's own module stashes only in the main thread, which never exits. The
+    reference torch did not take is taken here, so the thread's end releases each one once."""
     before = sys.getrefcount(obj)
     torch._C._stash_obj_in_tls(key, obj)
     if sys.getrefcount(obj) == before:  # stolen, not taken
