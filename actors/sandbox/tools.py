@@ -21,14 +21,12 @@ numbers and flags that come back in ``Outcome``s.
 from __future__ import annotations
 
 import ast
-import ctypes
 import importlib
 import importlib.util
 import inspect
 import json
 import operator
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,8 @@ import typing
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+from actors.runtime.lifetime import die_with_parent
 
 # -- built-in tools ------------------------------------------------------------------------------
 
@@ -98,13 +98,6 @@ def calculator(expression: str) -> str:
     return decimal if abs(value) < 1e15 else repr(float(value))
 
 
-def _die_with_parent() -> None:
-    """In the program's process: the kernel kills it when its child process dies (the worker
-    kills that child at the call's timeout), so no program outlives its call."""
-    libc = ctypes.CDLL(None)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def python(code: str, timeout_s: float = 60.0) -> str:
     """Run a Python program and return what it printed.
 
@@ -115,7 +108,8 @@ def python(code: str, timeout_s: float = 60.0) -> str:
         try:
             done = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, text=True,
                                   capture_output=True, stdin=subprocess.DEVNULL,
-                                  timeout=timeout_s, preexec_fn=_die_with_parent)
+                                  # the program dies with this child: none outlives its call
+                                  timeout=timeout_s, preexec_fn=die_with_parent)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the program ran for more than {timeout_s:g} s") from None
     if done.returncode != 0:

@@ -31,7 +31,6 @@ session; any other starts its fork server afresh, as without one.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
@@ -46,8 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.job.launchers.base import ENTRY  # the module a forked process runs
-
-PR_SET_PDEATHSIG = 1
+from actors.runtime.lifetime import die_with_parent
 
 
 def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> None:
@@ -226,9 +224,7 @@ def zygote(path: str) -> None:
     from actors.registry import BY_NAME, NAMES
     from actors.runtime.config import ENGINES, FALLBACK
 
-    starter = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != starter:  # it ended before the call
+    if not die_with_parent(os.getppid()):  # it ended before the call
         return
     own = {k: v for k, v in os.environ.items() if k not in VOLATILE}  # (imports may add keys)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -10,21 +10,15 @@ the runner but this file, so a Ray worker starts it quickly.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from actors.runtime.config import DEVICE_ENV
+from actors.runtime.lifetime import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 ROOT = Path(__file__).resolve().parents[3]  # the tree on this node (a Ray working_dir too)
-
-
-def _die_with_parent() -> None:  # in the child, before exec
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def device_env(assigned: Sequence[object], env: Mapping[str, str]) -> dict[str, str]:
@@ -65,7 +59,7 @@ class ProcessKeeper:
         with open(log, "ab") as out:  # noqa: ASYNC230 - the child holds its own copy
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, *args, cwd=ROOT, env=full, stdout=out, stderr=out,
-                preexec_fn=_die_with_parent)
+                preexec_fn=die_with_parent)
         return (self.process.pid, ray.util.get_node_ip_address(),
                 ray.get_runtime_context().get_node_id())
 

@@ -21,9 +21,9 @@ import sys
 # its parent: it may have died before the call); its log holds its own failures only (a
 # session's client leaving is logged as an error too).
 SERVE = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-if os.getppid() != int(sys.argv[3]):
+import sys
+from actors.runtime.lifetime import die_with_parent
+if not die_with_parent(int(sys.argv[3])):
     sys.exit(0)
 import uvicorn
 uvicorn.run(sys.argv[1], fd=int(sys.argv[2]), log_level="critical")
