@@ -99,6 +99,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -358,16 +359,26 @@ class Check:
             ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in facts.items())
 
     def bench(self, script: str, *args: str, timeout: float = 600) -> str:
-        """``bench/SCRIPT args`` in a process of its own; its output (raises on failure)."""
-        env = dict(os.environ)
+        """``bench/SCRIPT args`` in a process of its own; its output (raises on failure). Its
+        lines are printed as they come, so a run cut off from outside shows how far it got."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.dry:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=timeout)
-        if out.returncode != 0:
-            print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
-            raise RuntimeError(f"bench/{script} exited {out.returncode}")
-        return out.stdout
+        proc = subprocess.Popen([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        lines = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(f"  | {line}", end="", flush=True)
+                lines.append(line)
+        finally:
+            timer.cancel()
+        if proc.wait() != 0:
+            raise RuntimeError(f"bench/{script} exited {proc.returncode}")
+        return "".join(lines)
 
     def bench_decode(self) -> tuple[str, str]:
         """bench/bench_decode.py's table rows: compiled against eager decoding, tokens/s and ops
@@ -396,7 +407,6 @@ class Check:
                 if self.dry else ["--steps", "30", "--run", "flowrl sampler.hf.decode=inductor"])
         runs += (["--run", "trl" if self.dry else "trl cuda"] if have_trl else [])
         text = self.bench("bench_trl.py", *runs, timeout=900)
-        print(text[-6000:])  # each run's per-step lines: where the wall goes beyond the medians
         rates = [float(x) for x in re.findall(r"([\d.]+) samples/s", text)]
         parts = re.findall(r"per step \(s\): ([^\n]*)", text)
         if len(rates) != (2 if have_trl else 1):
