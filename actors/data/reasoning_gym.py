@@ -8,6 +8,9 @@ answer the ground truth. The data source is ``reasoning_gym/NAME`` and each prom
 generator's spec (name, config, size, seed) in ``extra_info``, so the reward worker rebuilds
 the same generator and scores a reply as reasoning-gym does: the last ``<answer>`` tag's
 content (its ``extract_answer``) through the generator's ``score_answer`` against the entry.
+With ``answer = "reply"`` the whole reply, stripped, is the answer instead, under a system
+prompt asking for the answer alone (the spec then carries ``answer``, so the scorer reads it
+the same way).
 
 reasoning-gym is an optional extra (``pip install 'flowrl[envs]'``), imported only when a
 topology names a generator.
@@ -24,6 +27,7 @@ from actors.runtime.config import ReasoningGymSource
 
 INSTALL = "pip install 'flowrl[envs]' (reasoning-gym==0.1.25)"
 PREFIX = "reasoning_gym/"  # the data sources of its prompts
+REPLY_PROMPT = "Reply with the answer alone."  # the system prompt of answer = "reply"
 SPEC = "reasoning_gym"  # the extra_info key of a prompt's generator spec
 
 
@@ -55,8 +59,20 @@ def generator(spec: str) -> Any:
 
 
 def spec_of(source: ReasoningGymSource, seed: int) -> str:
-    return json.dumps({"name": source.name, "config": source.config, "size": source.size,
-                       "seed": seed}, sort_keys=True)
+    fields = {"name": source.name, "config": source.config, "size": source.size, "seed": seed}
+    if source.answer != "tags":  # (the tags' specs as they were: recorded runs resume on them)
+        fields["answer"] = source.answer
+    return json.dumps(fields, sort_keys=True)
+
+
+def read_answer(text: str, spec: str | None) -> str | None:
+    """The answer a reply gives under its prompt's spec: the whole reply stripped for
+    ``answer = "reply"``, else the last ``<answer>`` tag's content (reasoning-gym's own)."""
+    if spec is not None and json.loads(spec).get("answer") == "reply":
+        return text.strip()
+    from reasoning_gym.utils import extract_answer
+
+    return extract_answer(text)
 
 
 class ReasoningGymTask(Task):
@@ -73,7 +89,8 @@ class ReasoningGymTask(Task):
             self.dataset = generator(self.spec)
         except ValueError as exc:
             raise ValueError(f"{key}.reasoning_gym: {exc}") from None
-        self.system_prompt = system_prompt or _library().utils.SYSTEM_PROMPTS["default"]
+        self.system_prompt = system_prompt or (REPLY_PROMPT if source.answer == "reply" else
+                                               _library().utils.SYSTEM_PROMPTS["default"])
 
     def row(self, index: int) -> tuple[str, str, dict[str, Any]]:
         entry = self.dataset[index]
@@ -82,21 +99,19 @@ class ReasoningGymTask(Task):
 
 def score(data_source: str, solution_str: str, ground_truth: str,
           extra_info: dict[str, Any] | None = None, **_: Any) -> float:
-    """reasoning-gym's own score of a reply: the last ``<answer>`` tag's content through the
+    """reasoning-gym's own score of a reply: its answer (``read_answer``) through the
     generator's ``score_answer`` against the prompt's entry (rebuilt from its spec)."""
     info = extra_info or {}
     if SPEC not in info:
         raise ValueError(f"data_source {data_source!r}: the prompt carries no reasoning-gym "
                          f"spec (extra_info[{SPEC!r}])")
-    dataset = generator(str(info[SPEC]))
+    spec = str(info[SPEC])
+    dataset = generator(spec)
     entry = dataset[int(info["index"])]
-    from reasoning_gym.utils import extract_answer
-
-    return float(dataset.score_answer(answer=extract_answer(solution_str), entry=entry))
+    return float(dataset.score_answer(answer=read_answer(solution_str, spec), entry=entry))
 
 
-def answer(text: str, **_: Any) -> str | None:
-    """The answer reasoning-gym reads in a reply (for majority votes)."""
-    from reasoning_gym.utils import extract_answer
-
-    return extract_answer(text)
+def answer(text: str, extra_info: dict[str, Any] | None = None, **_: Any) -> str | None:
+    """The answer a reply gives (for majority votes), read as its prompt's spec says."""
+    spec = (extra_info or {}).get(SPEC)
+    return read_answer(text, None if spec is None else str(spec))

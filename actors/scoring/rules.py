@@ -142,10 +142,10 @@ def verifiers(data_source: str, solution_str: str, ground_truth: str,
     return score(data_source, solution_str, ground_truth, extra_info)
 
 
-def _reasoning_gym_answer(text: str, **_: Any) -> str | None:
+def _reasoning_gym_answer(text: str, extra_info: dict | None = None, **_: Any) -> str | None:
     from actors.data.reasoning_gym import answer
 
-    return answer(text)
+    return answer(text, extra_info)
 
 
 # the answers the built-ins read, for majority votes (verl's ``pred``): what each compares with

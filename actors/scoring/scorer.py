@@ -172,7 +172,8 @@ class Scoring:
         outcomes = await self._call(spec, child_index, items)
         if spec.module == "actors.scoring.rules":
             outcomes = [o if o.error or o.answer else msgspec.structs.replace(
-                o, answer=extract_answer(spec.name, item.solution_str, **spec.kwargs))
+                o, answer=extract_answer(spec.name, item.solution_str, **spec.kwargs,
+                                         extra_info=item.extra_info))
                 for item, o in zip(items, outcomes, strict=True)]
         return outcomes
 

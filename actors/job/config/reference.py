@@ -60,6 +60,11 @@ def _walk(t: mi.StructType, prefix: str, out: list[Key]) -> None:
                            _toml(type(default).__struct_config__.tag), docs.get(f.name, "")))
             for s in members:
                 _walk(s, f"{path}[{tag}={s.tag}].", out)
+        elif isinstance(inner, mi.UnionType) and len(inner.types) == 2 \
+                and isinstance(_unwrap(inner.types[1]), mi.NoneType) \
+                and isinstance(_unwrap(inner.types[0]), mi.StructType):
+            out.append(Key(path, type_name(f.type), _toml(f.default), docs.get(f.name, "")))
+            _walk(_unwrap(inner.types[0]), f"{path}.", out)  # an optional table: its keys too
         elif isinstance(inner, mi.ListType) and isinstance(_unwrap(inner.item_type), mi.StructType):
             _walk(_unwrap(inner.item_type), f"{path}[].", out)
         elif isinstance(inner, mi.ListType) and isinstance(_unwrap(inner.item_type), mi.UnionType) \

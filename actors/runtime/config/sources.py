@@ -4,7 +4,7 @@ prompt source in ``actors/data/`` and scored by its own rules."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from actors.runtime.config.constraints import FilePath, NonNegInt, PositiveInt
 from actors.runtime.config.schema_base import ConfigError, _Section
@@ -20,6 +20,12 @@ class ReasoningGymSource(_Section, frozen=True):
     size: PositiveInt = 10_000
     """Distinct rows the generator makes (row ``i`` is the same for a seed: run.seed in
     training, run.seed + 1 in validation)."""
+    answer: Literal["tags", "reply"] = "tags"
+    """Where the answer is read: ``tags``, the last ``<answer>`` tag's content under the
+    library's own system prompt (reasoning-gym's convention); ``reply``, the whole reply
+    stripped, under a system prompt asking for the answer alone (for a model too small to
+    write the tags: the generators' ``score_answer`` gives partial credit to a reply that holds
+    the answer among other text, so the reward still grows as the reply shrinks to it)."""
 
 
 class VerifiersSource(_Section, frozen=True):
