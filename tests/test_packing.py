@@ -13,7 +13,15 @@ import torch
 from transformers import AutoModel
 
 from actors.learner.batch import common_prefixes
-from actors.learner.packing import micro_batches, micro_limits, own_tokens, pack, refine
+from actors.learner.packing import (
+    micro_batches,
+    micro_limits,
+    own_tokens,
+    pack,
+    packed_tokens,
+    refine,
+    share_groups,
+)
 from kernels import varlen_attention
 from tests.learner_cases import OPTIONS, make_trainer, with_behaviour
 from tests.test_learner import make_groups
@@ -268,3 +276,34 @@ def test_auto_micro_batches_follow_the_device():
     lengths = [540] * 32
     assert len(micro_batches(lengths, 0, 32, *limits(cuda=False))) == 4
     assert micro_batches(lengths, 0, 32, *limits(cuda=True)) == [slice(0, 32)]
+
+
+def test_a_group_sharing_its_prefix_is_cut_only_when_it_alone_is_over_the_budget():
+    """Rows 0-1 share a 40-token prefix, rows 2-5 another (own tokens: 50 for a group's first
+    row, 10 for each other). A group that fits is never cut across micro-batches (a cut computes
+    its prefix twice); one over the budget is cut by rows, each later part holding the prefix
+    again, counted; with ``whole`` (the CPU's auto budget) it stays one micro-batch."""
+    full = [50] * 6
+    shared = (0, 40, 0, 40, 40, 40)
+    lengths = own_tokens(full, shared)
+    assert lengths == [50, 10, 50, 10, 10, 10]
+    groups = share_groups(full, shared)
+    assert groups == [([0, 1], 40), ([2, 3, 4, 5], 40)]
+    # 120 tokens: rows alone cut inside the second group; groups cut between them
+    assert micro_batches(lengths, 0, 6, 8, 120) == [slice(0, 4), slice(4, 6)]
+    assert micro_batches(lengths, 0, 6, 8, 120, groups) == [slice(0, 2), slice(2, 6)]
+    # 70 tokens: the second group (80) is over alone; its part after the cut starts with the
+    # prefix again (40 + 10)
+    assert micro_batches(lengths, 0, 6, 8, 70, groups) == [slice(0, 2), slice(2, 5), slice(5, 6)]
+    assert micro_batches(lengths, 0, 6, 8, 70, groups, whole=True) == [slice(0, 2), slice(2, 6)]
+    # a row cap alone cuts by rows, as the padded path does; with a budget it keeps groups too
+    assert micro_batches(lengths, 0, 6, 3, 0, groups) == [slice(0, 3), slice(3, 6)]
+    assert micro_batches(lengths, 0, 6, 3, 500, groups) == [
+        slice(0, 2), slice(2, 5), slice(5, 6)]
+    # a rank's or a mini-batch's share takes its own groups only
+    assert micro_batches(lengths, 2, 6, 8, 120, groups) == [slice(2, 6)]
+    assert micro_batches(lengths, 0, 6, 8, 120, None) == micro_batches(lengths, 0, 6, 8, 120)
+    # what each cut puts through the model: the prefix again where a part starts inside a group
+    assert packed_tokens(lengths, [slice(0, 2), slice(2, 6)], groups) == 140
+    assert packed_tokens(lengths, [slice(0, 2), slice(2, 5), slice(5, 6)], groups) == 180
+    assert packed_tokens(full, [slice(0, 6)], None) == 300

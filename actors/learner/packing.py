@@ -59,21 +59,56 @@ def micro_limits(learner, cuda: bool, token_bytes: int = 0) -> tuple[int, int]:
     return rows, tokens
 
 
-def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int) -> list[slice]:
+def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int,
+                  groups: list[tuple[list[int], int]] | None = None, whole: bool = False
+                  ) -> list[slice]:
     """Rows ``[lo, hi)`` cut into contiguous micro-batches of at most ``max_rows`` rows and,
     when ``max_tokens > 0``, at most ``max_tokens`` tokens (``lengths[i]``: row i's tokens); a
-    row longer than ``max_tokens`` is a micro-batch alone."""
+    row longer than ``max_tokens`` is a micro-batch alone.
+
+    ``groups``: the rows' shared-prefix groups (``share_groups``, ``lengths`` then being
+    ``own_tokens``), read under a token budget only (a row cap alone cuts by rows, as the
+    padded path and verl's micro-batches do). A group is cut only when it alone is over the
+    limits: a micro-batch that starts inside a group holds that group's prefix again (its
+    tokens counted here), computing it twice. ``whole``: a group over the limits stays whole
+    too, a micro-batch of its own (where the token budget is a soft target, not the device's
+    memory: the CPU's ``auto``)."""
     out: list[slice] = []
     start, tokens = lo, 0
-    for i in range(lo, hi):
-        full = i - start >= max_rows or (max_tokens > 0 and tokens + lengths[i] > max_tokens)
-        if i > start and full:
-            out.append(slice(start, i))
-            start, tokens = i, 0
-        tokens += lengths[i]
+
+    def fits(rows: int, count: int) -> bool:
+        return rows <= max_rows and (max_tokens <= 0 or count <= max_tokens)
+
+    units = [([i for i in g if lo <= i < hi], common) for g, common in groups
+             if any(lo <= i < hi for i in g)] if groups and max_tokens > 0 else \
+        [([i], 0) for i in range(lo, hi)]
+    for rows, common in units:
+        size = sum(lengths[i] for i in rows)
+        if rows[0] > start:  # joins the open micro-batch, or closes it
+            if fits(rows[0] - start + len(rows), tokens + size):
+                tokens += size
+                continue
+            out.append(slice(start, rows[0]))
+            start, tokens = rows[0], 0
+        if whole or fits(len(rows), size):
+            tokens = size
+            continue
+        for i in rows:  # over the limits alone: cut by rows, each later part with the prefix
+            if i > start and not fits(i - start + 1, tokens + lengths[i]):
+                out.append(slice(start, i))
+                start, tokens = i, common
+            tokens += lengths[i]
     if hi > start:
         out.append(slice(start, hi))
     return out
+
+
+def packed_tokens(lengths: list[int], slices: list[slice],
+                  groups: list[tuple[list[int], int]] | None) -> int:
+    """The tokens micro-batches ``slices`` put through the model: each row's own
+    (``own_tokens``), and a group's prefix again where a micro-batch starts inside the group."""
+    again = {i: common for g, common in groups or () for i in g[1:]}
+    return sum(sum(lengths[sl]) + again.get(sl.start, 0) for sl in slices)
 
 
 def share_groups(lengths: list[int], shared: tuple[int, ...]) -> list[tuple[list[int], int]]:

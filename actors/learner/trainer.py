@@ -63,7 +63,14 @@ from actors.learner.objective import (
     micro_batch_loss,
     response_logprobs,
 )
-from actors.learner.packing import micro_batches, micro_limits, own_tokens, refine
+from actors.learner.packing import (
+    micro_batches,
+    micro_limits,
+    own_tokens,
+    packed_tokens,
+    refine,
+    share_groups,
+)
 from actors.learner.perf import StepTimes, perf_metrics, vision_flops, vision_tower
 from actors.learner.policy import Policy
 from actors.learner.turns import agent_metrics
@@ -103,6 +110,7 @@ class StepState:
     groups: list[ScoredGroup]
     batch: RolloutBatch  # on the policy's device
     lengths: list[int]  # tokens of each row
+    units: list[tuple[list[int], int]] | None  # the shared-prefix groups (rows, prefix), if any
     sampling: SamplingParams  # how the batch was generated (its temperature, max_tokens)
     times: StepTimes
     trained_at: int  # the weights' version the step starts from
@@ -156,17 +164,26 @@ class Trainer:
         self.algo.policy_loss.load()
         self.algo.adv_estimator.load()
 
-    def _micro_slices(self, lengths: list[int], lo: int, hi: int) -> list[slice]:
+    def _micro_slices(self, lengths: list[int], lo: int, hi: int,
+                      units: list[tuple[list[int], int]] | None = None) -> list[slice]:
         """This rank's micro-batches of rows ``[lo, hi)``: its share is an equal contiguous part,
         one per rank (the config check makes them whole groups), cut by ``micro_batch_size`` and
         the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
-        share needs, so that every rank runs as many forward passes."""
-        part = (hi - lo) // self.group.world
-        rows, tokens = micro_limits(self.cfg, self.policy.device.type == "cuda",
-                                    self.policy.token_activation_bytes)
-        splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens)
-                  for r in range(self.group.world)]
+        share needs, so that every rank runs as many forward passes. A group sharing a prefix
+        (``units``) is cut only when it alone is over the budget, and on a CPU under ``auto``
+        never: a cut computes its prefix again, and the CPU's budget is a soft target."""
+        splits = self._rank_splits(lengths, lo, hi, units)
         return refine(splits[self.group.rank], lengths, max(map(len, splits)))
+
+    def _rank_splits(self, lengths: list[int], lo: int, hi: int,
+                     units: list[tuple[list[int], int]] | None) -> list[list[slice]]:
+        """Each rank's micro-batches of its part of rows ``[lo, hi)``, before ``refine``."""
+        part = (hi - lo) // self.group.world
+        cuda = self.policy.device.type == "cuda"
+        rows, tokens = micro_limits(self.cfg, cuda, self.policy.token_activation_bytes)
+        whole = not cuda and self.cfg.max_tokens_per_micro_batch == "auto"
+        return [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens, units,
+                              whole) for r in range(self.group.world)]
 
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so
@@ -220,9 +237,11 @@ class Trainer:
                 and self.policy.attends_trees):
             batch.shared = ()
         lengths = own_tokens(list(batch.lengths), batch.shared)  # each row's in a packed row
+        units = share_groups(list(batch.lengths), batch.shared) if any(batch.shared[1:]) \
+            else None
         if self.on_first_batch is not None:  # the micro-batches' size is known from here
-            slices = self._micro_slices(lengths, 0, batch.size)
-            self.on_first_batch(max(sum(lengths[s]) for s in slices),
+            slices = self._micro_slices(lengths, 0, batch.size, units)
+            self.on_first_batch(max(packed_tokens(lengths, [s], units) for s in slices),
                                 max(batch.vision.patches(s) for s in slices) if batch.vision else 0)
             self.on_first_batch = None
         c = algo.correction
@@ -233,7 +252,8 @@ class Trainer:
         mask = batch.response_mask
         times.end("prepare")
         return StepState(
-            groups=groups, batch=batch, lengths=lengths, sampling=sampling, times=times,
+            groups=groups, batch=batch, lengths=lengths, units=units, sampling=sampling,
+            times=times,
             trained_at=self.policy.version, otb=otb, inline_old=inline_old,
             need_old=c.mode == "decoupled" and not inline_old,
             # the batch-wide quantities, filled with the weights of the start of the step
@@ -247,7 +267,7 @@ class Trainer:
         token baselines), the reference log-probs, the critic's values; summed over ranks."""
         temp, times = s.sampling.temperature, s.times
         with torch.no_grad():
-            for sl in self._micro_slices(s.lengths, 0, s.batch.size):
+            for sl in self._micro_slices(s.lengths, 0, s.batch.size, s.units):
                 self._check_abort()
                 mb = s.batch.rows(sl)
                 w = mb.response_mask.shape[1]
@@ -316,7 +336,7 @@ class Trainer:
         for epoch in range(cfg.ppo_epochs):
             for (lo, hi), token_count in zip(bounds, token_counts, strict=True):
                 self.policy.optimizer.zero_grad(set_to_none=True)
-                micro = self._micro_slices(s.lengths, lo, hi)
+                micro = self._micro_slices(s.lengths, lo, hi, s.units)
                 for sl in micro:
                     self._check_abort()
                     for module in (self.policy.model, self.policy.critic):
@@ -442,8 +462,11 @@ class Trainer:
             "actor/lr": self.policy.scheduler.get_last_lr()[0],
             "timing_s/step": elapsed,
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
-            # the tokens a shared prefix kept out of the forward passes (learner.share_prefixes)
-            "perf/shared_prefix_tokens": float(sum(batch.lengths) - sum(s.lengths)),
+            # the tokens a shared prefix kept out of the forward passes (learner.share_prefixes),
+            # less the prefixes computed again where a micro-batch starts inside their group
+            "perf/shared_prefix_tokens": float(sum(batch.lengths) - packed_tokens(
+                s.lengths, [sl for split in self._rank_splits(s.lengths, 0, batch.size, s.units)
+                            for sl in split], s.units)),
         })
         metrics.update(agent_metrics(s.groups))  # multi-turn batches only
         if s.values is not None:

@@ -114,9 +114,11 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     padded layout."""
     max_tokens_per_micro_batch: NonNegInt | Literal["auto"] = "auto"
     """Most tokens (prompt + response, padding not counted) per forward/backward, besides
-    micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own. auto:
-    32768 on a GPU; on a CPU as many as save 1 GiB of activations for backward (the default
-    job's model: about 700), at most 8192."""
+    micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own. With
+    share_prefixes a group is cut only when it alone is over the budget (a part that starts
+    inside it holds the prompt again). auto: 32768 on a GPU; on a CPU as many as save 1 GiB of
+    activations for backward (the default job's model: about 700), at most 8192, and a group
+    over it kept whole."""
     packing: bool = True
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart
     per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
