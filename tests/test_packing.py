@@ -295,7 +295,10 @@ def test_a_group_sharing_its_prefix_is_cut_only_when_it_alone_is_over_the_budget
     # 70 tokens: the second group (80) is over alone; its part after the cut starts with the
     # prefix again (40 + 10)
     assert micro_batches(lengths, 0, 6, 8, 70, groups) == [slice(0, 2), slice(2, 5), slice(5, 6)]
-    assert micro_batches(lengths, 0, 6, 8, 70, groups, whole=True) == [slice(0, 2), slice(2, 6)]
+    # a group up to ``keep`` tokens stays whole over the budget (the CPU's auto: twice it)
+    assert micro_batches(lengths, 0, 6, 8, 70, groups, keep=80) == [slice(0, 2), slice(2, 6)]
+    assert micro_batches(lengths, 0, 6, 8, 70, groups, keep=79) == [
+        slice(0, 2), slice(2, 5), slice(5, 6)]
     # a row cap alone cuts by rows, as the padded path does; with a budget it keeps groups too
     assert micro_batches(lengths, 0, 6, 3, 0, groups) == [slice(0, 3), slice(3, 6)]
     assert micro_batches(lengths, 0, 6, 3, 500, groups) == [

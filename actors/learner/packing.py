@@ -60,7 +60,7 @@ def micro_limits(learner, cuda: bool, token_bytes: int = 0) -> tuple[int, int]:
 
 
 def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int,
-                  groups: list[tuple[list[int], int]] | None = None, whole: bool = False
+                  groups: list[tuple[list[int], int]] | None = None, keep: int = 0
                   ) -> list[slice]:
     """Rows ``[lo, hi)`` cut into contiguous micro-batches of at most ``max_rows`` rows and,
     when ``max_tokens > 0``, at most ``max_tokens`` tokens (``lengths[i]``: row i's tokens); a
@@ -70,9 +70,9 @@ def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_token
     ``own_tokens``), read under a token budget only (a row cap alone cuts by rows, as the
     padded path and verl's micro-batches do). A group is cut only when it alone is over the
     limits: a micro-batch that starts inside a group holds that group's prefix again (its
-    tokens counted here), computing it twice. ``whole``: a group over the limits stays whole
-    too, a micro-batch of its own (where the token budget is a soft target, not the device's
-    memory: the CPU's ``auto``)."""
+    tokens counted here), computing it twice. ``keep``: a group of at most that many tokens
+    stays whole even over the budget, a micro-batch of its own (where the budget is a soft
+    target, not the device's memory: the CPU's ``auto``)."""
     out: list[slice] = []
     start, tokens = lo, 0
 
@@ -90,7 +90,7 @@ def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_token
                 continue
             out.append(slice(start, rows[0]))
             start, tokens = rows[0], 0
-        if whole or fits(len(rows), size):
+        if fits(len(rows), size) or (len(rows) <= max_rows and size <= keep):
             tokens = size
             continue
         for i in rows:  # over the limits alone: cut by rows, each later part with the prefix

@@ -171,7 +171,8 @@ class Trainer:
         the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
         share needs, so that every rank runs as many forward passes. A group sharing a prefix
         (``units``) is cut only when it alone is over the budget, and on a CPU under ``auto``
-        never: a cut computes its prefix again, and the CPU's budget is a soft target."""
+        only when it is over twice the budget: a cut computes its prefix again, and the CPU's
+        budget is a soft target (its activations' memory, ``CPU_ACTIVATIONS``)."""
         splits = self._rank_splits(lengths, lo, hi, units)
         return refine(splits[self.group.rank], lengths, max(map(len, splits)))
 
@@ -181,9 +182,9 @@ class Trainer:
         part = (hi - lo) // self.group.world
         cuda = self.policy.device.type == "cuda"
         rows, tokens = micro_limits(self.cfg, cuda, self.policy.token_activation_bytes)
-        whole = not cuda and self.cfg.max_tokens_per_micro_batch == "auto"
+        keep = 2 * tokens if not cuda and self.cfg.max_tokens_per_micro_batch == "auto" else 0
         return [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens, units,
-                              whole) for r in range(self.group.world)]
+                              keep) for r in range(self.group.world)]
 
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so

@@ -118,7 +118,7 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     share_prefixes a group is cut only when it alone is over the budget (a part that starts
     inside it holds the prompt again). auto: 32768 on a GPU; on a CPU as many as save 1 GiB of
     activations for backward (the default job's model: about 700), at most 8192, and a group
-    over it kept whole."""
+    of up to twice that kept whole."""
     packing: bool = True
     """Concatenate a micro-batch's sequences into one row without padding (position ids restart
     per sequence); false: right-padded rows, the reference path (same loss and gradients)."""
