@@ -106,6 +106,15 @@ def test_the_planned_table_counts_rows_of_the_longest_prompt_and_response(tiny_m
         table("task.max_prompt_length=100", "learner.micro_batch_size=8")
     assert re.search(r" 8192 tokens per micro-batch \(learner.max_tokens_per_micro_batch",
                      table("agent.tools=[{builtin='calculator'}]"))
+    # a group over the CPU's auto budget is kept whole up to twice it: 8,000 prompt tokens
+    # once, then 8 responses of 100 (8,800), where the budget is 8,192
+    long = ("task.max_prompt_length=8000", "sampler.max_tokens=100")
+    assert " 8800 tokens per micro-batch (a group sharing its prompt, kept whole up to twice " \
+           "the budget 8192)" in table(*long)
+    assert " 8192 tokens per micro-batch (learner.max_tokens_per_micro_batch" in \
+        table(*long, "learner.share_prefixes=false")
+    assert " 32768 tokens per micro-batch (learner.max_tokens_per_micro_batch" in \
+        table(*long, device="cuda")
 
 
 def test_the_estimate_is_within_1_5x_of_a_measured_learners_peak(tmp_path):

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from actors.learner.packing import micro_limits
+from actors.learner.packing import keep_whole, micro_limits
 from actors.learner.perf import VisionTower, head_dim_of, vision_tower
 from actors.runtime.config import auto_dtype
 from kernels.lm_head_logprobs import KEEP_BYTES
@@ -308,6 +308,12 @@ def planned(topology, device: str) -> str:
         budget = (" (learner.max_tokens_per_micro_batch: the most one may hold)"
                   if budget_tokens else
                   " (no token budget: micro_batch_size x 1024 assumed)")
+        keep = keep_whole(L, cuda, budget_tokens)
+        group = None if longest is None else \
+            longest + (topology.algorithm.n - 1) * topology.sampler.max_tokens  # prompt once
+        if keep and group is not None and L.packing and L.share_prefixes and group > tokens:
+            tokens = min(keep, group)  # a group sharing its prompt, kept whole over the budget
+            budget = f" (a group sharing its prompt, kept whole up to twice the budget {keep // 2})"
     a = topology.algorithm
     shape = dict(world=L.nproc_per_node * L.nnodes, offload=L.offload,
                  param_bytes=ITEMSIZE[params], compute_bytes=ITEMSIZE[compute],

@@ -59,6 +59,14 @@ def micro_limits(learner, cuda: bool, token_bytes: int = 0) -> tuple[int, int]:
     return rows, tokens
 
 
+def keep_whole(learner, cuda: bool, tokens: int) -> int:
+    """The tokens up to which a group sharing its prompt stays one micro-batch over the token
+    budget ``tokens`` (``micro_batches``' ``keep``): twice it under the CPU's ``auto``, where
+    the budget is a soft target (``CPU_ACTIVATIONS``) and a cut computes the prompt again;
+    else 0, the budget holding."""
+    return 2 * tokens if not cuda and learner.max_tokens_per_micro_batch == "auto" else 0
+
+
 def micro_batches(lengths: list[int], lo: int, hi: int, max_rows: int, max_tokens: int,
                   groups: list[tuple[list[int], int]] | None = None, keep: int = 0
                   ) -> list[slice]:

@@ -64,6 +64,7 @@ from actors.learner.objective import (
     response_logprobs,
 )
 from actors.learner.packing import (
+    keep_whole,
     micro_batches,
     micro_limits,
     own_tokens,
@@ -170,9 +171,8 @@ class Trainer:
         one per rank (the config check makes them whole groups), cut by ``micro_batch_size`` and
         the token budget (``actors/learner/packing.py``) into as many micro-batches as any rank's
         share needs, so that every rank runs as many forward passes. A group sharing a prefix
-        (``units``) is cut only when it alone is over the budget, and on a CPU under ``auto``
-        only when it is over twice the budget: a cut computes its prefix again, and the CPU's
-        budget is a soft target (its activations' memory, ``CPU_ACTIVATIONS``)."""
+        (``units``) is cut only when it alone is over the budget (on a CPU under ``auto``, over
+        twice it: ``keep_whole``): a cut computes its prefix again."""
         splits = self._rank_splits(lengths, lo, hi, units)
         return refine(splits[self.group.rank], lengths, max(map(len, splits)))
 
@@ -182,7 +182,7 @@ class Trainer:
         part = (hi - lo) // self.group.world
         cuda = self.policy.device.type == "cuda"
         rows, tokens = micro_limits(self.cfg, cuda, self.policy.token_activation_bytes)
-        keep = 2 * tokens if not cuda and self.cfg.max_tokens_per_micro_batch == "auto" else 0
+        keep = keep_whole(self.cfg, cuda, tokens)
         return [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens, units,
                               keep) for r in range(self.group.world)]
 
