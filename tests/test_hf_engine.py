@@ -259,6 +259,31 @@ async def test_compiled_decoding_keeps_one_static_cache_per_shape_and_compiles_o
     assert seen[0][2] >= 1 and seen[1][2] == seen[2][2] == seen[0][2]  # compiled once
 
 
+@pytest.mark.slow  # inductor's C++ compile, tens of seconds on a fresh machine (no cache)
+@pytest.mark.anyio
+async def test_compiled_decoding_computes_each_prompt_once_and_decodes_as_eager(tiny_model):
+    """Under compiled decoding too, each prompt goes through the model once (its cache then
+    written into the static cache's rows of its n samples), not n times; greedy decoding gives
+    eager's tokens and log-probs (eager shares the prompts' cache the same way)."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    out = {}
+    for decode in ("eager", "inductor"):
+        engine = HFEngine(tiny_model, "float32", seed=0, decode=decode)
+        await engine.load_weights(0, {})
+        rows: list[int] = []
+        hook = engine.model.register_forward_pre_hook(
+            lambda _m, _a, kw, rows=rows: rows.append(kw["input_ids"].shape[0]),
+            with_kwargs=True)
+        out[decode] = await engine.generate([GenerateRequest(p, params, 3) for p in prompts])
+        hook.remove()
+        assert rows[0] == 2, (decode, rows)  # the prompts' forward: 2 rows, not 2 x 3
+    for eager, compiled in zip(out["eager"], out["inductor"], strict=True):
+        for a, b in zip(eager, compiled, strict=True):
+            assert torch.equal(a.token_ids, b.token_ids)
+            assert float((a.logprobs - b.logprobs).abs().max()) < 1e-4
+
+
 def test_static_caches_one_per_shape_the_latest_kept(tiny_model):
     from transformers import AutoConfig
 

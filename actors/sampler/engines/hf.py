@@ -188,12 +188,12 @@ class _Draw(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
-# How ``generate`` decodes: ``eager`` (a growing cache, the prompts' cache shared by their
-# samples) or ``inductor``: a static KV cache whose decode step torch.compile compiles once per
-# batch shape (fused kernels; on a GPU replayed as CUDA graphs, mode reduce-overhead; on a CPU
-# compiled too). Compiled decoding pads the prompts to a multiple of ``WIDTH_BUCKET`` and keeps
-# one static cache per batch shape (``StaticCaches``) so a job's batches share a few shapes and
-# the graphs' inputs keep their addresses.
+# How ``generate`` decodes: ``eager`` (a growing cache) or ``inductor``: a static KV cache whose
+# decode step torch.compile compiles once per batch shape (fused kernels; on a GPU replayed as
+# CUDA graphs, mode reduce-overhead; on a CPU compiled too). Either way the prompts' cache is
+# computed once per prompt and shared by its samples. Compiled decoding pads the prompts to a
+# multiple of ``WIDTH_BUCKET`` and keeps one static cache per batch shape (``StaticCaches``) so
+# a job's batches share a few shapes and the graphs' inputs keep their addresses.
 DECODES = typing.get_args(Decode)
 WIDTH_BUCKET = 64
 
@@ -224,7 +224,10 @@ class StaticCaches:
             collections.OrderedDict()
         self.made = 0  # caches built (not reused)
 
-    def get(self, rows: int, length: int) -> StaticCache:
+    def get(self, rows: int, length: int, prompts: Any = None) -> StaticCache:
+        """The cache of this shape, empty, or holding ``prompts`` (a cache of the batch's rows
+        over the prompts but their last token: ``HFEngine._shared_prompts``), written into it
+        in place (``generate`` then goes on from there, as from the eager path's cache)."""
         cache = self.caches.pop((rows, length), None)
         if cache is None:
             cache = StaticCache(config=self.config, max_cache_len=length)
@@ -233,6 +236,10 @@ class StaticCaches:
                 self.caches.popitem(last=False)
         else:
             cache.reset()  # in place: the tensors keep their addresses
+        if prompts is not None:
+            for i, layer in enumerate(prompts.layers):
+                cache.update(layer.keys, layer.values, i, {"cache_position": torch.arange(
+                    layer.keys.shape[-2], device=layer.keys.device)})
         self.caches[(rows, length)] = cache
         return cache
 
@@ -349,8 +356,7 @@ class HFEngine:
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
         vision = self._pixels(ids, images or [], n)
-        # (the cache would need the images' features)
-        shared = n > 1 and width > 1 and not vision and self.compiled is None
+        shared = n > 1 and width > 1 and not vision  # (the cache would need the images' features)
         cache = self._shared_prompts(ids, attn, n) if shared else None
         ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)  # (B·n, P)
         if vision:
@@ -360,7 +366,8 @@ class HFEngine:
         processors = LogitsProcessorList([record, *sampling_processors(params)])
         if self.compiled is not None:
             config.compile_config = self.compiled
-            cache = self.static_caches.get(ids.shape[0], width + params.max_tokens)
+            cache = self.static_caches.get(ids.shape[0], width + params.max_tokens,
+                                           prompts=cache)
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, past_key_values=cache, **vision,
             generation_config=config,
