@@ -305,7 +305,7 @@ def keys_main(argv: list[str]) -> int:
         description="Every key of topology.toml with its type, range, default and doc, from the "
                     "schema itself.")
     parser.add_argument("prefix", nargs="?", default="", help="only keys starting with this, "
-                        "e.g. learner or sampler.vllm")
+                        "e.g. learner or sampler.engine")
     parser.add_argument("--markdown", action="store_true",
                         help="the whole reference as Markdown (docs/configuration.md)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The transformers engine's decoding modes side by side (``sampler.hf.decode``): eager, and a
+"""The transformers engine's decoding modes side by side (``sampler.engine.decode``): eager, and a
 static KV cache compiled by torch.compile (inductor), on the same batch, through the engine's
 own ``generate``.
 

@@ -303,7 +303,7 @@ class Check:
                       f"in {seconds:.2f} s, {tokens / seconds:,.0f} tokens/s, peak {peak:.1f} GiB")
 
     def decode_graphs(self) -> tuple[str, str]:
-        """Compiled decoding (``sampler.hf.decode = inductor``) over four batches of one shape:
+        """Compiled decoding (``sampler.engine = {name = "hf", decode = "inductor"}``) over four batches of one shape:
         the CUDA graphs recorded after each (flat after the second: the static cache keeps its
         addresses), the static caches made (one) and the graphs compiled (flat after the
         first). Dry run: inductor's C++ kernels on the CPU, no CUDA graphs to count."""
@@ -404,7 +404,7 @@ class Check:
         GRPOTrainer on the same GPU, 30 steps each (dry run: the thin model, 3 steps, CPU)."""
         have_trl = all(importlib.util.find_spec(m) for m in ("trl", "datasets"))
         runs = (["--model", "thin", "--steps", "3", "--run", "flowrl"]
-                if self.dry else ["--steps", "30", "--run", "flowrl sampler.hf.decode=inductor"])
+                if self.dry else ["--steps", "30", "--run", "flowrl sampler.engine=hf sampler.engine.decode=inductor"])
         runs += (["--run", "trl" if self.dry else "trl cuda"] if have_trl else [])
         text = self.bench("bench_trl.py", *runs, timeout=900)
         rates = [float(x) for x in re.findall(r"([\d.]+) samples/s", text)]
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma list of {', '.join(ROWS)}; speed: {', '.join(SPEED)}")
     p.add_argument("--json", default="", help="also write the rows here")
     p.add_argument("--decode", default="eager,inductor",
-                   help="comma list of sampler.hf.decode modes the hf parity row runs with")
+                   help="comma list of sampler.engine.decode modes the hf parity row runs with")
     p.add_argument("--workdir", default="", help="where models and runs go (default: a temp dir)")
     args = p.parse_args(argv)
     only = {r.strip() for r in args.only.split(",") if r.strip()}

@@ -136,7 +136,7 @@ ROWS = [
     # what worked before and must stay
     ("unknown_key", [*START, "learner.total_stepz=3"], 2, "learner.total_stepz: unknown key"),
     ("wrong_type", [*START, "learner.lr=fast"], 2, "learner.lr: Expected `float`"),
-    ("enum", [*START, "sampler.engine=turbo"], 2, "sampler.engine: Invalid enum value 'turbo'"),
+    ("enum", [*START, "sampler.engine=turbo"], 2, "sampler.engine.name: 'turbo' is not one of auto, hf, vllm"),
     ("range", [*START, "learner.total_steps=0"], 2, "learner.total_steps: must be >= 1"),
     ("error_share_range", [*START, "reward.max_error_share=1.5"], 2,
      "reward.max_error_share: must be in [0, 1]"),

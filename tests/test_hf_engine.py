@@ -221,7 +221,7 @@ for _ in range(3):  # a thread each time, which ends: its state is released
 
 
 def test_a_worker_thread_gets_the_graph_trees_state_compiled_decode_replays_through():
-    """Compiled decode (sampler.hf.decode) runs in run_compute's worker thread, where torch's
+    """Compiled decode (sampler.engine.decode) runs in run_compute's worker thread, where torch's
     CUDA graph trees find no thread-local state of their own (an AssertionError at the first
     replay on a GPU); ``graph_trees_here`` gives the thread its own. A worker thread ends when
     it has been idle a while, and its state is released then exactly once: torch 2.11 drops a

@@ -5,8 +5,6 @@ adapters is a config error at start."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import anyio
 import msgspec
 import pytest
@@ -40,8 +38,7 @@ def test_a_sampler_that_cannot_apply_the_adapters_is_a_config_error(tiny_model, 
     from actors.runtime.config import engines as registry
 
     lora = [f"model.path={tiny_model}", "learner.lora.rank=8"]
-    monkeypatch.setitem(registry.ENGINES, "hf",
-                        dataclasses.replace(registry.ENGINES["hf"], adapters=False))
+    monkeypatch.setattr(registry.ENGINES["hf"], "adapters", False)
     with pytest.raises(ConfigError, match=r"sampler\.engine: hf cannot apply the LoRA adapters "
                                           r"learner\.lora\.rank = 8 publishes"):
         topology(*lora, "sampler.engine=hf")

@@ -36,7 +36,7 @@ def envs(topo, tmp_path, gpus: list[str]) -> dict[str, dict[str, str]]:
 
 def test_every_role_gets_gpus_of_its_own(tmp_path, sockets):
     topo = topology(sockets, "learner.nproc_per_node=2", "learner.groups_per_step=4",
-                    "sampler.count=2", "sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=2")
+                    "sampler.count=2", "sampler.engine=vllm", "sampler.engine.tensor_parallel_size=2")
     got = envs(topo, tmp_path, [str(i) for i in range(8)])
     gpu = {"FLOWRL_DEVICE": "cuda:0"}
     # a learner rank sees every rank's GPU (torchrun's way: NCCL peer-to-peer needs the peer
@@ -76,8 +76,8 @@ def test_a_cpu_setting_stays_on_the_cpu_beside_gpus(tmp_path, sockets):
 
 
 @pytest.mark.parametrize(("extra", "gpus", "key"), [
-    (["sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=4"], 2,
-     "sampler.vllm.tensor_parallel_size"),
+    (["sampler.engine=vllm", "sampler.engine.tensor_parallel_size=4"], 2,
+     "sampler.engine.tensor_parallel_size"),
     (["learner.nproc_per_node=4", "learner.groups_per_step=4"], 2, "learner.nproc_per_node"),
     (["sampler.engine=hf", "sampler.count=12"], 1, "sampler.count"),
     (["sampler.engine=hf", "sampler.device=cuda:1"], 1, "sampler.device"),
@@ -118,7 +118,7 @@ def test_the_gpu_count_comes_without_torch():
     (["learner.weights_transport=ipc", "sampler.engine=vllm"], 2,
      "sampler-0 is on GPU 1"),
     (["learner.weights_transport=ipc", "sampler.engine=vllm",
-      "sampler.vllm.tensor_parallel_size=2"], 2, "sampler-0 is on GPU 0,1"),
+      "sampler.engine.tensor_parallel_size=2"], 2, "sampler-0 is on GPU 0,1"),
     (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.device=cpu"], 1,
      "sampler-0 is on the CPU"),
     # NCCL refuses two ranks of one group on one GPU
@@ -140,7 +140,7 @@ def test_a_gpu_transport_the_placement_cannot_serve_is_refused(tmp_path, sockets
     (["learner.weights_transport=ipc", "sampler.engine=hf", "sampler.count=2"], 1),
     (["learner.weights_transport=nccl", "sampler.engine=vllm"], 2),  # a GPU of its own
     (["learner.weights_transport=nccl", "sampler.engine=vllm",
-      "sampler.vllm.tensor_parallel_size=2", "learner.nproc_per_node=2",
+      "sampler.engine.tensor_parallel_size=2", "learner.nproc_per_node=2",
       "learner.groups_per_step=4"], 4),
     (["learner.weights_transport=nccl", "sampler.engine=hf"], 0),  # gloo on the CPU
 ])

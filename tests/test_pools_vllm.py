@@ -18,11 +18,14 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))]
 
 
+VLLM_OPTIONS = ", max_model_len=256, kv_cache_memory_bytes=67108864"  # the judge's own
+
+
 def judge(engine: str, model) -> ServedScoring:
     topo = decode_topology(apply_overrides({}, [
-        "sampler.engine=hf", "sampler.vllm.max_model_len=256",
-        "sampler.vllm.kv_cache_memory_bytes=67108864",
-        f'reward.models=[{{name="j", kind="judge", path="{model}", engine="{engine}", '
+        "sampler.engine=hf",
+        f'reward.models=[{{name="j", kind="judge", path="{model}", engine={{name="{engine}"'
+        f'{VLLM_OPTIONS if engine == "vllm" else ""}}}, '
         'parser="yes_no", max_tokens=8, template="q {prompt} a {response}"}]']))
     return ServedScoring(topo.reward.models[0], topo, label=f"judge-{engine}")
 

@@ -5,8 +5,9 @@ no forwarding modules, and "pool" and "replay" each naming one thing.
 The import graph is read from the source (``ast``), with function-level imports counted (they
 run too: a table's row loads its variant's code inside a function) and ``if TYPE_CHECKING:``
 blocks left out (they never run). The config is the lowest floor: its modules import no actor
-package, so the tables the config reads hold no code, and the tables that hold code (an
-engine's ``start``, an actor kind's body) import the config, never the other way.
+package at their top, and a row of the config reaches its variant's code only through its
+``load`` method (an engine's file, an estimator's kernel); the circle finder counts those
+imports, so a variant's code never imports the config's package back.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def test_no_import_circles():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
     # the graph counts a row's import of its variant's code, made inside a function
-    registry = "actors.sampler.engines.registry"
-    assert "actors.sampler.engines.hf" in import_graph()[registry]
-    assert "actors.sampler.engines.hf" not in import_graph(deferred=(registry,))[registry]
+    rows = f"{CONFIG}.engines"
+    assert "actors.sampler.engines.hf" in import_graph()[rows]
+    assert "actors.sampler.engines.hf" not in import_graph(deferred=(rows,))[rows]
 
 
 def config_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
@@ -174,11 +175,46 @@ def test_outside_the_config_its_package_is_the_one_way_in():
 def test_the_config_imports_no_actor_package():
     """Configuration is the lowest floor: a section's options, a variant's row and a check live
     in ``actors/runtime/config`` (or a torch-free table of its floor), never in an actor's
-    package, whose code reads the config."""
-    assert not config_imports(import_graph()), config_imports(import_graph())
-    assert config_imports({f"{CONFIG}.schema": {"actors.sampler.engines.registry", "kernels.x",
+    package, whose code reads the config. The one way up is a row's ``load``, which imports its
+    variant's code when called (``test_a_config_row_loads_its_code_only_in_load``)."""
+    top = import_graph(deferred=tuple(m for m in sources() if m.startswith(CONFIG)))
+    assert not config_imports(top), config_imports(top)
+    assert config_imports({f"{CONFIG}.schema": {"actors.sampler.engines.hf", "kernels.x",
                                                 f"{CONFIG}.agent"}}) == {
-        f"{CONFIG}.schema": ["actors.sampler.engines.registry"]}
+        f"{CONFIG}.schema": ["actors.sampler.engines.hf"]}
+
+
+
+def loads_above_the_config(path: Path) -> list[str]:
+    """The imports of an actor package above the config made inside functions of ``path`` (a
+    config module) other than a row's ``load``, as "line: module"."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
+                else function
+            if isinstance(child, ast.ImportFrom) and function and function != "load":
+                module = child.module or ""
+                if module.startswith("actors.") and not module.startswith(CONFIG):
+                    found.append(f"{child.lineno}: {module}")
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_a_config_row_loads_its_code_only_in_load(tmp_path):
+    """A row of the config reaches its variant's code (above the config) only in its ``load``:
+    one convention for every kind, and no other function of the config climbs a floor."""
+    config = ROOT / "actors/runtime/config"
+    found = {str(p.relative_to(ROOT)): f for p in config.rglob("*.py")
+             if (f := loads_above_the_config(p))}
+    assert not found, found
+    assert "actors.sampler.engines.hf" in import_graph()[f"{CONFIG}.engines"]  # (the loads)
+    probe = tmp_path / "rows.py"  # the check sees an import in another method
+    probe.write_text("class R:\n    def start(self):\n        from actors.sampler.engines.hf import start\n")
+    assert loads_above_the_config(probe) == ["3: actors.sampler.engines.hf"]
 
 
 RUNNER = "actors.job"  # the job's runner: config loading and checks, launch, supervision, ...
@@ -262,8 +298,7 @@ def test_the_long_function_finder_counts_the_lines_of_each_function():
 def variant_homes() -> dict[str, tuple[Path, ...]]:
     """Each engine, transport, advantage estimator and policy loss name -> where it may be
     spelled: its own file (or folder) and its table, whose row says what differs between the
-    variants (an engine's row and options are in the config, its ``start`` in the sampler's
-    registry; a transport's receiving half may be in an engine whose workers receive it; an
+    variants (an engine's row, options and loader are in the config; a transport's receiving half may be in an engine whose workers receive it; an
     estimator's or a loss's own file is its kernel, outside ``actors/``, its row
     in the config)."""
     from actors.runtime.config import ENGINES
@@ -273,8 +308,7 @@ def variant_homes() -> dict[str, tuple[Path, ...]]:
 
     engines, transports = ROOT / "actors/sampler/engines", ROOT / "actors/runtime/transports"
     config = ROOT / "actors/runtime/config"
-    homes = {n: (engines / n, engines / f"{n}.py", engines / "registry.py", config / "engines.py")
-             for n in ENGINES}
+    homes = {n: (engines / n, engines / f"{n}.py", config / "engines.py") for n in ENGINES}
     # a transport's receiving half in an engine's workers: that engine's ``receive.py``
     receiving = tuple(engines.glob("*/receive.py"))
     homes.update({n: (transports / f"{n}.py", transports / "table.py", *receiving)
@@ -328,9 +362,8 @@ def test_rows_name_code_as_code():
     """A table's row holds a function (importing its variant when called, where a light actor
     must not import torch), which mypy and go-to-definition follow; never ``module:function``."""
     from actors.registry import KINDS
-    from actors.runtime.config import ENGINES
+    from actors.runtime.config import ENGINES, FALLBACK, EngineRow
     from actors.runtime.transports.table import TRANSPORTS
-    from actors.sampler.engines.registry import STARTS
 
     found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for p in product_files()
              for n in ast.walk(ast.parse(p.read_text()))
@@ -339,7 +372,8 @@ def test_rows_name_code_as_code():
     assert not found, f"code named by a string: {found}"
     assert CODE_BY_NAME.fullmatch("actors.replay.actor:replay_actor")
     assert all(callable(r.problem) for r in ENGINES.values())
-    assert list(STARTS) == list(ENGINES) and all(callable(f) for f in STARTS.values())
+    assert all(row.load is not EngineRow.load for row in ENGINES.values())  # each has its own
+    assert ENGINES[FALLBACK]().load().__module__ == f"actors.sampler.engines.{FALLBACK}"
     assert all(t.halves().sender.name == t.halves().receiver.name == n
                for n, t in TRANSPORTS.items())
     assert all(k.body().__name__ == f"{k.name}_actor" for k in KINDS)

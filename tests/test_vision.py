@@ -334,7 +334,7 @@ def test_the_vision_page_job_is_a_topology_whose_data_passes_the_preflight(tiny_
     monkeypatch.chdir(tmp_path)
     colour_data(tmp_path / "data", images=True)
     topo = decode_topology(apply_overrides(tomllib.loads(block), [f"model.path={tiny_vlm}"]))
-    assert topo.sampler.engine == "hf" and topo.task.datasets[0].path.endswith("colours.jsonl")
+    assert topo.sampler.engine.name == "hf" and topo.task.datasets[0].path.endswith("colours.jsonl")
     check_data(topo)
 
 

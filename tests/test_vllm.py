@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vllm,
 
 TOLERANCE = 1e-5  # fp32 on the CPU; vLLM's kernels (oneDNN GEMMs, its attention) sum in another
 # order than torch's: measured max 9.5e-7, mean 1.5e-7 on the tiny model (the printed report)
-# the options a sampler passes for [sampler.vllm] max_model_len = 256, 64 MiB of KV cache
+# the options of sampler.engine = {name = "vllm", max_model_len = 256}, 64 MiB of KV cache
 OPTIONS = VLLMOptions(max_model_len=256, kv_cache_memory_bytes=64 << 20).engine_args(gpu=False)
 
 

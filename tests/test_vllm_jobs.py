@@ -36,8 +36,8 @@ from tests.jobs import (
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_problem() is not None, reason=str(vllm_problem()))]
 
-VLLM = ["sampler.engine=vllm", "sampler.vllm.max_model_len=256",
-        f"sampler.vllm.kv_cache_memory_bytes={64 << 20}"]
+VLLM = ["sampler.engine=vllm", "sampler.engine.max_model_len=256",
+        f"sampler.engine.kv_cache_memory_bytes={64 << 20}"]
 
 
 def sampler_and_engine(run_dir: Path) -> tuple[int, list[int]]:

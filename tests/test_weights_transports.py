@@ -30,19 +30,20 @@ def test_every_choice_in_the_schema_has_one_row():
     choices = typing.get_args(typing.get_type_hints(LearnerConfig)["weights_transport"])
     assert set(choices) == {"auto", *TRANSPORTS}
     engines = typing.get_args(typing.get_type_hints(SamplerConfig)["engine"])
-    assert set(engines) == {"auto", *ENGINES}
+    assert {e.__struct_config__.tag for e in engines} == {"auto", *ENGINES}
+    assert all(ENGINES[name] is row for name, row in zip(list(ENGINES), engines[1:], strict=True))
     assert ENGINES["hf"].problem() is None
-    assert auto_engine() == "hf"  # no GPU here
+    assert auto_engine().name == "hf"  # no GPU here
 
 
 def test_auto_engine_follows_the_samplers_own_device():
     """On a GPU host with vLLM installed, ``sampler.device = "cpu"`` gets hf: auto reads the
     device (vLLM started with no GPU visible could only crash and restart)."""
     gpu_engines = [n for n, r in ENGINES.items() if r.prefer_on_gpu and r.problem() is None]
-    assert auto_engine("cpu") == "hf"
-    assert auto_engine("cuda:1") == (gpu_engines[0] if gpu_engines else "hf")
+    assert auto_engine("cpu").name == "hf"
+    assert auto_engine("cuda:1").name == (gpu_engines[0] if gpu_engines else "hf")
     topo = decode_topology(apply_overrides({}, ["sampler.device=cpu"]))
-    assert topo.sampler.engine == "hf"
+    assert topo.sampler.engine == ENGINES["hf"]()  # auto resolved, with the engine's defaults
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -63,11 +64,9 @@ async def test_an_engine_starts_from_its_row(tiny_model):
 
     from actors.sampler.engines.base import EngineSpec
     from actors.sampler.engines.hf import HFEngine
-    from actors.sampler.engines.registry import start
-
     topo = decode_topology(apply_overrides({}, ["sampler.engine=hf"]))
-    engine = await start("hf", EngineSpec(tiny_model, "float32", 0, torch.device("cpu"),
-                                          topo.sampler))
+    engine = await topo.sampler.engine.start(EngineSpec(tiny_model, "float32", 0,
+                                                        torch.device("cpu"), topo.sampler))
     assert isinstance(engine, HFEngine) and engine.version == -1 and not engine.continuous
 
 
@@ -144,7 +143,7 @@ def test_auto_picks_ipc_only_for_samplers_on_the_learners_one_gpu(overrides, gpu
     raw = apply_overrides({}, overrides)
     L = msgspec.convert(raw.get("learner", {}), LearnerConfig)
     S = msgspec.structs.replace(msgspec.convert(raw.get("sampler", {}), SamplerConfig),
-                                engine="hf")
+                                engine=auto_engine("cpu"))  # hf
     assert shares_learners_gpu(L, S, gpus) is shares
     assert topo.learner.weights_transport == "shm"  # CPUs: the file in /dev/shm
     assert resolve_transport("auto", weights_address="auto", beside=True) == "ipc"

@@ -33,7 +33,8 @@ from actors.learner.memory import announce
 from actors.learner.policy import learner_group
 from actors.learner.trainer import Aborted, Trainer
 from actors.learner.vision import image_samples
-from actors.runtime.actor import ActorContext, run_compute
+from actors.runtime.actor import ActorContext
+from actors.runtime.compute import run_compute
 from actors.runtime.config import ProcessName, process_share, samplers_dtype
 from actors.runtime.cores import LEARNERS, SAMPLERS, Borrower, CoreTable, Lender, Share, table_path
 from actors.runtime.devices import CudaMemory, on_device

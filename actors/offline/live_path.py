@@ -23,7 +23,6 @@ from actors.runtime.config import RULES_POOL, Topology, score_targets
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.tensors import from_wire
 from actors.sampler.endpoint.strategy import EndpointGeneration
-from actors.sampler.engines import registry
 from actors.sampler.engines.base import EngineSpec
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.strategies import start_strategy
@@ -73,7 +72,7 @@ async def live_rollout(topo: Topology, model: Path, params: SamplingParams,
     cfg = topo.sampler
     device = resolve_device(cfg.device, 0)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
-    engine = await registry.start(cfg.engine, EngineSpec(
+    engine = await cfg.engine.start(EngineSpec(
         model, dtype, topo.run.seed * 1009 + 7919, device, cfg, label=f"offline {model}"))
     scoring = LocalScoring(topo)
     strategy = None

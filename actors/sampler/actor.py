@@ -47,13 +47,12 @@ from actors.runtime.config import score_targets
 from actors.runtime.tensors import from_wire
 from actors.runtime.weights import WeightsSubscriber
 from actors.runtime.zmq_bridge import AsyncSocket, make_socket
-from actors.sampler.engines import registry
 from actors.sampler.engines.base import Engine, Rejected
 from actors.sampler.leaving import Holdings
 from actors.sampler.lending import lend_idle
 from actors.sampler.rollout import Generated, Rollout
 from actors.sampler.scoring_client import ScoringClient
-from actors.sampler.setup import placement, prompts_in_flight, start_engine
+from actors.sampler.setup import placement, prompts_in_flight, receive_into, start_engine
 from actors.sampler.strategies import start_strategy
 from messages.codec import Codec, DecodeError, encode
 from messages.control import Abort
@@ -396,8 +395,8 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> str:
     weights_sock = make_socket(ctx.zmq, zmq.DEALER, connect=topo.learner.weights_address, hwm=4,
                                curve=ctx.curve)
     lora = topo.learner.lora.rank > 0  # adapters: received here, not by the engine's workers
-    weights = WeightsSubscriber(weights_sock, topo.learner.weights_transport, registry.receive_into(
-        cfg.engine, cfg, placement(cfg.device, ctx.index), topo.learner.collective_timeout_s, lora))
+    weights = WeightsSubscriber(weights_sock, topo.learner.weights_transport, receive_into(
+        cfg.engine, placement(cfg.device, ctx.index), topo.learner.collective_timeout_s, lora))
     scoring = ScoringClient(router, timeout_s=cfg.score_timeout_s, attempts=cfg.score_attempts,
                             targets=score_targets(topo.reward))
     agent = await start_strategy(engine, tokenizer, topo.agent)  # None: single-turn
@@ -406,7 +405,7 @@ async def sampler_actor(ctx: ActorContext, *, task_status) -> str:
                       agent=agent, teacher=bool(topo.teacher.path))
     sampler = (ContinuousSampler if engine.continuous else Sampler)(
         ctx, engine, rollout, replay, weights, scoring)
-    ctx.status["engine"] = cfg.engine
+    ctx.status["engine"] = cfg.engine.name
     ctx.drain_grace_s = cfg.drain_grace_s
     task_status.started()
     with replay, router, weights_sock:

@@ -1,10 +1,12 @@
 """What a sampler starts with: its engine (the one ``sampler.engine`` names) on its device, with
-its seed, its weights transport and its LoRA limits."""
+its seed, its weights transport and its LoRA limits, and what its weights receiver needs of the
+engine."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,8 +15,11 @@ from actors.runtime.cores import CoreTable, table_path
 from actors.runtime.devices import resolve_device, resolve_dtype
 from actors.runtime.memory_lending import MemoryLender, holders_among, lender_slot
 from actors.runtime.profiling import profile_dir
-from actors.sampler.engines import registry
+from actors.runtime.transports.base import ReceiveInto
 from actors.sampler.engines.base import AdapterLimits, Engine, EngineSpec
+
+if TYPE_CHECKING:
+    from actors.runtime.config import EngineRow
 
 
 async def start_engine(ctx: ActorContext) -> Engine:
@@ -25,11 +30,22 @@ async def start_engine(ctx: ActorContext) -> Engine:
     device = placement(cfg.device, ctx.index)
     dtype = str(resolve_dtype(cfg.dtype, device, topo.model.dtype)).removeprefix("torch.")
     ctx.status.update(device=str(device), dtype=dtype)
-    return await registry.start(cfg.engine, EngineSpec(
+    return await cfg.engine.start(EngineSpec(
         Path(topo.model.path), dtype, topo.run.seed * 1009 + seed_offset(ctx), device, cfg,
         label=f"{ctx.name} {ctx.run_dir}", transport=topo.learner.weights_transport,
         adapters=adapter_limits(topo), memory=lend_memory(ctx, device),
         profiles=profile_dir(ctx.run_dir, ctx.name)))
+
+
+def receive_into(engine: EngineRow, device: Any, timeout_s: float, adapters: bool
+                 ) -> ReceiveInto:
+    """What a weights receiver needs of ``engine`` (the sampler's row): whether its own workers
+    (one per GPU) take GPU transfers (``WorkerTransfer``). Not with LoRA (``adapters``): the
+    sampler process receives the adapters itself and hands them to the engine as tensors
+    (megabytes; vLLM's weight-transfer API moves full weights only, its LoRA loading reads
+    adapter folders)."""
+    in_worker = engine.in_worker and not adapters
+    return ReceiveInto(device, in_worker, engine.gpus() if in_worker else 1, timeout_s)
 
 
 def lend_memory(ctx: ActorContext, device: torch.device) -> MemoryLender | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from actors.runtime.config import ENGINES, JudgeConfig
+from actors.runtime.config import JudgeConfig
 from actors.sandbox.children import Children
 from actors.sandbox.protocol import Call, FunctionSpec, Outcome
 from actors.scoring.items import ScoreItem
@@ -117,13 +117,11 @@ class Judge:
         """Start the judge's engine on ``device`` (a broken one fails the replica at start)."""
         from actors.runtime.devices import resolve_dtype
         from actors.sampler.engines.base import EngineSpec
-        from actors.sampler.engines.registry import start
-
         dtype = str(resolve_dtype("auto", device, self.topology.model.dtype))
         sampler = msgspec.structs.replace(
             self.topology.sampler, engine=self.cfg.engine, threads=self.cfg.threads,
-            sleep_idle_s=self.cfg.sleep_idle_s if ENGINES[self.cfg.engine].sleeps else 0.0)
-        self.engine = await start(self.cfg.engine, EngineSpec(
+            sleep_idle_s=self.cfg.sleep_idle_s if self.cfg.engine.sleeps else 0.0)
+        self.engine = await self.cfg.engine.start(EngineSpec(
             Path(self.cfg.path), dtype.removeprefix("torch."), self.topology.run.seed,
             device, sampler, label=self.label))
         from actors.data.vision import ImageProcessor, is_vision_model

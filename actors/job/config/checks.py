@@ -20,6 +20,7 @@ from actors.registry import KINDS
 from actors.runtime.config import (
     ENGINES,
     ActorCommon,
+    AutoEngine,
     ConfigError,
     CustomEstimator,
     CustomLoss,
@@ -45,17 +46,17 @@ def check(topology: Topology) -> None:
             need(section.count >= kind.min_count, f"{kind.name}.count",
                  f"must be >= {kind.min_count}")
     s = topology.sampler
-    if s.engine != "auto":
-        problem = ENGINES[s.engine].problem()
-        need(problem is None, "sampler.engine", f"{s.engine}: {problem}")
-        need(s.weight_update == "between_batches" or ENGINES[s.engine].continuous,
+    if not isinstance(s.engine, AutoEngine):
+        problem = s.engine.problem()
+        need(problem is None, "sampler.engine", f"{s.engine.name}: {problem}")
+        need(s.weight_update == "between_batches" or s.engine.continuous,
              "sampler.weight_update", f"in_flight needs a continuous engine (sampler.engine = "
-             f"{_engines(lambda r: r.continuous)}): the {s.engine} engine loads weights between "
+             f"{_engines(lambda r: r.continuous)}): the {s.engine.name} engine loads weights between "
              "batches")
     if s.profile_batches:
         engine = sampler_engine(s)
-        need(ENGINES[engine].profiled, "sampler.profile_batches",
-             f"the {engine} engine's batches are not profiled here (engines that are: "
+        need(engine.profiled, "sampler.profile_batches",
+             f"the {engine.name} engine's batches are not profiled here (engines that are: "
              f"{_engines(lambda r: r.profiled, ', ')}); vLLM has its own profiler "
              "(VLLM_TORCH_PROFILER_DIR)")
     _check_sleep(s)
@@ -66,7 +67,7 @@ def check(topology: Topology) -> None:
         _check_adapters(topology)
     if L.weights_transport != "auto":
         engine = sampler_engine(s)
-        problem = transport_problem(L.weights_transport, engine=engine,
+        problem = transport_problem(L.weights_transport, engine=engine.name,
                                     weights_address=L.weights_address, learner_device=L.device,
                                     sampler_device=s.device)
         need(problem is None, "learner.weights_transport", str(problem))
@@ -96,12 +97,12 @@ def _check_adapters(topology: Topology) -> None:
 
     L, s = topology.learner, topology.sampler
     engine = sampler_engine(s)
-    need(ENGINES[engine].adapters, "sampler.engine",
-         f"{engine} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
+    need(engine.adapters, "sampler.engine",
+         f"{engine.name} cannot apply the LoRA adapters learner.lora.rank = {L.lora.rank} publishes "
          f"(engines that can: {_engines(lambda r: r.adapters, ', ')})")
-    row = ENGINES[engine]
-    need(not row.max_adapter_rank or L.lora.rank <= row.max_adapter_rank, "learner.lora.rank",
-         f"{engine} serves LoRA ranks up to {row.max_adapter_rank} (got {L.lora.rank})")
+    need(not engine.max_adapter_rank or L.lora.rank <= engine.max_adapter_rank,
+         "learner.lora.rank",
+         f"{engine.name} serves LoRA ranks up to {engine.max_adapter_rank} (got {L.lora.rank})")
     need(not L.lora.vision or is_vision_model(topology.model.path), "learner.lora.vision",
          f"{topology.model.path} has no vision tower to put adapters on")
     served = linear_modules(Path(topology.model.path))
@@ -195,11 +196,11 @@ def _check_verifiers_turns(t: Topology) -> None:
 def _check_sleep(s: Any) -> None:
     """``sampler.sleep_idle_s``: vLLM's sleep mode, which only its GPU builds have."""
     if s.sleep_idle_s > 0:
-        need(s.engine in ENGINES and ENGINES[s.engine].sleeps, "sampler.sleep_idle_s",
+        need(s.engine.sleeps, "sampler.sleep_idle_s",
              "sleeping frees GPU memory through the engine's sleep mode: needs sampler.engine "
              f"= {_engines(lambda r: r.sleeps)}")
         need(s.device != "cpu", "sampler.sleep_idle_s",
-             f"{s.engine} has no sleep mode on a CPU (sampler.device = cpu)")
+             f"{s.engine.name} has no sleep mode on a CPU (sampler.device = cpu)")
 
 
 def _check_deterministic(t: Topology) -> None:
@@ -207,8 +208,8 @@ def _check_deterministic(t: Topology) -> None:
     each refused in one line."""
     why = "run.deterministic"
     engine = sampler_engine(t.sampler)
-    need(not ENGINES[engine].continuous, why,
-         f"the {engine} engine batches requests as they arrive, and a sequence's numbers "
+    need(not engine.continuous, why,
+         f"the {engine.name} engine batches requests as they arrive, and a sequence's numbers "
          f"depend on its batch; use an engine that generates one batch at a time "
          f"(sampler.engine = {_engines(lambda r: not r.continuous)})")
     need(not t.algorithm.filter_groups.enable, "algorithm.filter_groups.enable",
@@ -227,6 +228,6 @@ def _check_deterministic(t: Topology) -> None:
          f"(>= {max(1, eta) * G} groups)")
 
 
-def _engines(has: Callable[[EngineRow], bool], join: str = " or ") -> str:
+def _engines(has: Callable[[type[EngineRow]], bool], join: str = " or ") -> str:
     """The engines whose row ``has`` it (for an error naming what to choose instead)."""
     return join.join(n for n, row in ENGINES.items() if has(row))

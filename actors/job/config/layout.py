@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from actors.runtime.config import (
-    ENGINES,
     MIN_SHARE,
     SHARED_BUDGET,
     ConfigError,
     PlacedProcess,
     ProcessName,
-    engine_gpus,
     of_kind,
     on_gpu,
+    sampler_engine,
     served_devices,
 )
 from actors.runtime.transports.table import placement_problem
@@ -65,12 +64,13 @@ def _place_samplers(S, samplers: list[str], gpus: Sequence[str],
     if not samplers or not on_gpu(S.device, bool(gpus)):
         return
     used = {g for v in taken.values() for g in v}
-    width = engine_gpus(S.engine, S)
+    engine = sampler_engine(S)
+    width = engine.gpus()
     if not gpus:
         raise ConfigError(f"sampler.device: {S.device} asked for, but the runner sees no GPU "
                           "(CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
     if width > len(gpus):
-        raise ConfigError(f"sampler.{ENGINES[S.engine].ranks}: {width} GPUs per sampler, but "
+        raise ConfigError(f"sampler.engine.{engine.gpus_key}: {width} GPUs per sampler, but "
                           f"the runner sees {len(gpus)} GPU(s)")
     if ":" in S.device:
         index = int(S.device.split(":")[1])
@@ -156,9 +156,9 @@ def start_after(topology, placed: Sequence[PlacedProcess]) -> dict[str, list[str
     or trip its profiling assert. So on a shared GPU those engines start first, one at a time,
     and the other processes on it once they are ready (a learner's ranks together: they meet
     in one rendezvous). Processes on GPUs of their own start at once, as before."""
-    row = ENGINES.get(topology.sampler.engine)
+    measures = topology.sampler.engine.measures_memory  # (auto is resolved by now)
     measuring = [p for p in placed if ProcessName.parse(p.name).kind == "sampler" and p.gpus
-                 and p.shared_with and row is not None and row.measures_memory]
+                 and p.shared_with and measures]
     after: dict[str, list[str]] = {}
     for i, p in enumerate(measuring):  # (placed in sampler order)
         if before := [q.name for q in measuring[:i] if set(q.gpus) & set(p.gpus)]:

@@ -21,6 +21,7 @@ from actors.model_store import DEFAULT_MODEL
 from actors.runtime.config import (
     ENGINES,
     ESTIMATOR_ROWS,
+    FALLBACK,
     LOSS_ROWS,
     AlgorithmConfig,
     ConfigError,
@@ -29,7 +30,6 @@ from actors.runtime.config import (
     LearnerConfig,
     SamplerConfig,
     Topology,
-    engine_gpus,
     file_sha256,
     refusal,
     sampler_engine,
@@ -96,7 +96,8 @@ ROWS: dict[str, tuple[Mapping[str, type[msgspec.Struct]], str]] = {
     "adv_estimator": (ESTIMATOR_ROWS, AlgorithmConfig().adv_estimator.name),
     "policy_loss": (LOSS_ROWS, AlgorithmConfig().policy_loss.name)}
 # tables a name alone may stand for (``policy_loss = "sapo"`` is ``{name = "sapo"}``)
-NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS}
+NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS} | {"sampler.engine": "name"}
+AUTO = str(SamplerConfig().engine.name)  # sampler.engine's default: chosen for the device
 
 
 def _named_table(algorithm: dict[str, Any], key: str) -> None:
@@ -116,10 +117,43 @@ def _named_table(algorithm: dict[str, Any], key: str) -> None:
 
 
 def _named_tables(data: dict[str, Any]) -> None:
-    """The estimator's and the policy loss's tables, each a row's name and its options."""
+    """The estimator's, the policy loss's and the engines' tables, each a row's name and its
+    options."""
     if isinstance(data.get("algorithm"), dict):
         for key in ROWS:
             _named_table(data["algorithm"], key)
+    sampler = data.get("sampler")
+    if isinstance(sampler, dict):
+        for name in ENGINES:
+            if name in sampler:  # the engines' options were sections of [sampler] once
+                raise ConfigError(f"sampler.{name}: an engine's options are its own table's: "
+                                  f"sampler.engine = {{name = \"{name}\", ...}}")
+        if "engine" in sampler:
+            sampler["engine"] = _engine_table(sampler["engine"], "sampler.engine", AUTO)
+    models = data.get("reward", {}).get("models") if isinstance(data.get("reward"), dict) \
+        else None
+    for i, model in enumerate(models if isinstance(models, list) else []):
+        if isinstance(model, dict) and "engine" in model:
+            model["engine"] = _engine_table(model["engine"], f"reward.models[{i}].engine",
+                                            FALLBACK)
+
+
+def _engine_table(table: Any, key: str, default: str) -> Any:
+    """An engine's table: a name alone is ``{name = "..."}``, a table without a name is
+    ``default``'s; auto takes no options (they are an engine's own: name it)."""
+    if isinstance(table, str):
+        table = {"name": table}
+    if not isinstance(table, dict):  # not a table (msgspec names that)
+        return table
+    name = table.setdefault("name", default)
+    names = [AUTO, *ENGINES] if default == AUTO else list(ENGINES)
+    if name not in names:
+        raise ConfigError(f"{key}.name: {name!r} is not one of {', '.join(names)}")
+    if name == AUTO and len(table) > 1:
+        options = ", ".join(sorted(k for k in table if k != "name"))
+        raise ConfigError(f"{key}: {options}: an engine's options need the engine named "
+                          f"({key}.name = {' or '.join(ENGINES)}); {AUTO} takes none")
+    return table
 
 
 def decode_topology(data: dict[str, Any]) -> Topology:
@@ -144,7 +178,7 @@ def _derived(topology: Topology) -> Topology:
     L = topology.learner  # auto: shm on one host, zmq across hosts (or nodes of a cluster),
     # the engine's own choice when it shares the learner's GPU (ipc for hf)
     across = bool(topology.hosts) or LAUNCHERS[topology.run.launcher].across_nodes
-    beside = (L.weights_transport == "auto" and ENGINES[s.engine].beside_learner
+    beside = (L.weights_transport == "auto" and s.engine.beside_learner
               and shares_learners_gpu(L, s))
     L = msgspec.structs.replace(L, weights_transport=resolve_transport(
         L.weights_transport, weights_address=L.weights_address, hosts=across, beside=beside))
@@ -172,7 +206,7 @@ def shares_learners_gpu(learner: LearnerConfig, sampler: SamplerConfig,
     ``visible_gpus``): one learner rank, full weights (LoRA adapters are megabytes), one-GPU
     engines, and either a single GPU for all or the same ``cuda:N`` named on both sides."""
     if (not sampler.count or learner.nproc_per_node * learner.nnodes != 1 or learner.lora.rank
-            or engine_gpus(sampler.engine, sampler) != 1
+            or sampler_engine(sampler).gpus() != 1
             or "cpu" in (learner.device, sampler.device)):
         return False
     gpus = visible_gpus() if gpus is None else gpus

@@ -62,8 +62,7 @@ def preload(topology: Topology) -> tuple[list[str], str, list[str]]:
     """What the fork server imports for ``topology``'s actors: the body of each kind the job has,
     the model's architecture, and the sampler's engine's modules (its row's ``preload``)."""
     from actors.registry import NAMES
-    from actors.runtime.config import ENGINES
 
     kinds = [k for k in NAMES if k == "learner" or getattr(topology, k).count]
-    row = ENGINES.get(topology.sampler.engine) if topology.sampler.count else None
-    return kinds, topology.model.path, list(row.preload if row is not None else ())
+    preload = topology.sampler.engine.preload if topology.sampler.count else ()
+    return kinds, topology.model.path, list(preload)

@@ -38,10 +38,11 @@ from actors.runtime.config.data import (
 from actors.runtime.config.engines import (
     ENGINES,
     FALLBACK,
+    AutoEngine,
     Decode,
     EngineRow,
+    HFOptions,
     VLLMOptions,
-    engine_gpus,
     sampler_engine,
     vllm_problem,
 )
@@ -88,17 +89,17 @@ from actors.runtime.config.teacher import check_teacher
 from actors.runtime.config.topology import Topology
 
 __all__ = [
-    "ActorCommon", "AgentConfig", "AgentEnv", "AgentRollout", "AgentTool", "AlgorithmConfig",
+    "ActorCommon", "AgentConfig", "AutoEngine", "AgentEnv", "AgentRollout", "AgentTool", "AlgorithmConfig",
     "BIG", "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ConfigError",
     "CorrectionConfig", "CustomEstimator", "CustomLoss", "DEVICE_ENV", "DatasetConfig",
-    "Decode", "ENGINES", "ESTIMATOR_ROWS", "EngineRow", "FALLBACK", "FilterGroups", "Gae",
+    "Decode", "ENGINES", "ESTIMATOR_ROWS", "EngineRow", "FALLBACK", "FilterGroups", "Gae", "HFOptions",
     "JudgeConfig", "KLControl", "LOSS_ROWS", "LearnerConfig", "LoraConfig", "MIN_SHARE",
     "ModelConfig", "OpenEnvSource", "PlacedProcess", "ProcessName", "ROLES", "RULES_POOL", "ReasoningGymSource",
     "RejectionRule", "ReplayConfig", "RewardConfig", "RewardFunction", "RewardModelConfig",
     "RouterConfig", "RunConfig", "SHARED_BUDGET", "SamplerConfig", "SecurityConfig",
     "ServedModel", "TaskConfig", "Topology", "UserCodeError", "VLLMOptions",
     "ValidationConfig", "ValidationDataset", "VerifiersSource", "auto_device", "auto_dtype",
-    "call_problem", "check_placement", "check_served", "check_teacher", "engine_gpus",
+    "call_problem", "check_placement", "check_served", "check_teacher",
     "file_sha256", "model_replica", "need", "of_kind", "on_gpu", "process_share",
     "ray_problem", "refusal", "reward_processes", "sampler_engine", "samplers_dtype",
     "score_targets", "served_devices", "visible_gpus", "vllm_problem",

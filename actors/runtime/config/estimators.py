@@ -11,9 +11,7 @@ field of ``AdvantageParams`` under the same name, except those a row says anothe
 (``read_elsewhere``). Adding an estimator is its kernel file and its row here
 (``tests/test_config_estimators.py`` checks each row against the kernel).
 
-``algorithm.adv_estimator = "rloo"`` (a name alone) still reads as ``{name = "rloo"}``, and the
-options' old flat keys (``algorithm.gamma``, ...) as that table's, with a one-line notice
-(``load.py``)."""
+``algorithm.adv_estimator = "rloo"`` (a name alone) reads as ``{name = "rloo"}`` (``load.py``)."""
 
 from __future__ import annotations
 

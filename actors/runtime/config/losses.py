@@ -8,9 +8,7 @@ the loss's function as they are, a field a keyword argument of that function
 (``tests/test_config_losses.py`` checks each row against its function). Adding a loss is its
 kernel file and its row here.
 
-``algorithm.policy_loss = "sapo"`` (a name alone) still reads as ``{name = "sapo"}``, and the
-options' old flat keys (``algorithm.tau_pos``, ...) as that table's, with a one-line notice
-(``load.py``)."""
+``algorithm.policy_loss = "sapo"`` (a name alone) reads as ``{name = "sapo"}`` (``load.py``)."""
 
 from __future__ import annotations
 

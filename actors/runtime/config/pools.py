@@ -32,7 +32,7 @@ from actors.runtime.config.constraints import (
     PythonName,
     matching,
 )
-from actors.runtime.config.engines import ENGINES, FALLBACK, EngineName
+from actors.runtime.config.engines import HFOptions, ServedEngine
 from actors.runtime.config.names import ProcessName
 from actors.runtime.config.schema_base import _Section, need
 
@@ -134,9 +134,9 @@ Only output the score as a single number (integer)."""
 class JudgeConfig(ServedModel, frozen=True, tag="judge"):
     """A causal LM that reads ``template`` and writes an answer ``parser`` reads."""
 
-    engine: EngineName = FALLBACK
-    """The generation engine (the sampler's engines; vllm takes ``sampler.vllm``'s engine
-    arguments)."""
+    engine: ServedEngine = HFOptions()
+    """The generation engine, by name, with its own options (the sampler's engines:
+    ``engine = "vllm"``, or ``engine = {name = "vllm", max_model_len = 4096}``)."""
     template: str = DEFAULT_TEMPLATE
     """The user message it reads, with {prompt}, {response}, {ground_truth} and {data_source}
     filled in (verl's {problem} and {solution} work too); literal braces doubled."""
@@ -166,9 +166,9 @@ class JudgeConfig(ServedModel, frozen=True, tag="judge"):
                  f"no file {self.function_path!r} (parser = function needs one)")
         else:
             need(not self.function_path, f"{key}.function_path", "only with parser = function")
-        if ENGINES[self.engine].sleeps and self.sleep_idle_s > 0:
+        if self.engine.sleeps and self.sleep_idle_s > 0:
             need(self.device != "cpu", f"{key}.sleep_idle_s",
-                 f"{self.engine} has no sleep mode on a CPU (device = cpu)")
+                 f"{self.engine.name} has no sleep mode on a CPU (device = cpu)")
 
 
 def template_problem(template: str) -> str | None:

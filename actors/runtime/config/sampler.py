@@ -13,7 +13,7 @@ from actors.runtime.config.constraints import (
     PositiveInt,
     Share,
 )
-from actors.runtime.config.engines import EngineChoice, HFOptions, VLLMOptions
+from actors.runtime.config.engines import AutoEngine, EngineChoice
 from actors.runtime.config.schema_base import ActorCommon, Restart
 
 
@@ -26,14 +26,13 @@ class SamplerPlacement(ActorCommon, frozen=True):
 
 
 class SamplerConfig(SamplerPlacement, frozen=True):
-    engine: EngineChoice = "auto"
-    """What generates (a row of ``actors/runtime/config/engines.py``): vllm (vLLM's AsyncLLM: continuous batching, weights loaded in flight),
-    hf (transformers generate, one batch at a time), or auto: vllm when the sampler has a GPU
-    and vLLM is installed, hf otherwise (hf is the faster on a CPU: BENCHMARKS.md)."""
-    vllm: VLLMOptions = VLLMOptions()
-    """vLLM's engine arguments (sampler.engine = vllm)."""
-    hf: HFOptions = HFOptions()
-    """The transformers engine's options (sampler.engine = hf)."""
+    engine: EngineChoice = AutoEngine()
+    """What generates, by name, with its own options (``[sampler.engine]``, ``name = "vllm"``,
+    ``tensor_parallel_size = 2``; a name alone is that engine with its defaults): vllm (vLLM's
+    AsyncLLM: continuous batching, weights loaded in flight), hf (transformers generate, one
+    batch at a time), or auto: vllm when the sampler has a GPU and vLLM is installed, hf
+    otherwise (hf is the faster on a CPU: BENCHMARKS.md). Each engine's row, with its options:
+    actors/runtime/config/engines.py."""
     profile_batches: list[PositiveInt] = []
     """hf: batches of each sampler to run under torch.profiler (1: its first generate call):
     each writes RUN_DIR/profiles/sampler-I/step_N.txt and step_N.trace.json, as

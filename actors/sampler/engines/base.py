@@ -76,8 +76,9 @@ class Rejected(Exception):
 
 class Engine(Protocol):
     """What a sampler needs of an engine. Every engine is checked against it by mypy where it is
-    started (``registry.STARTS`` returns ``Engine``), so a signature that drifts fails the type
-    check instead of a job. Its figures are properties: the engine sets them, the sampler reads."""
+    loaded (an engine row's ``load`` returns a ``start`` giving ``Engine``), so a signature that
+    drifts fails the type check instead of a job. Its figures are properties: the engine sets
+    them, the sampler reads."""
 
     @property
     def continuous(self) -> bool:

@@ -25,10 +25,9 @@ import ctypes
 import sys
 import threading
 import time
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -48,8 +47,7 @@ from transformers import (
 
 from actors.data.vision import ImageProcessor, is_vision_model
 from actors.model_store import PolicyModel
-from actors.runtime.actor import run_compute
-from actors.runtime.config import Decode
+from actors.runtime.compute import run_compute
 from actors.runtime.devices import cap_memory, indexed, on_device
 from actors.runtime.profiling import profiled
 from actors.runtime.transports.sources import AdapterWeights, WeightsSource, WorkerTransfer
@@ -57,6 +55,9 @@ from actors.sampler.engines.base import EngineSpec, GenerateRequest, Generation,
 from kernels.logprobs import token_logprobs
 from messages.rollout import SamplingParams
 from messages.weights import AdapterSpec
+
+if TYPE_CHECKING:
+    from actors.runtime.config import HFOptions
 
 
 class _Abort(StoppingCriteria):
@@ -194,7 +195,6 @@ class _Draw(LogitsProcessor):
 # computed once per prompt and shared by its samples. Compiled decoding pads the prompts to a
 # multiple of ``WIDTH_BUCKET`` and keeps one static cache per batch shape (``StaticCaches``) so
 # a job's batches share a few shapes and the graphs' inputs keep their addresses.
-DECODES = typing.get_args(Decode)
 WIDTH_BUCKET = 64
 
 
@@ -207,7 +207,7 @@ def compile_config(decode: str, device: torch.device) -> CompileConfig | None:
         # generate compiles on accelerators only unless told (a documented CompileConfig field)
         config._compile_all_devices = True
         return config
-    raise ValueError(f"decode must be one of {', '.join(DECODES)} (got {decode!r})")
+    raise ValueError(f"decode must be eager or inductor (got {decode!r})")
 
 
 class StaticCaches:
@@ -501,10 +501,9 @@ def adapter_parameter(saved: str) -> str:
     return name
 
 
-async def start(spec: EngineSpec) -> HFEngine:
-    """The engine of ``sampler.engine = "hf"`` (registry row ``hf``; its section
-    ``sampler.hf``)."""
+async def start(options: HFOptions, spec: EngineSpec) -> HFEngine:
+    """The engine of ``sampler.engine = "hf"``, with its row's options."""
     return await anyio.to_thread.run_sync(on_device(spec.device, HFEngine), spec.model,
                                           spec.dtype, spec.seed, spec.device,
                                           spec.sampler.profile_batches, spec.profiles,
-                                          spec.sampler.hf.decode)
+                                          options.decode)

@@ -1,3 +1,3 @@
-"""The vLLM engine (``sampler.engine = "vllm"``): ``options`` (its ``[sampler.vllm]`` section;
-torch-free), ``engine``, ``sleep``, ``lora``, and in vLLM's engine process ``worker`` and
-``transfer``."""
+"""The vLLM engine (``sampler.engine = "vllm"``; its options are its row's,
+``actors/runtime/config/engines.py``): ``engine``, ``sleep``, ``lora``, and in vLLM's engine
+process ``worker`` and ``transfer``."""

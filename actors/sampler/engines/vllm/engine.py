@@ -56,14 +56,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
 import trio
 
 from actors.data.vision import decode
-from actors.runtime.config import process_share
 from actors.runtime.transports.shm import SHM_ROOT
 from actors.runtime.transports.sources import (
     AdapterWeights,
@@ -85,12 +84,15 @@ from actors.sampler.engines.vllm.receive import backend, calls, worker_env
 from actors.sampler.engines.vllm.sleep import EngineSleep
 from messages.rollout import SamplingParams
 
+if TYPE_CHECKING:
+    from actors.runtime.config import VLLMOptions
+
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    """What the engine needs from the topology (``sampler.vllm`` plus a few sampler keys)."""
+    """What the engine needs from the topology (its row's options plus a few sampler keys)."""
 
-    options: dict[str, Any]  # vLLM's own engine arguments (sampler.vllm), non-default ones
+    options: dict[str, Any]  # vLLM's own engine arguments (its row's), non-default ones
     weight_update: Literal["between_batches", "in_flight"] = "between_batches"
     clear_cache: bool = True  # in_flight: drop the old weights' KV cache at each update
     threads: int = 1  # CPU: OpenMP threads of the engine process (sampler.threads)
@@ -426,16 +428,16 @@ class VLLMEngine:
             self.sleep.lender.close()
 
 
-async def start(spec: EngineSpec) -> VLLMEngine:
-    """The engine of ``sampler.engine = "vllm"`` (registry row ``vllm``), from its section
-    ``sampler.vllm`` and the sampler's keys; a weights transport whose transfers the workers
-    receive (``receive.backend``) makes the worker build vLLM's engine for them."""
+async def start(options: VLLMOptions, spec: EngineSpec) -> VLLMEngine:
+    """The engine of ``sampler.engine = "vllm"``, from its row's options and the sampler's
+    keys; a weights transport whose transfers the workers receive (``receive.backend``) makes
+    the worker build vLLM's engine for them."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
     via = TRANSPORTS[spec.transport].halves().receiver.worker_via if spec.transport else None
     for key, value in worker_env(via).items():
         os.environ.setdefault(key, value)  # read by the engine process vLLM starts
-    settings = VLLMSettings(cfg.vllm.engine_args(gpu=gpu, share=process_share()),
+    settings = VLLMSettings(options.engine_args(gpu=gpu),
                             weight_update=cfg.weight_update, clear_cache=cfg.clear_cache,
                             threads=cfg.threads, label=spec.label,
                             sleep_idle_s=cfg.sleep_idle_s, adapters=spec.adapters,
