@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     # runner's copy (``FLOWRL_TOPOLOGY``)
     path = Path(os.environ.get("FLOWRL_TOPOLOGY") or run_dir / TOPOLOGY)
     topology = msgspec.json.decode(path.read_bytes(), type=Topology)
-    body = BY_NAME[kind].body()
+    body = BY_NAME[kind].load()
     rank = Rank.from_env().rank if kind == "learner" else 0  # the runner's RANK for each rank
     return run_actor(kind, index, topology, run_dir, body,
                      name=str(ProcessName(kind, index, rank)), curve=job_keys(topology))

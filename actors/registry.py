@@ -2,7 +2,7 @@
 
 The runner starts the kinds in this order (the replay buffer and the router bind the sockets
 the others connect to; the learner publishes the first weights the samplers wait for), the
-config check enforces the counts, ``python -m actors.main`` calls ``body`` for the actor's body
+config check enforces the counts, ``python -m actors.main`` calls ``load`` for the actor's body
 (imported then, so the router and the replay buffer never import torch) and ``runner.py attach``
 accepts the attachable kinds; the runner (``actors/job/processes.py``) applies each row's lifecycle
 (gang, ends the job, attached; the restart policy is the kind's config section's). Adding an
@@ -59,7 +59,7 @@ def _sampler() -> Body:
 class ActorKind:
     name: str
     """The kind's name: its ``topology.toml`` section and its processes' ``NAME-INDEX``."""
-    body: Callable[[], Body]
+    load: Callable[[], Body]
     """The actor body (its module imported when called, only in the actor's own process)."""
     min_count: int
     """Fewest processes a job may start (0: the job runs without one, e.g. rewards attached)."""

@@ -86,7 +86,7 @@ async def main_async(args) -> None:
             for i, (kind, r, t) in enumerate(variants):
                 address = f"ipc://{folder}/w{i}"
                 pub = WeightsPublisher(make_socket(zctx, zmq.ROUTER, bind=address),
-                                       TRANSPORTS[t].halves().sender())
+                                       TRANSPORTS[t].load().sender())
                 sub = WeightsSubscriber(make_socket(zctx, zmq.DEALER, connect=address))
                 tg.start_soon(pub.serve)
                 tg.start_soon(sub.serve)

@@ -109,7 +109,7 @@ async def main_async(args) -> None:
                 options: dict = {"device": "cuda:0"} if cuda and row.gpu else {}
                 if name == "nccl":
                     options.update(address="127.0.0.1", timeout_s=120)
-                pubs[name] = WeightsPublisher(sock, row.halves().sender(**options))
+                pubs[name] = WeightsPublisher(sock, row.load().sender(**options))
                 tg.start_soon(pubs[name].serve)
                 procs.append(await anyio.open_process(
                     [sys.executable, __file__, "--child", address, f"{address}-reports",

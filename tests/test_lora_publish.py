@@ -97,7 +97,7 @@ async def test_sampler_logprobs_after_an_adapter_update_are_the_learners(tiny_mo
                 make_socket(zctx, zmq.DEALER, connect=address) as sampler_sock:
             options = {"address": "127.0.0.1", "timeout_s": 60} if transport == "nccl" else {}
             publisher = WeightsPublisher(learner_sock,
-                                         TRANSPORTS[transport].halves().sender(**options))
+                                         TRANSPORTS[transport].load().sender(**options))
             subscriber = WeightsSubscriber(sampler_sock)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)

@@ -374,9 +374,9 @@ def test_rows_name_code_as_code():
     assert all(callable(r.problem) for r in ENGINES.values())
     assert all(row.load is not EngineRow.load for row in ENGINES.values())  # each has its own
     assert ENGINES[FALLBACK]().load().__module__ == f"actors.sampler.engines.{FALLBACK}"
-    assert all(t.halves().sender.name == t.halves().receiver.name == n
+    assert all(t.load().sender.name == t.load().receiver.name == n
                for n, t in TRANSPORTS.items())
-    assert all(k.body().__name__ == f"{k.name}_actor" for k in KINDS)
+    assert all(k.load().__name__ == f"{k.name}_actor" for k in KINDS)
 
 
 @pytest.mark.parametrize("module", ["actors.replay.actor", "actors.router.actor", "messages.rollout",
@@ -517,5 +517,5 @@ def test_each_actor_kind_runs_a_body_from_an_actor_folder():
 
     actor_names, _ = package_map()
     for kind in KINDS:
-        module = kind.body().__module__  # e.g. actors.learner.actor
+        module = kind.load().__module__  # e.g. actors.learner.actor
         assert module.split(".")[1] in actor_names, (kind.name, module)

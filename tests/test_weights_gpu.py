@@ -45,7 +45,7 @@ async def test_versions_reach_a_sampler_on_cuda(sockets, tmp_path, transport, gp
         with anyio.fail_after(240), make_socket(zctx, zmq.ROUTER, bind=address) as sock, \
              make_socket(zctx, zmq.PULL, bind=f"{address}-reports") as pull:
             reports = Reports(pull)
-            publisher = WeightsPublisher(sock, TRANSPORTS[transport].halves().sender(**options))
+            publisher = WeightsPublisher(sock, TRANSPORTS[transport].load().sender(**options))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.serve)
                 for version in (0, 1, 2):

@@ -171,7 +171,7 @@ def attach_command(args: argparse.Namespace) -> int:
         to = Path(args.to)
         run_dir = Path(topology.run.dir) if topology.run.dir else \
             to.parent if to.suffix == ".json" else to
-    body = BY_NAME[args.kind].body()
+    body = BY_NAME[args.kind].load()
     print(f"=== {name} (pid {os.getpid()}) attaching to the job at {args.to}; Ctrl-C detaches it",
           flush=True)
     return run_actor(args.kind, index, topology, run_dir, body, name=name, supervised=False,

@@ -371,7 +371,7 @@ async def lead(ctx: ActorContext, trainer: Trainer, task_status,
     replay = make_socket(ctx.zmq, zmq.DEALER, connect=topo.replay.address,
                          identity=ctx.name.encode(), curve=ctx.curve)
     remove_orphaned_shm()
-    sender = TRANSPORTS[cfg.weights_transport].halves().sender.build(cfg, trainer.group.device)
+    sender = TRANSPORTS[cfg.weights_transport].load().sender.build(cfg, trainer.group.device)
     weights = WeightsPublisher(weights_sock, sender, ctx.name, ctx.status)
     ctx.status["weights_transport"] = cfg.weights_transport
     learner = Learner(ctx, trainer, replay, weights, share, memory)

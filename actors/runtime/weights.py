@@ -244,7 +244,7 @@ class WeightsSubscriber:
         if name not in TRANSPORTS:
             raise DecodeError(f"weights: unknown transport {name!r}")
         if name not in self.receivers:
-            self.receivers[name] = TRANSPORTS[name].halves().receiver.build(self.into)
+            self.receivers[name] = TRANSPORTS[name].load().receiver.build(self.into)
         return self.receivers[name]
 
     async def serve(self) -> None:

@@ -55,7 +55,7 @@ def serve(fd: int, kinds: Sequence[str], model: str, modules: Sequence[str]) -> 
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the runner's to act on
     for kind in kinds:
-        BY_NAME[kind].body()
+        BY_NAME[kind].load()
     for name in modules:
         importlib.import_module(name)
     if model:
@@ -229,7 +229,7 @@ def zygote(path: str) -> None:
     own = {k: v for k, v in os.environ.items() if k not in VOLATILE}  # (imports may add keys)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for kind in NAMES:
-        BY_NAME[kind].body()
+        BY_NAME[kind].load()
     for name in (*ENGINES[FALLBACK].preload, "transformers.models.llama.modeling_llama"):
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -63,7 +63,7 @@ class Transport:
     own workers receive (its row's ``in_worker``), a ``WorkerTransfer``."""
 
     name: str
-    halves: Callable[[], Halves]  # its Sender and Receiver (their file imported when called)
+    load: Callable[[], Halves]  # its Sender and Receiver (their file imported when called)
     same_host: bool  # every sampler shares the learner's host
     gpu: bool  # the learner gathers on its device: the bytes go from there (GPU to GPU on GPUs)
     cuda_only: bool = False  # moves CUDA tensors: learner and samplers on GPUs

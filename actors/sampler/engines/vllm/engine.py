@@ -434,7 +434,7 @@ async def start(options: VLLMOptions, spec: EngineSpec) -> VLLMEngine:
     the worker build vLLM's engine for them."""
     cfg = spec.sampler
     gpu = torch.device(spec.device).type == "cuda"
-    via = TRANSPORTS[spec.transport].halves().receiver.worker_via if spec.transport else None
+    via = TRANSPORTS[spec.transport].load().receiver.worker_via if spec.transport else None
     for key, value in worker_env(via).items():
         os.environ.setdefault(key, value)  # read by the engine process vLLM starts
     settings = VLLMSettings(options.engine_args(gpu=gpu),
