@@ -159,6 +159,33 @@ def test_missing_and_malformed_files(tmp_path):
         load_topology(bad)
 
 
+def test_an_engines_options_are_its_rows_and_a_recorded_older_shape_still_reads(tiny_model):
+    """``sampler.engine = {name = ..., options}``; a topology recorded when each engine's
+    options were a section of ``[sampler]`` (``sampler.hf`` beside ``sampler.engine = "hf"``)
+    reads as its engine's row (``recorded``, the offline tools' reader), while a user's file in
+    that shape is refused naming the new form (test_bad_values_name_the_key)."""
+    import msgspec
+
+    from actors.job.config.load import recorded
+    from actors.runtime.config import HFOptions, VLLMOptions
+
+    topo = decode_topology(apply_overrides({}, ["sampler.engine=hf",
+                                                "sampler.engine.decode=inductor"]))
+    assert topo.sampler.engine == HFOptions(decode="inductor")
+    data = msgspec.to_builtins(topo)
+    assert data["sampler"]["engine"] == {"name": "hf", "decode": "inductor"}
+    old = msgspec.to_builtins(topo)
+    old["sampler"].update(engine="hf", hf={"decode": "inductor"},
+                          vllm={k: v for k, v in msgspec.to_builtins(VLLMOptions()).items()
+                                if k != "name"})
+    assert decode_topology(recorded(old)) == decode_topology(data) == topo
+    assert recorded(data) == data  # the current shape passes as it is
+    judge = decode_topology(apply_overrides({}, [
+        f'reward.models=[{{name="j", kind="judge", path="{tiny_model}", engine={{name="hf", '
+        'decode="inductor"}}]', "sampler.engine=hf"]))
+    assert judge.reward.models[0].engine == HFOptions(decode="inductor")
+
+
 def test_in_flight_updates_need_a_continuous_engine():
     with pytest.raises(ConfigError, match="sampler.weight_update: in_flight needs a continuous "
                                           "engine"):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from actors.job.config.load import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology, recorded
 from actors.runtime.config import ConfigError, Topology
 from actors.runtime.recording import decode_group, last_by, read_table
 from actors.runtime.rundir import RECORD_DIR, TOPOLOGY
@@ -94,7 +94,7 @@ def open_run(run_dir: str | Path, overrides: Sequence[str] = ()) -> RecordedRun:
                            "trained no step, ran with run.record = false, or predates recording)")
     try:
         data = json.loads(topo_file.read_text())
-        topology = decode_topology(apply_overrides(data, list(overrides)))
+        topology = decode_topology(apply_overrides(recorded(data), list(overrides)))
     except (ConfigError, ValueError, msgspec.DecodeError) as exc:
         raise OfflineError(f"bad topology {topo_file}: {exc}") from None
     batches = last_by(read_table(run_dir, "batches"), "step")

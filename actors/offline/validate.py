@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from actors.job.config.load import apply_overrides, decode_topology
+from actors.job.config.load import apply_overrides, decode_topology, recorded
 from actors.offline.export import is_adapter, merge_adapter
 from actors.offline.recorded import OfflineError, excerpt
 from actors.runtime.config import ConfigError, Topology
@@ -50,7 +50,8 @@ def load_topology_of(run_dir: Path, overrides: list[str]) -> Topology:
     if bad:
         raise OfflineError(f"only validation.* keys can be overridden here: {', '.join(bad)}")
     try:
-        return decode_topology(apply_overrides(json.loads(topo_file.read_text()), overrides))
+        return decode_topology(apply_overrides(recorded(json.loads(topo_file.read_text())),
+                                               overrides))
     except (ConfigError, ValueError, msgspec.DecodeError) as exc:
         raise OfflineError(f"bad topology {topo_file}: {exc}") from None
 

@@ -156,6 +156,21 @@ def _engine_table(table: Any, key: str, default: str) -> Any:
     return table
 
 
+def recorded(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded ``topology.json`` as the schema reads it now. A run recorded before an
+    engine's options were its row's holds every engine's section beside the name of the one it
+    ran (``sampler.engine = "hf"``, ``sampler.hf``, ``sampler.vllm``); that engine's section
+    becomes its row's options, and the others go (nothing read them)."""
+    sampler = data.get("sampler")
+    if isinstance(sampler, dict) and isinstance(sampler.get("engine"), str):
+        sections = {name: sampler.pop(name) for name in ENGINES if name in sampler}
+        if sections:
+            chosen = sections.get(sampler["engine"])
+            sampler["engine"] = {**(chosen if isinstance(chosen, dict) else {}),
+                                 "name": sampler["engine"]}
+    return data
+
+
 def decode_topology(data: dict[str, Any]) -> Topology:
     """Validate a raw dict into a Topology; errors name the full key path."""
     _named_tables(data)
