@@ -100,28 +100,31 @@ NAMED_TABLES = {f"algorithm.{key}": "name" for key in ROWS} | {"sampler.engine":
 AUTO = str(SamplerConfig().engine.name)  # sampler.engine's default: chosen for the device
 
 
-def _named_table(algorithm: dict[str, Any], key: str) -> None:
-    """``algorithm.KEY = "name"`` is ``{name = "name"}``; a table without a name is the
-    default's, and a name no row has is refused naming the key."""
-    rows, default = ROWS[key]
-    table = algorithm.get(key)
+def _named_table(table: Any, key: str, names: Sequence[str], default: str, hint: str = ""
+                 ) -> Any:
+    """``KEY = "name"`` is ``{name = "name"}``; a table without a name is ``default``'s, and a
+    name not in ``names`` is refused naming the key (``hint`` after the choices)."""
     if isinstance(table, str):
-        table = algorithm[key] = {"name": table}
-    if not isinstance(table, dict):  # absent, or not a table (msgspec names that)
-        return
+        table = {"name": table}
+    if not isinstance(table, dict):  # not a table (msgspec names that)
+        return table
     name = table.setdefault("name", default)
-    if name not in rows:
-        mine = (f" (a function of your own from a file: name = \"custom\", function = "
-                f"{name!r})" if "path" in table else "")
-        raise ConfigError(f"algorithm.{key}.name: {name!r} is not one of {', '.join(rows)}{mine}")
+    if name not in names:
+        raise ConfigError(f"{key}.name: {name!r} is not one of {', '.join(names)}{hint}")
+    return table
 
 
 def _named_tables(data: dict[str, Any]) -> None:
     """The estimator's, the policy loss's and the engines' tables, each a row's name and its
     options."""
-    if isinstance(data.get("algorithm"), dict):
-        for key in ROWS:
-            _named_table(data["algorithm"], key)
+    algorithm = data.get("algorithm")
+    for key, (rows, default) in ROWS.items():
+        if isinstance(algorithm, dict) and key in algorithm:
+            table = algorithm[key]
+            mine = (f" (a function of your own from a file: name = \"custom\", function = "
+                    f"{table.get('name', default)!r})"
+                    if isinstance(table, dict) and "path" in table else "")
+            algorithm[key] = _named_table(table, f"algorithm.{key}", list(rows), default, mine)
     sampler = data.get("sampler")
     if isinstance(sampler, dict):
         for name in ENGINES:
@@ -129,31 +132,19 @@ def _named_tables(data: dict[str, Any]) -> None:
                 raise ConfigError(f"sampler.{name}: an engine's options are its own table's: "
                                   f"sampler.engine = {{name = \"{name}\", ...}}")
         if "engine" in sampler:
-            sampler["engine"] = _engine_table(sampler["engine"], "sampler.engine", AUTO)
+            engine = sampler["engine"] = _named_table(sampler["engine"], "sampler.engine",
+                                                      [AUTO, *ENGINES], AUTO)
+            if isinstance(engine, dict) and engine["name"] == AUTO and len(engine) > 1:
+                options = ", ".join(sorted(k for k in engine if k != "name"))
+                raise ConfigError(f"sampler.engine: {options}: an engine's options need the "
+                                  f"engine named (sampler.engine.name = {' or '.join(ENGINES)}); "
+                                  f"{AUTO} takes none")
     models = data.get("reward", {}).get("models") if isinstance(data.get("reward"), dict) \
         else None
     for i, model in enumerate(models if isinstance(models, list) else []):
         if isinstance(model, dict) and "engine" in model:
-            model["engine"] = _engine_table(model["engine"], f"reward.models[{i}].engine",
-                                            FALLBACK)
-
-
-def _engine_table(table: Any, key: str, default: str) -> Any:
-    """An engine's table: a name alone is ``{name = "..."}``, a table without a name is
-    ``default``'s; auto takes no options (they are an engine's own: name it)."""
-    if isinstance(table, str):
-        table = {"name": table}
-    if not isinstance(table, dict):  # not a table (msgspec names that)
-        return table
-    name = table.setdefault("name", default)
-    names = [AUTO, *ENGINES] if default == AUTO else list(ENGINES)
-    if name not in names:
-        raise ConfigError(f"{key}.name: {name!r} is not one of {', '.join(names)}")
-    if name == AUTO and len(table) > 1:
-        options = ", ".join(sorted(k for k in table if k != "name"))
-        raise ConfigError(f"{key}: {options}: an engine's options need the engine named "
-                          f"({key}.name = {' or '.join(ENGINES)}); {AUTO} takes none")
-    return table
+            model["engine"] = _named_table(model["engine"], f"reward.models[{i}].engine",
+                                           list(ENGINES), FALLBACK)
 
 
 def recorded(data: dict[str, Any]) -> dict[str, Any]:

@@ -89,10 +89,12 @@ from actors.runtime.config.teacher import check_teacher
 from actors.runtime.config.topology import Topology
 
 __all__ = [
-    "ActorCommon", "AgentConfig", "AutoEngine", "AgentEnv", "AgentRollout", "AgentTool", "AlgorithmConfig",
+    "ActorCommon", "AgentConfig", "AgentEnv", "AgentRollout", "AgentTool", "AlgorithmConfig",
+    "AutoEngine",
     "BIG", "BUILTIN_SCORERS", "BUILTIN_TASKS", "BUILTIN_TOOLS", "ConfigError",
     "CorrectionConfig", "CustomEstimator", "CustomLoss", "DEVICE_ENV", "DatasetConfig",
-    "Decode", "ENGINES", "ESTIMATOR_ROWS", "EngineRow", "FALLBACK", "FilterGroups", "Gae", "HFOptions",
+    "Decode", "ENGINES", "ESTIMATOR_ROWS", "EngineRow", "FALLBACK", "FilterGroups", "Gae",
+    "HFOptions",
     "JudgeConfig", "KLControl", "LOSS_ROWS", "LearnerConfig", "LoraConfig", "MIN_SHARE",
     "ModelConfig", "OpenEnvSource", "PlacedProcess", "ProcessName", "ROLES", "RULES_POOL", "ReasoningGymSource",
     "RejectionRule", "ReplayConfig", "RewardConfig", "RewardFunction", "RewardModelConfig",
