@@ -83,6 +83,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from actors.job.config.load import apply_overrides, decode_topology
+    from actors.learner.packing import read_lengths
     from actors.learner.trainer import Trainer
     from actors.model_store import resolve_model_path
 
@@ -97,8 +98,11 @@ def main() -> None:
             f"learner.groups_per_step={args.groups or 4}"])), Path(tmp) / f"run-{share}")
             for share in ("true", "false")}
         seen: dict[str, list[dict]] = {share: [] for share in trainers}
+        read: list[int] = []  # per step, the tokens the model reads of the rows packed whole
         for step in range(args.steps):
             groups = groups_of(model, args.shape, args.groups or None, seed=step)
+            read.append(sum(read_lengths([g.prompt_ids.shape[0] + s.response_ids.shape[0]
+                                          for g in groups for s in g.samples])))
             for share in (("true", "false") if step % 2 == 0 else ("false", "true")):
                 seen[share].append(trainers[share].train_step(groups))
     what = f"{args.layers} layers of the default model" if args.layers else "the default model"
@@ -107,8 +111,8 @@ def main() -> None:
     for share, metrics in seen.items():
         update = statistics.median(m["timing_s/update_actor"] for m in metrics[1:])
         step = statistics.median(m["timing_s/step"] for m in metrics[1:])
-        tokens = statistics.median(m["perf/throughput"] * m["timing_s/step"]
-                                   - m["perf/shared_prefix_tokens"] for m in metrics)
+        tokens = statistics.median(r - m["perf/shared_prefix_tokens"]
+                                   for r, m in zip(read, metrics, strict=True))
         rows[share] = update, step, tokens
         print(f"  share_prefixes={share:<5}  update {update:7.3f} s  step {step:7.3f} s  "
               f"{tokens:7.0f} tokens through the model  (updates: "

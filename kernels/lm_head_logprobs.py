@@ -318,9 +318,6 @@ class _LMHeadLogprobs(torch.autograd.Function):
         grad_hidden = grad_weight = None
         if need_hidden:
             grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        if need_weight:
-            # Summed over chunks in float32, rounded to the weight's dtype once at the end.
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         kept = ctx.kept if grad_entropy is None and grad_logprob is not None else None
         ctx.kept = None  # (what it held is consumed below)
         for i, start in enumerate(range(0, n, ctx.chunk_size)):
@@ -345,13 +342,17 @@ class _LMHeadLogprobs(torch.autograd.Function):
             if need_hidden:
                 torch.mm(dz, weight, out=grad_hidden[start:end])
             if need_weight:
-                if dz.dtype == torch.float32:
+                # summed over chunks in float32, rounded to the weight's dtype once at the end;
+                # the first chunk's product is the sum's start (no (V, H) zeros to fill)
+                if grad_weight is None:
+                    grad_weight = (dz.T @ h).float()
+                elif dz.dtype == torch.float32:
                     grad_weight.addmm_(dz.T, h)
                 else:
                     grad_weight += dz.T @ h
         return (
             grad_hidden,
-            grad_weight.to(weight.dtype) if need_weight else None,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
             None,
             None,
             None,

@@ -19,6 +19,7 @@ from actors.learner.packing import (
     own_tokens,
     pack,
     packed_tokens,
+    read_lengths,
     refine,
     share_groups,
 )
@@ -114,7 +115,8 @@ def test_packed_step_equals_padded_step(tiny_model, tmp_path, name):
 def test_packed_rows_isolate_sequences(tiny_model, attn):
     """The packed row's hidden states are each sequence's own, run alone (no attention across a
     boundary): for SDPA and eager, transformers builds a block-diagonal mask from the restarting
-    position ids; ``flowrl_varlen`` attends within each sequence's bounds."""
+    position ids; ``flowrl_varlen`` attends within each sequence's bounds. Each row but the
+    one-token one is packed without its last token (``read_lengths``)."""
     varlen_attention.register()
     model = AutoModel.from_pretrained(tiny_model, attn_implementation=attn).eval()
     gen = torch.Generator().manual_seed(1)
@@ -125,23 +127,25 @@ def test_packed_rows_isolate_sequences(tiny_model, attn):
         ids[i, :n] = torch.randint(3, 30, (n,), generator=gen)
         attention[i, :n] = 1
     rows = pack(ids, attention)
-    assert rows.position_ids.tolist() == [[*range(5), *range(9), 0, *range(7)]]
+    read = read_lengths(lengths)
+    assert read == [4, 8, 1, 6]
+    assert rows.position_ids.tolist() == [[*range(4), *range(8), 0, *range(6)]]
     call = varlen_attention.packed_call(model.config, rows.input_ids, rows.position_ids)
     assert ("flowrl_bounds" in call) == (attn == varlen_attention.NAME)
     with torch.no_grad():
         packed = model(**call).last_hidden_state[0]  # (T, H)
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(read):
             alone = model(input_ids=ids[i:i + 1, :n]).last_hidden_state[0]  # (n, H)
             got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
             assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5), (attn, i)
         # padded rows through the same implementation: as before (its masks are SDPA's)
         padded = model(input_ids=ids, attention_mask=attention).last_hidden_state
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(read):
             got = packed[int(rows.offsets[i]):int(rows.offsets[i]) + n]
             assert torch.allclose(padded[i, :n], got, atol=1e-5, rtol=1e-5), (attn, i)
         # without restarting positions the same row is one causal sequence: the check can fail
         plain = model(input_ids=rows.input_ids, use_cache=False).last_hidden_state[0]
-        assert not torch.allclose(plain[5:14], packed[5:14], atol=1e-3)
+        assert not torch.allclose(plain[4:12], packed[4:12], atol=1e-3)
 
 
 def test_the_packed_learner_attends_per_sequence(tiny_model, tmp_path, monkeypatch):
@@ -190,24 +194,27 @@ def test_shared_prefixes_attend_as_each_row_alone(tiny_model):
         ids[i, :len(q)], attention[i, :len(q)] = torch.tensor(q), 1
     rows = pack(ids, attention, shared)
     lengths = [len(q) for q in seqs]
-    assert rows.input_ids.shape[1] == sum(own_tokens(lengths, shared)) == sum(lengths) - 3 * 6 - 5
-    assert rows.tree[0][:2] == (0, 6) and rows.tree[1] == (rows.tree[0][-1],) * 2 + (
-        rows.tree[0][-1] + 7,)
+    read = read_lengths(lengths)  # each row without its last token
+    # the first group shares 5 of its 6 prompt tokens: its one-token rest is read as the prompt
+    # alone, and each row keeps a rest of its own
+    assert rows.input_ids.shape[1] == sum(own_tokens(lengths, shared)) == sum(read) - 3 * 5 - 5
+    assert rows.tree[0][:2] == (0, 5) and rows.tree[1] == (rows.tree[0][-1],) * 2 + (
+        rows.tree[0][-1] + 6,)
     call = varlen_attention.packed_call(model.config, rows.input_ids, rows.position_ids, rows.tree)
     assert "flowrl_tree" in call
     index, valid = rows.index(ids.shape[1])
     with torch.no_grad():
         packed = model(**call).last_hidden_state[0]  # (T, H)
-        for i, q in enumerate(seqs):
-            alone = model(input_ids=ids[i:i + 1, :len(q)]).last_hidden_state[0]
-            got = packed[index[i, :len(q)]]
-            assert valid[i].sum() == len(q)
+        for i, n in enumerate(read):
+            alone = model(input_ids=ids[i:i + 1, :n]).last_hidden_state[0]
+            got = packed[index[i, :n]]
+            assert valid[i].sum() == n
             assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5), i
         # the same row read without the tree (one causal sequence per group) differs
         plain = model(**varlen_attention.packed_call(
             model.config, rows.input_ids, torch.arange(rows.input_ids.shape[1])[None])
                       ).last_hidden_state[0]
-        assert not torch.allclose(plain[index[1, :7]], packed[index[1, :7]], atol=1e-3)
+        assert not torch.allclose(plain[index[1, :6]], packed[index[1, :6]], atol=1e-3)
     sdpa = AutoModel.from_pretrained(tiny_model, attn_implementation="sdpa").config
     with pytest.raises(ValueError, match="shared prefixes need the flowrl_varlen attention"):
         varlen_attention.packed_call(sdpa, rows.input_ids, rows.position_ids, rows.tree)
@@ -279,11 +286,11 @@ def test_auto_micro_batches_follow_the_device():
 
 
 def test_a_group_sharing_its_prefix_is_cut_only_when_it_alone_is_over_the_budget():
-    """Rows 0-1 share a 40-token prefix, rows 2-5 another (own tokens: 50 for a group's first
-    row, 10 for each other). A group that fits is never cut across micro-batches (a cut computes
+    """Rows 0-1 share a 40-token prefix, rows 2-5 another (rows of 51 tokens, 50 read; own
+    tokens: 50 for a group's first row, 10 for each other). A group that fits is never cut across micro-batches (a cut computes
     its prefix twice); one over the budget is cut by rows, each later part holding the prefix
     again, counted; with ``whole`` (the CPU's auto budget) it stays one micro-batch."""
-    full = [50] * 6
+    full = [51] * 6
     shared = (0, 40, 0, 40, 40, 40)
     lengths = own_tokens(full, shared)
     assert lengths == [50, 10, 50, 10, 10, 10]
@@ -309,4 +316,4 @@ def test_a_group_sharing_its_prefix_is_cut_only_when_it_alone_is_over_the_budget
     # what each cut puts through the model: the prefix again where a part starts inside a group
     assert packed_tokens(lengths, [slice(0, 2), slice(2, 6)], groups) == 140
     assert packed_tokens(lengths, [slice(0, 2), slice(2, 5), slice(5, 6)], groups) == 180
-    assert packed_tokens(full, [slice(0, 6)], None) == 300
+    assert packed_tokens(read_lengths(full), [slice(0, 6)], None) == 300

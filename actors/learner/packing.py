@@ -9,8 +9,9 @@ collectives pair them), so each rank's split is refined to the largest count any
 rank holds the whole batch, so each computes that count alone, without a collective.
 
 Packed (``learner.packing``, the default), a micro-batch's sequences are concatenated into one
-row of ``T = Σ L_i`` tokens with position ids restarting at 0 for each sequence, and the model
-attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
+row of ``T = Σ (L_i - 1)`` tokens (a row's last token is left out: its output would predict
+past the row's end, and nothing else reads it) with position ids restarting at 0 for each
+sequence, and the model attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
 kernel on CUDA where it is installed, else ``flowrl_varlen``: torch's ``varlen_attn`` on CUDA in
 half precision, elsewhere SDPA over the sequences side by side or once per sequence (the
 reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
@@ -26,7 +27,7 @@ continue from the prefix's end. Each rest attends to the prefix and to itself on
 (``kernels/varlen_attention.py``: ``flowrl_tree``), so every hidden state equals the unshared
 one and ``index`` maps each row's prefix columns to the one copy: the prefix's tokens take
 their gradient from every row that reads them, as when each row carried its own. A group of
-8 samples of a 29-token prompt with 17-token responses is 165 tokens instead of 368.
+8 samples of a 29-token prompt with 17-token responses is 157 tokens instead of 360.
 """
 
 from __future__ import annotations
@@ -119,27 +120,36 @@ def packed_tokens(lengths: list[int], slices: list[slice],
     return sum(sum(lengths[sl]) + again.get(sl.start, 0) for sl in slices)
 
 
+def read_lengths(lengths: list[int]) -> list[int]:
+    """The tokens of each row (of ``lengths`` tokens) the model reads: all but its last, whose
+    output would predict past the row's end, so no log-prob, entropy or value reads it and no
+    other token attends to it (a row of one token keeps it)."""
+    return [n - 1 if n > 1 else n for n in lengths]
+
+
 def share_groups(lengths: list[int], shared: tuple[int, ...]) -> list[tuple[list[int], int]]:
-    """The rows' groups as ``pack`` shares them, each with the prefix its rows share: the least
-    of its rows' ``shared`` values, at most all but one token of its shortest row (so each row
-    keeps a rest of its own); a row with ``shared`` 0, and the first row, start a group."""
+    """The rows' groups as ``pack`` shares them (``lengths``: each row's tokens), each with the
+    prefix its rows share: the least of its rows' ``shared`` values, at most all but one of the
+    tokens its shortest row has read (so each row keeps a rest of its own); a row with
+    ``shared`` 0, and the first row, start a group."""
     groups: list[list[int]] = []
     for i in range(len(lengths)):
         if i == 0 or shared[i] == 0:
             groups.append([i])
         else:
             groups[-1].append(i)
+    read = read_lengths(lengths)
     return [(g, max(0, min(min((shared[i] for i in g[1:]), default=0),
-                           min(lengths[i] for i in g) - 1))) for g in groups]
+                           min(read[i] for i in g) - 1))) for g in groups]
 
 
 def own_tokens(lengths: list[int], shared: tuple[int, ...]) -> list[int]:
-    """The tokens each row adds to a packed row whose groups share prefixes as ``pack`` shares
-    them: a group's first row all of its own, every other its rest (``shared``: ``pack``'s;
-    (): each row whole)."""
-    out = list(lengths)
+    """The tokens each row (of ``lengths`` tokens) adds to a packed row: those the model reads
+    (``read_lengths``), less the prefix of its group as ``pack`` shares it for every row but the
+    group's first (``shared``: ``pack``'s; (): each row whole)."""
+    out = read_lengths(lengths)
     if any(shared[1:]):
-        for group, common in share_groups(out, shared):
+        for group, common in share_groups(lengths, shared):
             for j in group[1:]:
                 out[j] -= common
     return out
@@ -172,7 +182,7 @@ class PackedRows:
     input_ids: torch.Tensor  # (1, T) long, the sequences back to back
     position_ids: torch.Tensor  # (1, T) long, restarting at 0 for each sequence (group)
     offsets: torch.Tensor  # (B,) long, where row i's own tokens start, minus its shared prefix
-    lengths: torch.Tensor  # (B,) long, row i's tokens
+    lengths: torch.Tensor  # (B,) long, row i's tokens read (``read_lengths``)
     # shared prefixes: each group as (start, prefix end, end of each row's rest...) in the
     # packed row, and per row its prefix's length and where that prefix starts; () and None:
     # no row shares (every sequence is a group of one, its whole self the rest)
@@ -201,6 +211,14 @@ class PackedRows:
         return out * valid.view(shape).to(out.dtype)
 
 
+def read_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, W) bool: the tokens of right-padded rows the model reads (``read_lengths``), without
+    a host sync."""
+    lengths = attention_mask.sum(1, keepdim=True)  # (B, 1)
+    cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return cols < torch.where(lengths > 1, lengths - 1, lengths)
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
          shared: tuple[int, ...] = (), lengths: tuple[int, ...] = ()) -> PackedRows:
     """Right-padded rows ``input_ids`` (B, W) with ``attention_mask`` (B, W), packed.
@@ -210,21 +228,22 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prefix ``share_groups`` gives. ``lengths``: each row's tokens on the host
     (``RolloutBatch.lengths``; (): read from ``attention_mask``, a host sync on a GPU)."""
     if not any(shared[1:]):
-        lengths = attention_mask.sum(1)  # (B,)
-        keep = attention_mask.bool()  # right padding: each row's tokens come first
-        offsets = torch.cumsum(lengths, 0) - lengths  # (B,)
+        keep = read_mask(attention_mask)  # (B, W)
+        read = keep.sum(1)  # (B,)
+        offsets = torch.cumsum(read, 0) - read  # (B,)
         cols = torch.arange(input_ids.shape[1], device=input_ids.device)
         row_positions = cols.expand_as(input_ids)[keep]  # (T,) 0.. for each row
         return PackedRows(input_ids=input_ids[keep].unsqueeze(0),
                           position_ids=row_positions.unsqueeze(0), offsets=offsets,
-                          lengths=lengths)
+                          lengths=read)
     rows, width = input_ids.shape
-    lengths_host = list(lengths) or attention_mask.sum(1).tolist()
+    whole = list(lengths) or attention_mask.sum(1).tolist()
+    read = read_lengths(whole)
     flat: list[int] = []  # where each packed token is in input_ids.flatten()
     positions: list[int] = []
     tree: list[tuple[int, ...]] = []
     offsets, prefix, heads = [0] * rows, [0] * rows, [0] * rows
-    for group, common in share_groups(lengths_host, shared):
+    for group, common in share_groups(whole, shared):
         start = len(flat)
         head = group[0] * width
         flat.extend(range(head, head + common))
@@ -232,8 +251,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         ends = [start, start + common]
         for i in group:
             offsets[i], prefix[i], heads[i] = len(flat) - common, common, start
-            flat.extend(range(i * width + common, i * width + lengths_host[i]))
-            positions.extend(range(common, lengths_host[i]))
+            flat.extend(range(i * width + common, i * width + read[i]))
+            positions.extend(range(common, read[i]))
             ends.append(len(flat))
         tree.append(tuple(ends))
     device = input_ids.device
@@ -243,5 +262,5 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     return PackedRows(input_ids=input_ids.flatten()[tensor(flat)].unsqueeze(0),
                       position_ids=tensor(positions).unsqueeze(0), offsets=tensor(offsets),
-                      lengths=tensor(lengths_host), tree=tuple(tree), prefix=tensor(prefix),
+                      lengths=tensor(read), tree=tuple(tree), prefix=tensor(prefix),
                       heads=tensor(heads))

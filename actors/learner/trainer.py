@@ -69,6 +69,7 @@ from actors.learner.packing import (
     micro_limits,
     own_tokens,
     packed_tokens,
+    read_lengths,
     refine,
     share_groups,
 )
@@ -465,7 +466,7 @@ class Trainer:
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
             # the tokens a shared prefix kept out of the forward passes (learner.share_prefixes),
             # less the prefixes computed again where a micro-batch starts inside their group
-            "perf/shared_prefix_tokens": float(sum(batch.lengths) - packed_tokens(
+            "perf/shared_prefix_tokens": float(sum(read_lengths(list(batch.lengths))) - packed_tokens(
                 s.lengths, [sl for split in self._rank_splits(s.lengths, 0, batch.size, s.units)
                             for sl in split], s.units)),
         })
