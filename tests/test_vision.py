@@ -19,8 +19,9 @@ from actors.data.sources import make_task
 from actors.data.vision import ImageError, ImageProcessor, structured
 from actors.job.config.load import decode_topology
 from actors.job.config.preflight import check_data
-from actors.learner.batch import build_batch
+from actors.learner.batch import build_batch, common_prefixes
 from actors.learner.objective import response_logprobs
+from actors.learner.packing import pack
 from actors.model_store import PolicyModel
 from actors.replay.state import ReplayState
 from actors.runtime.config import ConfigError
@@ -207,6 +208,10 @@ def test_behaviour_logprobs_equal_the_learners_padded_and_packed(tiny_vlm, attn)
     with torch.no_grad():
         padded = response_logprobs(model, batch, 1.0)
         batch.packed = True
+        if attn == "sdpa":  # rows packed whole, as the trainer packs them for sdpa
+            batch.shared = ()
+        else:  # each group's prompt, its image included, packed once
+            assert any(batch.shared)
         packed = response_logprobs(model, batch, 1.0)
         swapped = [msgspec.structs.replace(g, prompt=msgspec.structs.replace(
             g.prompt, images=[solid_png(GREEN, 28)])) for g in groups[:1]]
@@ -233,6 +238,7 @@ def test_behaviour_logprobs_equal_the_learners_on_a_gpu(tiny_vlm):
     with torch.no_grad():
         padded = response_logprobs(model, batch, 1.0)
         batch.packed = True
+        batch.shared = ()  # rows packed whole, as the trainer packs them for sdpa
         packed = response_logprobs(model, batch, 1.0)
     behaviour = batch.behaviour_logprobs
     for name, lp in (("padded", padded), ("packed", packed)):
@@ -250,9 +256,11 @@ def test_packed_rows_need_their_own_rope_positions(tiny_vlm):
     groups = engine_groups(tiny_vlm, PROMPTS[:2], n=1, max_tokens=2)
     model = PolicyModel.from_pretrained(tiny_vlm, dtype=torch.float32)
     batch = build_batch(groups, 0, ImageProcessor(tiny_vlm))
-    pos = packed_positions(model.model, batch.input_ids, batch.attention_mask, batch.vision)
-    assert pos.shape == (4, 1, int(batch.attention_mask.sum()))
-    second = int(batch.attention_mask[0].sum())  # where the second sequence starts
+    rows = pack(batch.input_ids, batch.attention_mask)
+    pos = packed_positions(model.model, batch.input_ids, batch.attention_mask, batch.vision,
+                           rows.source)
+    assert pos.shape == (4, 1, int(batch.attention_mask.sum()) - 2)  # each row's last left out
+    second = int(batch.attention_mask[0].sum()) - 1  # where the second sequence starts
     assert pos[0, 0, second] == 0 and pos[1:, 0, second].tolist() == [0, 0, 0]
     image = (batch.input_ids[1] == model.config.image_token_id).nonzero().flatten()
     grid = pos[1:, 0, second + image]  # (3, 4): t, h, w of the four image tokens
@@ -260,13 +268,16 @@ def test_packed_rows_need_their_own_rope_positions(tiny_vlm):
     assert grid[2].tolist() == [grid[2, 0], grid[2, 0] + 1] * 2
 
 
-def test_packed_vlm_step_equals_padded_step(tiny_vlm, tmp_path):
+@pytest.mark.parametrize("share", ["true", "false"])
+def test_packed_vlm_step_equals_padded_step(tiny_vlm, tmp_path, share):
     """One GRPO step with images, packed and padded: the same gradients (the vision tower's
-    included) within 1e-6 of the largest, as for text (tests/test_packing.py)."""
+    included) within 1e-6 of the largest, as for text (tests/test_packing.py); with shared
+    prefixes each group's prompt, its image included, is packed once."""
     opts = ["learner.max_grad_norm=1e9", "learner.max_tokens_per_micro_batch=150",
             "algorithm.n=2", "learner.groups_per_step=4", "sampler.max_tokens=6"]
     padded = make_trainer(tiny_vlm, tmp_path / "padded", "learner.packing=false", *opts)
-    packed = make_trainer(tiny_vlm, tmp_path / "packed", "learner.packing=true", *opts)
+    packed = make_trainer(tiny_vlm, tmp_path / "packed", "learner.packing=true",
+                          f"learner.share_prefixes={share}", *opts)
     g_padded, g_packed = gradients(padded), gradients(packed)
     noise = torch.Generator().manual_seed(3)
     groups = with_behaviour(padded, engine_groups(tiny_vlm, PROMPTS), lambda s, own: own - 0.4 *
@@ -282,6 +293,16 @@ def test_packed_vlm_step_equals_padded_step(tiny_vlm, tmp_path):
     assert vision and all(float(g_padded[0][k].abs().max()) > 0 for k in vision[:3])
     assert g_scale > 1e-4 and g_max <= 1e-6 * g_scale, (g_max, g_scale)
     assert abs(m_padded["actor/pg_loss"] - m_packed["actor/pg_loss"]) <= 1e-6
+    assert (m_packed["perf/shared_prefix_tokens"] > 0) == (share == "true")
+
+
+def test_rows_whose_images_differ_share_no_prefix():
+    """Two images of one size are the same image tokens: an endpoint's samples, each with a
+    prompt and images of its own, share a prefix only where their images are the same."""
+    seq = torch.tensor([1, 2, 3, 4, 5])
+    red, green = [solid_png(RED, 28)], [solid_png(GREEN, 28)]
+    assert common_prefixes([seq] * 4, [4], [red, red, green, green]) == (0, 4, 0, 4)
+    assert common_prefixes([seq] * 4, [4]) == (0, 4, 4, 4)  # text: the tokens decide
 
 
 def test_freeze_vision_trains_the_language_model_only(tiny_vlm, tiny_model, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from actors.data.vision import ImageProcessor
 from actors.learner.batch import build_batch
 from actors.learner.memory import estimate, saved_bytes
-from actors.learner.packing import read_lengths
+from actors.learner.packing import own_tokens
 from actors.learner.perf import train_flops, vision_tower
 from actors.model_store import PolicyModel
 from tests.learner_cases import make_trainer
@@ -30,8 +30,8 @@ def test_a_vlm_steps_flops_count_the_vision_tower_over_its_patches(tiny_vlm, tmp
     trained = make_trainer(tiny_vlm, tmp_path / "trains", *OPTS)
     frozen = make_trainer(tiny_vlm, tmp_path / "frozen", *OPTS, "model.freeze_vision=true")
     batch = build_batch(groups, 0, ImageProcessor(tiny_vlm))
-    text = train_flops(trained.policy.model.config.get_text_config(),
-                       read_lengths(batch.attention_mask.sum(1).tolist()))  # the tokens read
+    text = train_flops(trained.policy.model.config.get_text_config(),  # the tokens read
+                       own_tokens(batch.attention_mask.sum(1).tolist(), batch.shared))
     patches = int(batch.vision.image_grid_thw.prod(-1).sum())  # every row's images
     tower = trained.policy.model.model.visual
     params = sum(p.numel() for p in tower.parameters() if p.dim() >= 2)

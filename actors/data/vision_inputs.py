@@ -69,17 +69,24 @@ def rope_positions(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return positions
 
 
+def image_features(base, vision: VisionRows, tokens: int) -> torch.Tensor:
+    """(image tokens, H): the vision tower's features of every image of ``vision``, image by
+    image, for ``tokens`` image tokens in the rows' prompts."""
+    features = base.get_image_features(vision.pixel_values, vision.image_grid_thw,
+                                       return_dict=True).pooler_output
+    features = torch.cat(features, dim=0)  # (image tokens, H)
+    if tokens != features.shape[0]:
+        raise ValueError(f"image features and image tokens do not match: {tokens} image "
+                         f"tokens in the prompts, {features.shape[0]} features")
+    return features
+
+
 def embeddings(base, input_ids: torch.Tensor, vision: VisionRows,
                where: torch.Tensor) -> torch.Tensor:
     """Token embeddings (..., H) of ``input_ids`` with the images' features over the image
     tokens ``where`` (same shape as ``input_ids``)."""
     embeds = base.get_input_embeddings()(input_ids)
-    features = base.get_image_features(vision.pixel_values, vision.image_grid_thw,
-                                       return_dict=True).pooler_output
-    features = torch.cat(features, dim=0).to(embeds.dtype)  # (image tokens, H)
-    if int(where.sum()) != features.shape[0]:
-        raise ValueError(f"image features and image tokens do not match: {int(where.sum())} "
-                         f"image tokens in the prompts, {features.shape[0]} features")
+    features = image_features(base, vision, int(where.sum())).to(embeds.dtype)
     return embeds.masked_scatter(where.unsqueeze(-1), features)
 
 
@@ -111,18 +118,26 @@ def padded_inputs(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def packed_positions(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     vision: VisionRows) -> torch.Tensor:
-    """(4, 1, T) positions of the rows packed: per-sequence text positions (restarting at 0),
-    then the three M-RoPE rows each sequence has in the padded layout."""
-    keep = attention_mask.bool()  # right padding: each row's tokens first
-    rope = rope_positions(base, input_ids, attention_mask, vision)[:, keep]  # (3, T)
-    cols = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)[keep]
-    return torch.cat([cols.unsqueeze(0), rope]).unsqueeze(1)  # (4, 1, T)
+                     vision: VisionRows, source: torch.Tensor) -> torch.Tensor:
+    """(4, 1, T) positions of right-padded rows ``input_ids`` (B, W) packed, each packed token
+    read from its place ``source`` (T,) in ``input_ids.flatten()`` (``PackedRows.source``): its
+    column in its row (the text positions, restarting at 0 for each sequence, a shared prefix's
+    rests continuing from its end), then the three M-RoPE rows it has in the padded layout."""
+    rope = rope_positions(base, input_ids, attention_mask, vision).flatten(1)[:, source]  # (3, T)
+    text = (source % input_ids.shape[1]).unsqueeze(0)  # (1, T)
+    return torch.cat([text, rope]).unsqueeze(1)  # (4, 1, T)
 
 
-def packed_embeddings(base, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      vision: VisionRows) -> torch.Tensor:
-    """(1, T, H) embeddings of the rows packed (the images' features in place)."""
-    keep = attention_mask.bool()
-    where = image_token_mask(base, input_ids, vision.prompt_lengths)[keep].unsqueeze(0)  # (1, T)
-    return embeddings(base, input_ids[keep].unsqueeze(0), vision, where)
+def packed_embeddings(base, input_ids: torch.Tensor, vision: VisionRows,
+                      source: torch.Tensor) -> torch.Tensor:
+    """(1, T, H) embeddings of the rows packed (``source`` as for ``packed_positions``), the
+    images' features over their tokens. A prefix its rows share is packed once: its image
+    tokens take the features of the copy in the group's first row, and the other rows' copies
+    take no gradient (the prefix's tokens carry every row's), so the tower's gradient is the
+    unshared one."""
+    where_all = image_token_mask(base, input_ids, vision.prompt_lengths).flatten()  # (B·W,)
+    where = where_all[source]  # (T,) the packed image tokens
+    embeds = base.get_input_embeddings()(input_ids.flatten()[source]).unsqueeze(0)  # (1, T, H)
+    features = image_features(base, vision, int(where_all.sum())).to(embeds.dtype)
+    rank = torch.cumsum(where_all, 0) - 1  # (B·W,) each image token's row in ``features``
+    return embeds.masked_scatter(where.view(1, -1, 1), features[rank[source[where]]])

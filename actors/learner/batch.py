@@ -150,22 +150,26 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         token_versions=token_versions, teacher_logprobs=teacher,
         vision=vision,
         lengths=tuple(len(p) + len(r) for p, r, *_ in rows),
-        # (images: their features sit at the prompts' image tokens, packed row by row)
-        shared=() if vision is not None else common_prefixes(
-            [torch.cat([p, r]) for p, r, *_ in rows], [len(g.samples) for g in groups]),
+        shared=common_prefixes([torch.cat([p, r]) for p, r, *_ in rows],
+                               [len(g.samples) for g in groups],
+                               [s.images if s.prompt_ids is not None else g.prompt.images
+                                for g in groups for s in g.samples] if vision else None),
     )
 
 
-def common_prefixes(sequences: list[torch.Tensor], group_sizes: list[int]) -> tuple[int, ...]:
+def common_prefixes(sequences: list[torch.Tensor], group_sizes: list[int],
+                    images: list | None = None) -> tuple[int, ...]:
     """For each row, the leading tokens it has in common with the row before it when both are
-    of one group (0 for a group's first row), at most all but one token of either."""
+    of one group (0 for a group's first row), at most all but one token of either. ``images``:
+    each row's prompt images, where a row's image tokens take their features: rows whose
+    images differ share nothing (their image tokens may be alike, their pixels are not)."""
     out = []
     row = 0
     for size in group_sizes:
         for j in range(size):
             a, b = sequences[row - 1] if j else None, sequences[row]
             common = 0
-            if a is not None:
+            if a is not None and (images is None or images[row - 1] == images[row]):
                 n = min(len(a), len(b)) - 1
                 differ = (a[:n] != b[:n]).nonzero()
                 common = int(differ[0]) if len(differ) else max(n, 0)

@@ -19,7 +19,7 @@ from actors.data.vision_inputs import (
 )
 from actors.learner.batch import RolloutBatch
 from actors.learner.distributed import is_sharded
-from actors.learner.packing import pack, read_mask
+from actors.learner.packing import pack
 from actors.runtime.config import AlgorithmConfig, Gae
 from kernels.aggregate import aggregate
 from kernels.kl import kl_estimate
@@ -88,11 +88,10 @@ def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, at: t
         where = rows.index(at.shape[1])[0][at]  # (R,) packed positions of the response columns
         if vision is None:
             inputs = packed_call(core.config, rows.input_ids, rows.position_ids, rows.tree)
-        else:  # (4, 1, T) positions: the text ones bound the sequences
-            read = read_mask(attention_mask)  # the tokens ``pack`` put in the row
-            inputs = packed_call(core.config, rows.input_ids,
-                                 packed_positions(base, input_ids, read, vision))
-            inputs["inputs_embeds"] = packed_embeddings(base, input_ids, read, vision)
+        else:  # (4, 1, T) positions: the text ones bound the sequences, or the tree does
+            inputs = packed_call(core.config, rows.input_ids, packed_positions(
+                base, input_ids, attention_mask, vision, rows.source), rows.tree)
+            inputs["inputs_embeds"] = packed_embeddings(base, input_ids, vision, rows.source)
             del inputs["input_ids"]
         hidden = base(**inputs).last_hidden_state[0]  # (T, H)
         # (a shared prefix's last position is followed by one row's rest: each row's own next

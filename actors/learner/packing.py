@@ -183,6 +183,8 @@ class PackedRows:
     position_ids: torch.Tensor  # (1, T) long, restarting at 0 for each sequence (group)
     offsets: torch.Tensor  # (B,) long, where row i's own tokens start, minus its shared prefix
     lengths: torch.Tensor  # (B,) long, row i's tokens read (``read_lengths``)
+    source: torch.Tensor  # (T,) long, each packed token's place in input_ids.flatten() (what
+    # a vision-language model's positions and images are read by)
     # shared prefixes: each group as (start, prefix end, end of each row's rest...) in the
     # packed row, and per row its prefix's length and where that prefix starts; () and None:
     # no row shares (every sequence is a group of one, its whole self the rest)
@@ -233,9 +235,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         offsets = torch.cumsum(read, 0) - read  # (B,)
         cols = torch.arange(input_ids.shape[1], device=input_ids.device)
         row_positions = cols.expand_as(input_ids)[keep]  # (T,) 0.. for each row
+        cells = torch.arange(input_ids.numel(), device=input_ids.device).view_as(input_ids)
         return PackedRows(input_ids=input_ids[keep].unsqueeze(0),
                           position_ids=row_positions.unsqueeze(0), offsets=offsets,
-                          lengths=read)
+                          lengths=read, source=cells[keep])
     rows, width = input_ids.shape
     whole = list(lengths) or attention_mask.sum(1).tolist()
     read = read_lengths(whole)
@@ -260,7 +263,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return PackedRows(input_ids=input_ids.flatten()[tensor(flat)].unsqueeze(0),
+    source = tensor(flat)
+    return PackedRows(input_ids=input_ids.flatten()[source].unsqueeze(0),
                       position_ids=tensor(positions).unsqueeze(0), offsets=tensor(offsets),
-                      lengths=tensor(read), tree=tuple(tree), prefix=tensor(prefix),
-                      heads=tensor(heads))
+                      lengths=tensor(read), source=source, tree=tuple(tree),
+                      prefix=tensor(prefix), heads=tensor(heads))

@@ -235,8 +235,7 @@ class Trainer:
             raise ValueError(f"groups of unequal size {batch.group_sizes} need one learner rank "
                              "(agent.rollout.branches)")
         batch.packed = cfg.packing
-        if not (cfg.packing and cfg.share_prefixes and batch.vision is None
-                and self.policy.attends_trees):
+        if not (cfg.packing and cfg.share_prefixes and self.policy.attends_trees):
             batch.shared = ()
         lengths = own_tokens(list(batch.lengths), batch.shared)  # each row's in a packed row
         units = share_groups(list(batch.lengths), batch.shared) if any(batch.shared[1:]) \

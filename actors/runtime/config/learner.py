@@ -125,8 +125,8 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     share_prefixes: bool = True
     """Packed: a group's rows put the tokens they begin with in common (the prompt) in the row
     once, each row's rest attending to it (actors/learner/packing.py): the same log-probs,
-    losses and gradients from fewer tokens. Text models with the flowrl_varlen attention (not
-    flash-attention 2, nor images: those pack every row whole)."""
+    losses and gradients from fewer tokens, a prompt's images included. Models with the
+    flowrl_varlen attention (flash-attention 2 packs every row whole)."""
     lr: PositiveFloat = 1e-5
     """AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
