@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModel
 
+from actors.learner import objective, packing
 from actors.learner.batch import common_prefixes
 from actors.learner.packing import (
     micro_batches,
@@ -222,16 +223,32 @@ def test_shared_prefixes_attend_as_each_row_alone(tiny_model):
 
 @pytest.mark.parametrize("name", ["grpo", "gae", "lora", "kl_loss", "epochs_minibatches",
                                   "token_budget", "grad_ckpt"])
-def test_shared_prefix_step_equals_unshared(tiny_model, tmp_path, name):
+def test_shared_prefix_step_equals_unshared(tiny_model, tmp_path, monkeypatch, name):
     """learner.share_prefixes against each row packed whole: the first update's gradients and
-    the losses within 1e-6 relative, every metric within 1e-5, and the tokens it saved."""
+    the losses within 1e-6 relative, every metric within 1e-5, and the tokens it saved: what
+    the update's forward passes put through the model, counted as they run."""
     opts = [*ROWS, "learner.max_grad_norm=1e9", *CASES[name]]
     whole_rows = make_trainer(tiny_model, tmp_path / "whole", "learner.share_prefixes=false", *opts)
     shared = make_trainer(tiny_model, tmp_path / "shared", *opts)
     g_whole, g_shared = gradients(whole_rows), gradients(shared)
     groups = make_groups(whole_rows)
-    m_whole, m_shared = whole_rows.train_step(groups), shared.train_step(groups)
-    assert m_whole["perf/shared_prefix_tokens"] == 0 < m_shared["perf/shared_prefix_tokens"]
+    seen: list[int] = []  # the tokens of each packed row the update's forwards run
+
+    def counted(*args, **kwargs):
+        rows = packing.pack(*args, **kwargs)
+        if torch.is_grad_enabled():
+            seen.append(rows.input_ids.shape[1])
+        return rows
+
+    monkeypatch.setattr(objective, "pack", counted)
+    m_whole = whole_rows.train_step(groups)
+    whole_seen, seen[:] = sum(seen), []
+    m_shared = shared.train_step(groups)
+    epochs = shared.cfg.ppo_epochs
+    read = sum(read_lengths([g.prompt_ids.shape[0] + x.response_ids.shape[0]
+                             for g in groups for x in g.samples]))
+    assert whole_seen == read * epochs and m_whole["perf/shared_prefix_tokens"] == 0
+    assert m_shared["perf/shared_prefix_tokens"] == read - sum(seen) / epochs > 0
     g_max, _, g_scale = compare(g_whole[0], g_shared[0])
     assert g_scale > 1e-4 and g_max <= REL * g_scale, (g_max, g_scale)
     for k, v in m_whole.items():

@@ -321,14 +321,30 @@ class Trainer:
             s.metrics.update(distill_metrics)
         s.times.end("adv")  # the advantages are on the policy's device: synchronised like the rest
 
+    def _mini_batches(self, s: StepState) -> list[tuple[int, int]]:
+        """Each mini-batch's rows ``[lo, hi)``: ``ppo_mini_batches`` parts of whole groups."""
+        groups = s.groups
+        per = math.ceil(len(groups) / self.cfg.ppo_mini_batches)
+        starts = [0, *itertools.accumulate(s.batch.group_sizes)]  # each group's first row
+        return [(starts[g], starts[min(len(groups), g + per)]) for g in range(0, len(groups), per)]
+
+    def _forward_tokens(self, s: StepState) -> int:
+        """The tokens a pass over the batch puts through the model, every rank's: each
+        mini-batch's micro-batches as ``_micro_slices`` cuts them, a group's prefix again in a
+        micro-batch that starts inside the group."""
+        total = 0
+        for lo, hi in self._mini_batches(s):
+            splits = self._rank_splits(s.lengths, lo, hi, s.units)
+            count = max(map(len, splits))
+            total += sum(packed_tokens(s.lengths, refine(split, s.lengths, count), s.units)
+                         for split in splits)
+        return total
+
     def _updates(self, s: StepState) -> None:
         """``ppo_epochs`` passes over the mini-batches (whole groups each), one optimizer update
         per mini-batch, its gradient accumulated over this rank's micro-batches."""
-        cfg, groups = self.cfg, s.groups
-        groups_per_mb = math.ceil(len(groups) / cfg.ppo_mini_batches)
-        starts = [0, *itertools.accumulate(s.batch.group_sizes)]  # each group's first row
-        bounds = [(starts[g], starts[min(len(groups), g + groups_per_mb)])
-                  for g in range(0, len(groups), groups_per_mb)]
+        cfg = self.cfg
+        bounds = self._mini_batches(s)
         keep = s.batch_corr.keep if s.batch_corr is not None else s.batch.response_mask
         # each mini-batch's kept tokens (its loss's denominator), read from the device at once
         token_counts = [float(c) for c in
@@ -465,9 +481,8 @@ class Trainer:
             "perf/throughput": float(batch.attention_mask.sum()) / elapsed,
             # the tokens a shared prefix kept out of the forward passes (learner.share_prefixes),
             # less the prefixes computed again where a micro-batch starts inside their group
-            "perf/shared_prefix_tokens": float(sum(read_lengths(list(batch.lengths))) - packed_tokens(
-                s.lengths, [sl for split in self._rank_splits(s.lengths, 0, batch.size, s.units)
-                            for sl in split], s.units)),
+            "perf/shared_prefix_tokens": float(sum(read_lengths(list(batch.lengths)))
+                                               - self._forward_tokens(s)),
         })
         metrics.update(agent_metrics(s.groups))  # multi-turn batches only
         if s.values is not None:
