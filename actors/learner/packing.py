@@ -11,11 +11,11 @@ rank holds the whole batch, so each computes that count alone, without a collect
 Packed (``learner.packing``, the default), a micro-batch's sequences are concatenated into one
 row of ``T = Σ (L_i - 1)`` tokens (a row's last token is left out: its output would predict
 past the row's end, and nothing else reads it) with position ids restarting at 0 for each
-sequence, and the model attends within each sequence only (``kernels/varlen_attention.py``): flash-attention's varlen
-kernel on CUDA where it is installed, else ``flowrl_varlen``: torch's ``varlen_attn`` on CUDA in
-half precision, elsewhere SDPA over the sequences side by side or once per sequence (the
-reference for it is transformers' own packed path, a block-diagonal ``(T, T)`` mask built from
-the position ids, and each sequence run alone). Only the model's forward changes: its outputs
+sequence, and the model attends within each sequence only (``kernels/varlen_attention.py``):
+flash-attention's varlen kernel on CUDA where it is installed, else ``flowrl_varlen``:
+torch's ``varlen_attn`` on CUDA in half precision, elsewhere SDPA over the sequences side by
+side or once per sequence (the reference for it is transformers' own packed path, a
+block-diagonal ``(T, T)`` mask built from the position ids, and each sequence run alone). Only the model's forward changes: its outputs
 are read back into the padded ``(B, W-1)`` layout (``PackedRows.index``), where every loss,
 aggregation, correction and advantage is computed exactly as on the padded path (the reference,
 kept behind ``learner.packing = false``; ``tests/test_packing.py`` compares the two).
