@@ -113,10 +113,10 @@ class LearnerConfig(LearnerPlacement, frozen=True):
     launches keep a GPU busy, and few micro-batches dispatch few ops (BENCHMARKS.md); 8 in the
     padded layout."""
     max_tokens_per_micro_batch: NonNegInt | Literal["auto"] = "auto"
-    """Most tokens (prompt + response, padding not counted) per forward/backward, besides
-    micro_batch_size (0: no token budget); a longer sequence is a micro-batch of its own. With
-    share_prefixes a group is cut only when it alone is over the budget (a part that starts
-    inside it holds the prompt again). auto: 32768 on a GPU; on a CPU as many as save 1 GiB of
+    """Most tokens through the model (prompt + response but each row's last, padding not
+    counted) per forward/backward, besides micro_batch_size (0: no token budget); a longer
+    sequence is a micro-batch of its own. With share_prefixes a group is cut only when it alone
+    is over the budget (a part that starts inside it holds the prompt again). auto: 32768 on a GPU; on a CPU as many as save 1 GiB of
     activations for backward (the default job's model: about 700), at most 8192, and a group
     of up to twice that kept whole."""
     packing: bool = True
