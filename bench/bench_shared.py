@@ -1,5 +1,6 @@
-"""The learner's step with each group's prompt computed once, against rows packed whole and
-against an earlier commit's learner.
+"""The learner's step with each group's prompt computed once, against whole rows and a commit.
+
+Against rows packed whole in this tree, and against an earlier commit's learner.
 
     python bench/bench_shared.py                      # the default job's batch and model
     python bench/bench_shared.py --shape long         # 512-token prompts, 64-token responses
