@@ -20,7 +20,7 @@ import torch
 
 from actors.data.vision import ImageProcessor
 from actors.data.vision_inputs import VisionRows
-from actors.learner.vision import vision_rows
+from actors.learner.vision import row_images, vision_rows
 from actors.runtime.tensors import from_wire
 from messages.rollout import ScoredGroup
 
@@ -152,8 +152,8 @@ def build_batch(groups: list[ScoredGroup], pad_id: int,
         lengths=tuple(len(p) + len(r) for p, r, *_ in rows),
         shared=common_prefixes([torch.cat([p, r]) for p, r, *_ in rows],
                                [len(g.samples) for g in groups],
-                               [s.images if s.prompt_ids is not None else g.prompt.images
-                                for g in groups for s in g.samples] if vision else None),
+                               [row_images(g, s) for g in groups for s in g.samples]
+                               if vision else None),
     )
 
 

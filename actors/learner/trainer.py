@@ -174,18 +174,20 @@ class Trainer:
         share needs, so that every rank runs as many forward passes. A group sharing a prefix
         (``units``) is cut only when it alone is over the budget (on a CPU under ``auto``, over
         twice it: ``keep_whole``): a cut computes its prefix again."""
-        splits = self._rank_splits(lengths, lo, hi, units)
-        return refine(splits[self.group.rank], lengths, max(map(len, splits)))
+        return self._rank_splits(lengths, lo, hi, units)[self.group.rank]
 
     def _rank_splits(self, lengths: list[int], lo: int, hi: int,
                      units: list[tuple[list[int], int]] | None) -> list[list[slice]]:
-        """Each rank's micro-batches of its part of rows ``[lo, hi)``, before ``refine``."""
+        """Each rank's micro-batches of its part of rows ``[lo, hi)``, refined to as many as
+        the rank needing most has."""
         part = (hi - lo) // self.group.world
         cuda = self.policy.device.type == "cuda"
         rows, tokens = micro_limits(self.cfg, cuda, self.policy.token_activation_bytes)
         keep = keep_whole(self.cfg, cuda, tokens)
-        return [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens, units,
-                              keep) for r in range(self.group.world)]
+        splits = [micro_batches(lengths, lo + r * part, lo + (r + 1) * part, rows, tokens, units,
+                                keep) for r in range(self.group.world)]
+        count = max(map(len, splits))
+        return [refine(split, lengths, count) for split in splits]
 
     def _check_abort(self) -> None:
         # once an update is taken the step is finished: an abandoned step changes no state, so
@@ -332,13 +334,8 @@ class Trainer:
         """The tokens a pass over the batch puts through the model, every rank's: each
         mini-batch's micro-batches as ``_micro_slices`` cuts them, a group's prefix again in a
         micro-batch that starts inside the group."""
-        total = 0
-        for lo, hi in self._mini_batches(s):
-            splits = self._rank_splits(s.lengths, lo, hi, s.units)
-            count = max(map(len, splits))
-            total += sum(packed_tokens(s.lengths, refine(split, s.lengths, count), s.units)
-                         for split in splits)
-        return total
+        return sum(packed_tokens(s.lengths, split, s.units) for lo, hi in self._mini_batches(s)
+                   for split in self._rank_splits(s.lengths, lo, hi, s.units))
 
     def _updates(self, s: StepState) -> None:
         """``ppo_epochs`` passes over the mini-batches (whole groups each), one optimizer update

@@ -15,7 +15,12 @@ from actors.data.vision import ImageProcessor, in_vision_tower
 from actors.data.vision_inputs import VisionRows
 from actors.runtime.tensors import from_wire
 from messages.control import ImageSample
-from messages.rollout import ScoredGroup
+from messages.rollout import Sample, ScoredGroup
+
+
+def row_images(group: ScoredGroup, sample: Sample) -> list[bytes]:
+    """The images of a sample's row: its own prompt's (an endpoint call's) or its group's."""
+    return sample.images if sample.prompt_ids is not None else group.prompt.images
 
 
 def vision_rows(groups: list[ScoredGroup], processor: ImageProcessor | None) -> VisionRows | None:
@@ -31,7 +36,7 @@ def vision_rows(groups: list[ScoredGroup], processor: ImageProcessor | None) -> 
         shared = processor.pixels(g.prompt.images) if g.prompt.images else None
         for s in g.samples:
             own = s.prompt_ids is not None
-            images = s.images if own else g.prompt.images
+            images = row_images(g, s)
             inputs = (processor.pixels(images) if images else None) if own else shared
             per_row.append(len(images))
             lengths.append((g.prompt_ids if s.prompt_ids is None else s.prompt_ids).shape[0])
